@@ -1,0 +1,23 @@
+"""The `medley` command. Each group of commands lives in its own module and registers here."""
+
+from __future__ import annotations
+
+import typer
+
+from medley.cli import demo, simulate_cmd, spec_cmds
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+spec_cmds.register(app)
+simulate_cmd.register(app)
+demo.register(app)
+
+
+@app.command()
+def version() -> None:
+    """Print medley's version."""
+    from medley import __version__
+
+    typer.echo(__version__)
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,55 @@
+"""The contracts between the cost model and its users (simulator, planner, profiler).
+
+Everything downstream asks these questions and nothing else, so that a catalog estimate, a
+measured profile or a Metis-format import can answer them interchangeably.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+
+class Pass(StrEnum):
+    """The three compute passes of a layer (zero-bubble notation)."""
+
+    F = "F"  # forward
+    B = "B"  # input-gradient backward
+    W = "W"  # weight-gradient backward
+
+
+class Collective(StrEnum):
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+
+
+@dataclass(frozen=True, slots=True)
+class TimeEstimate:
+    """A duration and where it came from (``catalog``, ``profile:<file>``, ``metis:<file>``)."""
+
+    seconds: float
+    source: str
+
+
+class CostSource(Protocol):
+    """Answers "time of layer L, pass F/B/W, micro-batch b, sequence s, on device type D"."""
+
+    def layer_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> TimeEstimate: ...
+
+
+class CommModel(Protocol):
+    """α-β communication times over the cluster's topology. Devices are global device ids."""
+
+    def p2p_time(self, src: int, dst: int, nbytes: float) -> float: ...
+
+    def collective_time(self, op: Collective, devices: tuple[int, ...], nbytes: float) -> float:
+        """Time of ``op`` over ``devices``; ``nbytes`` is the full (unsharded) buffer size."""
+        ...
+
+    def path_links(self, src: int, dst: int) -> tuple[str, ...]:
+        """Names of the shared links a transfer from src to dst crosses (for contention)."""
+        ...

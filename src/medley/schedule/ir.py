@@ -1,0 +1,221 @@
+"""The schedule IR: one ordered list of actions per pipeline rank.
+
+Generators write it, the ZeRO pass inserts collectives into it, the simulator times it and the
+runtime executes it. Stage indices are *global* pipeline stages (virtual stages when a rank holds
+several chunks); ``stage_to_rank`` says which rank of the replica runs each stage.
+
+Naming follows the zero-bubble papers, not torch: ``B`` is the input-gradient backward (torch
+calls it ``I``), ``W`` the weight-gradient backward and ``BW`` the fused full backward (torch
+``B``). :mod:`medley.schedule.torch_csv` translates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Kind(StrEnum):
+    F = "F"
+    B = "B"
+    W = "W"
+    BW = "BW"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    UNSHARD = "UNSHARD"
+    RESHARD = "RESHARD"
+    REDUCE_GRAD = "REDUCE_GRAD"
+    OPTIM = "OPTIM"
+
+
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW})
+P2P_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+COLLECTIVE_KINDS = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD, Kind.OPTIM})
+# Kinds that carry a micro-batch index; collectives act on a whole stage (or a bucket of it).
+MICRO_BATCH_KINDS = COMPUTE_KINDS | P2P_KINDS
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Action:
+    """One step of a rank's program.
+
+    Attributes:
+        stage: global (virtual) stage index the action belongs to. For SEND_F/SEND_B it is the
+            sending stage, for RECV_F/RECV_B the receiving stage (torch's convention).
+        kind: what to do.
+        micro_batch: micro-batch index for compute and point-to-point kinds, else None.
+        bucket: layer bucket of the stage for ZeRO collectives split into buckets; None means
+            the whole stage.
+    """
+
+    stage: int
+    kind: Kind
+    micro_batch: int | None = None
+    bucket: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage < 0:
+            raise ValueError(f"action stage must be >= 0, got {self.stage}")
+        if self.kind in MICRO_BATCH_KINDS and (self.micro_batch is None or self.micro_batch < 0):
+            raise ValueError(f"{self.kind} needs a micro-batch index >= 0, got {self.micro_batch}")
+        if self.kind in COLLECTIVE_KINDS and self.micro_batch is not None:
+            raise ValueError(f"{self.kind} acts on a whole stage and takes no micro-batch")
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+    def __str__(self) -> str:
+        text = f"{self.stage}{self.kind.value}"
+        if self.micro_batch is not None:
+            text += str(self.micro_batch)
+        if self.bucket is not None:
+            text += f"@{self.bucket}"
+        return text
+
+    @staticmethod
+    def parse(text: str) -> Action:
+        """Parse medley's text form (``2F0``, ``1BW3``, ``0UNSHARD@1``, ``3OPTIM``)."""
+        raw = text.strip()
+        body, _, bucket_text = raw.partition("@")
+        digits = 0
+        while digits < len(body) and body[digits].isdigit():
+            digits += 1
+        if digits == 0:
+            raise ValueError(f"action {text!r} must start with a stage index, like '2F0'")
+        rest = body[digits:]
+        # Longest kind name first, so that "BW3" is not read as "B" + "W3".
+        for kind in sorted(Kind, key=lambda k: -len(k.value)):
+            if rest.startswith(kind.value):
+                tail = rest[len(kind.value):]
+                if tail and not tail.isdigit():
+                    continue
+                micro_batch = int(tail) if tail else None
+                bucket = int(bucket_text) if bucket_text else None
+                return Action(int(body[:digits]), kind, micro_batch, bucket)
+        raise ValueError(f"action {text!r} has an unknown kind; expected one of {[k.value for k in Kind]}")
+
+
+def F(stage: int, micro_batch: int) -> Action:  # noqa: N802 - reads like the papers' notation
+    return Action(stage, Kind.F, micro_batch)
+
+
+def B(stage: int, micro_batch: int) -> Action:  # noqa: N802
+    return Action(stage, Kind.B, micro_batch)
+
+
+def W(stage: int, micro_batch: int) -> Action:  # noqa: N802
+    return Action(stage, Kind.W, micro_batch)
+
+
+def BW(stage: int, micro_batch: int) -> Action:  # noqa: N802
+    return Action(stage, Kind.BW, micro_batch)
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineSchedule:
+    """The program of one pipeline replica: an ordered action list per pipeline rank.
+
+    Attributes:
+        family: generator name (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``, ...).
+        num_stages: number of global (virtual) stages.
+        num_micro_batches: micro-batches this replica runs per step.
+        stage_to_rank: rank of the replica that runs each global stage.
+        actions: ``actions[rank]`` is that rank's ordered program.
+        knobs: the integer knobs the generator was called with, for the planner and reports.
+    """
+
+    family: str
+    num_stages: int
+    num_micro_batches: int
+    stage_to_rank: tuple[int, ...]
+    actions: list[list[Action]]
+    knobs: dict[str, int | tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.actions)
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+    def compute_only(self) -> PipelineSchedule:
+        """The same schedule with every non-compute action removed."""
+        return self.with_actions([[a for a in row if a.is_compute] for row in self.actions])
+
+    def with_actions(self, actions: list[list[Action]]) -> PipelineSchedule:
+        return PipelineSchedule(
+            family=self.family,
+            num_stages=self.num_stages,
+            num_micro_batches=self.num_micro_batches,
+            stage_to_rank=self.stage_to_rank,
+            actions=actions,
+            knobs=dict(self.knobs),
+        )
+
+    def has_split_backward(self) -> bool:
+        return any(a.kind is Kind.W for row in self.actions for a in row)
+
+    def to_text(self) -> str:
+        """One line per rank, actions comma-separated (the torch CSV layout, medley's names)."""
+        return "\n".join(",".join(str(a) for a in row) for row in self.actions) + "\n"
+
+
+def loop_stage_to_rank(num_ranks: int, chunks_per_rank: int = 1) -> tuple[int, ...]:
+    """Stage ``s`` on rank ``s % num_ranks`` (1F1B, interleaved)."""
+    return tuple(s % num_ranks for s in range(num_ranks * chunks_per_rank))
+
+
+def v_stage_to_rank(num_ranks: int) -> tuple[int, ...]:
+    """Two chunks per rank in a V: rank r holds stages r and 2p-1-r (ZB-V, DualPipeV)."""
+    down = list(range(num_ranks))
+    return tuple(down + down[::-1])
+
+
+def add_send_recv(schedule: PipelineSchedule) -> PipelineSchedule:
+    """Lower a compute-only schedule: a SEND after each producing compute action whose consumer
+    stage lives on another rank, and the matching RECV on the consumer's rank, placed right
+    before the consuming compute action.
+
+    Collectives already present are kept where they are. The result is what the runtime executes
+    and what the simulator times.
+    """
+    s2r = schedule.stage_to_rank
+    last = schedule.num_stages - 1
+    lowered: list[list[Action]] = []
+    for rank, row in enumerate(schedule.actions):
+        out: list[Action] = []
+        for action in row:
+            if action.kind is Kind.F and action.stage > 0 and s2r[action.stage - 1] != rank:
+                out.append(Action(action.stage, Kind.RECV_F, action.micro_batch))
+            if action.kind in (Kind.B, Kind.BW) and action.stage < last and s2r[action.stage + 1] != rank:
+                out.append(Action(action.stage, Kind.RECV_B, action.micro_batch))
+            out.append(action)
+            if action.kind is Kind.F and action.stage < last and s2r[action.stage + 1] != rank:
+                out.append(Action(action.stage, Kind.SEND_F, action.micro_batch))
+            if action.kind in (Kind.B, Kind.BW) and action.stage > 0 and s2r[action.stage - 1] != rank:
+                out.append(Action(action.stage, Kind.SEND_B, action.micro_batch))
+        lowered.append(out)
+    return schedule.with_actions(lowered)
+
+
+def p2p_peer(schedule: PipelineSchedule, action: Action) -> tuple[int, int]:
+    """(peer stage, peer rank) of a point-to-point action."""
+    offset = {Kind.SEND_F: 1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: 1}[action.kind]
+    peer_stage = action.stage + offset
+    return peer_stage, schedule.stage_to_rank[peer_stage]
+
+
+def count_kinds(actions: Iterable[Action]) -> dict[Kind, int]:
+    counts: dict[Kind, int] = {}
+    for action in actions:
+        counts[action.kind] = counts.get(action.kind, 0) + 1
+    return counts
+
+
+def parse_rows(rows: Sequence[str]) -> list[list[Action]]:
+    """Parse medley text rows (as written by :meth:`PipelineSchedule.to_text`)."""
+    return [[Action.parse(cell) for cell in row.split(",") if cell.strip()] for row in rows]
