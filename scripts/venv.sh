@@ -9,10 +9,21 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.medley-installed
+pip_quiet() {
+  # The local package mirror prints a warning per package; show pip's output only on failure.
+  local log
+  log=$(mktemp)
+  if ! .venv/bin/python -m pip install -q "$@" >"$log" 2>&1; then
+    grep -v "is ignored" "$log" >&2 || true
+    rm -f "$log"
+    exit 1
+  fi
+  rm -f "$log"
+}
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1
+  pip_quiet --upgrade pip
   # torch first and pinned exactly, so that no other package pulls a CUDA build.
-  .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
-  .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+  pip_quiet "torch==2.13.0"
+  pip_quiet -e ".[dev]"
   touch "$stamp"
 fi

@@ -126,6 +126,9 @@ class PipelineSchedule:
         stage_to_rank: rank of the replica that runs each global stage.
         actions: ``actions[rank]`` is that rank's ordered program.
         knobs: the integer knobs the generator was called with, for the planner and reports.
+        bucket_layers: for stages whose ZeRO collectives are split into layer buckets, the
+            number of the stage's layers in each bucket, in order (bucket ``k`` of stage ``s``
+            covers the next ``bucket_layers[s][k]`` layers). Stages absent here use one bucket.
     """
 
     family: str
@@ -134,6 +137,7 @@ class PipelineSchedule:
     stage_to_rank: tuple[int, ...]
     actions: list[list[Action]]
     knobs: dict[str, int | tuple[int, ...]] = field(default_factory=dict)
+    bucket_layers: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def num_ranks(self) -> int:
@@ -154,6 +158,7 @@ class PipelineSchedule:
             stage_to_rank=self.stage_to_rank,
             actions=actions,
             knobs=dict(self.knobs),
+            bucket_layers=dict(self.bucket_layers),
         )
 
     def has_split_backward(self) -> bool:
