@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import typer
 
-from medley.cli import demo, simulate_cmd, spec_cmds
+from medley.cli import demo, simulate_cmd, spec_cmds, train_cmd
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 spec_cmds.register(app)
 simulate_cmd.register(app)
 demo.register(app)
+train_cmd.register(app)
 
 
 @app.command()
