@@ -129,6 +129,12 @@ class PipelineSchedule:
         bucket_layers: for stages whose ZeRO collectives are split into layer buckets, the
             number of the stage's layers in each bucket, in order (bucket ``k`` of stage ``s``
             covers the next ``bucket_layers[s][k]`` layers). Stages absent here use one bucket.
+        micro_batch_stages: ``(first, last)`` global stage of the chain each micro-batch flows
+            through, indexed by micro-batch. Empty (the default, every family but
+            ``bidirectional``) means every micro-batch flows through ``0 .. num_stages - 1``.
+            A bidirectional schedule sends its down micro-batches through ``0 .. p-1`` and its up
+            micro-batches through ``p .. 2p-1``; dependencies (F after F of the stage before,
+            B after B of the stage after) only hold inside a micro-batch's span.
     """
 
     family: str
@@ -138,6 +144,7 @@ class PipelineSchedule:
     actions: list[list[Action]]
     knobs: dict[str, int | tuple[int, ...]] = field(default_factory=dict)
     bucket_layers: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    micro_batch_stages: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_ranks(self) -> int:
@@ -145,6 +152,12 @@ class PipelineSchedule:
 
     def stages_of_rank(self, rank: int) -> list[int]:
         return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+    def stage_span(self, micro_batch: int) -> tuple[int, int]:
+        """(first, last) global stage that ``micro_batch`` flows through."""
+        if self.micro_batch_stages:
+            return self.micro_batch_stages[micro_batch]
+        return 0, self.num_stages - 1
 
     def compute_only(self) -> PipelineSchedule:
         """The same schedule with every non-compute action removed."""
@@ -159,6 +172,7 @@ class PipelineSchedule:
             actions=actions,
             knobs=dict(self.knobs),
             bucket_layers=dict(self.bucket_layers),
+            micro_batch_stages=self.micro_batch_stages,
         )
 
     def has_split_backward(self) -> bool:

@@ -1,1 +1,47 @@
+"""Schedule generators: one function per family, all reachable through :func:`generate`.
 
+Every generator returns a compute-only :class:`~medley.schedule.ir.PipelineSchedule` (lower it
+with :func:`~medley.schedule.ir.add_send_recv`). Knobs are integers or tuples of integers so the
+planner can search them; ``stage_costs`` and ``memory_limit`` are inputs, not knobs, and only the
+cost-driven families (``zb-h1``, ``zb-h2``, ``bidirectional``) use them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from medley.schedule.generators.classic import gpipe, hetero_one_f_one_b, interleaved, one_f_one_b
+from medley.schedule.ir import PipelineSchedule
+
+_GENERATORS: dict[str, Callable[..., PipelineSchedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "hetero-1f1b": hetero_one_f_one_b,
+}
+
+FAMILIES: tuple[str, ...] = tuple(_GENERATORS)
+
+
+def generate(family: str, *, pp: int, micro_batches: int, **knobs: Any) -> PipelineSchedule:
+    """Build the schedule of ``family`` for ``pp`` ranks and ``micro_batches`` micro-batches.
+
+    Knobs per family: ``interleaved``: ``virtual_stages``; ``hetero-1f1b``: ``warmup`` (one depth
+    per stage); ``zb-h1``/``zb-h2``: ``stage_costs``, ``memory_limit``; ``bidirectional``:
+    ``down_micro_batches``, ``stage_costs``, ``memory_limit``.
+    """
+    try:
+        generator = _GENERATORS[family]
+    except KeyError:
+        raise ValueError(f"unknown schedule family {family!r}; expected one of {list(FAMILIES)}") from None
+    try:
+        return generator(pp=pp, micro_batches=micro_batches, **knobs)
+    except TypeError as err:
+        if "unexpected keyword" in str(err):
+            message = f"schedule family {family!r} does not take knob(s) {sorted(knobs)}: {err}"
+            raise ValueError(message) from None
+        raise
+
+
+__all__ = ["FAMILIES", "generate"]
