@@ -90,7 +90,7 @@ class Action:
         # Longest kind name first, so that "BW3" is not read as "B" + "W3".
         for kind in sorted(Kind, key=lambda k: -len(k.value)):
             if rest.startswith(kind.value):
-                tail = rest[len(kind.value):]
+                tail = rest[len(kind.value) :]
                 if tail and not tail.isdigit():
                     continue
                 micro_batch = int(tail) if tail else None

@@ -1,0 +1,116 @@
+"""Memory per device of one pipeline stage under ZeRO level 0..3 with mixed-precision Adam.
+
+Per parameter (Rajbhandari et al., "ZeRO", SC'20, §5): 2 bytes of half-precision weights, 2 bytes
+of half-precision gradients and K = 12 bytes of optimizer state (fp32 master weights, momentum,
+variance). Over a data-parallel group of N_d devices:
+
+==========  ===================  =======================================
+level       resident per device  the paper's formula (Ψ parameters)
+==========  ===================  =======================================
+0           2 + 2 + 12           16 Ψ
+1           2 + 2 + 12/N_d       4 Ψ + 12 Ψ / N_d
+2           2 + 2/N_d + 12/N_d   2 Ψ + 14 Ψ / N_d
+3           (2 + 2 + 12)/N_d     16 Ψ / N_d
+==========  ===================  =======================================
+
+Inside a pipeline, gradients of many micro-batches accumulate before they are reduced. Levels 2
+and 3 only reach the sharded gradient of the table if the accumulation itself is sharded, that is
+if each micro-batch's gradient is reduce-scattered as it is produced (DeepSpeed's ZeRO-2 does this
+at every micro-step, which is why it refuses pipelining). medley makes this a per-stage choice,
+``grad_windows``: the number of reduce-scatters per step. With one window the stage accumulates a
+full gradient buffer (2 Ψ) until its single reduce-scatter at the end of the step; with one
+window per micro-batch only a bucket of gradient is unsharded at any time. ZeRO-3 likewise holds
+gathered half-precision weights between UNSHARD and RESHARD: the whole stage when it is kept
+gathered across the step, one or two buckets when it is gathered bucket by bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WEIGHT_BYTES = 2
+GRAD_BYTES = 2
+OPTIMIZER_BYTES = 12
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageStateBytes:
+    """Bytes per device of one stage's model state, split by what ZeRO shards.
+
+    Attributes:
+        weights: resident half-precision weights (a shard under level 3).
+        grads: resident gradient (a shard under levels 2 and 3, full below).
+        optimizer: fp32 master weights, momentum and variance (a shard from level 1).
+        gathered_weights: transient, level 3 only: unsharded weights held between UNSHARD and
+            RESHARD at the peak (whole stage or buckets, see ``gathered_fraction``).
+        grad_accumulation: transient, levels 2 and 3: the unsharded gradient buffer held until
+            its reduce-scatter (whole stage with one window, one bucket with per-micro-batch).
+    """
+
+    weights: float
+    grads: float
+    optimizer: float
+    gathered_weights: float = 0.0
+    grad_accumulation: float = 0.0
+
+    @property
+    def resident(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        return self.resident + self.gathered_weights + self.grad_accumulation
+
+
+def stage_state_bytes(
+    params: float,
+    *,
+    level: int,
+    dp: int,
+    gathered_fraction: float = 1.0,
+    accumulation_fraction: float = 1.0,
+) -> StageStateBytes:
+    """Model-state bytes per device for a stage of ``params`` parameters.
+
+    Args:
+        params: parameters of the stage.
+        level: ZeRO level 0..3.
+        dp: size of the stage's data-parallel group.
+        gathered_fraction: level 3: fraction of the stage's weights gathered at the peak
+            (1.0 when kept gathered across the step; two buckets' share when bucketed).
+        accumulation_fraction: levels 2-3: fraction of the stage's gradient held unsharded at
+            the peak (1.0 with one reduce-scatter per step; a bucket's share when reduced per
+            micro-batch).
+    """
+    if level not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO level must be 0, 1, 2 or 3, got {level}")
+    if dp < 1:
+        raise ValueError(f"data-parallel size must be >= 1, got {dp}")
+    shard = params / dp
+    weights = params * WEIGHT_BYTES if level < 3 else shard * WEIGHT_BYTES
+    grads = params * GRAD_BYTES if level < 2 else shard * GRAD_BYTES
+    optimizer = params * OPTIMIZER_BYTES if level < 1 else shard * OPTIMIZER_BYTES
+    gathered = 0.0
+    accumulation = 0.0
+    if level == 3 and dp > 1:
+        gathered = (params - shard) * WEIGHT_BYTES * min(1.0, gathered_fraction)
+    if level >= 2 and dp > 1:
+        accumulation = (params - shard) * GRAD_BYTES * min(1.0, accumulation_fraction)
+    return StageStateBytes(
+        weights=weights,
+        grads=grads,
+        optimizer=optimizer,
+        gathered_weights=gathered,
+        grad_accumulation=accumulation,
+    )
+
+
+def zero_paper_bytes(params: float, *, level: int, dp: int) -> float:
+    """The ZeRO paper's per-device total (table above), with no transient buffers."""
+    k = OPTIMIZER_BYTES
+    return {
+        0: (4 + k) * params,
+        1: 4 * params + k * params / dp,
+        2: 2 * params + (2 + k) * params / dp,
+        3: (4 + k) * params / dp,
+    }[level]
