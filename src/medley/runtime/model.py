@@ -1,0 +1,201 @@
+"""A decoder-only transformer in plain torch, buildable one layer range at a time.
+
+Layer ``0`` is the embedding, ``1..num_blocks`` the blocks and ``num_blocks + 1`` the final norm
+and LM head (the loss is applied by the caller). :class:`Decoder` holds any contiguous range of
+these layers, so a pipeline stage builds only its own. Every layer is initialised from a
+generator seeded by ``(seed, layer index)``, so a stage's parameters are bit-identical to the
+same layers of the full model: the single-process reference exists for any split. Parameter
+names are global (``embed.*``, ``blocks.<block index>.*``, ``head.*``) and map 1:1 between a
+stage and the full model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from medley.spec.model import ModelSpec
+
+
+def _norm(spec: ModelSpec) -> nn.Module:
+    if spec.norm == "rmsnorm":
+        return nn.RMSNorm(spec.hidden_size, eps=spec.norm_eps)
+    return nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [seq_len, head_dim / 2] for rotary position embeddings."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x: [batch, heads, seq, head_dim]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention (num_kv_heads <= num_heads)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        h, kv = spec.hidden_size, spec.kv_dim
+        self.wq = nn.Linear(h, h, bias=spec.bias)
+        self.wk = nn.Linear(h, kv, bias=spec.bias)
+        self.wv = nn.Linear(h, kv, bias=spec.bias)
+        self.wo = nn.Linear(h, h, bias=spec.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, spec.num_heads, spec.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+        if spec.position == "rope":
+            cos, sin = rope_tables(seq, spec.head_dim, spec.rope_theta)
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if spec.num_kv_heads != spec.num_heads:
+            repeat = spec.num_heads // spec.num_kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, spec.hidden_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU (gate, up, down) or GELU (up, down)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.swiglu = spec.mlp == "swiglu"
+        h, f = spec.hidden_size, spec.ffn_hidden_size
+        if self.swiglu:
+            self.gate = nn.Linear(h, f, bias=spec.bias)
+        self.up = nn.Linear(h, f, bias=spec.bias)
+        self.down = nn.Linear(f, h, bias=spec.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attn_norm = _norm(spec)
+        self.attn = Attention(spec)
+        self.mlp_norm = _norm(spec)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.pos = nn.Embedding(spec.max_seq_len, spec.hidden_size) if spec.position == "learned" else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        return x
+
+
+class Head(nn.Module):
+    """Final norm and LM head; with tied embeddings the projection borrows the embedding's weight."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.norm = _norm(spec)
+        self.out = None if spec.tied_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None) -> torch.Tensor:
+        x = self.norm(x)
+        return F.linear(x, tied_weight) if self.out is None else self.out(x)
+
+
+def init_layer(module: nn.Module, seed: int, layer_index: int, num_blocks: int) -> None:
+    """Seeded init of one layer: N(0, 0.02) matrices, residual outputs scaled by depth, zero biases,
+    unit norms. Parameters are drawn in name order from a generator private to the layer."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + layer_index)
+    for name, param in sorted(module.named_parameters()):
+        with torch.no_grad():
+            if "norm" in name:
+                param.fill_(1.0) if name.endswith("weight") else param.zero_()
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                residual_out = name.endswith(("wo.weight", "down.weight"))
+                std = 0.02 / math.sqrt(2 * num_blocks) if residual_out else 0.02
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+class Decoder(nn.Module):
+    """Layers ``[first_layer, last_layer)`` of the model described by ``spec``.
+
+    The input is token ids [batch, seq] when the range holds the embedding, else hidden states
+    [batch, seq, hidden]; the output is logits [batch, seq, vocab] when it holds the head, else
+    hidden states.
+    """
+
+    def __init__(self, spec: ModelSpec, *, first_layer: int = 0, last_layer: int | None = None,
+                 seed: int = 0) -> None:
+        super().__init__()
+        last_layer = spec.num_layers if last_layer is None else last_layer
+        if not 0 <= first_layer < last_layer <= spec.num_layers:
+            raise ValueError(f"layer range [{first_layer}, {last_layer}) is not inside 0..{spec.num_layers}")
+        if spec.word_embed_proj_dim is not None:
+            raise ValueError(f"model '{spec.name}': a projected word embedding (word_embed_proj_dim) is not "
+                             "supported by the runtime")
+        has_embed, has_head = first_layer == 0, last_layer == spec.num_layers
+        if spec.tied_embeddings and has_head and not has_embed:
+            raise ValueError(f"model '{spec.name}' ties its embeddings, so the head must live on the stage "
+                             "that holds the embedding; use untied embeddings for pipelines")
+        self.spec = spec
+        self.first_layer, self.last_layer = first_layer, last_layer
+        self.embed = Embedding(spec) if has_embed else None
+        block_ids = range(max(first_layer, 1), min(last_layer, spec.num_blocks + 1))
+        self.blocks = nn.ModuleDict({str(i - 1): Block(spec) for i in block_ids})
+        self.head = Head(spec) if has_head else None
+        for index, layer in self.layer_modules().items():
+            init_layer(layer, seed, index, spec.num_blocks)
+
+    def layer_modules(self) -> dict[int, nn.Module]:
+        """This range's layers by global layer index."""
+        layers: dict[int, nn.Module] = {}
+        if self.embed is not None:
+            layers[0] = self.embed
+        for key, block in self.blocks.items():
+            layers[int(key) + 1] = block
+        if self.head is not None:
+            layers[self.spec.num_layers - 1] = self.head
+        return layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            tied = self.embed.tok.weight if self.spec.tied_embeddings else None
+            x = self.head(x, tied)
+        return x
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies; callers scale by 1 / global token count."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")
