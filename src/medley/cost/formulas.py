@@ -1,0 +1,175 @@
+"""Closed-form per-layer costs: parameters, FLOPs per pass, activation bytes, boundary bytes.
+
+Layers follow :meth:`ModelSpec.layers`: 0 embedding, 1..num_blocks blocks, last = norm + head + loss.
+FLOPs count a multiply-add as 2 and attention scores over the full (not causal-halved) square,
+which is what the Megatron formula (research/schedules_sim.md §3) counts. B is the input-gradient
+backward and W the weight-gradient backward: a linear layer's B and W each cost its forward; the
+weight-free attention core costs 2x its forward, all in B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from medley.cost.interfaces import Pass
+from medley.spec.model import ModelSpec
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Gemm:
+    """A forward matmul of ``tokens x in_features`` by ``in_features x out_features``."""
+
+    tokens: int
+    in_features: int
+    out_features: int
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.tokens * self.in_features * self.out_features
+
+    def shape(self, kind: Pass) -> tuple[int, int, int]:
+        """(m, n, k) of the matmul this pass runs: F Y=XW, B dX=dY W^T, W dW=X^T dY."""
+        if kind is Pass.F:
+            return self.tokens, self.out_features, self.in_features
+        if kind is Pass.B:
+            return self.tokens, self.in_features, self.out_features
+        return self.in_features, self.out_features, self.tokens
+
+
+def _norm_params(model: ModelSpec) -> int:
+    return model.hidden_size * (2 if model.norm == "layernorm" else 1)
+
+
+def _block_params(model: ModelSpec) -> int:
+    h, kv, ffn = model.hidden_size, model.kv_dim, model.ffn_hidden_size
+    attention = h * (h + 2 * kv) + h * h + ((h + 2 * kv) + h if model.bias else 0)
+    if model.mlp == "swiglu":
+        mlp = 3 * h * ffn + ((2 * ffn + h) if model.bias else 0)
+    else:
+        mlp = 2 * h * ffn + ((ffn + h) if model.bias else 0)
+    return attention + mlp + 2 * _norm_params(model)
+
+
+def _projection_params(model: ModelSpec) -> int:
+    """One of OPT-350M's project_in / project_out matrices (0 when the embedding is full width)."""
+    return model.embed_dim * model.hidden_size if model.embed_dim != model.hidden_size else 0
+
+
+def layer_params(model: ModelSpec, layer_index: int) -> int:
+    """Parameters owned by a layer. A tied LM head owns none: its weight is counted at layer 0."""
+    kind = model.layer_kind(layer_index)
+    if kind == "embedding":
+        positions = model.max_seq_len * model.hidden_size if model.position == "learned" else 0
+        return model.vocab_size * model.embed_dim + positions + _projection_params(model)
+    if kind == "block":
+        return _block_params(model)
+    head = 0 if model.tied_embeddings else model.vocab_size * model.embed_dim
+    return _norm_params(model) + head + _projection_params(model)
+
+
+def layer_held_params(model: ModelSpec, layer_index: int) -> int:
+    """Parameters a stage holding this layer keeps in memory: a tied head keeps its own copy."""
+    extra = model.vocab_size * model.embed_dim if model.layer_kind(layer_index) == "head" else 0
+    return layer_params(model, layer_index) + (extra if model.tied_embeddings else 0)
+
+
+def total_params(model: ModelSpec) -> int:
+    return sum(layer_params(model, i) for i in range(model.num_layers))
+
+
+def layer_gemms(model: ModelSpec, layer_index: int, *, micro_batch_size: int, seq_len: int) -> list[Gemm]:
+    """The layer's weight matmuls (forward shapes)."""
+    t, h = micro_batch_size * seq_len, model.hidden_size
+    kind = model.layer_kind(layer_index)
+    proj = _projection_params(model) > 0
+    if kind == "embedding":
+        return [Gemm(tokens=t, in_features=model.embed_dim, out_features=h)] if proj else []
+    if kind == "head":
+        gemms = [Gemm(tokens=t, in_features=h, out_features=model.embed_dim)] if proj else []
+        return gemms + [Gemm(tokens=t, in_features=model.embed_dim, out_features=model.vocab_size)]
+    ffn = model.ffn_hidden_size
+    up = [Gemm(tokens=t, in_features=h, out_features=ffn)] * (2 if model.mlp == "swiglu" else 1)
+    return [
+        Gemm(tokens=t, in_features=h, out_features=h + 2 * model.kv_dim),  # fused QKV
+        Gemm(tokens=t, in_features=h, out_features=h),  # attention output
+        *up,
+        Gemm(tokens=t, in_features=ffn, out_features=h),  # down
+    ]
+
+
+def attention_core_flops(model: ModelSpec, *, micro_batch_size: int, seq_len: int) -> float:
+    """Forward FLOPs of softmax(QK^T)V in one block: 2·b·s²·h each for the scores and for AV."""
+    return 4.0 * micro_batch_size * seq_len * seq_len * model.hidden_size
+
+
+def layer_flops(model: ModelSpec, layer_index: int, kind: Pass, *, micro_batch_size: int, seq_len: int) -> float:
+    """FLOPs of one pass (F, B or W) of a layer for one micro-batch."""
+    linear = sum(g.flops for g in layer_gemms(model, layer_index, micro_batch_size=micro_batch_size,
+                                              seq_len=seq_len))
+    if model.layer_kind(layer_index) != "block":
+        return linear
+    core = attention_core_flops(model, micro_batch_size=micro_batch_size, seq_len=seq_len)
+    return linear + {Pass.F: core, Pass.B: 2.0 * core, Pass.W: 0.0}[kind]
+
+
+def megatron_flops_per_step(model: ModelSpec, *, batch_size: int, seq_len: int) -> float:
+    """Megatron's ``num_floating_point_operations`` (fwd + bwd, no recompute), for cross-checks."""
+    b, s, n, h, v = batch_size, seq_len, model.num_blocks, model.hidden_size, model.vocab_size
+    q_over_h, g_over_a = 1.0, model.num_kv_heads / model.num_heads
+    ffn_term = model.ffn_hidden_size / h * (1.5 if model.mlp == "swiglu" else 1.0)
+    return 12.0 * b * s * n * h * h * ((1 + g_over_a + s / h) * q_over_h + ffn_term + v / (2 * n * h))
+
+
+def _block_activation_elements(model: ModelSpec) -> float:
+    """Elements per token a block saves for backward (flash-style attention, no dropout).
+
+    Saved: block input, attention-norm output, Q/K/V, attention output, MLP-norm input and output,
+    and the MLP's inner tensors (SwiGLU: gate, up and their product; GELU: pre- and post-activation).
+    """
+    h, kv, ffn = model.hidden_size, model.kv_dim, model.ffn_hidden_size
+    return 5 * h + 2 * kv + ffn * (3 if model.mlp == "swiglu" else 2)
+
+
+def layer_activation_bytes(model: ModelSpec, layer_index: int, *, micro_batch_size: int, seq_len: int,
+                           dtype_bytes: int = 2, recompute: bool = False) -> float:
+    """Bytes a layer holds per in-flight micro-batch between its F and its B.
+
+    With ``recompute`` a block keeps only its input and reruns its forward before B.
+    """
+    t = micro_batch_size * seq_len
+    kind = model.layer_kind(layer_index)
+    if kind == "embedding":
+        return t * 8.0 + (t * model.embed_dim * dtype_bytes if _projection_params(model) else 0.0)
+    if kind == "head":
+        # Norm input and output, logits, and the fp32 log-softmax the loss keeps for backward.
+        return t * (2 * model.hidden_size * dtype_bytes + model.vocab_size * (dtype_bytes + 4.0))
+    if recompute:
+        return float(t * model.hidden_size * dtype_bytes)
+    logsumexp = micro_batch_size * model.num_heads * seq_len * 4.0
+    return t * _block_activation_elements(model) * dtype_bytes + logsumexp
+
+
+def layer_activation_bytes_after_b(model: ModelSpec, layer_index: int, *, micro_batch_size: int, seq_len: int,
+                                   dtype_bytes: int = 2, recompute: bool = False) -> float:
+    """Bytes still held between B and W: each weight matmul's input and its output gradient.
+
+    A block's matmuls read four distinct tensors (attention-norm output, attention output, MLP-norm
+    output, MLP inner product). The embedding's W is a scatter-add of its output gradient by token id.
+    """
+    del recompute  # recomputation happens before B, so W needs the same tensors either way
+    t = micro_batch_size * seq_len
+    gemms = layer_gemms(model, layer_index, micro_batch_size=micro_batch_size, seq_len=seq_len)
+    output_grads = sum(g.tokens * g.out_features for g in gemms)
+    kind = model.layer_kind(layer_index)
+    if kind == "block":
+        inputs = t * (3 * model.hidden_size + model.ffn_hidden_size)
+    else:
+        inputs = sum(g.tokens * g.in_features for g in gemms)
+    if kind == "embedding":
+        return float((output_grads + inputs + t * model.embed_dim) * dtype_bytes + t * 8.0)
+    return float((output_grads + inputs) * dtype_bytes)
+
+
+def boundary_bytes(model: ModelSpec, *, micro_batch_size: int, seq_len: int, dtype_bytes: int = 2) -> float:
+    """Bytes of the hidden states crossing a stage boundary (each way: activations F, gradients B)."""
+    return float(micro_batch_size * seq_len * model.hidden_size * dtype_bytes)

@@ -1,0 +1,162 @@
+"""The accelerator catalog: peak compute, memory and links per device type.
+
+The built-in data lives in ``devices.toml`` next to this file (sources in its header and in
+docs/cost-model.md). Users add or override entries with a TOML file of the same shape: an entry
+whose name (or alias) already exists updates only the fields it gives; a new name must give them all.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from medley.cli.errors import MedleyInputError
+
+BUILTIN_CATALOG = Path(__file__).with_name("devices.toml")
+Confidence = Literal["high", "medium", "low"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceType:
+    """One accelerator model.
+
+    Attributes:
+        name: canonical name, ``<MODEL>-<MEMORY>GB``.
+        peak_tflops_half: dense bf16 tensor TFLOPS (fp16 where the device has no bf16).
+        peak_tflops_fp32: non-tensor fp32 TFLOPS.
+        memory_gb: device memory in GB (10^9 bytes).
+        memory_bandwidth_gbps: device memory bandwidth, GB/s.
+        intra_node_link: ``nvlink`` (a switched GPU-to-GPU fabric) or ``pcie``.
+        intra_node_bandwidth_gbps: per device, per direction, GB/s.
+        supports_bf16: False for V100/T4-class parts (plans mixing them must run fp16).
+        confidence: ``high`` (datasheet), ``medium`` or ``low`` (unofficial: override when measured).
+        intra_node_fabric: the fabric's vendor name (NVLink3, xGMI, ...), for display.
+        aliases: other accepted names.
+    """
+
+    name: str
+    peak_tflops_half: float
+    peak_tflops_fp32: float
+    memory_gb: float
+    memory_bandwidth_gbps: float
+    intra_node_link: str
+    intra_node_bandwidth_gbps: float
+    supports_bf16: bool
+    confidence: str
+    intra_node_fabric: str = ""
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gb * 1e9)
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for ``dtype`` (bf16, fp16 or fp32)."""
+        return (self.peak_tflops_fp32 if dtype == "fp32" else self.peak_tflops_half) * 1e12
+
+
+class _Entry(BaseModel):
+    """One catalog entry as written in TOML; every field optional so partial overrides validate."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    aliases: list[str] | None = None
+    peak_tflops_half: float | None = Field(default=None, gt=0)
+    peak_tflops_fp32: float | None = Field(default=None, gt=0)
+    memory_gb: float | None = Field(default=None, gt=0)
+    memory_bandwidth_gbps: float | None = Field(default=None, gt=0)
+    intra_node_link: Literal["nvlink", "pcie"] | None = None
+    intra_node_fabric: str | None = None
+    intra_node_bandwidth_gbps: float | None = Field(default=None, gt=0)
+    supports_bf16: bool | None = None
+    confidence: Confidence | None = None
+
+
+class _CatalogFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    devices: dict[str, _Entry]
+
+
+_REQUIRED = [f.name for f in fields(DeviceType) if f.name not in ("name", "intra_node_fabric", "aliases")]
+
+
+def _read_catalog_file(path: Path) -> _CatalogFile:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as err:
+        raise MedleyInputError(f"{path}: cannot read the device catalog file ({err.strerror}).") from None
+    except tomllib.TOMLDecodeError as err:
+        raise MedleyInputError(f"{path}: malformed TOML ({err}); fix the syntax at that line.") from None
+    try:
+        return _CatalogFile.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise MedleyInputError(
+            f"{path}: field '{where}': {first['msg']}. Each entry is a table [devices.\"NAME\"] with "
+            f"fields {', '.join(_REQUIRED)} (all positive numbers where numeric)."
+        ) from None
+
+
+def _merge(catalog: dict[str, DeviceType], path: Path, data: _CatalogFile) -> None:
+    for name, entry in data.devices.items():
+        given = entry.model_dump(exclude_none=True)
+        if "aliases" in given:
+            given["aliases"] = tuple(given["aliases"])
+        key = _index(catalog).get(name.upper())
+        if key is not None:
+            catalog[key] = replace(catalog[key], **given)
+            continue
+        missing = [f for f in _REQUIRED if f not in given]
+        if missing:
+            raise MedleyInputError(
+                f"{path}: field 'devices.{name}': new device type is missing {', '.join(missing)}; "
+                f"give them, or use an existing name to override only some fields."
+            )
+        catalog[name] = DeviceType(name=name, **given)
+
+
+def _index(catalog: dict[str, DeviceType]) -> dict[str, str]:
+    """Upper-cased name and alias -> canonical name."""
+    index: dict[str, str] = {}
+    for name, device in catalog.items():
+        for key in (name, *device.aliases):
+            index.setdefault(key.upper(), name)
+    return index
+
+
+@functools.cache
+def _builtin() -> tuple[DeviceType, ...]:
+    catalog: dict[str, DeviceType] = {}
+    _merge(catalog, BUILTIN_CATALOG, _read_catalog_file(BUILTIN_CATALOG))
+    return tuple(catalog.values())
+
+
+def load_catalog(extra: Path | None = None) -> dict[str, DeviceType]:
+    """The built-in catalog, with entries from ``extra`` added or overriding (name -> type)."""
+    catalog = {device.name: device for device in _builtin()}
+    if extra is not None:
+        _merge(catalog, extra, _read_catalog_file(extra))
+    return catalog
+
+
+def get_device_type(name: str, catalog: dict[str, DeviceType] | None = None) -> DeviceType:
+    """Look a device type up by name or alias, case-insensitively; unknown names suggest close ones."""
+    catalog = load_catalog() if catalog is None else catalog
+    index = _index(catalog)
+    key = index.get(name.strip().upper())
+    if key is not None:
+        return catalog[key]
+    close = difflib.get_close_matches(name.strip().upper(), list(index), n=3, cutoff=0.5)
+    hint = ", ".join(dict.fromkeys(index[c] for c in close)) if close else ", ".join(sorted(catalog))
+    raise MedleyInputError(
+        f"unknown device type '{name}'. Did you mean: {hint}? (`medley devices` lists the catalog; "
+        f"add new types with a catalog file.)"
+    )

@@ -1,0 +1,166 @@
+"""Decoder-only transformer specs: presets and import from a local Hugging Face ``config.json``.
+
+A model is a list of layers: index 0 the embedding, 1..num_blocks the transformer blocks, and the
+last one the final norm + LM head + loss. Pipeline stages own contiguous ranges of these layers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from medley.cli.errors import MedleyInputError
+
+LayerKind = Literal["embedding", "block", "head"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layer:
+    index: int
+    kind: LayerKind
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer.
+
+    Attributes:
+        name: preset name or the config file's model name.
+        vocab_size: rows of the token embedding.
+        hidden_size: model width h.
+        num_blocks: transformer blocks.
+        num_heads: attention (query) heads; head_dim = hidden_size / num_heads.
+        num_kv_heads: key/value heads (< num_heads for GQA, == for MHA).
+        ffn_hidden_size: MLP inner width (per branch for SwiGLU).
+        mlp: ``swiglu`` (3 matrices) or ``gelu`` (2 matrices; also used for OPT's ReLU).
+        norm: ``rmsnorm`` (weight only) or ``layernorm`` (weight and bias).
+        position: ``rope`` or ``learned`` absolute position embeddings.
+        max_seq_len: longest sequence (size of a learned position table).
+        tied_embeddings: LM head shares the token embedding's weight.
+        bias: linear layers carry biases (GPT-2/3, OPT, GPT-Neo).
+        rope_theta: RoPE base.
+        norm_eps: norm epsilon.
+        word_embed_proj_dim: OPT-350M style narrower token embedding projected to hidden_size
+            (None: the embedding is hidden_size wide).
+    """
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_blocks: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    mlp: Literal["swiglu", "gelu"]
+    norm: Literal["rmsnorm", "layernorm"]
+    position: Literal["rope", "learned"]
+    max_seq_len: int
+    tied_embeddings: bool
+    bias: bool
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    word_embed_proj_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        sizes = ("vocab_size", "hidden_size", "num_blocks", "num_heads", "num_kv_heads",
+                 "ffn_hidden_size", "max_seq_len")
+        for field_name in sizes:
+            if getattr(self, field_name) <= 0:
+                raise MedleyInputError(f"model '{self.name}': field '{field_name}' must be a positive "
+                                       f"integer, got {getattr(self, field_name)}.")
+        if self.hidden_size % self.num_heads:
+            raise MedleyInputError(f"model '{self.name}': hidden_size {self.hidden_size} must be divisible "
+                                   f"by num_heads {self.num_heads}.")
+        if self.num_heads % self.num_kv_heads:
+            raise MedleyInputError(f"model '{self.name}': num_heads {self.num_heads} must be a multiple "
+                                   f"of num_kv_heads {self.num_kv_heads}.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the K (or V) projection's output."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def embed_dim(self) -> int:
+        return self.word_embed_proj_dim or self.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_blocks + 2
+
+    def layer_kind(self, index: int) -> LayerKind:
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"layer {index} out of range for {self.name} ({self.num_layers} layers)")
+        if index == 0:
+            return "embedding"
+        return "head" if index == self.num_layers - 1 else "block"
+
+    def layers(self) -> list[Layer]:
+        return [Layer(index=i, kind=self.layer_kind(i)) for i in range(self.num_layers)]
+
+
+def _llama(name: str, vocab: int, h: int, blocks: int, heads: int, kv: int, ffn: int, seq: int,
+           theta: float) -> ModelSpec:
+    return ModelSpec(name=name, vocab_size=vocab, hidden_size=h, num_blocks=blocks, num_heads=heads,
+                     num_kv_heads=kv, ffn_hidden_size=ffn, mlp="swiglu", norm="rmsnorm", position="rope",
+                     max_seq_len=seq, tied_embeddings=False, bias=False, rope_theta=theta, norm_eps=1e-5)
+
+
+def _gpt(name: str, vocab: int, h: int, blocks: int, heads: int, seq: int, proj: int | None = None) -> ModelSpec:
+    return ModelSpec(name=name, vocab_size=vocab, hidden_size=h, num_blocks=blocks, num_heads=heads,
+                     num_kv_heads=heads, ffn_hidden_size=4 * h, mlp="gelu", norm="layernorm",
+                     position="learned", max_seq_len=seq, tied_embeddings=True, bias=True,
+                     word_embed_proj_dim=proj)
+
+
+# GPT-Neo alternates global and local (window 256) attention; the cost model treats every layer
+# as full attention, which overstates its attention-score FLOPs at long sequences.
+# OPT uses ReLU; it costs the same as GELU here.
+PRESETS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec(name="tiny", vocab_size=256, hidden_size=64, num_blocks=4, num_heads=4, num_kv_heads=2,
+                      ffn_hidden_size=176, mlp="swiglu", norm="rmsnorm", position="rope", max_seq_len=128,
+                      tied_embeddings=False, bias=False),
+    "opt-350m": _gpt("opt-350m", 50272, 1024, 24, 16, 2048, proj=512),
+    "gpt-neo-2.7b": _gpt("gpt-neo-2.7b", 50257, 2560, 32, 20, 2048),
+    "llama-2-7b": _llama("llama-2-7b", 32000, 4096, 32, 32, 32, 11008, 4096, 10000.0),
+    "llama-2-13b": _llama("llama-2-13b", 32000, 5120, 40, 40, 40, 13824, 4096, 10000.0),
+    "llama-2-70b": _llama("llama-2-70b", 32000, 8192, 80, 64, 8, 28672, 4096, 10000.0),
+    "llama-3-8b": _llama("llama-3-8b", 128256, 4096, 32, 32, 8, 14336, 8192, 500000.0),
+    "llama-3-70b": _llama("llama-3-70b", 128256, 8192, 80, 64, 8, 28672, 8192, 500000.0),
+    "gpt-3-175b": _gpt("gpt-3-175b", 50257, 12288, 96, 96, 2048),
+}
+
+
+def get_model(name_or_path: str) -> ModelSpec:
+    """A preset by name (case-insensitive) or a model read from a local HF ``config.json``."""
+    preset = PRESETS.get(name_or_path.strip().lower())
+    if preset is not None:
+        return preset
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" or path.exists():
+        return load_hf_config(path)
+    raise MedleyInputError(f"unknown model '{name_or_path}': give a preset ({', '.join(PRESETS)}) or the "
+                           f"path of a Hugging Face config.json.")
+
+
+def load_hf_config(path: Path) -> ModelSpec:
+    """Read a Hugging Face ``config.json`` (LLaMA, Mistral, GPT-2, OPT, GPT-Neo families)."""
+    try:
+        cfg = json.loads(path.read_text())
+    except OSError as err:
+        raise MedleyInputError(f"{path}: cannot read the model config ({err.strerror}).") from None
+    except json.JSONDecodeError as err:
+        raise MedleyInputError(f"{path}: malformed JSON ({err}); fix the syntax.") from None
+    if not isinstance(cfg, dict):
+        raise MedleyInputError(f"{path}: expected a JSON object of Hugging Face config fields.")
+    from medley.spec.hf_config import spec_from_hf_dict
+
+    return spec_from_hf_dict(cfg, source=str(path))
