@@ -102,10 +102,13 @@ def attention_core_flops(model: ModelSpec, *, micro_batch_size: int, seq_len: in
     return 4.0 * micro_batch_size * seq_len * seq_len * model.hidden_size
 
 
-def layer_flops(model: ModelSpec, layer_index: int, kind: Pass, *, micro_batch_size: int, seq_len: int) -> float:
+def layer_flops(
+    model: ModelSpec, layer_index: int, kind: Pass, *, micro_batch_size: int, seq_len: int
+) -> float:
     """FLOPs of one pass (F, B or W) of a layer for one micro-batch."""
-    linear = sum(g.flops for g in layer_gemms(model, layer_index, micro_batch_size=micro_batch_size,
-                                              seq_len=seq_len))
+    linear = sum(
+        g.flops for g in layer_gemms(model, layer_index, micro_batch_size=micro_batch_size, seq_len=seq_len)
+    )
     if model.layer_kind(layer_index) != "block":
         return linear
     core = attention_core_flops(model, micro_batch_size=micro_batch_size, seq_len=seq_len)
@@ -130,8 +133,15 @@ def _block_activation_elements(model: ModelSpec) -> float:
     return 5 * h + 2 * kv + ffn * (3 if model.mlp == "swiglu" else 2)
 
 
-def layer_activation_bytes(model: ModelSpec, layer_index: int, *, micro_batch_size: int, seq_len: int,
-                           dtype_bytes: int = 2, recompute: bool = False) -> float:
+def layer_activation_bytes(
+    model: ModelSpec,
+    layer_index: int,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype_bytes: int = 2,
+    recompute: bool = False,
+) -> float:
     """Bytes a layer holds per in-flight micro-batch between its F and its B.
 
     With ``recompute`` a block keeps only its input and reruns its forward before B.
@@ -149,8 +159,15 @@ def layer_activation_bytes(model: ModelSpec, layer_index: int, *, micro_batch_si
     return t * _block_activation_elements(model) * dtype_bytes + logsumexp
 
 
-def layer_activation_bytes_after_b(model: ModelSpec, layer_index: int, *, micro_batch_size: int, seq_len: int,
-                                   dtype_bytes: int = 2, recompute: bool = False) -> float:
+def layer_activation_bytes_after_b(
+    model: ModelSpec,
+    layer_index: int,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype_bytes: int = 2,
+    recompute: bool = False,
+) -> float:
     """Bytes still held between B and W: each weight matmul's input and its output gradient.
 
     A block's matmuls read four distinct tensors (attention-norm output, attention output, MLP-norm

@@ -9,16 +9,34 @@ from medley.spec.model import ModelSpec
 
 # model_type -> HF key for each ModelSpec size field (first key present wins).
 _KEYS: dict[str, dict[str, tuple[str, ...]]] = {
-    "gpt2": {"hidden_size": ("n_embd",), "num_blocks": ("n_layer",), "num_heads": ("n_head",),
-             "ffn_hidden_size": ("n_inner",), "max_seq_len": ("n_positions",)},
-    "opt": {"hidden_size": ("hidden_size",), "num_blocks": ("num_hidden_layers",),
-            "num_heads": ("num_attention_heads",), "ffn_hidden_size": ("ffn_dim",),
-            "max_seq_len": ("max_position_embeddings",)},
-    "gpt_neo": {"hidden_size": ("hidden_size",), "num_blocks": ("num_layers",), "num_heads": ("num_heads",),
-                "ffn_hidden_size": ("intermediate_size",), "max_seq_len": ("max_position_embeddings",)},
-    "llama": {"hidden_size": ("hidden_size",), "num_blocks": ("num_hidden_layers",),
-              "num_heads": ("num_attention_heads",), "ffn_hidden_size": ("intermediate_size",),
-              "max_seq_len": ("max_position_embeddings",)},
+    "gpt2": {
+        "hidden_size": ("n_embd",),
+        "num_blocks": ("n_layer",),
+        "num_heads": ("n_head",),
+        "ffn_hidden_size": ("n_inner",),
+        "max_seq_len": ("n_positions",),
+    },
+    "opt": {
+        "hidden_size": ("hidden_size",),
+        "num_blocks": ("num_hidden_layers",),
+        "num_heads": ("num_attention_heads",),
+        "ffn_hidden_size": ("ffn_dim",),
+        "max_seq_len": ("max_position_embeddings",),
+    },
+    "gpt_neo": {
+        "hidden_size": ("hidden_size",),
+        "num_blocks": ("num_layers",),
+        "num_heads": ("num_heads",),
+        "ffn_hidden_size": ("intermediate_size",),
+        "max_seq_len": ("max_position_embeddings",),
+    },
+    "llama": {
+        "hidden_size": ("hidden_size",),
+        "num_blocks": ("num_hidden_layers",),
+        "num_heads": ("num_attention_heads",),
+        "ffn_hidden_size": ("intermediate_size",),
+        "max_seq_len": ("max_position_embeddings",),
+    },
 }
 _GPT_STYLE = {"gpt2", "opt", "gpt_neo"}
 
@@ -27,8 +45,9 @@ def _get(cfg: dict[str, Any], keys: tuple[str, ...], field: str, source: str) ->
     for key in keys:
         if cfg.get(key) is not None:
             return cfg[key]
-    raise MedleyInputError(f"{source}: field '{keys[0]}' is missing; medley needs it for {field}. "
-                           f"Add it to the config.")
+    raise MedleyInputError(
+        f"{source}: field '{keys[0]}' is missing; medley needs it for {field}. Add it to the config."
+    )
 
 
 def _int(value: Any, key: str, source: str) -> int:
@@ -62,7 +81,8 @@ def spec_from_hf_dict(cfg: dict[str, Any], *, source: str) -> ModelSpec:
         bias=gpt_style or bool(cfg.get("attention_bias", False)),
         rope_theta=float(cfg.get("rope_theta", 10000.0)),
         norm_eps=float(cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-5))),
-        word_embed_proj_dim=None if proj in (None, size["hidden_size"]) else _int(proj, "word_embed_proj_dim",
-                                                                                 source),
+        word_embed_proj_dim=None
+        if proj in (None, size["hidden_size"])
+        else _int(proj, "word_embed_proj_dim", source),
         **size,
     )

@@ -64,18 +64,31 @@ class ModelSpec:
     word_embed_proj_dim: int | None = None
 
     def __post_init__(self) -> None:
-        sizes = ("vocab_size", "hidden_size", "num_blocks", "num_heads", "num_kv_heads",
-                 "ffn_hidden_size", "max_seq_len")
+        sizes = (
+            "vocab_size",
+            "hidden_size",
+            "num_blocks",
+            "num_heads",
+            "num_kv_heads",
+            "ffn_hidden_size",
+            "max_seq_len",
+        )
         for field_name in sizes:
             if getattr(self, field_name) <= 0:
-                raise MedleyInputError(f"model '{self.name}': field '{field_name}' must be a positive "
-                                       f"integer, got {getattr(self, field_name)}.")
+                raise MedleyInputError(
+                    f"model '{self.name}': field '{field_name}' must be a positive "
+                    f"integer, got {getattr(self, field_name)}."
+                )
         if self.hidden_size % self.num_heads:
-            raise MedleyInputError(f"model '{self.name}': hidden_size {self.hidden_size} must be divisible "
-                                   f"by num_heads {self.num_heads}.")
+            raise MedleyInputError(
+                f"model '{self.name}': hidden_size {self.hidden_size} must be divisible "
+                f"by num_heads {self.num_heads}."
+            )
         if self.num_heads % self.num_kv_heads:
-            raise MedleyInputError(f"model '{self.name}': num_heads {self.num_heads} must be a multiple "
-                                   f"of num_kv_heads {self.num_kv_heads}.")
+            raise MedleyInputError(
+                f"model '{self.name}': num_heads {self.num_heads} must be a multiple "
+                f"of num_kv_heads {self.num_kv_heads}."
+            )
 
     @property
     def head_dim(self) -> int:
@@ -105,27 +118,68 @@ class ModelSpec:
         return [Layer(index=i, kind=self.layer_kind(i)) for i in range(self.num_layers)]
 
 
-def _llama(name: str, vocab: int, h: int, blocks: int, heads: int, kv: int, ffn: int, seq: int,
-           theta: float) -> ModelSpec:
-    return ModelSpec(name=name, vocab_size=vocab, hidden_size=h, num_blocks=blocks, num_heads=heads,
-                     num_kv_heads=kv, ffn_hidden_size=ffn, mlp="swiglu", norm="rmsnorm", position="rope",
-                     max_seq_len=seq, tied_embeddings=False, bias=False, rope_theta=theta, norm_eps=1e-5)
+def _llama(
+    name: str, vocab: int, h: int, blocks: int, heads: int, kv: int, ffn: int, seq: int, theta: float
+) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        vocab_size=vocab,
+        hidden_size=h,
+        num_blocks=blocks,
+        num_heads=heads,
+        num_kv_heads=kv,
+        ffn_hidden_size=ffn,
+        mlp="swiglu",
+        norm="rmsnorm",
+        position="rope",
+        max_seq_len=seq,
+        tied_embeddings=False,
+        bias=False,
+        rope_theta=theta,
+        norm_eps=1e-5,
+    )
 
 
-def _gpt(name: str, vocab: int, h: int, blocks: int, heads: int, seq: int, proj: int | None = None) -> ModelSpec:
-    return ModelSpec(name=name, vocab_size=vocab, hidden_size=h, num_blocks=blocks, num_heads=heads,
-                     num_kv_heads=heads, ffn_hidden_size=4 * h, mlp="gelu", norm="layernorm",
-                     position="learned", max_seq_len=seq, tied_embeddings=True, bias=True,
-                     word_embed_proj_dim=proj)
+def _gpt(
+    name: str, vocab: int, h: int, blocks: int, heads: int, seq: int, proj: int | None = None
+) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        vocab_size=vocab,
+        hidden_size=h,
+        num_blocks=blocks,
+        num_heads=heads,
+        num_kv_heads=heads,
+        ffn_hidden_size=4 * h,
+        mlp="gelu",
+        norm="layernorm",
+        position="learned",
+        max_seq_len=seq,
+        tied_embeddings=True,
+        bias=True,
+        word_embed_proj_dim=proj,
+    )
 
 
 # GPT-Neo alternates global and local (window 256) attention; the cost model treats every layer
 # as full attention, which overstates its attention-score FLOPs at long sequences.
 # OPT uses ReLU; it costs the same as GELU here.
 PRESETS: dict[str, ModelSpec] = {
-    "tiny": ModelSpec(name="tiny", vocab_size=256, hidden_size=64, num_blocks=4, num_heads=4, num_kv_heads=2,
-                      ffn_hidden_size=176, mlp="swiglu", norm="rmsnorm", position="rope", max_seq_len=128,
-                      tied_embeddings=False, bias=False),
+    "tiny": ModelSpec(
+        name="tiny",
+        vocab_size=256,
+        hidden_size=64,
+        num_blocks=4,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=176,
+        mlp="swiglu",
+        norm="rmsnorm",
+        position="rope",
+        max_seq_len=128,
+        tied_embeddings=False,
+        bias=False,
+    ),
     "opt-350m": _gpt("opt-350m", 50272, 1024, 24, 16, 2048, proj=512),
     "gpt-neo-2.7b": _gpt("gpt-neo-2.7b", 50257, 2560, 32, 20, 2048),
     "llama-2-7b": _llama("llama-2-7b", 32000, 4096, 32, 32, 32, 11008, 4096, 10000.0),
@@ -147,8 +201,10 @@ def get_model(name_or_path: str) -> ModelSpec:
         path = path / "config.json"
     if path.suffix == ".json" or path.exists():
         return load_hf_config(path)
-    raise MedleyInputError(f"unknown model '{name_or_path}': give a preset ({', '.join(PRESETS)}) or the "
-                           f"path of a Hugging Face config.json.")
+    raise MedleyInputError(
+        f"unknown model '{name_or_path}': give a preset ({', '.join(PRESETS)}) or the "
+        f"path of a Hugging Face config.json."
+    )
 
 
 def load_hf_config(path: Path) -> ModelSpec:
