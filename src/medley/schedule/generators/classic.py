@@ -84,21 +84,26 @@ def hetero_one_f_one_b(
 def interleaved(*, pp: int, micro_batches: int, virtual_stages: int = 2) -> PipelineSchedule:
     """Megatron's interleaved 1F1B: rank r holds chunks r, r+p, ..., r+(v-1)p.
 
-    Micro-batches go through the chunks in groups of p (the last group may be smaller): a rank
-    runs a group's forwards on chunk 0, then on chunk 1, and so on; backwards walk the chunks in
-    reverse. Rank r warms up with 2(p-r-1) + (v-1)p chunk forwards, then alternates.
+    Micro-batches go through the chunks in rounds of g >= p micro-batches: a rank runs a round's
+    forwards on chunk 0, then on chunk 1, and so on; backwards walk the chunks in reverse. Rank r
+    warms up with 2(p-r-1) + (v-1)g chunk forwards, then alternates. When p does not divide m,
+    the first m mod rounds rounds take one extra micro-batch (as torch does, rounds of at least p;
+    a short last round would deadlock).
     """
     _check_sizes(pp, micro_batches)
     v = virtual_stages
     if v < 1:
         raise ValueError(f"virtual_stages must be >= 1, got {v}")
-    groups = [range(g, min(g + pp, micro_batches)) for g in range(0, micro_batches, pp)]
+    rounds = max(1, micro_batches // pp)
+    sizes = [micro_batches // rounds + (1 if k < micro_batches % rounds else 0) for k in range(rounds)]
+    starts = [sum(sizes[:k]) for k in range(rounds)]
+    groups = [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
     actions: list[list[Action]] = []
     for rank in range(pp):
         forwards = [F(c * pp + rank, i) for grp in groups for c in range(v) for i in grp]
         backwards = [BW(c * pp + rank, i) for grp in groups for c in reversed(range(v)) for i in grp]
         total = len(forwards)
-        depth = total if micro_batches < pp else min(total, 2 * (pp - rank - 1) + (v - 1) * pp + 1)
+        depth = min(total, 2 * (pp - rank - 1) + (v - 1) * sizes[0] + 1)
         row = forwards[:depth]
         for k in range(total - depth):
             row += [backwards[k], forwards[depth + k]]
