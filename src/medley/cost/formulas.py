@@ -190,3 +190,36 @@ def layer_activation_bytes_after_b(
 def boundary_bytes(model: ModelSpec, *, micro_batch_size: int, seq_len: int, dtype_bytes: int = 2) -> float:
     """Bytes of the hidden states crossing a stage boundary (each way: activations F, gradients B)."""
     return float(micro_batch_size * seq_len * model.hidden_size * dtype_bytes)
+
+
+def layer_elementwise_bytes(
+    model: ModelSpec,
+    layer_index: int,
+    kind: Pass,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype_bytes: int = 2,
+) -> tuple[float, int]:
+    """(bytes read + written, kernel count) of a pass's memory-bound, non-matmul work.
+
+    Block F: two norms (read + write), two residual adds (2 reads + 1 write), RoPE on Q and K, the
+    MLP activation. B roughly doubles F's traffic; W only reduces the norm weight gradients. Head:
+    final norm and the cross-entropy over the logits (fp32 log-softmax). Embedding: gather / scatter-add.
+    """
+    t, h, d = micro_batch_size * seq_len, model.hidden_size, dtype_bytes
+    layer_kind = model.layer_kind(layer_index)
+    if layer_kind == "embedding":
+        gather = 2.0 * t * model.embed_dim * d + (3.0 * t * h * d if model.position == "learned" else 0.0)
+        return {Pass.F: (gather, 2), Pass.B: (0.0, 0), Pass.W: (1.5 * gather, 2)}[kind]
+    if layer_kind == "head":
+        loss = t * model.vocab_size * (d + 4.0)
+        return {
+            Pass.F: (loss + 2.0 * t * h * d, 3),
+            Pass.B: (loss + 3.0 * t * h * d, 3),
+            Pass.W: (2.0 * t * h * d, 1),
+        }[kind]
+    rope = 2.0 * (h + model.kv_dim) if model.position == "rope" else 0.0
+    activation = (3.0 if model.mlp == "swiglu" else 2.0) * model.ffn_hidden_size
+    forward = t * d * (4.0 * h + 6.0 * h + rope + activation)
+    return {Pass.F: (forward, 6), Pass.B: (2.0 * forward, 12), Pass.W: (4.0 * t * h * d, 2)}[kind]

@@ -1,0 +1,111 @@
+"""Per-layer time estimates from the device catalog (a :class:`CostSource`).
+
+Each matmul is timed with a roofline, max(FLOPs / (peak x efficiency), bytes / memory bandwidth,
+minimum kernel time); the efficiency grows with the matrix sizes:
+
+    efficiency(m, n, k) = E_MAX * (m*n / (m*n + MN_HALF)) * (k / (k + K_HALF))
+
+The m*n factor stands for wave quantisation and too few output tiles to fill the SMs, the k factor
+for the fixed cost of loading and storing each output tile against a short reduction (NVIDIA,
+"Matrix Multiplication Background User's Guide", DU-09799-001, 2023). Attention's core is timed
+as a batch of (seq x seq x head_dim) matmuls with the same formula; non-matmul work (norms, RoPE,
+activations, residual adds, the loss) is memory-bound: bytes / (bandwidth x MEM_EFF).
+docs/cost-model.md gives the constants' reasoning. Measured profiles replace these estimates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from medley.cli.errors import MedleyInputError
+from medley.cost import formulas
+from medley.cost.interfaces import Pass, TimeEstimate
+from medley.spec.catalog import DeviceType, get_device_type, load_catalog
+from medley.spec.model import ModelSpec
+
+E_MAX = 0.75  # large bf16 GEMMs in cuBLAS reach ~75-90% of dense peak on A100/H100; take the low end
+MN_HALF = 128 * 128 * 8  # output elements at which the size factor is one half (8 tiles of 128x128)
+K_HALF = 64  # reduction length at which the k factor is one half
+MEM_EFF = 0.8  # achievable fraction of the memory bandwidth for streaming kernels
+KERNEL_MIN_S = 5e-6  # a kernel (with its eager-mode launch) takes at least this long
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def matmul_efficiency(m: float, n: float, k: float) -> float:
+    """Fraction of dense peak a matmul of (m x k) by (k x n) reaches when compute-bound."""
+    return E_MAX * (m * n / (m * n + MN_HALF)) * (k / (k + K_HALF))
+
+
+def matmul_time(device: DeviceType, m: float, n: float, k: float, *, dtype: str, batch: float = 1.0) -> float:
+    """Roofline time of ``batch`` independent (m x k)(k x n) matmuls run as one kernel."""
+    d = DTYPE_BYTES[dtype]
+    compute = batch * 2.0 * m * n * k / (device.peak_flops(dtype) * matmul_efficiency(batch * m, n, k))
+    memory = batch * d * (m * k + k * n + m * n) / (device.memory_bandwidth_gbps * 1e9)
+    return max(compute, memory, KERNEL_MIN_S)
+
+
+class CatalogCostSource:
+    """Answers layer times from catalog peaks. Blocks are identical, so results are cached per
+    (layer kind, pass, micro-batch size, sequence length, device type)."""
+
+    def __init__(
+        self, model: ModelSpec, *, dtype: str = "bf16", catalog: Mapping[str, DeviceType] | None = None
+    ) -> None:
+        if dtype not in DTYPE_BYTES:
+            raise MedleyInputError(f"dtype '{dtype}' is not supported; use one of {', '.join(DTYPE_BYTES)}.")
+        self.model = model
+        self.dtype = dtype
+        self.catalog = dict(load_catalog() if catalog is None else catalog)
+        self._cache: dict[tuple[str, Pass, int, int, str], TimeEstimate] = {}
+
+    @classmethod
+    def for_cluster(cls, model: ModelSpec, cluster, *, dtype: str = "bf16") -> CatalogCostSource:  # noqa: ANN001
+        """A source that also knows the cluster's override-renamed device types (``A100-80GB@node``)."""
+        return cls(model, dtype=dtype, catalog={**load_catalog(), **cluster.device_types()})
+
+    def layer_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> TimeEstimate:
+        key = (self.model.layer_kind(layer), Pass(kind), micro_batch_size, seq_len, device_type)
+        cached = self._cache.get(key)
+        if cached is None:
+            device = get_device_type(device_type, self.catalog)
+            seconds = self._compute(layer, Pass(kind), micro_batch_size, seq_len, device)
+            cached = self._cache[key] = TimeEstimate(seconds=seconds, source="catalog")
+        return cached
+
+    def _compute(self, layer: int, kind: Pass, mbs: int, seq: int, device: DeviceType) -> float:
+        model, dtype = self.model, self.dtype
+        seconds = 0.0
+        for gemm in formulas.layer_gemms(model, layer, micro_batch_size=mbs, seq_len=seq):
+            m, n, k = gemm.shape(kind)
+            seconds += matmul_time(device, m, n, k, dtype=dtype)
+        if model.layer_kind(layer) == "block" and kind is not Pass.W:
+            # Scores and AV per (batch, head); B runs both twice (input grads of Q, K and V).
+            heads = mbs * model.num_heads
+            core = 2 * matmul_time(device, seq, seq, model.head_dim, dtype=dtype, batch=heads)
+            seconds += core * (2.0 if kind is Pass.B else 1.0)
+        nbytes, kernels = formulas.layer_elementwise_bytes(
+            model, layer, kind, micro_batch_size=mbs, seq_len=seq, dtype_bytes=DTYPE_BYTES[dtype]
+        )
+        bandwidth = device.memory_bandwidth_gbps * 1e9 * MEM_EFF
+        seconds += max(nbytes / bandwidth, kernels * KERNEL_MIN_S)
+        return seconds
+
+
+def stage_time(
+    source: CatalogCostSource,
+    layers: range,
+    kind: Pass,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    device_type: str,
+) -> float:
+    """Seconds of one pass over a contiguous range of layers for one micro-batch."""
+    return sum(
+        source.layer_time(
+            i, kind, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type
+        ).seconds
+        for i in layers
+    )
