@@ -46,8 +46,9 @@ class StageZero:
         level: ZeRO level 0..3.
         buckets: layer buckets the stage's collectives are split into (bubble policy).
         gather_windows: level 3: gather/reshard rounds per step; 1 keeps the weights gathered
-            from first to last use in the step.
-        grad_windows: levels 2-3: reduce-scatters per step; 1 accumulates a full gradient and
+            from first to last use in the step. Each round ends with its gradient
+            reduce-scatter, so more rounds also shard the gradient accumulation.
+        grad_windows: level 2: reduce-scatters per step; 1 accumulates a full gradient and
             reduces it once, more shard the accumulation (less memory, more traffic).
     """
 
@@ -88,53 +89,107 @@ def _windows(items: list[int], count: int) -> list[list[int]]:
     return out
 
 
-def _rank_plan(
-    row: list[Action], stage: int, setting: StageZero, nbuckets: int, policy: Placement
-) -> tuple[dict[int, list[Action]], dict[int, list[Action]]]:
-    """Collectives of ``stage`` on one rank: actions to insert before / after compute indices."""
-    before: dict[int, list[Action]] = {}
-    after: dict[int, list[Action]] = {}
+Placed = list[tuple[int, Action]]
+"""Collectives with their slot in a rank's compute list: ``2i`` before compute ``i``, ``2i+1`` after."""
+
+
+def _stage_collectives(
+    row: list[Action], stage: int, setting: StageZero, nbuckets: int, policy: Placement, naive_rounds: int
+) -> Placed:
+    """Collectives of ``stage`` on one rank, in issue order, with their natural slots.
+
+    The stage's sequence must not depend on the replica's micro-batch count, so there is one
+    window structure per stage: level-3 gather rounds under the bubble policy (each round ends
+    with its gradient reduction), reduction windows at levels 0-2. Under the naive policy a
+    replica with fewer compute actions pads its gathers to ``naive_rounds``.
+    """
     uses = [i for i, a in enumerate(row) if a.is_compute and a.stage == stage]
     grads = [i for i in uses if row[i].kind in (Kind.W, Kind.BW)]
     buckets: list[int | None] = [None] if nbuckets == 1 else list(range(nbuckets))
-    if setting.level == 3:
-        windows = [[i] for i in uses] if policy is Placement.NAIVE else _windows(uses, setting.gather_windows)
-        last_use = uses[0]
-        for window in windows:
-            gathers = [Action(stage, Kind.UNSHARD, bucket=b) for b in buckets]
-            frees = [Action(stage, Kind.RESHARD, bucket=b) for b in buckets]
-            if window:
-                before.setdefault(window[0], []).extend(gathers)
-                after.setdefault(window[-1], []).extend(frees)
-                last_use = window[-1]
-            else:  # fewer uses than windows: an empty round keeps the DP group's sequence equal
-                after.setdefault(last_use, []).extend(gathers + frees)
-    grad_windows = setting.grad_windows if (setting.level >= 2 and policy is Placement.BUBBLE) else 1
     reduce_order = list(reversed(buckets))  # the backward finishes the last bucket first
-    last_grad = grads[0]
-    for window in _windows(grads, grad_windows):
-        last_grad = window[-1] if window else last_grad
-        after.setdefault(last_grad, []).extend(
-            Action(stage, Kind.REDUCE_GRAD, bucket=b) for b in reduce_order
+    gathers = [Action(stage, Kind.UNSHARD, bucket=b) for b in buckets]
+    frees = [Action(stage, Kind.RESHARD, bucket=b) for b in buckets]
+    reduces = [Action(stage, Kind.REDUCE_GRAD, bucket=b) for b in reduce_order]
+    end = 2 * grads[-1] + 1
+    out: Placed = []
+    if setting.level == 3 and policy is Placement.NAIVE:
+        for i in uses:
+            out += [(2 * i, a) for a in gathers] + [(2 * i + 1, a) for a in frees]
+        out += [(end, a) for _ in range(naive_rounds - len(uses)) for a in gathers + frees]
+        out += [(end, a) for a in reduces]
+    elif setting.level == 3:
+        last = 2 * uses[0] + 1
+        for window in _windows(uses, setting.gather_windows):
+            if window:
+                out += [(2 * window[0], a) for a in gathers]
+                last = 2 * window[-1] + 1
+                out += [(last, a) for a in frees + reduces]
+            else:  # fewer uses than rounds: an empty round keeps the DP group's sequence equal
+                out += [(last, a) for a in gathers + frees + reduces]
+    else:
+        windows = setting.grad_windows if (setting.level == 2 and policy is Placement.BUBBLE) else 1
+        last = 2 * grads[0] + 1
+        for window in _windows(grads, windows):
+            last = 2 * window[-1] + 1 if window else last
+            out += [(last, a) for a in reduces]
+    out += [(end, Action(stage, Kind.OPTIM, bucket=b)) for b in reduce_order]
+    return out
+
+
+def _common_order(chains: list[list[Placed]]) -> list[tuple[int, int]]:
+    """One issue order of a rank's collectives that every replica can follow.
+
+    ``chains[r][k]`` is replica r's natural (slot, action) list for the k-th stage of the rank;
+    the actions match across replicas, the slots differ. Each stage's chain keeps its order. A
+    gather cannot move later than its slot (compute needs it) but may move earlier; everything
+    else may move later. So a non-gather goes next only if, in every replica, no gather still
+    waiting has an earlier slot. Returns (stage chain, index in chain) pairs.
+    """
+    heads = [0] * len(chains[0])
+    waiting = [
+        sorted(
+            (slot, k, i) for k, c in enumerate(r) for i, (slot, a) in enumerate(c) if a.kind is Kind.UNSHARD
         )
-    after.setdefault(grads[-1], []).extend(Action(stage, Kind.OPTIM, bucket=b) for b in reduce_order)
-    return before, after
+        for r in chains
+    ]
+    order: list[tuple[int, int]] = []
+    total = sum(len(c) for c in chains[0])
+    while len(order) < total:
+        candidates = []
+        for k, head in enumerate(heads):
+            if head == len(chains[0][k]):
+                continue
+            action = chains[0][k][head][1]
+            allowed = action.kind is Kind.UNSHARD or all(
+                not w or r[k][head][0] <= w[0][0] for r, w in zip(chains, waiting, strict=True)
+            )
+            if allowed:
+                candidates.append((chains[0][k][head][0], k))
+        if not candidates:
+            raise CollectiveMismatchError(
+                "no common collective order exists for this rank's stages across replicas; "
+                "use gather_windows=1 or equal micro-batch counts"
+            )
+        _, k = min(candidates)
+        if chains[0][k][heads[k]][1].kind is Kind.UNSHARD:
+            for r, w in zip(chains, waiting, strict=True):
+                w.remove((r[k][heads[k]][0], k, heads[k]))
+        order.append((k, heads[k]))
+        heads[k] += 1
+    return order
 
 
-def _pad_naive_gathers(rows: list[list[Action]], stage: int, target: int, nbuckets: int) -> None:
-    """Add UNSHARD/RESHARD pairs before the stage's first REDUCE_GRAD until ``target`` pairs."""
-    for row in rows:
-        have = sum(1 for a in row if a.kind is Kind.UNSHARD and a.stage == stage)
-        if have >= target:
-            continue
-        at = next(i for i, a in enumerate(row) if a.kind is Kind.REDUCE_GRAD and a.stage == stage)
-        bucket = None if nbuckets == 1 else 0
-        pad = [
-            Action(stage, k, bucket=bucket)
-            for _ in range(target - have)
-            for k in (Kind.UNSHARD, Kind.RESHARD)
-        ]
-        row[at:at] = pad
+def _positions(chain_lists: list[Placed], order: list[tuple[int, int]]) -> Placed:
+    """Slots for one replica following ``order``: others at their slot or later, gathers right
+    after the previous collective (never later than their own slot, by construction)."""
+    placed: Placed = []
+    previous = 0
+    for k, i in order:
+        slot, action = chain_lists[k][i]
+        if action.kind is not Kind.UNSHARD:
+            previous = max(previous, slot)
+        placed.append((previous, action))
+    return placed
 
 
 def place_collectives(
@@ -148,7 +203,8 @@ def place_collectives(
 
     ``schedules`` are the replicas' programs (compute-only or lowered; same stages and
     stage-to-rank map, micro-batch counts may differ). ``zero[s]`` and ``stage_layers[s]`` are
-    per global stage. Existing collectives are removed first, so the pass can be re-run.
+    per global stage. Existing collectives are removed first, so the pass can be re-run. The
+    replica with the most compute sets the issue order every other member of a DP group follows.
     """
     policy = Placement(policy)
     first = schedules[0]
@@ -157,47 +213,44 @@ def place_collectives(
             f"need one ZeRO setting and one layer count per stage ({first.num_stages}), "
             f"got {len(zero)} and {len(stage_layers)}"
         )
-    for sched in schedules[1:]:
-        if sched.stage_to_rank != first.stage_to_rank:
-            raise ValueError("all replicas must place stages on pipeline ranks the same way")
+    if any(s.stage_to_rank != first.stage_to_rank for s in schedules):
+        raise ValueError("all replicas must place stages on pipeline ranks the same way")
     buckets = bucket_layers(stage_layers, zero, policy)
+    bases = [[[a for a in row if a.kind not in COLLECTIVE_KINDS] for row in s.actions] for s in schedules]
+    uses = [
+        max(sum(1 for row in b for a in row if a.stage == s) for b in bases) for s in range(first.num_stages)
+    ]
+    reference = max(range(len(schedules)), key=lambda r: (sum(map(len, bases[r])), -r))
+    rows: list[list[list[Action]]] = [[] for _ in schedules]
+    for rank in range(first.num_ranks):
+        chains = [
+            [
+                _stage_collectives(base[rank], stage, zero[stage], len(buckets[stage]), policy, uses[stage])
+                for stage in first.stages_of_rank(rank)
+            ]
+            for base in bases
+        ]
+        order = _common_order([chains[reference]] + chains[:reference] + chains[reference + 1 :])
+        for replica, base in enumerate(bases):
+            rows[replica].append(_merge(base[rank], _positions(chains[replica], order)))
     out = []
-    for sched in schedules:
-        rows = []
-        for rank, row in enumerate(sched.actions):
-            base = [a for a in row if a.kind not in COLLECTIVE_KINDS]
-            before: dict[int, list[Action]] = {}
-            after: dict[int, list[Action]] = {}
-            for stage in sched.stages_of_rank(rank):
-                b, a = _rank_plan(base, stage, zero[stage], len(buckets[stage]), policy)
-                for key, acts in b.items():
-                    before.setdefault(key, []).extend(acts)
-                for key, acts in a.items():
-                    after.setdefault(key, []).extend(acts)
-            rows.append(_merge(base, before, after))
-        placed = sched.with_actions(rows)
-        placed.bucket_layers = dict(buckets)
-        out.append(placed)
-    if policy is Placement.NAIVE:
-        for stage, setting in enumerate(zero):
-            if setting.level == 3:
-                rank = first.stage_to_rank[stage]
-                most = max(
-                    sum(1 for a in s.actions[rank] if a.kind is Kind.UNSHARD and a.stage == stage)
-                    for s in out
-                )
-                _pad_naive_gathers([s.actions[rank] for s in out], stage, most, len(buckets[stage]))
+    for sched, sched_rows in zip(schedules, rows, strict=True):
+        placed_sched = sched.with_actions(sched_rows)
+        placed_sched.bucket_layers = dict(buckets)
+        out.append(placed_sched)
     check_dp_consistency(out)
     return out
 
 
-def _merge(base: list[Action], before: dict, after: dict) -> list[Action]:
+def _merge(base: list[Action], items: Placed) -> list[Action]:
+    by_slot: dict[int, list[Action]] = {}
+    for slot, action in items:
+        by_slot.setdefault(slot, []).append(action)
     merged: list[Action] = []
     for i, action in enumerate(base):
-        merged.extend(before.get(i, ()))
+        merged.extend(by_slot.get(2 * i, ()))
         merged.append(action)
-        merged.extend(after.get(i, ()))
-    merged.extend(before.get(len(base), ()))
+        merged.extend(by_slot.get(2 * i + 1, ()))
     return merged
 
 
@@ -230,3 +283,64 @@ def check_dp_consistency(schedules: Sequence[PipelineSchedule]) -> None:
                     f"{got[at] if at < len(got) else 'nothing'} where replica 0 issues "
                     f"{expected[at] if at < len(expected) else 'nothing'}; the DP group would hang"
                 )
+
+
+def _fail(rank: int, action: Action, rule: str) -> None:
+    raise CollectiveMismatchError(f"rank {rank}, action {action}: {rule}")
+
+
+def check_zero_placement(schedule: PipelineSchedule, zero: Sequence[StageZero]) -> None:
+    """Check one replica's collectives against the rules the runtime relies on.
+
+    Level-3 compute runs only while every bucket of its stage is gathered; gathers and frees
+    alternate; no weight gradient is produced after a stage's last reduction; the optimizer step
+    of a bucket follows that bucket's last reduction. Raises :class:`CollectiveMismatchError`
+    naming the rank, the action and the rule.
+    """
+    for rank, row in enumerate(schedule.actions):
+        gathered: set[tuple[int, int | None]] = set()
+        reduced_after_last_grad: dict[tuple[int, int | None], bool] = {}
+        for action in row:
+            key = (action.stage, action.bucket)
+            level = zero[action.stage].level
+
+            if action.kind is Kind.UNSHARD:
+                if level != 3:
+                    _fail(
+                        rank,
+                        action,
+                        f"UNSHARD on a stage at ZeRO level {level} (only level 3 shards weights)",
+                    )
+                if key in gathered:
+                    _fail(rank, action, "gathered twice without a RESHARD in between")
+                gathered.add(key)
+            elif action.kind is Kind.RESHARD:
+                if key not in gathered:
+                    _fail(rank, action, "RESHARD of weights that are not gathered")
+                gathered.discard(key)
+            elif action.kind is Kind.REDUCE_GRAD:
+                reduced_after_last_grad[key] = True
+            elif action.kind is Kind.OPTIM:
+                if not reduced_after_last_grad.get(key):
+                    _fail(rank, action, "optimizer step before the bucket's gradient reduction")
+            elif action.is_compute:
+                buckets = schedule.bucket_layers.get(action.stage, (0,))
+                keys = (
+                    [(action.stage, None)]
+                    if len(buckets) == 1
+                    else [(action.stage, b) for b in range(len(buckets))]
+                )
+                if level == 3 and not all(k in gathered for k in keys):
+                    _fail(rank, action, "compute on a ZeRO-3 stage whose weights are not gathered")
+                if action.kind in (Kind.W, Kind.BW):
+                    for k in keys:
+                        reduced_after_last_grad[k] = False
+        leftover = [k for k, done in reduced_after_last_grad.items() if not done]
+        if leftover:
+            raise CollectiveMismatchError(
+                f"rank {rank}: stage {leftover[0][0]} produces weight gradients after its last REDUCE_GRAD"
+            )
+        if gathered:
+            raise CollectiveMismatchError(
+                f"rank {rank}: weights of {sorted(gathered, key=str)} still gathered at the end"
+            )
