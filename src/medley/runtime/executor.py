@@ -1,0 +1,210 @@
+"""Run one rank's action list from medley's IR, exactly in the order given.
+
+Per action: ``F`` forward (the last stage also applies the loss), ``BW`` full backward, ``B`` the
+input-gradient half and ``W`` the weight-gradient half of a split backward, ``SEND_*``/``RECV_*``
+point-to-point transfers on the pipeline group (tagged, so interleaved stages never mix up their
+messages), and the ZeRO collectives of :mod:`medley.runtime.sharding`. Adjacent stages on the same
+rank hand activations and gradients over in memory. Nothing happens that the list does not say,
+so every member of a DP group issues the collectives the schedule placed, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from medley.runtime.sharding import ShardedStage
+from medley.runtime.torch_adapter import backward_input, backward_weight
+from medley.schedule.ir import COLLECTIVE_KINDS, P2P_KINDS, Action, Kind, PipelineSchedule, add_send_recv
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(kw_only=True)
+class StageState:
+    """Per-step tensors of one stage, keyed by micro-batch."""
+
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    output_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    input_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    weight_state: dict[int, object] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class MicroBatches:
+    """This replica's token ids and targets, one [micro_batch_size, seq] tensor per micro-batch."""
+
+    inputs: list[torch.Tensor]
+    targets: list[torch.Tensor]
+
+
+class RankExecutor:
+    """Executes a rank's program of one replica's schedule, step after step.
+
+    Args:
+        schedule: the replica's schedule (with P2P and collective actions already placed).
+        pipeline_rank: this rank's index inside the replica.
+        stages: this rank's stages by global stage index.
+        pp_group: the replica's pipeline process group.
+        activation_shape: [micro_batch_size, seq, hidden] of the tensors passed between stages.
+        loss_fn: loss of one micro-batch from logits and targets, already scaled for the global batch.
+    """
+
+    def __init__(self, *, schedule: PipelineSchedule, pipeline_rank: int, stages: dict[int, ShardedStage],
+                 pp_group: dist.ProcessGroup, activation_shape: Sequence[int], loss_fn: LossFn,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.schedule = schedule
+        self.rank = pipeline_rank
+        self.stages = stages
+        self.pp_group = pp_group
+        self.activation_shape = tuple(activation_shape)
+        self.loss_fn = loss_fn
+        self.dtype = dtype
+        self.state: dict[int, StageState] = {}
+        self.pending_sends: list[dist.Work] = []
+
+    @property
+    def program(self) -> list[Action]:
+        return self.schedule.actions[self.rank]
+
+    def run_step(self, batch: MicroBatches) -> list[torch.Tensor]:
+        """Run the program once; returns the last stage's per-micro-batch losses (if held here)."""
+        self.state = {stage: StageState() for stage in self.stages}
+        for action in self.program:
+            self._run(action, batch)
+        for work in self.pending_sends:
+            work.wait()
+        self.pending_sends.clear()
+        last = self.schedule.num_stages - 1
+        losses = self.state[last].losses if last in self.state else {}
+        return [losses[mb].detach() for mb in sorted(losses)]
+
+    def _run(self, action: Action, batch: MicroBatches) -> None:
+        kind, stage, mb = action.kind, action.stage, action.micro_batch
+        if kind not in (Kind.OPTIM,) and stage not in self.stages:
+            raise ValueError(f"rank {self.rank} was given {action} but holds stages {sorted(self.stages)}")
+        if kind is Kind.F:
+            self._forward(stage, mb, batch)
+        elif kind in (Kind.B, Kind.BW):
+            self._backward_input(stage, mb, full=kind is Kind.BW)
+        elif kind is Kind.W:
+            self._backward_weight(stage, mb)
+        elif kind in (Kind.SEND_F, Kind.SEND_B):
+            self._send(action)
+        elif kind in (Kind.RECV_F, Kind.RECV_B):
+            self._recv(action)
+        elif kind is Kind.UNSHARD:
+            self.stages[stage].unshard(action.bucket)
+        elif kind is Kind.RESHARD:
+            self.stages[stage].reshard(action.bucket)
+        elif kind is Kind.REDUCE_GRAD:
+            self.stages[stage].reduce_grad(action.bucket)
+        elif kind is Kind.OPTIM:
+            self.stages[stage].optim_step(action.bucket)
+
+    def _forward(self, stage: int, mb: int, batch: MicroBatches) -> None:
+        st = self.state[stage]
+        if stage == 0:
+            inp = batch.inputs[mb]
+        else:
+            if mb not in st.inputs:
+                raise RuntimeError(f"{stage}F{mb} on rank {self.rank}: its input was never received")
+            inp = st.inputs[mb].detach().requires_grad_(True)
+            st.inputs[mb] = inp
+        out = self.stages[stage].module(inp)
+        if stage == self.schedule.num_stages - 1:
+            st.losses[mb] = self.loss_fn(out, batch.targets[mb])
+            return
+        st.outputs[mb] = out
+        if stage + 1 in self.stages:
+            self.state[stage + 1].inputs[mb] = out.detach()
+
+    def _backward_input(self, stage: int, mb: int, *, full: bool) -> None:
+        st = self.state[stage]
+        last = stage == self.schedule.num_stages - 1
+        outputs = [st.losses[mb]] if last else [st.outputs.pop(mb)]
+        grads = None if last else [st.output_grads.pop(mb)]
+        inputs = [st.inputs.pop(mb)] if stage > 0 else []
+        if full:
+            torch.autograd.backward(outputs, grads)
+            input_grad = inputs[0].grad if inputs else None
+        elif stage == 0:
+            # Token ids carry no gradient: the whole backward happens at W (as torch does).
+            st.weight_state[mb] = (outputs, grads)
+            return
+        else:
+            dinputs, saved = backward_input(outputs, grads, inputs, self.stages[stage].weights())
+            st.weight_state[mb] = saved
+            input_grad = dinputs[0]
+        if stage > 0:
+            st.input_grads[mb] = input_grad
+            if stage - 1 in self.stages:
+                self.state[stage - 1].output_grads[mb] = input_grad
+
+    def _backward_weight(self, stage: int, mb: int) -> None:
+        saved = self.state[stage].weight_state.pop(mb)
+        if stage == 0:
+            outputs, grads = saved
+            torch.autograd.backward(outputs, grads)
+        else:
+            backward_weight(self.stages[stage].weights(), saved)
+
+    def _tag(self, stage: int, mb: int, grad: bool) -> int:
+        return (stage * 2 + int(grad)) * self.schedule.num_micro_batches + mb
+
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(self.pp_group, self.schedule.stage_to_rank[stage])
+
+    def _send(self, action: Action) -> None:
+        st, mb = self.state[action.stage], action.micro_batch
+        if action.kind is Kind.SEND_F:
+            tensor, peer_stage = st.outputs[mb].detach(), action.stage + 1
+            tag = self._tag(action.stage, mb, grad=False)
+        else:
+            tensor, peer_stage = st.input_grads.pop(mb), action.stage - 1
+            tag = self._tag(peer_stage, mb, grad=True)
+        tensor = tensor.contiguous()
+        work = dist.isend(tensor, dst=self._peer(peer_stage), group=self.pp_group, tag=tag)
+        self.pending_sends.append(work)
+
+    def _recv(self, action: Action) -> None:
+        st, mb = self.state[action.stage], action.micro_batch
+        buffer = torch.empty(self.activation_shape, dtype=self.dtype)
+        if action.kind is Kind.RECV_F:
+            peer_stage, tag = action.stage - 1, self._tag(action.stage - 1, mb, grad=False)
+        else:
+            peer_stage, tag = action.stage + 1, self._tag(action.stage, mb, grad=True)
+        dist.recv(buffer, src=self._peer(peer_stage), group=self.pp_group, tag=tag)
+        if action.kind is Kind.RECV_F:
+            st.inputs[mb] = buffer
+        else:
+            st.output_grads[mb] = buffer
+
+
+def with_default_collectives(schedule: PipelineSchedule) -> PipelineSchedule:
+    """Make a bare schedule executable: P2P transfers if it has none, and, if it has no ZeRO
+    collectives, the obvious ones per stage: UNSHARD before anything else, REDUCE_GRAD right
+    after the stage's last backward, then RESHARD and OPTIM at the end of the rank's program.
+    Schedules from ``medley.schedule.zero`` already carry their own and pass through unchanged."""
+    rows = schedule.actions
+    if not any(a.kind in COLLECTIVE_KINDS for row in rows for a in row):
+        placed: list[list[Action]] = []
+        for rank, row in enumerate(rows):
+            stages = schedule.stages_of_rank(rank)
+            out = [Action(s, Kind.UNSHARD) for s in stages]
+            last_backward = {a.stage: i for i, a in enumerate(row) if a.kind in (Kind.W, Kind.BW)}
+            for index, action in enumerate(row):
+                out.append(action)
+                if last_backward.get(action.stage) == index:
+                    out.append(Action(action.stage, Kind.REDUCE_GRAD))
+            out += [Action(s, Kind.RESHARD) for s in stages] + [Action(s, Kind.OPTIM) for s in stages]
+            placed.append(out)
+        schedule = schedule.with_actions(placed)
+    if not any(a.kind in P2P_KINDS for row in schedule.actions for a in row):
+        schedule = add_send_recv(schedule)
+    return schedule

@@ -1,0 +1,186 @@
+"""ZeRO levels of one pipeline stage, driven by the schedule's collective actions.
+
+Each stage's layers are cut into buckets (``PipelineSchedule.bucket_layers``; one bucket by
+default). Semantics of the IR's collectives per level:
+
+====== ======================== =============================== ===================================
+level  UNSHARD / RESHARD        REDUCE_GRAD(bucket)             OPTIM
+====== ======================== =============================== ===================================
+3      all-gather / free params reduce-scatter (FSDP2 unit)     step on the parameter shards
+2      no-ops (params stay      reduce-scatter (FSDP2 unit)     step on the shards, then free and
+       gathered all step)                                       all-gather the updated parameters
+1      no-ops                   all-reduce                      ZeroRedundancyOptimizer (sharded
+                                                                state, broadcast of the updates)
+0      no-ops                   all-reduce                      plain optimizer step
+====== ======================== =============================== ===================================
+
+Every reduction is a SUM: the loss is already scaled by 1 / global token count, so replicas with
+unlike micro-batch counts add up to the single-device gradient (gloo has no PREMUL_SUM).
+FSDP's own hooks never communicate: gradient sync is off and nothing reshards by itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from medley.runtime.model import Decoder
+from medley.runtime.torch_adapter import fsdp_reduce_grad, fsdp_unsharded_params
+
+
+def bucket_layer_groups(layer_ids: Sequence[int], bucket_layers: Sequence[int] | None) -> list[list[int]]:
+    """Cut a stage's global layer indices into consecutive buckets of the given sizes."""
+    if not bucket_layers:
+        return [list(layer_ids)]
+    if sum(bucket_layers) != len(layer_ids) or min(bucket_layers) < 1:
+        raise ValueError(f"bucket sizes {tuple(bucket_layers)} must be positive and add up to the "
+                         f"stage's {len(layer_ids)} layers")
+    groups, start = [], 0
+    for size in bucket_layers:
+        groups.append(list(layer_ids[start:start + size]))
+        start += size
+    return groups
+
+
+@dataclass(kw_only=True)
+class ShardedStage:
+    """One stage's module with its ZeRO level, buckets and per-bucket optimizers.
+
+    Attributes:
+        module: the stage's layers (FSDP2-wrapped for levels 2 and 3).
+        zero: ZeRO level 0..3.
+        buckets: parameters per bucket, in bucket order (sharded DTensors for levels 2-3).
+        fsdp_units: FSDP unit per bucket (levels 2 and 3 only).
+        dp_group: process group of the stage's data-parallel replicas (None when dp == 1).
+        optimizers: one per bucket, so that OPTIM(stage, bucket) steps just that bucket.
+    """
+
+    module: Decoder
+    zero: int
+    buckets: list[list[nn.Parameter]]
+    fsdp_units: list[FSDPModule]
+    dp_group: dist.ProcessGroup | None
+    optimizers: list[torch.optim.Optimizer]
+    bucket_names: list[list[str]]
+    # Levels 0-1: gradients already all-reduced this step; a stage may reduce in several windows.
+    reduced: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)
+
+    def unshard(self, bucket: int | None) -> None:
+        if self.zero == 3:
+            for index in self._indices(bucket):
+                self.fsdp_units[index].unshard()
+
+    def reshard(self, bucket: int | None) -> None:
+        if self.zero == 3:
+            for index in self._indices(bucket):
+                self.fsdp_units[index].reshard()
+
+    def reduce_grad(self, bucket: int | None) -> None:
+        for index in self._indices(bucket):
+            if self.zero >= 2:
+                fsdp_reduce_grad(self.fsdp_units[index])
+            else:
+                self._all_reduce(self.buckets[index])
+
+    def optim_step(self, bucket: int | None) -> None:
+        for index in self._indices(bucket):
+            if self.zero < 2:
+                for param in self.buckets[index]:
+                    param.grad = self.reduced.pop(param, None) if self.dp_group is not None else param.grad
+            self.optimizers[index].step()
+            self.optimizers[index].zero_grad(set_to_none=True)
+            if self.zero == 2:
+                # Parameters stay gathered all step at level 2: refresh them after the update.
+                self.fsdp_units[index].reshard()
+                self.fsdp_units[index].unshard()
+
+    def weights(self) -> list[nn.Parameter]:
+        """The parameters autograd sees: FSDP's unsharded ones for levels 2-3, so that a split
+        backward finds them even if the stage was resharded and gathered again in between."""
+        if self.zero >= 2:
+            return [p for unit in self.fsdp_units for p in fsdp_unsharded_params(unit)]
+        return list(self.module.parameters())
+
+    def named_grads(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded, reduced) gradients by global parameter name; a collective at levels 2-3."""
+        grads = {}
+        for name, param in self._named_params():
+            grad = self.reduced.get(param, param.grad)
+            if grad is not None:
+                grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        return grads
+
+    def named_params(self) -> dict[str, torch.Tensor]:
+        """Full parameters by global name; a collective at levels 2-3."""
+        return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                for name, p in self._named_params()}
+
+    def _named_params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(name, p) for names, params in zip(self.bucket_names, self.buckets, strict=True)
+                for name, p in zip(names, params, strict=True)]
+
+    def _indices(self, bucket: int | None) -> range | list[int]:
+        return range(len(self.buckets)) if bucket is None else [bucket]
+
+    def _all_reduce(self, params: list[nn.Parameter]) -> None:
+        if self.dp_group is None or not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
+        offset = 0
+        for param, grad in zip(params, grads, strict=True):
+            summed = flat[offset:offset + grad.numel()].view_as(grad).clone()
+            offset += grad.numel()
+            previous = self.reduced.get(param)
+            self.reduced[param] = summed if previous is None else previous + summed
+            param.grad = None
+
+
+def shard_stage(
+    module: Decoder, *, zero: int, bucket_layers: Sequence[int] | None, dp_mesh: DeviceMesh | None,
+    optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
+) -> ShardedStage:
+    """Apply the stage's ZeRO level to ``module`` and build its optimizers (over the parameter
+    shards for levels 2 and 3, over replicated parameters with sharded state for level 1)."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO level must be 0, 1, 2 or 3, got {zero}")
+    layers = module.layer_modules()
+    groups = bucket_layer_groups(sorted(layers), bucket_layers)
+    dp_group = dp_mesh.get_group() if dp_mesh is not None and dp_mesh.size() > 1 else None
+    units: list[FSDPModule] = []
+    if zero >= 2:
+        for group in groups:
+            wrapped = fully_shard([layers[i] for i in group], mesh=dp_mesh, reshard_after_forward=False)
+            units.append(wrapped[0])
+        root = fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+        for unit in [*units, root]:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+        root.set_requires_gradient_sync(False)
+        root.set_reshard_after_backward(False)
+        root.set_is_last_backward(False)
+    # Built before any unshard, so that FSDP stages hold (and step) their sharded parameters.
+    buckets = [[p for i in group for p in layers[i].parameters()] for group in groups]
+    name_of = {p: name for name, p in module.named_parameters()}
+    bucket_names = [[name_of[p] for p in params] for params in buckets]
+    optimizers: list[torch.optim.Optimizer] = []
+    for params in buckets:
+        if zero == 1 and dp_group is not None:
+            optimizers.append(ZeroRedundancyOptimizer(
+                params, optimizer_class=optimizer_class, process_group=dp_group, **optimizer_kwargs))
+        else:
+            optimizers.append(optimizer_class(params, **optimizer_kwargs))
+    if zero == 2:
+        for unit in units:
+            unit.unshard()
+    return ShardedStage(module=module, zero=zero, buckets=buckets, fsdp_units=units, dp_group=dp_group,
+                        optimizers=optimizers, bucket_names=bucket_names)

@@ -1,0 +1,57 @@
+"""Every private torch API the runtime touches, in one place (pinned to torch 2.13.0).
+
+* The split backward of zero-bubble schedules: torch's ``pipelining._backward`` computes the
+  input gradient first and keeps the autograd intermediates that the weight gradient needs later.
+* FSDP2's per-parameter-group reduce-scatter, driven by medley at its REDUCE_GRAD actions instead
+  of by FSDP's autograd hooks (as torch's own ``PipelineStage.perform_reduce_grad`` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+
+def backward_input(
+    outputs: list[torch.Tensor], output_grads: list[torch.Tensor] | None, inputs: list[torch.Tensor],
+    weights: Iterable[torch.nn.Parameter],
+) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]]]:
+    """Input gradients only; returns them and the state :func:`backward_weight` needs."""
+    return stage_backward_input(outputs, output_grads, inputs, iter(weights))
+
+
+def backward_weight(weights: Iterable[torch.nn.Parameter], state: list[dict[str, Any]]) -> None:
+    """Weight gradients from the state saved by :func:`backward_input`, accumulated into ``.grad``."""
+    stage_backward_weight(iter(weights), state)
+
+
+def fsdp_param_groups(module: FSDPModule) -> list[Any]:
+    return list(module._get_fsdp_state()._fsdp_param_groups)
+
+
+def fsdp_reduce_grad(module: FSDPModule) -> None:
+    """Reduce-scatter the accumulated unsharded gradients of one FSDP unit, now.
+
+    Gradient sync stays disabled between these calls, so FSDP's hooks only accumulate; this
+    issues exactly one reduce-scatter per unit, at the point the schedule chose.
+    """
+    module.set_requires_gradient_sync(True, recurse=False)
+    try:
+        for group in fsdp_param_groups(module):
+            group.post_backward()
+            group.finalize_backward()
+            group._training_state = TrainingState.IDLE
+    finally:
+        module.set_requires_gradient_sync(False, recurse=False)
+
+
+def fsdp_unsharded_params(module: FSDPModule) -> list[torch.nn.Parameter]:
+    """The unsharded parameter objects of an FSDP unit. FSDP keeps these objects across reshard
+    and unshard (only their storage is freed and refilled), so autograd graphs that saved them
+    stay valid once the unit is gathered again."""
+    return [fp.unsharded_param for group in fsdp_param_groups(module) for fp in group.fsdp_params]

@@ -1,0 +1,134 @@
+"""Rank body of the runtime equality tests: run many plans in one process-group launch and compare
+each against the single-process reference (same seed, whole global batch)."""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from medley.runtime.executor import MicroBatches, RankExecutor, with_default_collectives
+from medley.runtime.model import Decoder, token_loss_sum
+from medley.runtime.stages import build_local_stages, make_mesh, rank_place
+from medley.schedule.ir import Kind, PipelineSchedule
+from medley.spec.model import get_model
+
+SEQ, MBS, SEED, LR = 16, 2, 7, 0.1
+
+
+@dataclass(kw_only=True)
+class Case:
+    """One plan: ``schedules[r]`` is replica r's program (micro-batch counts may differ)."""
+
+    name: str
+    pp: int
+    dp: int
+    split: tuple[int, ...]
+    zero: tuple[int, ...]
+    schedules: list[PipelineSchedule] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
+
+
+def global_batch(micro_batches: list[int], step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, 256, (sum(micro_batches) * MBS, SEQ + 1), generator=gen)
+
+
+def replica_batch(tokens: torch.Tensor, micro_batches: list[int], replica: int) -> MicroBatches:
+    start = sum(micro_batches[:replica]) * MBS
+    rows = tokens[start:start + micro_batches[replica] * MBS]
+    chunks = rows.split(MBS)
+    return MicroBatches(inputs=[c[:, :-1] for c in chunks], targets=[c[:, 1:] for c in chunks])
+
+
+def reference_step(model: Decoder, tokens: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Gradients of the global-batch mean token loss, and per-micro-batch scaled losses."""
+    n_tokens = tokens[:, 1:].numel()
+    model.zero_grad(set_to_none=True)
+    loss = token_loss_sum(model(tokens[:, :-1]), tokens[:, 1:]) / n_tokens
+    loss.backward()
+    with torch.no_grad():
+        per_mb = [token_loss_sum(model(c[:, :-1]), c[:, 1:]).item() / n_tokens for c in tokens.split(MBS)]
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, per_mb
+
+
+def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    if not got or any(n not in want for n in got):
+        raise AssertionError(f"names do not match the reference: {sorted(set(got) ^ set(want))[:4]}")
+    return max((got[n] - want[n]).abs().max().item() for n in got)
+
+
+def run_case(case: Case) -> dict:
+    spec = get_model("tiny")
+    mesh = make_mesh(case.pp, case.dp)
+    place = rank_place(mesh)
+    micro_batches = [s.num_micro_batches for s in case.schedules]
+    schedule = with_default_collectives(case.schedules[place.replica])
+    sgd = dict(lr=LR)
+    stages = build_local_stages(spec, schedule=schedule, split=case.split, zero=case.zero, mesh=mesh,
+                                seed=SEED, optimizer_class=torch.optim.SGD, optimizer_kwargs=sgd)
+    n_tokens = sum(micro_batches) * MBS * SEQ
+    # The first step stops before OPTIM so that gradients can be compared.
+    no_optim = [[a for a in row if a.kind is not Kind.OPTIM] for row in schedule.actions]
+    executor = RankExecutor(
+        schedule=schedule.with_actions(no_optim), pipeline_rank=place.pipeline_rank, stages=stages,
+        pp_group=mesh["pp"].get_group(), activation_shape=(MBS, SEQ, spec.hidden_size),
+        loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens)
+    reference = Decoder(spec, seed=SEED)
+    ref_opt = torch.optim.SGD(reference.parameters(), **sgd)
+    result = {"grad": 0.0, "loss": 0.0, "param1": 0.0, "param2": 0.0}
+    for step in range(2):
+        tokens = global_batch(micro_batches, step)
+        losses = executor.run_step(replica_batch(tokens, micro_batches, place.replica))
+        ref_grads, ref_losses = reference_step(reference, tokens)
+        if losses:
+            first = sum(micro_batches[:place.replica])
+            want = ref_losses[first:first + len(losses)]
+            diffs = [abs(a.item() - b) for a, b in zip(losses, want, strict=True)]
+            result["loss"] = max(result["loss"], *diffs)
+        if step == 0:
+            for index in sorted(stages):
+                result["grad"] = max(result["grad"], max_diff(stages[index].named_grads(), ref_grads))
+            for index in sorted(stages):
+                stages[index].optim_step(None)
+        ref_opt.step()
+        ref_params = dict(reference.named_parameters())
+        for index in sorted(stages):
+            diff = max_diff(stages[index].named_params(), ref_params)
+            result[f"param{step + 1}"] = max(result[f"param{step + 1}"], diff)
+        # The second step runs the full program, OPTIM actions included.
+        executor.schedule = schedule
+    return result
+
+
+def worker(rank: int, world: int, port: int, cases: list[Case], out_path: str) -> None:
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(150, exit=True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    results = {}
+    for case in cases:
+        if case.world != world:
+            continue
+        try:
+            results[case.name] = run_case(case)
+        except Exception:  # noqa: BLE001 - reported per case; other ranks may then time out
+            results[case.name] = {"error": traceback.format_exc(limit=6)}
+            print(f"rank {rank} case {case.name}:\n{results[case.name]['error']}", file=sys.stderr)
+            break
+    gathered: list[dict] = [{} for _ in range(world)]
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()

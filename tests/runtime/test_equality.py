@@ -1,0 +1,87 @@
+"""The runtime equals single-process training: loss and gradients within 1e-5 (fp32), parameters
+after SGD steps within 1e-5, for pipeline x ZeRO plans run on gloo with up to 4 ranks.
+
+Each launch runs many plans in one process group (a launch costs seconds); a watchdog in every
+rank and pytest-timeout turn a hang into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch.multiprocessing as mp
+from equality_worker import Case, worker
+
+from medley.schedule.generators import generate
+from medley.schedule.ir import B, F, PipelineSchedule, W, loop_stage_to_rank
+
+TOL = 1e-5
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def zb_h1(pp: int, micro_batches: int) -> PipelineSchedule:
+    """1F1B with the backward split: stage s defers each W by pp-1-s backwards (ZB-H1 shape)."""
+    rows = []
+    for stage, row in enumerate(generate("1f1b", pp=pp, micro_batches=micro_batches).actions):
+        out, delay, done = [], pp - 1 - stage, 0
+        for action in row:
+            if action.kind.value == "BW":
+                out.append(B(stage, action.micro_batch))
+                if action.micro_batch - delay >= 0:
+                    out.append(W(stage, action.micro_batch - delay))
+                    done += 1
+            else:
+                out.append(F(stage, action.micro_batch))
+        out += [W(stage, i) for i in range(done, micro_batches)]
+        rows.append(out)
+    return PipelineSchedule(family="zb-h1", num_stages=pp, num_micro_batches=micro_batches,
+                            stage_to_rank=loop_stage_to_rank(pp), actions=rows)
+
+
+def launch(world: int, cases: list[Case], tmp_path) -> dict[str, dict]:
+    out = tmp_path / f"results_{world}.json"
+    mp.spawn(worker, args=(world, free_port(), cases, str(out)), nprocs=world, join=True)
+    merged: dict[str, dict] = {}
+    for rank_results in json.loads(out.read_text()):
+        for name, figures in rank_results.items():
+            slot = merged.setdefault(name, {})
+            for key, value in figures.items():
+                slot[key] = value if isinstance(value, str) else max(value, slot.get(key, 0.0))
+    return merged
+
+
+def check(results: dict[str, dict], cases: list[Case]) -> None:
+    report = "\n".join(f"{name}: {figures}" for name, figures in results.items())
+    print(report)
+    for case in cases:
+        figures = results.get(case.name)
+        assert figures is not None, f"{case.name} did not run\n{report}"
+        assert "error" not in figures, f"{case.name} failed:\n{figures['error']}"
+        for key in ("loss", "grad", "param1", "param2"):
+            assert figures[key] <= TOL, f"{case.name}: {key} differs by {figures[key]:.3g}\n{report}"
+
+
+def two_rank_cases() -> list[Case]:
+    gen = generate
+    return [
+        Case(name="pp2-1f1b-zero0", pp=2, dp=1, split=(2, 4), zero=(0, 0),
+             schedules=[gen("1f1b", pp=2, micro_batches=3)]),
+        Case(name="pp2-zbh1-zero3", pp=2, dp=1, split=(3, 3), zero=(3, 3), schedules=[zb_h1(2, 4)]),
+        Case(name="dp2-zero3-uneven-mb", pp=1, dp=2, split=(6,), zero=(3,),
+             schedules=[gen("gpipe", pp=1, micro_batches=3), gen("gpipe", pp=1, micro_batches=1)]),
+        Case(name="dp2-zero1", pp=1, dp=2, split=(6,), zero=(1,),
+             schedules=[gen("1f1b", pp=1, micro_batches=2)] * 2),
+    ]
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks(tmp_path) -> None:
+    cases = two_rank_cases()
+    check(launch(2, cases, tmp_path), cases)
