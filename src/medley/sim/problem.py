@@ -1,0 +1,162 @@
+"""The simulator's input: schedules, device placement and durations, as plain numbers.
+
+The caller (the planner, the CLI) turns a plan and a cost model into a :class:`SimProblem`; the
+simulator never looks at layers, models or device types, only at seconds and bytes. Memory is
+modelled as ``static`` (resident all step) plus transient buffers that actions allocate and free:
+
+* activations: ``activation_bytes`` from the start of F until its backward releases them
+  (B keeps ``activation_after_b_bytes`` until W; BW frees everything);
+* the full gradient buffer of a stage, ``grad_buffer_bytes``, from the start of the rank's first
+  W or BW of that stage until a REDUCE_GRAD frees it (ZeRO-2/3; ZeRO-0/1 keep it in ``static``);
+* ZeRO collectives, described per action by :class:`CollectiveCost` (gathered weights, ...).
+
+How a caller fills :class:`CollectiveCost` for ZeRO levels 0..3 (one bucket = one stage here;
+with layer buckets give each bucket its share of the bytes). ``P``: the stage's bf16 weight
+bytes, ``G``: its bf16 gradient bytes, ``d``: the DP group size, group: the devices that run the
+stage in every replica.
+
+* level 0: REDUCE_GRAD is ``ALL_REDUCE`` of ``G`` bytes, frees nothing (gradients and Adam
+  states are static); OPTIM ``compute_s`` = full optimizer step.
+* level 1: REDUCE_GRAD ``REDUCE_SCATTER`` of ``G``; OPTIM on the shard; an UNSHARD after OPTIM
+  (``ALL_GATHER`` of ``P``, ``alloc_bytes=0`` since the full weights are static) re-broadcasts
+  the updated weights.
+* level 2: as level 1, but ``grad_buffer_bytes = G`` on the StageCost and REDUCE_GRAD
+  ``free_bytes = G`` (static holds the ``G/d`` shard).
+* level 3: as level 2, plus UNSHARD ``ALL_GATHER`` of ``P`` with ``alloc_bytes = P - P/d`` before
+  the stage's compute and RESHARD ``free_bytes = P - P/d`` after (static holds ``P/d``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from medley.cost.interfaces import Collective, CommModel
+from medley.schedule.ir import Action, Kind, PipelineSchedule
+
+
+@dataclass(kw_only=True, slots=True)
+class StageCost:
+    """Durations and bytes of one stage for one micro-batch, on the device that runs it.
+
+    Attributes:
+        forward_s: time of F.
+        backward_input_s: time of B (input gradient). BW takes ``backward_input_s + backward_weight_s``.
+        backward_weight_s: time of W (weight gradient).
+        activation_bytes: held from the start of F until the micro-batch's B or BW ends.
+        activation_after_b_bytes: still held between the end of B and the end of W.
+        send_bytes: the stage's output activation per micro-batch, sent to the next stage; the
+            gradient coming back into this stage from the next one has the same size.
+        grad_buffer_bytes: full (unsharded) gradient buffer allocated at the rank's first W or BW
+            of this stage and freed by REDUCE_GRAD ``free_bytes``; 0 when gradients are static.
+    """
+
+    forward_s: float
+    backward_input_s: float
+    backward_weight_s: float
+    activation_bytes: float = 0.0
+    activation_after_b_bytes: float = 0.0
+    send_bytes: float = 0.0
+    grad_buffer_bytes: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveCost:
+    """What one ZeRO action (UNSHARD, RESHARD, REDUCE_GRAD, OPTIM) of one replica does.
+
+    Actions of the same kind, stage and bucket on the devices of ``group`` are one collective; the
+    n-th occurrence on one member matches the n-th on the others. Members issue it in their own
+    list order; it starts when every member has issued it and every member's collective stream
+    is free (streams run their collectives in list order), and it occupies those streams and the
+    links of the ring ``group[0] -> group[1] -> ... -> group[0]`` for
+    ``comm.collective_time(op, group, nbytes)``.
+
+    Attributes:
+        group: global device ids of the DP group, in ring order; must contain the issuing device.
+            A group of one (or ``op=None``) has no communication.
+        op: the collective, or None for local actions (RESHARD frees memory, OPTIM computes).
+        nbytes: full (unsharded) buffer size handed to ``CommModel.collective_time``.
+        compute_s: OPTIM only: time on the device's compute stream. OPTIM waits for the rank's
+            latest REDUCE_GRAD of the same stage (and bucket, if it names one) listed before it.
+        alloc_bytes: memory added on this device when the action starts (UNSHARD: gathered
+            weights).
+        free_bytes: memory released on this device when the action ends (RESHARD: gathered
+            weights; REDUCE_GRAD: the full gradient buffer, down to the shard held in static).
+    """
+
+    group: tuple[int, ...]
+    op: Collective | None
+    nbytes: float = 0.0
+    compute_s: float = 0.0
+    alloc_bytes: float = 0.0
+    free_bytes: float = 0.0
+
+
+CollectiveTable = Callable[[int, Action], CollectiveCost]
+"""``table(replica, action)`` -> what that replica's collective action does."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SimProblem:
+    """Everything one simulated training step needs.
+
+    Attributes:
+        schedules: one per DP replica; micro-batch counts may differ. Compute-only schedules are
+            lowered as :func:`medley.schedule.ir.add_send_recv` does; lowered ones run as given.
+        devices: ``devices[r][k]`` is the global device id of replica r's pipeline rank k. Every
+            device appears once.
+        stage_costs: ``stage_costs[r][s]`` for replica r, global (virtual) stage s.
+        static_memory_bytes: weights, gradients and optimizer states resident all step, per
+            device (computed by the caller for the device's ZeRO level). Missing devices hold 0.
+        comm: communication model; None means every transfer and collective takes zero time.
+        peak_flops: dense peak FLOP/s per device, for MFU. Missing devices count 0.
+        model_flops_per_step: model FLOPs of the whole step (all replicas), e.g. 6·N·tokens.
+        tokens_per_step: tokens of the whole step (all replicas).
+        collectives: answers for every UNSHARD/RESHARD/REDUCE_GRAD/OPTIM in the schedules;
+            required when any schedule has one.
+    """
+
+    schedules: list[PipelineSchedule]
+    devices: list[list[int]]
+    stage_costs: list[list[StageCost]]
+    static_memory_bytes: dict[int, float] = field(default_factory=dict)
+    comm: CommModel | None = None
+    peak_flops: dict[int, float] = field(default_factory=dict)
+    model_flops_per_step: float = 0.0
+    tokens_per_step: float = 0.0
+    collectives: CollectiveTable | None = None
+
+    def __post_init__(self) -> None:
+        replicas = len(self.schedules)
+        if replicas == 0:
+            raise ValueError("SimProblem.schedules is empty; give one schedule per DP replica")
+        if len(self.devices) != replicas or len(self.stage_costs) != replicas:
+            raise ValueError(
+                f"SimProblem has {replicas} schedules but {len(self.devices)} device rows and "
+                f"{len(self.stage_costs)} stage-cost rows; give one of each per replica"
+            )
+        seen: set[int] = set()
+        for r, schedule in enumerate(self.schedules):
+            if len(self.devices[r]) != schedule.num_ranks:
+                raise ValueError(
+                    f"replica {r}: devices[{r}] has {len(self.devices[r])} ids but the schedule has "
+                    f"{schedule.num_ranks} ranks"
+                )
+            if len(self.stage_costs[r]) != schedule.num_stages:
+                raise ValueError(
+                    f"replica {r}: stage_costs[{r}] has {len(self.stage_costs[r])} entries but the "
+                    f"schedule has {schedule.num_stages} stages"
+                )
+            for device in self.devices[r]:
+                if device in seen:
+                    raise ValueError(f"device {device} appears twice in SimProblem.devices")
+                seen.add(device)
+            if self.collectives is None and any(
+                a.kind in _ZERO_KINDS for row in schedule.actions for a in row
+            ):
+                raise ValueError(
+                    f"replica {r}'s schedule has ZeRO actions; SimProblem.collectives must say what they do"
+                )
+
+
+_ZERO_KINDS = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD, Kind.OPTIM})

@@ -1,0 +1,258 @@
+"""Flatten a :class:`SimProblem` into per-device op tuples over one array of event times.
+
+Every time the engine needs is a *slot* in ``Program.times`` (-1 until known): the end of each
+F and of each B/BW, the arrival of each transfer, the end of each collective. Dependencies are
+slot indices fixed here, so the engine's inner loop only compares floats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from medley.cost.interfaces import Collective
+from medley.schedule.ir import P2P_KINDS, Action, Kind, PipelineSchedule
+from medley.sim.problem import SimProblem
+
+ZERO_SLOT = 0  # always 0.0: "no dependency"
+SINK_SLOT = 1  # written by actions nobody waits on (W, OPTIM)
+
+OP_COMPUTE = 0  # (code, dur, dep, producer, local_dep, zero_dep, out, mem_start, mem_end, action, zero_inst)
+OP_SEND = 1  # (code, transfer, producer_slot, action that produced it or the SEND itself)
+OP_ISSUE = 2  # (code, collective instance)
+OP_MEMORY = 3  # (code, alloc_bytes, free_bytes, action): local ZeRO action without communication
+
+TRANSFER_F = 0  # activation going forward
+TRANSFER_B = 1  # gradient going backward
+
+
+@dataclass(kw_only=True, slots=True)
+class Program:
+    """What the engine executes. Devices are dense indices into ``device_ids``."""
+
+    device_ids: list[int]
+    replica_rank: list[tuple[int, int]]
+    times: list[float]
+    ops: list[list[tuple]]
+    # transfers, by transfer id
+    xfer_src: list[int] = field(default_factory=list)
+    xfer_dst: list[int] = field(default_factory=list)
+    xfer_dur: list[float] = field(default_factory=list)
+    xfer_links: list[tuple[int, ...]] = field(default_factory=list)
+    xfer_slot: list[int] = field(default_factory=list)
+    xfer_info: list[tuple[int, int, int, int]] = field(default_factory=list)  # replica, F/B, stage, mb
+    # collectives, by instance id
+    coll_members: list[list[int]] = field(default_factory=list)
+    coll_alloc: list[list[float]] = field(default_factory=list)
+    coll_free: list[list[float]] = field(default_factory=list)
+    coll_dur: list[float] = field(default_factory=list)
+    coll_links: list[tuple[int, ...]] = field(default_factory=list)
+    coll_slot: list[int] = field(default_factory=list)
+    coll_action: list[Action] = field(default_factory=list)
+    coll_seq: list[list[int]] = field(default_factory=list)  # per device, instances in issue order
+    link_names: list[str] = field(default_factory=list)
+
+
+class _Builder:
+    def __init__(self, problem: SimProblem) -> None:
+        self.problem = problem
+        self.dense: dict[int, int] = {}
+        replica_rank: list[tuple[int, int]] = []
+        for r, row in enumerate(problem.devices):
+            for k, device in enumerate(row):
+                self.dense[device] = len(self.dense)
+                replica_rank.append((r, k))
+        n = len(self.dense)
+        self.prog = Program(
+            device_ids=list(self.dense), replica_rank=replica_rank, times=[0.0, 0.0],
+            ops=[[] for _ in range(n)], coll_seq=[[] for _ in range(n)],
+        )
+        self.link_ids: dict[str, int] = {}
+        self.path_cache: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.routes: dict[tuple[int, bool, int], tuple] = {}
+        self.coll_index: dict[tuple, int] = {}
+        self.bases: list[int] = []
+        for schedule in problem.schedules:
+            self.bases.append(len(self.prog.times))
+            self.prog.times.extend([-1.0] * (4 * schedule.num_stages * schedule.num_micro_batches))
+
+    # slot layout of replica r: [done_f | done_b | arrive_f | arrive_b], each stage-major
+    def slot(self, r: int, region: int, stage: int, mb: int) -> int:
+        schedule = self.problem.schedules[r]
+        m = schedule.num_micro_batches
+        if not 0 <= mb < m:
+            raise ValueError(f"replica {r}: micro-batch {mb} out of range 0..{m - 1}")
+        return self.bases[r] + (region * schedule.num_stages + stage) * m + mb
+
+    def links(self, src: int, dst: int) -> tuple[int, ...]:
+        key = (src, dst)
+        if key not in self.path_cache:
+            comm = self.problem.comm
+            names = comm.path_links(src, dst) if comm is not None else ()
+            self.path_cache[key] = tuple(self.link_ids.setdefault(name, len(self.link_ids)) for name in names)
+        return self.path_cache[key]
+
+    def build(self) -> Program:
+        for r, schedule in enumerate(self.problem.schedules):
+            lowered = any(a.kind in P2P_KINDS for row in schedule.actions for a in row)
+            for k, row in enumerate(schedule.actions):
+                self.build_rank(r, k, schedule, row, lowered)
+        for inst, members in enumerate(self.prog.coll_members):
+            if any(alloc is None for alloc in self.prog.coll_alloc[inst]):
+                allocs = self.prog.coll_alloc[inst]
+                missing = [self.prog.device_ids[m] for m, a in zip(members, allocs, strict=True) if a is None]
+                raise ValueError(
+                    f"collective {self.prog.coll_action[inst]} over devices "
+                    f"{[self.prog.device_ids[m] for m in members]} is never issued by devices {missing}; "
+                    "every member of a DP group must issue the same collectives in the same order"
+                )
+        self.prog.link_names = list(self.link_ids)
+        return self.prog
+
+    def build_rank(
+        self, r: int, k: int, schedule: PipelineSchedule, row: list[Action], lowered: bool
+    ) -> None:
+        device = self.dense[self.problem.devices[r][k]]
+        s2r = schedule.stage_to_rank
+        last = schedule.num_stages - 1
+        costs = self.problem.stage_costs[r]
+        ops = self.prog.ops[device]
+        m = schedule.num_micro_batches
+        # slot of (region, s, mb) is base + region * stride + s * m + mb
+        base, stride = self.bases[r], schedule.num_stages * m
+        unshard: dict[int, int] = {}  # stage -> latest UNSHARD instance listed so far
+        reduce: dict[tuple[int, int | None], int] = {}  # (stage, bucket) -> latest REDUCE_GRAD instance
+        grads_started: set[int] = set()
+        occurrences: dict[tuple[Kind, int, int | None], int] = {}
+        for action in row:
+            kind, s, mb = action.kind, action.stage, action.micro_batch
+            if s > last or s2r[s] != k:
+                raise ValueError(f"replica {r} rank {k}: action {action} does not belong to this rank")
+            if mb is not None and mb >= m:
+                raise ValueError(f"replica {r} rank {k}: action {action} names micro-batch {mb} of only {m}")
+            if kind is Kind.F or kind is Kind.B or kind is Kind.W or kind is Kind.BW:
+                cost = costs[s]
+                here = base + s * m + mb
+                dep = producer = local = ZERO_SLOT
+                if kind is Kind.F:
+                    dur, out, mem_start, mem_end = cost.forward_s, here, cost.activation_bytes, 0.0
+                    if s > 0:
+                        producer = here - m
+                        dep = producer if s2r[s - 1] == k else producer + 2 * stride
+                    send = not lowered and s < last and s2r[s + 1] != k
+                elif kind is Kind.W:
+                    dur, out, mem_start = cost.backward_weight_s, SINK_SLOT, 0.0
+                    mem_end = cost.activation_after_b_bytes
+                    local = here + stride
+                    send = False
+                else:
+                    split = kind is Kind.B
+                    dur = cost.backward_input_s + (0.0 if split else cost.backward_weight_s)
+                    out, mem_start, local = here + stride, 0.0, here
+                    mem_end = cost.activation_bytes - (cost.activation_after_b_bytes if split else 0.0)
+                    if s < last:
+                        producer = here + stride + m
+                        dep = producer if s2r[s + 1] == k else producer + 2 * stride
+                    send = not lowered and s > 0 and s2r[s - 1] != k
+                if (kind is Kind.W or kind is Kind.BW) and s not in grads_started:
+                    grads_started.add(s)
+                    mem_start += cost.grad_buffer_bytes
+                zero_inst = unshard.get(s, -1)
+                zero_dep = self.prog.coll_slot[zero_inst] if zero_inst >= 0 else ZERO_SLOT
+                ops.append((OP_COMPUTE, dur, dep, producer, local, zero_dep, out, mem_start, mem_end, action,
+                            zero_inst))
+                if send:  # the SEND add_send_recv would place right after this action
+                    ops.append(self.send_op(r, k, kind is Kind.F, s, mb, s2r, action))
+            elif kind is Kind.SEND_F or kind is Kind.SEND_B:
+                ops.append(self.send_op(r, k, kind is Kind.SEND_F, s, mb, s2r, action))
+            elif kind in P2P_KINDS:
+                continue  # receives are posted early; the consumer waits for the arrival slot
+            else:
+                self.zero_op(r, device, action, occurrences, unshard, reduce, ops)
+
+    def send_op(
+        self, r: int, k: int, forward: bool, s: int, mb: int, s2r: tuple[int, ...], action: Action
+    ) -> tuple:
+        route = self.routes.get((r, forward, s))
+        if route is None:
+            route = self.routes[(r, forward, s)] = self.route(r, k, forward, s, s2r, action)
+        src, dst, dur, links, producer_region, arrival_region = route
+        prog = self.prog
+        xid = len(prog.xfer_src)
+        prog.xfer_src.append(src)
+        prog.xfer_dst.append(dst)
+        prog.xfer_dur.append(dur)
+        prog.xfer_links.append(links)
+        prog.xfer_slot.append(arrival_region + mb)
+        prog.xfer_info.append((r, TRANSFER_F if forward else TRANSFER_B, s, mb))
+        return (OP_SEND, xid, producer_region + mb, action)
+
+    def route(self, r: int, k: int, forward: bool, s: int, s2r: tuple[int, ...], action: Action) -> tuple:
+        """(src, dst, duration, links, producer slot - mb, arrival slot - mb) of a stage's sends."""
+        peer = s + 1 if forward else s - 1
+        if not 0 <= peer < len(s2r):
+            raise ValueError(f"replica {r} rank {k}: a send of {action} goes past the end of the pipeline")
+        row = self.problem.devices[r]
+        src, dst = row[k], row[s2r[peer]]
+        nbytes = self.problem.stage_costs[r][s if forward else peer].send_bytes
+        comm = self.problem.comm
+        dur = comm.p2p_time(src, dst, nbytes) if comm is not None else 0.0
+        producer = self.slot(r, 0 if forward else 1, s, 0)
+        arrival = self.slot(r, 2 if forward else 3, s, 0)
+        return (self.dense[src], self.dense[dst], dur, self.links(src, dst), producer, arrival)
+
+    def zero_op(self, r, device, action, occurrences, unshard, reduce, ops) -> None:
+        cost = self.problem.collectives(r, action)
+        me = self.prog.device_ids[device]
+        if me not in cost.group:
+            raise ValueError(f"replica {r}: collective table gives {action} the group {cost.group}, "
+                             f"which lacks the issuing device {me}")
+        if action.kind is Kind.OPTIM:
+            inst = reduce.get((action.stage, action.bucket), reduce.get((action.stage, None), -1))
+            zero_dep = self.prog.coll_slot[inst] if inst >= 0 else ZERO_SLOT
+            ops.append((OP_COMPUTE, cost.compute_s, ZERO_SLOT, ZERO_SLOT, ZERO_SLOT, zero_dep, SINK_SLOT,
+                        cost.alloc_bytes, cost.free_bytes, action, inst))
+            return
+        if cost.op is None or len(cost.group) == 1:
+            ops.append((OP_MEMORY, cost.alloc_bytes, cost.free_bytes, action))
+            return
+        key3 = (action.kind, action.stage, action.bucket)
+        nth = occurrences.get(key3, 0)
+        occurrences[key3] = nth + 1
+        inst = self.instance(cost.group, action, nth, cost.op, cost.nbytes)
+        slot_in_group = self.prog.coll_members[inst].index(device)
+        self.prog.coll_alloc[inst][slot_in_group] = cost.alloc_bytes
+        self.prog.coll_free[inst][slot_in_group] = cost.free_bytes
+        self.prog.coll_seq[device].append(inst)
+        if action.kind is Kind.UNSHARD:
+            unshard[action.stage] = inst
+        elif action.kind is Kind.REDUCE_GRAD:
+            reduce[(action.stage, action.bucket)] = inst
+            reduce[(action.stage, None)] = inst
+        ops.append((OP_ISSUE, inst))
+
+    def instance(
+        self, group: tuple[int, ...], action: Action, nth: int, op: Collective, nbytes: float
+    ) -> int:
+        key = (group, action.kind, action.stage, action.bucket, nth)
+        inst = self.coll_index.get(key)
+        if inst is not None:
+            return inst
+        prog, comm = self.prog, self.problem.comm
+        unknown = [d for d in group if d not in self.dense]
+        if unknown:
+            raise ValueError(f"collective {action}: group {group} names devices {unknown} that run no rank")
+        inst = self.coll_index[key] = len(prog.coll_members)
+        prog.coll_members.append([self.dense[d] for d in group])
+        prog.coll_alloc.append([None] * len(group))
+        prog.coll_free.append([None] * len(group))
+        prog.coll_dur.append(comm.collective_time(op, group, nbytes) if comm is not None else 0.0)
+        ring = {link for i, d in enumerate(group) for link in self.links(d, group[(i + 1) % len(group)])}
+        prog.coll_links.append(tuple(sorted(ring)))
+        prog.coll_slot.append(len(prog.times))
+        prog.times.append(-1.0)
+        prog.coll_action.append(action)
+        return inst
+
+
+def build_program(problem: SimProblem) -> Program:
+    return _Builder(problem).build()
