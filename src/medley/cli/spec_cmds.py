@@ -1,9 +1,306 @@
-"""Placeholder module: filled by its owner; registers nothing yet."""
+"""`medley devices`, `medley cluster show`, `medley model show`: what the specs say and what layers cost.
+
+The print_* and *_summary functions are reused by the demo and by scripts (`--json`).
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from medley.cli.errors import MedleyInputError, exit_on_input_error
+from medley.cost import formulas
+from medley.cost.estimator import CatalogCostSource
+from medley.cost.interfaces import Pass
+from medley.spec.catalog import DeviceType, load_catalog
+from medley.spec.cluster import Cluster, parse_cluster_arg
+from medley.spec.model import ModelSpec, get_model
+
+DEFAULT_MODEL_CLUSTER = "4xA100-80GB+4xV100-32GB+4xT4-16GB"  # the demo cluster's device types
+ADAM_BYTES_PER_PARAM = 16  # bf16 weight + bf16 grad + fp32 master, m, v
+
+
+def make_console() -> Console:
+    """A console that keeps tables readable when output is piped (rich assumes 80 columns there)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=140)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f}"
+
+
+def print_devices(catalog: dict[str, DeviceType], console: Console) -> None:
+    table = Table(title=f"Device catalog ({len(catalog)} types; dense peaks)")
+    for col in (
+        "name",
+        "bf16/fp16 TF",
+        "fp32 TF",
+        "memory GB",
+        "mem BW GB/s",
+        "intra-node link",
+        "bf16",
+        "confidence",
+    ):
+        table.add_column(col, justify="left" if col in ("name", "node link GB/s", "confidence") else "right")
+    for d in catalog.values():
+        link = f"{d.intra_node_link} {d.intra_node_bandwidth_gbps:g}"
+        table.add_row(
+            d.name,
+            f"{d.peak_tflops_half:g}",
+            f"{d.peak_tflops_fp32:g}",
+            f"{d.memory_gb:g}",
+            f"{d.memory_bandwidth_gbps:g}",
+            link,
+            "yes" if d.supports_bf16 else "no",
+            d.confidence,
+        )
+    console.print(table)
+
+
+def cluster_summary(cluster: Cluster) -> dict[str, Any]:
+    nodes = []
+    for node in cluster.nodes:
+        types = {cluster.devices[i].type.name for i in node.device_ids}
+        nodes.append(
+            {
+                "name": node.name,
+                "device_types": sorted(types),
+                "count": len(node.device_ids),
+                "first_device": node.device_ids[0],
+                "groups": list(node.groups),
+                "memory_gb": sum(cluster.devices[i].type.memory_gb for i in node.device_ids),
+                "tflops": sum(cluster.devices[i].type.peak_tflops_half for i in node.device_ids),
+                "link": {
+                    "kind": node.link.kind,
+                    "bandwidth_gbps": node.link.bandwidth_gbps,
+                    "latency_us": node.link.latency_us,
+                },
+            }
+        )
+    tiers = [
+        {
+            "name": t.name,
+            "bandwidth_gbps": t.bandwidth_gbps,
+            "latency_us": t.latency_us,
+            "groups": {g: list(m) for g, m in t.groups.items()},
+            "pairs": [
+                {"between": sorted(k), "bandwidth_gbps": v[0], "latency_us": v[1]} for k, v in t.pairs.items()
+            ],
+        }
+        for t in cluster.tiers
+    ]
+    by_type = {name: len(ids) for name, ids in cluster.devices_by_type().items()}
+    return {
+        "name": cluster.name,
+        "num_devices": cluster.num_devices,
+        "devices_by_type": by_type,
+        "total_tflops_half": cluster.total_tflops(),
+        "total_memory_gb": cluster.total_memory_gb(),
+        "nodes": nodes,
+        "tiers": tiers,
+    }
+
+
+def print_cluster(cluster: Cluster, console: Console) -> None:
+    summary = cluster_summary(cluster)
+    table = Table(
+        title=f"Cluster '{cluster.name}': {cluster.num_devices} devices, "
+        f"{summary['total_tflops_half']:,.0f} bf16/fp16 TFLOPS, "
+        f"{summary['total_memory_gb']:,.0f} GB"
+    )
+    for col in ("node", "devices", "ids", "memory GB", "TFLOPS", "node link", "groups"):
+        table.add_column(col, justify="right" if col in ("memory GB", "TFLOPS") else "left")
+    rows = summary["nodes"]
+    shown = rows if len(rows) <= 24 else rows[:12] + rows[-4:]
+    for row in shown:
+        ids = f"{row['first_device']}-{row['first_device'] + row['count'] - 1}"
+        link = (
+            f"{row['link']['kind']} {row['link']['bandwidth_gbps']:g} GB/s, {row['link']['latency_us']:g} µs"
+        )
+        table.add_row(
+            row["name"],
+            f"{row['count']}x {', '.join(row['device_types'])}",
+            ids,
+            f"{row['memory_gb']:,.0f}",
+            f"{row['tflops']:,.0f}",
+            link,
+            " / ".join(row["groups"]),
+        )
+    if len(shown) < len(rows):
+        table.add_row("...", f"({len(rows) - len(shown)} more nodes)", "", "", "", "", "")
+    console.print(table)
+    tiers = Table(title="Network tiers (innermost first; bandwidth per node, per direction)")
+    for col in ("tier", "bandwidth GB/s", "latency µs", "groups", "pair overrides"):
+        tiers.add_column(col)
+    for t in summary["tiers"]:
+        tiers.add_row(
+            t["name"],
+            f"{t['bandwidth_gbps']:g}",
+            f"{t['latency_us']:g}",
+            str(len(t["groups"])),
+            str(len(t["pairs"])),
+        )
+    if summary["tiers"]:
+        console.print(tiers)
+
+
+def model_summary(
+    model: ModelSpec, cluster: Cluster, *, micro_batch_size: int, seq_len: int, dtype: str = "bf16"
+) -> dict[str, Any]:
+    """Per layer kind: params, FLOPs, activation bytes, and F/B/W seconds per device type."""
+    if micro_batch_size <= 0 or seq_len <= 0:
+        raise MedleyInputError("--micro-batch-size and --seq-len must be positive integers.")
+    shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len}
+    source = CatalogCostSource.for_cluster(model, cluster, dtype=dtype)
+    d = 4 if dtype == "fp32" else 2
+    groups = [
+        ("embedding", [0]),
+        ("block", list(range(1, model.num_blocks + 1))),
+        ("head", [model.num_layers - 1]),
+    ]
+    layers = []
+    for kind, indices in groups:
+        i = indices[0]
+        layers.append(
+            {
+                "kind": kind,
+                "first": indices[0],
+                "last": indices[-1],
+                "count": len(indices),
+                "params": formulas.layer_params(model, i),
+                "held_params": formulas.layer_held_params(model, i),
+                "flops": {p.value: formulas.layer_flops(model, i, p, **shape) for p in Pass},
+                "activation_bytes": formulas.layer_activation_bytes(model, i, dtype_bytes=d, **shape),
+                "activation_bytes_recompute": formulas.layer_activation_bytes(
+                    model, i, dtype_bytes=d, recompute=True, **shape
+                ),
+                "activation_bytes_after_b": formulas.layer_activation_bytes_after_b(
+                    model, i, dtype_bytes=d, **shape
+                ),
+                "seconds": {
+                    t: {p.value: source.layer_time(i, p, device_type=t, **shape).seconds for p in Pass}
+                    for t in cluster.device_types()
+                },
+            }
+        )
+    return {
+        "model": {k: getattr(model, k) for k in model.__dataclass_fields__},
+        "dtype": dtype,
+        **shape,
+        "total_params": formulas.total_params(model),
+        "num_layers": model.num_layers,
+        "boundary_bytes": formulas.boundary_bytes(model, dtype_bytes=d, **shape),
+        "layers": layers,
+        "cost_source": "catalog",
+    }
+
+
+def print_model_costs(
+    model: ModelSpec,
+    cluster: Cluster,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    console: Console,
+    dtype: str = "bf16",
+) -> None:
+    s = model_summary(model, cluster, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype)
+    title = (
+        f"{model.name}: {_count(s['total_params'])} params, {model.num_layers} layers; micro-batch "
+        f"{micro_batch_size} x {seq_len} tokens, {dtype}; stage boundary {_gib(s['boundary_bytes'])}"
+    )
+    table = Table(title=title)
+    for col in ("layer", "params", "F/B/W GFLOP", "activations", "recompute", "after B", "weights+Adam"):
+        table.add_column(col, justify="left" if col == "layer" else "right")
+    for row in s["layers"]:
+        span = f"{row['first']}" if row["count"] == 1 else f"{row['first']}-{row['last']}"
+        flops = "/".join(f"{row['flops'][p.value] / 1e9:,.1f}" for p in Pass)
+        table.add_row(
+            f"{row['kind']} {span}" + (" (each)" if row["count"] > 1 else ""),
+            _count(row["params"]),
+            flops,
+            _gib(row["activation_bytes"]),
+            _gib(row["activation_bytes_recompute"]),
+            _gib(row["activation_bytes_after_b"]),
+            _gib(row["held_params"] * ADAM_BYTES_PER_PARAM),
+        )
+    console.print(table)
+    times = Table(title="Estimated ms per layer and micro-batch (catalog peaks)")
+    for col in ("device type", "pass", *(row["kind"] for row in s["layers"]), "whole model"):
+        times.add_column(col, justify="left" if col in ("device type", "pass") else "right")
+    for device_type in cluster.device_types():
+        for p in Pass:
+            cells = [f"{row['seconds'][device_type][p.value] * 1e3:,.3f}" for row in s["layers"]]
+            total = sum(row["count"] * row["seconds"][device_type][p.value] for row in s["layers"])
+            times.add_row(device_type if p is Pass.F else "", p.value, *cells, f"{total * 1e3:,.1f}")
+    console.print(times)
 
 
 def register(app: typer.Typer) -> None:
-    del app
+    cluster_app = typer.Typer(no_args_is_help=True, help="Inspect cluster files.")
+    model_app = typer.Typer(no_args_is_help=True, help="Inspect models and their per-layer costs.")
+    app.add_typer(cluster_app, name="cluster")
+    app.add_typer(model_app, name="model")
+
+    @app.command()
+    @exit_on_input_error
+    def devices(
+        catalog: Annotated[Path | None, typer.Option(help="TOML file adding or overriding entries")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    ) -> None:
+        """The device catalog: dense peak TFLOPS, memory, bandwidth, links."""
+        entries = load_catalog(catalog)
+        if as_json:
+            typer.echo(
+                json.dumps(
+                    [{k: getattr(d, k) for k in d.__dataclass_fields__} for d in entries.values()], indent=2
+                )
+            )
+        else:
+            print_devices(entries, make_console())
+
+    @cluster_app.command("show")
+    @exit_on_input_error
+    def cluster_show(
+        cluster: Annotated[str, typer.Argument(help="cluster TOML file, or a short form like 8xA100-80GB")],
+        as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    ) -> None:
+        """Devices, memory, aggregate TFLOPS and link tiers of a cluster."""
+        spec = parse_cluster_arg(cluster)
+        if as_json:
+            typer.echo(json.dumps(cluster_summary(spec), indent=2))
+        else:
+            print_cluster(spec, make_console())
+
+    @model_app.command("show")
+    @exit_on_input_error
+    def model_show(
+        model: Annotated[str, typer.Argument(help="preset name or path of a Hugging Face config.json")],
+        cluster: Annotated[str, typer.Option(help="cluster file or short form: whose device types")] = (
+            DEFAULT_MODEL_CLUSTER
+        ),
+        micro_batch_size: Annotated[int, typer.Option(help="sequences per micro-batch")] = 1,
+        seq_len: Annotated[int | None, typer.Option(help="tokens per sequence [default: model max]")] = None,
+        dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
+        as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    ) -> None:
+        """Parameters, per-layer FLOPs, memory, and F/B/W time on each device type of a cluster."""
+        spec = get_model(model)
+        shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len or spec.max_seq_len, "dtype": dtype}
+        if as_json:
+            typer.echo(json.dumps(model_summary(spec, parse_cluster_arg(cluster), **shape), indent=2))
+        else:
+            print_model_costs(spec, parse_cluster_arg(cluster), console=make_console(), **shape)
