@@ -6,9 +6,11 @@ replicas. The pass inserts, per stage and in every replica's program:
 
 * ``UNSHARD(s, b)``: all-gather of bucket ``b``'s weights (level 3 only), and ``RESHARD(s, b)``
   after its last use in the window;
-* ``REDUCE_GRAD(s, b)``: the gradient reduction of bucket ``b`` (all-reduce at levels 0-1,
-  reduce-scatter at 2-3) after its last weight gradient of the window;
-* ``OPTIM(s, b)``: the (sharded) optimizer step of bucket ``b``.
+* ``REDUCE_GRAD(s, b)``: the gradient reduction of bucket ``b`` (all-reduce at level 0,
+  reduce-scatter at 1-3) after its last weight gradient of the window;
+* ``OPTIM(s, b)``: the (sharded) optimizer step of bucket ``b``; at levels 1-2 each member
+  updated only its shard, so an ``UNSHARD(s, b)`` after it gathers the updated weights (with the
+  reduce-scatter, the same 2Ψ traffic as level 0's all-reduce).
 
 Two policies. ``naive`` is what a plain FSDP wrapper does: level 3 gathers the whole stage before
 every forward and every backward and frees it after; one reduction and the optimizer step after
@@ -26,7 +28,7 @@ replica with fewer micro-batches pads the naive policy's per-micro-batch gathers
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -133,10 +135,13 @@ def _stage_collectives(
             last = 2 * window[-1] + 1 if window else last
             out += [(last, a) for a in reduces]
     out += [(end, Action(stage, Kind.OPTIM, bucket=b)) for b in reduce_order]
+    if setting.level in (1, 2):
+        # Each member updated only its shard: gather the updated weights (ZeRO-1/2 param sync).
+        out += [(end, Action(stage, Kind.UNSHARD, bucket=b)) for b in reduce_order]
     return out
 
 
-def _common_order(chains: list[list[Placed]]) -> list[tuple[int, int]]:
+def _common_order(chains: list[list[Placed]], pinned: Callable[[Action], bool]) -> list[tuple[int, int]]:
     """One issue order of a rank's collectives that every replica can follow.
 
     ``chains[r][k]`` is replica r's natural (slot, action) list for the k-th stage of the rank;
@@ -147,9 +152,7 @@ def _common_order(chains: list[list[Placed]]) -> list[tuple[int, int]]:
     """
     heads = [0] * len(chains[0])
     waiting = [
-        sorted(
-            (slot, k, i) for k, c in enumerate(r) for i, (slot, a) in enumerate(c) if a.kind is Kind.UNSHARD
-        )
+        sorted((slot, k, i) for k, c in enumerate(r) for i, (slot, a) in enumerate(c) if pinned(a))
         for r in chains
     ]
     order: list[tuple[int, int]] = []
@@ -160,7 +163,7 @@ def _common_order(chains: list[list[Placed]]) -> list[tuple[int, int]]:
             if head == len(chains[0][k]):
                 continue
             action = chains[0][k][head][1]
-            allowed = action.kind is Kind.UNSHARD or all(
+            allowed = pinned(action) or all(
                 not w or r[k][head][0] <= w[0][0] for r, w in zip(chains, waiting, strict=True)
             )
             if allowed:
@@ -171,7 +174,7 @@ def _common_order(chains: list[list[Placed]]) -> list[tuple[int, int]]:
                 "use gather_windows=1 or equal micro-batch counts"
             )
         _, k = min(candidates)
-        if chains[0][k][heads[k]][1].kind is Kind.UNSHARD:
+        if pinned(chains[0][k][heads[k]][1]):
             for r, w in zip(chains, waiting, strict=True):
                 w.remove((r[k][heads[k]][0], k, heads[k]))
         order.append((k, heads[k]))
@@ -179,14 +182,16 @@ def _common_order(chains: list[list[Placed]]) -> list[tuple[int, int]]:
     return order
 
 
-def _positions(chain_lists: list[Placed], order: list[tuple[int, int]]) -> Placed:
+def _positions(
+    chain_lists: list[Placed], order: list[tuple[int, int]], pinned: Callable[[Action], bool]
+) -> Placed:
     """Slots for one replica following ``order``: others at their slot or later, gathers right
     after the previous collective (never later than their own slot, by construction)."""
     placed: Placed = []
     previous = 0
     for k, i in order:
         slot, action = chain_lists[k][i]
-        if action.kind is not Kind.UNSHARD:
+        if not pinned(action):
             previous = max(previous, slot)
         placed.append((previous, action))
     return placed
@@ -221,6 +226,10 @@ def place_collectives(
         max(sum(1 for row in b for a in row if a.stage == s) for b in bases) for s in range(first.num_stages)
     ]
     reference = max(range(len(schedules)), key=lambda r: (sum(map(len, bases[r])), -r))
+
+    def pinned(action: Action) -> bool:  # a ZeRO-3 gather: compute waits for it, it cannot be late
+        return action.kind is Kind.UNSHARD and zero[action.stage].level == 3
+
     rows: list[list[list[Action]]] = [[] for _ in schedules]
     for rank in range(first.num_ranks):
         chains = [
@@ -230,9 +239,9 @@ def place_collectives(
             ]
             for base in bases
         ]
-        order = _common_order([chains[reference]] + chains[:reference] + chains[reference + 1 :])
+        order = _common_order([chains[reference]] + chains[:reference] + chains[reference + 1 :], pinned)
         for replica, base in enumerate(bases):
-            rows[replica].append(_merge(base[rank], _positions(chains[replica], order)))
+            rows[replica].append(_merge(base[rank], _positions(chains[replica], order, pinned)))
     out = []
     for sched, sched_rows in zip(schedules, rows, strict=True):
         placed_sched = sched.with_actions(sched_rows)
@@ -293,24 +302,25 @@ def check_zero_placement(schedule: PipelineSchedule, zero: Sequence[StageZero]) 
     """Check one replica's collectives against the rules the runtime relies on.
 
     Level-3 compute runs only while every bucket of its stage is gathered; gathers and frees
-    alternate; no weight gradient is produced after a stage's last reduction; the optimizer step
-    of a bucket follows that bucket's last reduction. Raises :class:`CollectiveMismatchError`
-    naming the rank, the action and the rule.
+    alternate; a level 1-2 gather follows its bucket's optimizer step; no weight gradient is
+    produced after a stage's last reduction; the optimizer step of a bucket follows that
+    bucket's last reduction. Raises :class:`CollectiveMismatchError` naming the rank, the
+    action and the rule.
     """
     for rank, row in enumerate(schedule.actions):
         gathered: set[tuple[int, int | None]] = set()
         reduced_after_last_grad: dict[tuple[int, int | None], bool] = {}
+        stepped: dict[tuple[int, int | None], bool] = {}
         for action in row:
             key = (action.stage, action.bucket)
             level = zero[action.stage].level
 
-            if action.kind is Kind.UNSHARD:
-                if level != 3:
-                    _fail(
-                        rank,
-                        action,
-                        f"UNSHARD on a stage at ZeRO level {level} (only level 3 shards weights)",
-                    )
+            if action.kind is Kind.UNSHARD and level in (1, 2):
+                if not stepped.get(key):
+                    _fail(rank, action, f"ZeRO-{level} weight gather before the bucket's optimizer step")
+            elif action.kind is Kind.UNSHARD:
+                if level == 0:
+                    _fail(rank, action, "UNSHARD on a ZeRO-0 stage (its weights are never sharded)")
                 if key in gathered:
                     _fail(rank, action, "gathered twice without a RESHARD in between")
                 gathered.add(key)
@@ -323,6 +333,7 @@ def check_zero_placement(schedule: PipelineSchedule, zero: Sequence[StageZero]) 
             elif action.kind is Kind.OPTIM:
                 if not reduced_after_last_grad.get(key):
                     _fail(rank, action, "optimizer step before the bucket's gradient reduction")
+                stepped[key] = True
             elif action.is_compute:
                 buckets = schedule.bucket_layers.get(action.stage, (0,))
                 keys = (
