@@ -85,3 +85,25 @@ def two_rank_cases() -> list[Case]:
 def test_two_ranks(tmp_path) -> None:
     cases = two_rank_cases()
     check(launch(2, cases, tmp_path), cases)
+
+
+def four_rank_cases() -> list[Case]:
+    gen = generate
+    return [
+        Case(name="pp4-1f1b-mixed-zero", pp=4, dp=1, split=(1, 2, 2, 1), zero=(3, 0, 2, 1),
+             schedules=[gen("1f1b", pp=4, micro_batches=5)]),
+        Case(name="pp2xdp2-zbh1-zero3,1-uneven-mb", pp=2, dp=2, split=(3, 3), zero=(3, 1),
+             schedules=[zb_h1(2, 5), zb_h1(2, 3)]),
+        Case(name="pp2xdp2-1f1b-zero2,0-uneven-mb", pp=2, dp=2, split=(4, 2), zero=(2, 0),
+             schedules=[gen("1f1b", pp=2, micro_batches=4), gen("1f1b", pp=2, micro_batches=2)]),
+        Case(name="pp2xdp2-interleaved-zero3,3,1,2", pp=2, dp=2, split=(1, 2, 2, 1), zero=(3, 3, 1, 2),
+             schedules=[gen("interleaved", pp=2, micro_batches=4)] * 2),
+        Case(name="pp2xdp2-gpipe-zero3-uneven-mb", pp=2, dp=2, split=(2, 4), zero=(3, 3),
+             schedules=[gen("gpipe", pp=2, micro_batches=1), gen("gpipe", pp=2, micro_batches=3)]),
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_four_ranks(tmp_path) -> None:
+    cases = four_rank_cases()
+    check(launch(4, cases, tmp_path), cases)
