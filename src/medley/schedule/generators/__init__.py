@@ -3,7 +3,7 @@
 Every generator returns a compute-only :class:`~medley.schedule.ir.PipelineSchedule` (lower it
 with :func:`~medley.schedule.ir.add_send_recv`). Knobs are integers or tuples of integers so the
 planner can search them; ``stage_costs`` and ``memory_limit`` are inputs, not knobs, and only the
-cost-driven families (``zb-h1``, ``zb-h2``, ``bidirectional``) use them.
+cost-driven families (``zb-h2``, ``bidirectional``) use them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from medley.schedule.generators.bidirectional import bidirectional
 from medley.schedule.generators.classic import gpipe, hetero_one_f_one_b, interleaved, one_f_one_b
+from medley.schedule.generators.zero_bubble import zb_h1, zb_h2
 from medley.schedule.ir import PipelineSchedule
 
 _GENERATORS: dict[str, Callable[..., PipelineSchedule]] = {
@@ -19,6 +21,9 @@ _GENERATORS: dict[str, Callable[..., PipelineSchedule]] = {
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
     "hetero-1f1b": hetero_one_f_one_b,
+    "zb-h1": zb_h1,
+    "zb-h2": zb_h2,
+    "bidirectional": bidirectional,
 }
 
 FAMILIES: tuple[str, ...] = tuple(_GENERATORS)
@@ -28,7 +33,7 @@ def generate(family: str, *, pp: int, micro_batches: int, **knobs: Any) -> Pipel
     """Build the schedule of ``family`` for ``pp`` ranks and ``micro_batches`` micro-batches.
 
     Knobs per family: ``interleaved``: ``virtual_stages``; ``hetero-1f1b``: ``warmup`` (one depth
-    per stage); ``zb-h1``/``zb-h2``: ``stage_costs``, ``memory_limit``; ``bidirectional``:
+    per stage); ``zb-h2``: ``stage_costs``, ``memory_limit``; ``bidirectional``:
     ``down_micro_batches``, ``stage_costs``, ``memory_limit``.
     """
     try:
