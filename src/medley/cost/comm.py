@@ -106,6 +106,8 @@ class TopologyCommModel:
 
     def collective_time(self, op: Collective, devices: tuple[int, ...], nbytes: float) -> float:
         """Time of ``op`` over ``devices``; ``nbytes`` is the full (unsharded) buffer size."""
+        if len(set(devices)) <= 1:
+            return 0.0
         shape = self._shape(devices)
         passes = 2 if op is Collective.ALL_REDUCE else 1  # all-reduce = reduce-scatter + all-gather
         flat = passes * shape.flat.reduce_scatter(nbytes)

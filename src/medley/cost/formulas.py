@@ -130,7 +130,7 @@ def _block_activation_elements(model: ModelSpec) -> float:
     and the MLP's inner tensors (SwiGLU: gate, up and their product; GELU: pre- and post-activation).
     """
     h, kv, ffn = model.hidden_size, model.kv_dim, model.ffn_hidden_size
-    return 5 * h + 2 * kv + ffn * (3 if model.mlp == "swiglu" else 2)
+    return 6 * h + 2 * kv + ffn * (3 if model.mlp == "swiglu" else 2)
 
 
 def layer_activation_bytes(
