@@ -1,9 +1,231 @@
-"""Placeholder module: filled by its owner; registers nothing yet."""
+"""``medley simulate``: time one plan, described inline by flags, on a cluster."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Annotated
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from medley.cli.errors import MedleyInputError, exit_on_input_error
+from medley.cost.estimator import CatalogCostSource
+from medley.plan.compile import PlanLayout, compile_problem
+from medley.plan.inline import inline_layout
+from medley.schedule.validate import ScheduleError, validate
+from medley.sim.engine import simulate
+from medley.sim.problem import SimProblem
+from medley.sim.result import SimResult
+from medley.spec.cluster import Cluster, parse_cluster_arg
+from medley.spec.model import get_model
+
+GB = 1e9
+
+
+def simulate_layout(
+    layout: PlanLayout, cluster: Cluster, *, comm: bool = True
+) -> tuple[SimProblem, SimResult]:
+    """Validate the layout's schedules, then simulate one step."""
+    cost = CatalogCostSource.for_cluster(layout.model, cluster, dtype=layout.dtype)
+    problem = compile_problem(layout, cluster, cost, comm=comm)
+    for replica, schedule in enumerate(problem.schedules):
+        try:
+            validate(schedule)
+        except ScheduleError as err:
+            raise MedleyInputError(f"replica {replica}'s schedule is invalid: {err}") from None
+    return problem, simulate(problem)
+
+
+def summary(layout: PlanLayout, cluster: Cluster, problem: SimProblem, result: SimResult) -> dict:
+    """The figures the table shows, as plain data for ``--json``."""
+    s2r = problem.schedules[0].stage_to_rank
+    stages = {
+        d: [s for s, r in enumerate(s2r) if r == rank]
+        for row in layout.assignment
+        for rank, d in enumerate(row)
+    }
+    devices = []
+    for report in result.devices:
+        device = cluster.devices[report.device]
+        capacity = device.type.memory_bytes
+        devices.append(
+            {
+                "device": report.device,
+                "type": device.type.name,
+                "node": device.node,
+                "replica": report.replica,
+                "rank": report.rank,
+                "stages": stages[report.device],
+                "busy": report.busy_fraction,
+                "idle": report.idle_fraction,
+                "bubble": report.bubble_fraction,
+                "exposed_p2p_s": report.exposed_p2p_s,
+                "exposed_zero_s": report.exposed_zero_s,
+                "static_memory_gb": report.static_memory_bytes / GB,
+                "peak_memory_gb": report.peak_memory_bytes / GB,
+                "capacity_gb": capacity / GB,
+                "headroom_gb": (capacity - report.peak_memory_bytes) / GB,
+                "fits": report.peak_memory_bytes <= capacity,
+            }
+        )
+    zero = [
+        {
+            "stage": s,
+            "level": layout.zero[s].level,
+            "layers": layout.stage_layers[s],
+            "zero_comm_s": z.comm_s,
+            "exposed_s": z.exposed_s,
+        }
+        for s, z in sorted(result.zero.items())
+    ]
+    return {
+        "model": layout.model.name,
+        "schedule": layout.schedule,
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "split": list(layout.stage_layers),
+        "micro_batches": list(layout.micro_batches),
+        "micro_batch_size": layout.micro_batch_size,
+        "seq_len": layout.seq_len,
+        "dtype": layout.dtype,
+        "zero": [z.level for z in layout.zero],
+        "zero_placement": str(layout.placement),
+        "step_time_s": result.step_time_s,
+        "tokens_per_s": result.tokens_per_s,
+        "mfu": result.mfu,
+        "bubble_fraction": result.bubble_fraction,
+        "fits": all(d["fits"] for d in devices),
+        "devices": devices,
+        "stages": zero,
+    }
+
+
+def print_summary(data: dict, console: Console) -> None:
+    table = Table(
+        title=f"{data['model']} · {data['schedule']} · pp={data['pp']} dp={data['dp']} "
+        f"· split {data['split']} · ZeRO {data['zero']} ({data['zero_placement']})"
+    )
+    for col in (
+        "device",
+        "type",
+        "replica/rank",
+        "stages",
+        "busy",
+        "bubble",
+        "exposed p2p",
+        "exposed ZeRO",
+        "peak mem",
+        "headroom",
+    ):
+        table.add_column(col, justify="right")
+    for d in data["devices"]:
+        headroom = f"{d['headroom_gb']:.1f} GB" + ("" if d["fits"] else " [red]OOM[/]")
+        table.add_row(
+            str(d["device"]),
+            d["type"],
+            f"{d['replica']}/{d['rank']}",
+            ",".join(map(str, d["stages"])),
+            f"{d['busy']:.1%}",
+            f"{d['bubble']:.1%}",
+            f"{d['exposed_p2p_s'] * 1e3:.1f} ms",
+            f"{d['exposed_zero_s'] * 1e3:.1f} ms",
+            f"{d['peak_memory_gb']:.1f} GB",
+            headroom,
+        )
+    console.print(table)
+    if data["stages"]:
+        zt = Table(title="ZeRO communication per stage (worst device of the stage)")
+        for col in ("stage", "level", "layers", "collective time", "exposed"):
+            zt.add_column(col, justify="right")
+        for s in data["stages"]:
+            zt.add_row(
+                str(s["stage"]),
+                str(s["level"]),
+                str(s["layers"]),
+                f"{s['zero_comm_s'] * 1e3:.1f} ms",
+                f"{s['exposed_s'] * 1e3:.1f} ms",
+            )
+        console.print(zt)
+    verdict = (
+        "fits in memory on every device" if data["fits"] else "[red]does NOT fit in memory[/] (see OOM rows)"
+    )
+    console.print(
+        f"step {data['step_time_s']:.3f} s · {data['tokens_per_s']:,.0f} tokens/s · MFU {data['mfu']:.1%} · "
+        f"bubble {data['bubble_fraction']:.1%} · {verdict}"
+    )
 
 
 def register(app: typer.Typer) -> None:
-    del app
+    @app.command("simulate")
+    @exit_on_input_error
+    def simulate_cmd(
+        cluster: Annotated[
+            str, typer.Option(help="Cluster TOML file, or a catalog device with a count: 8xA100-80GB")
+        ],
+        model: Annotated[str, typer.Option(help="Preset name or a Hugging Face config.json")],
+        pp: Annotated[int, typer.Option(help="Pipeline ranks per replica")] = 1,
+        dp: Annotated[int, typer.Option(help="Data-parallel replicas")] = 1,
+        schedule: Annotated[
+            str, typer.Option(help="Schedule family (gpipe, 1f1b, interleaved, zb-h1, ...)")
+        ] = "1f1b",
+        micro_batches: Annotated[
+            str, typer.Option(help="Micro-batches per replica: one value, or one per replica")
+        ] = "8",
+        micro_batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch")] = 1,
+        seq_len: Annotated[int, typer.Option(help="Tokens per sequence")] = 2048,
+        virtual_stages: Annotated[int, typer.Option(help="Chunks per rank (interleaved)")] = 2,
+        split: Annotated[str | None, typer.Option(help="Blocks (or layers) per stage, e.g. 6,8,9,9")] = None,
+        zero: Annotated[
+            str | None, typer.Option(help="ZeRO level per stage, e.g. 3,3,1,1 (default 1)")
+        ] = None,
+        zero_placement: Annotated[str, typer.Option(help="naive or bubble")] = "bubble",
+        buckets: Annotated[int, typer.Option(help="Layer buckets per stage for ZeRO collectives")] = 4,
+        recompute: Annotated[bool, typer.Option(help="Recompute block activations in the backward")] = False,
+        no_comm: Annotated[
+            bool, typer.Option("--no-comm", help="Transfers and collectives take no time")
+        ] = False,
+        trace: Annotated[Path | None, typer.Option(help="Write a Chrome trace (Perfetto) here")] = None,
+        gantt: Annotated[Path | None, typer.Option(help="Write a Gantt chart PNG here")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON")] = False,
+    ) -> None:
+        """Simulate one training step of a plan and report time, bubbles and memory per device."""
+        spec = parse_cluster_arg(cluster)
+        model_spec = get_model(model)
+        cost = CatalogCostSource.for_cluster(model_spec, spec)
+        layout = inline_layout(
+            cluster=spec,
+            model=model_spec,
+            cost=cost,
+            pp=pp,
+            dp=dp,
+            schedule=schedule,
+            micro_batches=micro_batches,
+            micro_batch_size=micro_batch_size,
+            seq_len=seq_len,
+            virtual_stages=virtual_stages,
+            split=split,
+            zero=zero,
+            placement=zero_placement,
+            buckets=buckets,
+            recompute=recompute,
+        )
+        problem, result = simulate_layout(layout, spec, comm=not no_comm)
+        write_pictures(result, trace=trace, gantt=gantt)
+        data = summary(layout, spec, problem, result)
+        if as_json:
+            typer.echo(json.dumps(data, indent=2))
+        else:
+            print_summary(data, Console())
+
+
+def write_pictures(result: SimResult, *, trace: Path | None, gantt: Path | None) -> None:
+    if trace is not None:
+        from medley.sim.trace import write_chrome_trace
+
+        write_chrome_trace(result, trace)
+    if gantt is not None:
+        from medley.sim.gantt import write_gantt
+
+        write_gantt(result, gantt)

@@ -1,0 +1,215 @@
+"""Compile a plan (devices, split, schedule, ZeRO per stage) into the simulator's input.
+
+This is where layers, device types and bytes become seconds: per-stage F/B/W times from the cost
+source, activation and boundary bytes from the formulas, model-state memory from the ZeRO model,
+and what every UNSHARD/RESHARD/REDUCE_GRAD/OPTIM does from the stage's DP group and level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from medley.cli.errors import MedleyInputError
+from medley.cost import formulas
+from medley.cost.comm import TopologyCommModel
+from medley.cost.estimator import DTYPE_BYTES
+from medley.cost.interfaces import Collective, CostSource, Pass
+from medley.cost.zero_memory import GRAD_BYTES, WEIGHT_BYTES, stage_state_bytes
+from medley.schedule.generators import generate
+from medley.schedule.ir import Action, Kind, PipelineSchedule
+from medley.schedule.zero import Placement, StageZero, place_collectives
+from medley.sim.problem import CollectiveCost, SimProblem, StageCost
+from medley.spec.cluster import Cluster
+from medley.spec.model import ModelSpec
+
+# Adam reads and writes fp32 master weights, momentum and variance (24 B), reads the gradient and
+# writes the half-precision weight (4 B): the step is bound by memory bandwidth.
+OPTIMIZER_STEP_BYTES_PER_PARAM = 28.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanLayout:
+    """Everything a simulated plan fixes, in global terms.
+
+    Attributes:
+        model: the model.
+        pp: pipeline ranks per replica; dp: replicas.
+        assignment: ``assignment[r][k]`` is the global device id of replica r's pipeline rank k.
+        stage_layers: layers (embedding and head count as layers) of each global stage, in order.
+        schedule: schedule family; knobs: its integer knobs.
+        micro_batches: micro-batches of each replica per step.
+        micro_batch_size: sequences per micro-batch; seq_len: tokens per sequence.
+        zero: ZeRO settings of each global stage.
+        placement: collective placement policy.
+        recompute: per global stage, whether blocks recompute their forward before backward.
+        dtype: training precision of weights and activations (bf16, fp16 or fp32).
+    """
+
+    model: ModelSpec
+    pp: int
+    dp: int
+    assignment: tuple[tuple[int, ...], ...]
+    stage_layers: tuple[int, ...]
+    schedule: str
+    micro_batches: tuple[int, ...]
+    micro_batch_size: int
+    seq_len: int
+    zero: tuple[StageZero, ...]
+    placement: Placement = Placement.BUBBLE
+    recompute: tuple[bool, ...] = ()
+    dtype: str = "bf16"
+    knobs: dict = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_layers)
+
+    def layer_range(self, stage: int) -> range:
+        start = sum(self.stage_layers[:stage])
+        return range(start, start + self.stage_layers[stage])
+
+    @property
+    def tokens_per_step(self) -> int:
+        return sum(self.micro_batches) * self.micro_batch_size * self.seq_len
+
+
+def build_schedules(layout: PlanLayout) -> list[PipelineSchedule]:
+    """One schedule per replica, with the ZeRO collectives placed."""
+    schedules = []
+    for micro_batches in layout.micro_batches:
+        try:
+            schedules.append(
+                generate(layout.schedule, pp=layout.pp, micro_batches=micro_batches, **layout.knobs)
+            )
+        except ValueError as err:
+            raise MedleyInputError(f"--schedule {layout.schedule}: {err}") from None
+    if schedules[0].num_stages != layout.num_stages:
+        raise MedleyInputError(
+            f"--split gives {layout.num_stages} stages but schedule '{layout.schedule}' with pp={layout.pp} "
+            f"has {schedules[0].num_stages}; give one layer count per stage"
+        )
+    return place_collectives(
+        schedules, layout.zero, stage_layers=layout.stage_layers, policy=layout.placement
+    )
+
+
+def _stage_cost(
+    layout: PlanLayout, cost: CostSource, stage: int, device_type: str, zero_level: int
+) -> StageCost:
+    mbs, seq, model = layout.micro_batch_size, layout.seq_len, layout.model
+    recompute = bool(layout.recompute and layout.recompute[stage])
+    times = {kind: 0.0 for kind in Pass}
+    act = after_b = 0.0
+    dtype_bytes = DTYPE_BYTES[layout.dtype]
+    for layer in layout.layer_range(stage):
+        for kind in Pass:
+            times[kind] += cost.layer_time(
+                layer, kind, micro_batch_size=mbs, seq_len=seq, device_type=device_type
+            ).seconds
+        act += formulas.layer_activation_bytes(
+            model, layer, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes, recompute=recompute
+        )
+        after_b += formulas.layer_activation_bytes_after_b(
+            model, layer, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes
+        )
+    if recompute:  # the forward runs again right before B
+        times[Pass.B] += times[Pass.F]
+    params = _stage_params(layout, stage)
+    grad_buffer = (params - params / layout.dp) * GRAD_BYTES if zero_level >= 2 and layout.dp > 1 else 0.0
+    return StageCost(
+        forward_s=times[Pass.F],
+        backward_input_s=times[Pass.B],
+        backward_weight_s=times[Pass.W],
+        activation_bytes=act,
+        activation_after_b_bytes=min(after_b, act),
+        send_bytes=formulas.boundary_bytes(model, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes),
+        grad_buffer_bytes=grad_buffer,
+    )
+
+
+def _stage_params(layout: PlanLayout, stage: int) -> float:
+    return float(sum(formulas.layer_held_params(layout.model, i) for i in layout.layer_range(stage)))
+
+
+def static_memory(layout: PlanLayout, stage_to_rank: Sequence[int]) -> dict[int, float]:
+    """Weights, gradients and optimizer states resident all step, per device (transient buffers of
+    ZeRO-2/3 are the simulator's to add and free)."""
+    out: dict[int, float] = {}
+    for stage in range(layout.num_stages):
+        state = stage_state_bytes(_stage_params(layout, stage), level=layout.zero[stage].level, dp=layout.dp)
+        for replica in range(layout.dp):
+            device = layout.assignment[replica][stage_to_rank[stage]]
+            out[device] = out.get(device, 0.0) + state.resident
+    return out
+
+
+class _CollectiveTable:
+    """What each ZeRO action does, from the stage's level, DP group and bucket share."""
+
+    def __init__(self, layout: PlanLayout, cluster: Cluster, schedule: PipelineSchedule) -> None:
+        self.layout, self.cluster, self.schedule = layout, cluster, schedule
+        self._cache: dict[tuple[int, Kind, int, int | None], CollectiveCost] = {}
+
+    def __call__(self, replica: int, action: Action) -> CollectiveCost:
+        key = (replica, action.kind, action.stage, action.bucket)
+        if key not in self._cache:
+            self._cache[key] = self._cost(replica, action)
+        return self._cache[key]
+
+    def _cost(self, replica: int, action: Action) -> CollectiveCost:
+        layout, stage = self.layout, action.stage
+        rank = self.schedule.stage_to_rank[stage]
+        group = tuple(layout.assignment[r][rank] for r in range(layout.dp))
+        buckets = self.schedule.bucket_layers.get(stage, (layout.stage_layers[stage],))
+        share = 1.0 if action.bucket is None else buckets[action.bucket] / sum(buckets)
+        params = _stage_params(layout, stage) * share
+        gathered = (params - params / layout.dp) * WEIGHT_BYTES
+        level = layout.zero[stage].level
+        if action.kind is Kind.UNSHARD:
+            return CollectiveCost(
+                group=group,
+                op=Collective.ALL_GATHER,
+                nbytes=params * WEIGHT_BYTES,
+                alloc_bytes=gathered if level == 3 else 0.0,
+            )
+        if action.kind is Kind.RESHARD:
+            return CollectiveCost(group=group, op=None, free_bytes=gathered)
+        if action.kind is Kind.REDUCE_GRAD:
+            op = Collective.ALL_REDUCE if level == 0 else Collective.REDUCE_SCATTER
+            freed = (params - params / layout.dp) * GRAD_BYTES if level >= 2 and layout.dp > 1 else 0.0
+            return CollectiveCost(group=group, op=op, nbytes=params * GRAD_BYTES, free_bytes=freed)
+        device = self.cluster.devices[layout.assignment[replica][rank]].type
+        shard = params if level == 0 else params / layout.dp
+        step_s = shard * OPTIMIZER_STEP_BYTES_PER_PARAM / (device.memory_bandwidth_gbps * 1e9)
+        return CollectiveCost(group=group, op=None, compute_s=step_s)
+
+
+def compile_problem(
+    layout: PlanLayout, cluster: Cluster, cost: CostSource, *, comm: bool = True
+) -> SimProblem:
+    """The :class:`SimProblem` of one training step of ``layout`` on ``cluster``."""
+    schedules = build_schedules(layout)
+    s2r = schedules[0].stage_to_rank
+    stage_costs = []
+    for replica in range(layout.dp):
+        row = []
+        for stage in range(layout.num_stages):
+            device = cluster.devices[layout.assignment[replica][s2r[stage]]]
+            row.append(_stage_cost(layout, cost, stage, device.type.name, layout.zero[stage].level))
+        stage_costs.append(row)
+    devices = [list(row) for row in layout.assignment]
+    sequences = sum(layout.micro_batches) * layout.micro_batch_size
+    return SimProblem(
+        schedules=schedules,
+        devices=devices,
+        stage_costs=stage_costs,
+        static_memory_bytes=static_memory(layout, s2r),
+        comm=TopologyCommModel(cluster) if comm else None,
+        peak_flops={d: cluster.devices[d].type.peak_flops(layout.dtype) for row in devices for d in row},
+        model_flops_per_step=formulas.megatron_flops_per_step(
+            layout.model, batch_size=sequences, seq_len=layout.seq_len
+        ),
+        tokens_per_step=float(layout.tokens_per_step),
+        collectives=_CollectiveTable(layout, cluster, schedules[0]),
+    )

@@ -1,0 +1,152 @@
+"""A plan described inline by command-line flags (``--pp 4 --dp 2 --split 6,8,9,9 --zero 3,3,1,1``).
+
+Defaults follow HyperPipe's grouping: replicas of one stage sit side by side in cluster order (so a
+stage's DP group, which carries the ZeRO collectives, shares a node where it can) and the pipeline
+crosses the slower links between stages; layers are split in proportion to each stage's speed.
+"""
+
+from __future__ import annotations
+
+from medley.cli.errors import MedleyInputError
+from medley.cost.interfaces import CostSource, Pass
+from medley.plan.compile import PlanLayout
+from medley.schedule.generators import generate
+from medley.schedule.zero import Placement, StageZero
+from medley.spec.cluster import Cluster
+from medley.spec.model import ModelSpec
+
+
+def parse_int_list(text: str | None, *, flag: str, count: int, minimum: int = 0) -> tuple[int, ...] | None:
+    """``"3,3,1,1"`` (or one value for all) as ``count`` integers, or None when not given."""
+    if text is None or text == "":
+        return None
+    try:
+        values = tuple(int(v) for v in str(text).split(","))
+    except ValueError:
+        raise MedleyInputError(f"{flag} '{text}' must be comma-separated integers, like '3,1'") from None
+    if len(values) == 1 and count > 1:
+        values = values * count
+    if len(values) != count:
+        raise MedleyInputError(f"{flag} '{text}' gives {len(values)} values; give {count} (or one for all)")
+    if any(v < minimum for v in values):
+        raise MedleyInputError(f"{flag} '{text}': every value must be >= {minimum}")
+    return values
+
+
+def default_assignment(cluster: Cluster, *, pp: int, dp: int) -> tuple[tuple[int, ...], ...]:
+    """Replica r's rank k on the (k·dp + r)-th device: each stage's DP group is contiguous."""
+    if pp * dp > cluster.num_devices:
+        raise MedleyInputError(
+            f"--pp {pp} x --dp {dp} needs {pp * dp} devices but the cluster has {cluster.num_devices}; "
+            "lower --pp or --dp"
+        )
+    return tuple(tuple(k * dp + r for k in range(pp)) for r in range(dp))
+
+
+def _expand_split(model: ModelSpec, split: tuple[int, ...]) -> tuple[int, ...]:
+    """Per-stage layers; a split over the blocks only gets the embedding and head added."""
+    total = sum(split)
+    if total == model.num_layers:
+        return split
+    if total == model.num_blocks:
+        return (split[0] + 1, *split[1:-1], split[-1] + 1) if len(split) > 1 else (total + 2,)
+    raise MedleyInputError(
+        f"--split sums to {total}; {model.name} has {model.num_blocks} blocks, or {model.num_layers} "
+        "layers counting the embedding and the head"
+    )
+
+
+def balanced_split(model: ModelSpec, stage_speed: list[float]) -> tuple[int, ...]:
+    """Layers per stage in proportion to each stage's speed (Metis-style), at least one each."""
+    stages = len(stage_speed)
+    if stages > model.num_layers:
+        raise MedleyInputError(
+            f"{stages} stages need at least {stages} layers; {model.name} has {model.num_layers}"
+        )
+    total_speed = sum(stage_speed)
+    ideal = [model.num_layers * s / total_speed for s in stage_speed]
+    split = [max(1, int(x)) for x in ideal]
+    while sum(split) < model.num_layers:
+        gaps = [ideal[i] - split[i] for i in range(stages)]
+        split[gaps.index(max(gaps))] += 1
+    while sum(split) > model.num_layers:
+        movable = [i for i in range(stages) if split[i] > 1]
+        split[max(movable, key=lambda i: split[i] - ideal[i])] -= 1
+    return tuple(split)
+
+
+def inline_layout(
+    *,
+    cluster: Cluster,
+    model: ModelSpec,
+    cost: CostSource,
+    pp: int,
+    dp: int,
+    schedule: str,
+    micro_batches: str,
+    micro_batch_size: int,
+    seq_len: int,
+    virtual_stages: int = 1,
+    split: str | None = None,
+    zero: str | None = None,
+    placement: str = "bubble",
+    buckets: int = 4,
+    recompute: bool = False,
+    dtype: str | None = None,
+) -> PlanLayout:
+    """A :class:`PlanLayout` from the flags of ``medley simulate`` (and ``medley train``)."""
+    if pp < 1 or dp < 1 or micro_batch_size < 1 or seq_len < 1:
+        raise MedleyInputError("--pp, --dp, --micro-batch-size and --seq-len must be >= 1")
+    counts = parse_int_list(micro_batches, flag="--micro-batches", count=dp, minimum=1)
+    assert counts is not None
+    knobs = {"virtual_stages": virtual_stages} if schedule == "interleaved" else {}
+    try:
+        probe = generate(schedule, pp=pp, micro_batches=counts[0], **knobs)
+    except ValueError as err:
+        raise MedleyInputError(f"--schedule {schedule}: {err}") from None
+    stages = probe.num_stages
+    assignment = default_assignment(cluster, pp=pp, dp=dp)
+    layers = parse_int_list(split, flag="--split", count=stages, minimum=0)
+    if layers is None:
+        speeds = []
+        for stage in range(stages):
+            types = {cluster.devices[assignment[r][probe.stage_to_rank[stage]]].type.name for r in range(dp)}
+            block_time = max(
+                sum(
+                    cost.layer_time(
+                        1, p, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=t
+                    ).seconds
+                    for p in Pass
+                )
+                for t in types
+            )
+            speeds.append(1.0 / block_time)
+        layers = balanced_split(model, speeds)
+    else:
+        layers = _expand_split(model, layers)
+    levels = parse_int_list(zero, flag="--zero", count=stages, minimum=0) or (1,) * stages
+    if any(level > 3 for level in levels):
+        raise MedleyInputError(f"--zero '{zero}': ZeRO levels are 0, 1, 2 or 3")
+    used = {cluster.devices[d].type for row in assignment for d in row}
+    if dtype is None:
+        dtype = "bf16" if all(t.supports_bf16 for t in used) else "fp16"
+    try:
+        policy = Placement(placement)
+    except ValueError:
+        raise MedleyInputError(f"--zero-placement '{placement}' must be 'naive' or 'bubble'") from None
+    return PlanLayout(
+        model=model,
+        pp=pp,
+        dp=dp,
+        assignment=assignment,
+        stage_layers=layers,
+        schedule=schedule,
+        micro_batches=counts,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        zero=tuple(StageZero(level=lv, buckets=buckets) for lv in levels),
+        placement=policy,
+        recompute=(recompute,) * stages,
+        dtype=dtype,
+        knobs=knobs,
+    )
