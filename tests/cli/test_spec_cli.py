@@ -91,3 +91,22 @@ def test_bad_model_arguments_exit_nonzero(tmp_path: Path):
         result = run(*args)
         assert result.exit_code == 2, args
         assert "error:" in result.output and "Traceback" not in result.output
+
+
+def test_model_show_reads_a_hugging_face_config(tmp_path: Path):
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 8192,
+        "hidden_act": "silu",
+        "_name_or_path": "my-llama",
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    data = json.loads(run("model", "show", str(path), "--seq-len", "512", "--json").output)
+    assert data["model"]["name"] == "my-llama" and abs(data["total_params"] - 8.03e9) / 8.03e9 < 0.01

@@ -21,6 +21,7 @@ from medley.cli.errors import MedleyInputError
 from medley.cost import formulas
 from medley.cost.interfaces import Pass, TimeEstimate
 from medley.spec.catalog import DeviceType, get_device_type, load_catalog
+from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
 E_MAX = 0.75  # large bf16 GEMMs in cuBLAS reach ~75-90% of dense peak on A100/H100; take the low end
@@ -59,7 +60,7 @@ class CatalogCostSource:
         self._cache: dict[tuple[str, Pass, int, int, str], TimeEstimate] = {}
 
     @classmethod
-    def for_cluster(cls, model: ModelSpec, cluster, *, dtype: str = "bf16") -> CatalogCostSource:  # noqa: ANN001
+    def for_cluster(cls, model: ModelSpec, cluster: Cluster, *, dtype: str = "bf16") -> CatalogCostSource:
         """A source that also knows the cluster's override-renamed device types (``A100-80GB@node``)."""
         return cls(model, dtype=dtype, catalog={**load_catalog(), **cluster.device_types()})
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 from medley.cli.errors import MedleyInputError
 from medley.spec.catalog import DeviceType, get_device_type
 from medley.spec.cluster import DEFAULT_LINK_LATENCY_US, Cluster, Device, Node, NodeLink, Tier
-from medley.spec.cluster_schema import NodeSpec, TierSpec
+from medley.spec.cluster_schema import ClusterFile, NodeSpec, TierSpec
 
 PCIE_DEFAULT_GBPS = 32.0  # Gen4 x16 per direction, when a node overrides the catalog's link kind to pcie
 
@@ -197,7 +197,8 @@ def _build_tiers(
     return tiers, paths
 
 
-def build_cluster(spec, *, source: str, catalog: dict[str, DeviceType]) -> Cluster:  # noqa: ANN001
+def build_cluster(spec: ClusterFile, *, source: str, catalog: dict[str, DeviceType]) -> Cluster:
+    """Expand repeated nodes, resolve device types and overrides, and check tiers, groups and pairs."""
     devices: list[Device] = []
     node_rows: list[tuple[str, tuple[int, ...], NodeLink]] = []
     seen: dict[str, str] = {}
