@@ -73,8 +73,12 @@ class TopologyCommModel:
         return latency + nbytes / bandwidth
 
     def _shape(self, devices: tuple[int, ...]) -> _GroupShape:
+        cached = self._shapes.get(devices)  # callers repeat the same tuples; skip the sort then
+        if cached is not None:
+            return cached
         key = tuple(sorted(set(devices)))
         if key in self._shapes:
+            self._shapes[devices] = self._shapes[key]
             return self._shapes[key]
         per_node: dict[str, int] = {}
         for device in key:
@@ -84,7 +88,7 @@ class TopologyCommModel:
         busy = [n for n in nodes if per_node[n] > 1]
         intra = [self._node_link(n, n) for n in busy]
         inter = [self._node_link(a, b) for i, a in enumerate(nodes) for b in nodes[i + 1 :]]
-        hops = intra + inter
+        hops = intra + inter or [(float("inf"), 0.0)]  # a single device: nothing to move
         flat = _Phase(size=len(key), bandwidth=min(b for b, _ in hops), latency=max(t for _, t in hops))
         shape = _GroupShape(flat=flat, intra=None, inter=None)
         if len(nodes) > 1:
@@ -101,14 +105,14 @@ class TopologyCommModel:
                 size=len(nodes), bandwidth=min(b for b, _ in inter), latency=max(t for _, t in inter)
             )
             shape = _GroupShape(flat=flat, intra=intra_phase, inter=inter_phase)
-        self._shapes[key] = shape
+        self._shapes[key] = self._shapes[devices] = shape
         return shape
 
     def collective_time(self, op: Collective, devices: tuple[int, ...], nbytes: float) -> float:
         """Time of ``op`` over ``devices``; ``nbytes`` is the full (unsharded) buffer size."""
-        if len(set(devices)) <= 1:
-            return 0.0
         shape = self._shape(devices)
+        if shape.flat.size <= 1:
+            return 0.0
         passes = 2 if op is Collective.ALL_REDUCE else 1  # all-reduce = reduce-scatter + all-gather
         flat = passes * shape.flat.reduce_scatter(nbytes)
         if shape.inter is None:
