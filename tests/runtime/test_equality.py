@@ -107,3 +107,31 @@ def four_rank_cases() -> list[Case]:
 def test_four_ranks(tmp_path) -> None:
     cases = four_rank_cases()
     check(launch(4, cases, tmp_path), cases)
+
+
+def zipper_cases() -> list[Case]:
+    """Plans whose collectives come from medley's placement pass (buckets, windows, padding)."""
+    from medley.schedule.zero import StageZero, place_collectives
+
+    def placed(name: str, split: tuple[int, ...], zero: list[StageZero], schedules: list[PipelineSchedule],
+               policy: str) -> Case:
+        schedules = place_collectives(schedules, zero, stage_layers=split, policy=policy)
+        levels = tuple(z.level for z in zero)
+        return Case(name=name, pp=2, dp=2, split=split, zero=levels, schedules=schedules)
+
+    return [
+        placed("zipper-bubble-zbh1-zero3,2-buckets-uneven-mb", (3, 3),
+               [StageZero(level=3, buckets=2), StageZero(level=2, buckets=3)], [zb_h1(2, 5), zb_h1(2, 3)],
+               "bubble"),
+        placed("zipper-naive-1f1b-zero3,1-uneven-mb", (2, 4), [StageZero(level=3), StageZero(level=1)],
+               [generate("1f1b", pp=2, micro_batches=4), generate("1f1b", pp=2, micro_batches=2)], "naive"),
+        placed("zipper-bubble-1f1b-zero3-windows", (3, 3),
+               [StageZero(level=3, buckets=2, gather_windows=2, grad_windows=2), StageZero(level=3)],
+               [generate("1f1b", pp=2, micro_batches=4)] * 2, "bubble"),
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_zipper_placement(tmp_path) -> None:
+    cases = zipper_cases()
+    check(launch(4, cases, tmp_path), cases)
