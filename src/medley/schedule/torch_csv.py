@@ -85,9 +85,12 @@ def from_torch_rows(
     num_micro_batches: int | None = None,
     family: str = "torch",
     micro_batch_stages: tuple[tuple[int, int], ...] = (),
+    stage_to_rank: tuple[int, ...] | None = None,
 ) -> PipelineSchedule:
-    """Build a schedule from torch action strings; the stage-to-rank map is read off where each
-    stage's compute runs. Give ``micro_batch_stages`` for a bidirectional schedule."""
+    """Build a schedule from torch action strings. The stage-to-rank map is read off where each
+    stage's compute runs unless ``stage_to_rank`` is given (needed when a stage has no action, as
+    in a bidirectional schedule with an empty direction); give ``micro_batch_stages`` for a
+    bidirectional schedule."""
     actions = [[a for cell in row for a in parse_torch_action(cell)] for row in rows]
     owner: dict[int, int] = {}
     for rank, row in enumerate(actions):
@@ -97,7 +100,12 @@ def from_torch_rows(
                     f"rank {rank}, action {action}: stage {action.stage} "
                     f"also computes on rank {owner[action.stage]}"
                 )
-    stages = [a.stage for row in actions for a in row]
+    if stage_to_rank is not None:
+        for stage, rank in owner.items():
+            if stage >= len(stage_to_rank) or stage_to_rank[stage] != rank:
+                raise ScheduleError(f"rank {rank}: stage {stage} computes here, not where stage_to_rank says")
+        owner = dict(enumerate(stage_to_rank))
+    stages = [a.stage for row in actions for a in row] + list(owner)
     num_stages = max(stages, default=-1) + 1
     missing = [s for s in range(num_stages) if s not in owner]
     if missing:
@@ -121,13 +129,15 @@ def read_torch_csv(
     num_micro_batches: int | None = None,
     family: str = "torch",
     micro_batch_stages: tuple[tuple[int, int], ...] = (),
+    stage_to_rank: tuple[int, ...] | None = None,
 ) -> PipelineSchedule:
     """Read a CSV written by torch's ``_dump_csv`` (either format) or by :func:`write_torch_csv`."""
     with open(path, newline="") as handle:
         rows = list(csv.reader(handle))
     try:
         return from_torch_rows(
-            rows, num_micro_batches=num_micro_batches, family=family, micro_batch_stages=micro_batch_stages
+            rows, num_micro_batches=num_micro_batches, family=family,
+            micro_batch_stages=micro_batch_stages, stage_to_rank=stage_to_rank,
         )
     except ValueError as err:
         raise type(err)(f"{path}: {err}") from None
