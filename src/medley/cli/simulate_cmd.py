@@ -182,6 +182,10 @@ def register(app: typer.Typer) -> None:
         ] = None,
         zero_placement: Annotated[str, typer.Option(help="naive or bubble")] = "bubble",
         buckets: Annotated[int, typer.Option(help="Layer buckets per stage for ZeRO collectives")] = 4,
+        gather_windows: Annotated[
+            int,
+            typer.Option(help="ZeRO-3 gather rounds per step: 1 keeps weights gathered, 0 streams buckets"),
+        ] = 1,
         recompute: Annotated[bool, typer.Option(help="Recompute block activations in the backward")] = False,
         no_comm: Annotated[
             bool, typer.Option("--no-comm", help="Transfers and collectives take no time")
@@ -209,6 +213,7 @@ def register(app: typer.Typer) -> None:
             zero=zero,
             placement=zero_placement,
             buckets=buckets,
+            gather_windows=gather_windows,
             recompute=recompute,
         )
         problem, result = simulate_layout(layout, spec, comm=not no_comm)

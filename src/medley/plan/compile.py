@@ -117,6 +117,7 @@ def _stage_cost(
         times[Pass.B] += times[Pass.F]
     params = _stage_params(layout, stage)
     grad_buffer = (params - params / layout.dp) * GRAD_BYTES if zero_level >= 2 and layout.dp > 1 else 0.0
+    grad_buffer *= _live_fraction(layout, stage)
     return StageCost(
         forward_s=times[Pass.F],
         backward_input_s=times[Pass.B],
@@ -126,6 +127,20 @@ def _stage_cost(
         send_bytes=formulas.boundary_bytes(model, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes),
         grad_buffer_bytes=grad_buffer,
     )
+
+
+def _live_fraction(layout: PlanLayout, stage: int) -> float:
+    """Share of a stage's gathered weights (and unsharded gradient) alive at once.
+
+    Streamed ZeRO-3 frees each bucket right after its compute and reduce-scatters its gradient as
+    it is made, so at most two buckets are live (the one computing, the one prefetched). The
+    simulator books that peak for the whole compute action: exact at the peak, pessimistic
+    between."""
+    setting = layout.zero[stage]
+    if not setting.streams:
+        return 1.0
+    buckets = min(setting.buckets, layout.stage_layers[stage])
+    return min(1.0, 2.0 / buckets)
 
 
 def _stage_params(layout: PlanLayout, stage: int) -> float:
@@ -164,7 +179,7 @@ class _CollectiveTable:
         buckets = self.schedule.bucket_layers.get(stage, (layout.stage_layers[stage],))
         share = 1.0 if action.bucket is None else buckets[action.bucket] / sum(buckets)
         params = _stage_params(layout, stage) * share
-        gathered = (params - params / layout.dp) * WEIGHT_BYTES
+        gathered = (params - params / layout.dp) * WEIGHT_BYTES * _live_fraction(layout, stage)
         level = layout.zero[stage].level
         if action.kind is Kind.UNSHARD:
             return CollectiveCost(
@@ -178,6 +193,7 @@ class _CollectiveTable:
         if action.kind is Kind.REDUCE_GRAD:
             op = Collective.ALL_REDUCE if level == 0 else Collective.REDUCE_SCATTER
             freed = (params - params / layout.dp) * GRAD_BYTES if level >= 2 and layout.dp > 1 else 0.0
+            freed *= _live_fraction(layout, stage)
             return CollectiveCost(group=group, op=op, nbytes=params * GRAD_BYTES, free_bytes=freed)
         device = self.cluster.devices[layout.assignment[replica][rank]].type
         shard = params if level == 0 else params / layout.dp

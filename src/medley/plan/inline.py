@@ -91,6 +91,7 @@ def inline_layout(
     zero: str | None = None,
     placement: str = "bubble",
     buckets: int = 4,
+    gather_windows: int = 1,
     recompute: bool = False,
     dtype: str | None = None,
 ) -> PlanLayout:
@@ -144,7 +145,7 @@ def inline_layout(
         micro_batches=counts,
         micro_batch_size=micro_batch_size,
         seq_len=seq_len,
-        zero=tuple(StageZero(level=lv, buckets=buckets) for lv in levels),
+        zero=tuple(StageZero(level=lv, buckets=buckets, gather_windows=gather_windows) for lv in levels),
         placement=policy,
         recompute=(recompute,) * stages,
         dtype=dtype,

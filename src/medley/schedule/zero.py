@@ -48,7 +48,10 @@ class StageZero:
         level: ZeRO level 0..3.
         buckets: layer buckets the stage's collectives are split into (bubble policy).
         gather_windows: level 3: gather/reshard rounds per step; 1 keeps the weights gathered
-            from first to last use in the step. Each round ends with its gradient
+            from first to last use in the step; 0 streams them: every compute action gathers
+            its buckets one ahead of use and frees each after use (so at most two buckets are
+            gathered), and reduce-scatters its gradient as it is made (no unsharded
+            accumulation), the memory floor of ZeRO-3. Each round ends with its gradient
             reduce-scatter, so more rounds also shard the gradient accumulation.
         grad_windows: level 2: reduce-scatters per step; 1 accumulates a full gradient and
             reduces it once, more shard the accumulation (less memory, more traffic).
@@ -59,10 +62,16 @@ class StageZero:
     gather_windows: int = 1
     grad_windows: int = 1
 
+    @property
+    def streams(self) -> bool:
+        return self.level == 3 and self.gather_windows == 0
+
     def __post_init__(self) -> None:
         if self.level not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO level must be 0..3, got {self.level}")
-        for name in ("buckets", "gather_windows", "grad_windows"):
+        if self.gather_windows < 0:
+            raise ValueError(f"gather_windows must be >= 0, got {self.gather_windows}")
+        for name in ("buckets", "grad_windows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -119,6 +128,10 @@ def _stage_collectives(
             out += [(2 * i, a) for a in gathers] + [(2 * i + 1, a) for a in frees]
         out += [(end, a) for _ in range(naive_rounds - len(uses)) for a in gathers + frees]
         out += [(end, a) for a in reduces]
+    elif setting.level == 3 and setting.streams:
+        for i in uses:  # FSDP-style: each compute streams its buckets, gradients reduced as made
+            out += [(2 * i, a) for a in gathers] + [(2 * i + 1, a) for a in frees + reduces]
+        out += [(end, a) for _ in range(naive_rounds - len(uses)) for a in gathers + frees + reduces]
     elif setting.level == 3:
         last = 2 * uses[0] + 1
         for window in _windows(uses, setting.gather_windows):

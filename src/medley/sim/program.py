@@ -7,7 +7,7 @@ slot indices fixed here, so the engine's inner loop only compares floats.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from medley.cost.interfaces import Collective
 from medley.schedule.ir import P2P_KINDS, Action, Kind, PipelineSchedule
@@ -121,7 +121,7 @@ class _Builder:
         base, stride = self.bases[r], schedule.num_stages * m
         unshard: dict[int, int] = {}  # stage -> latest UNSHARD instance listed so far
         reduce: dict[tuple[int, int | None], int] = {}  # (stage, bucket) -> latest REDUCE_GRAD instance
-        grads_started: set[int] = set()
+        live_grad: dict[int, float] = {}  # stage -> unsharded gradient bytes not yet reduced
         occurrences: dict[tuple[Kind, int, int | None], int] = {}
         for action in row:
             kind, s, mb = action.kind, action.stage, action.micro_batch
@@ -153,8 +153,9 @@ class _Builder:
                         producer = here + stride + m
                         dep = producer if s2r[s + 1] == k else producer + 2 * stride
                     send = not lowered and s > 0 and s2r[s - 1] != k
-                if (kind is Kind.W or kind is Kind.BW) and s not in grads_started:
-                    grads_started.add(s)
+                if (kind is Kind.W or kind is Kind.BW) and live_grad.get(s, 0.0) <= 0.0:
+                    # (Re)allocated by the first weight gradient after the last reduction freed it.
+                    live_grad[s] = cost.grad_buffer_bytes
                     mem_start += cost.grad_buffer_bytes
                 zero_inst = unshard.get(s, -1)
                 zero_dep = self.prog.coll_slot[zero_inst] if zero_inst >= 0 else ZERO_SLOT
@@ -167,7 +168,7 @@ class _Builder:
             elif kind in P2P_KINDS:
                 continue  # receives are posted early; the consumer waits for the arrival slot
             else:
-                self.zero_op(r, device, action, occurrences, unshard, reduce, ops)
+                self.zero_op(r, device, action, occurrences, unshard, reduce, ops, live_grad)
 
     def send_op(
         self, r: int, k: int, forward: bool, s: int, mb: int, s2r: tuple[int, ...], action: Action
@@ -200,8 +201,16 @@ class _Builder:
         arrival = self.slot(r, 2 if forward else 3, s, 0)
         return (self.dense[src], self.dense[dst], dur, self.links(src, dst), producer, arrival)
 
-    def zero_op(self, r, device, action, occurrences, unshard, reduce, ops) -> None:
+    def zero_op(self, r, device, action, occurrences, unshard, reduce, ops, live_grad) -> None:
         cost = self.problem.collectives(r, action)
+        if action.kind is Kind.REDUCE_GRAD:
+            # A reduction frees at most the unsharded gradient still live (none after a round
+            # of forwards only); rounding leftovers below one byte count as freed.
+            freed = min(cost.free_bytes, live_grad.get(action.stage, 0.0))
+            live_grad[action.stage] = live_grad.get(action.stage, 0.0) - freed
+            if live_grad[action.stage] < 1.0:
+                live_grad[action.stage] = 0.0
+            cost = replace(cost, free_bytes=freed)
         me = self.prog.device_ids[device]
         if me not in cost.group:
             raise ValueError(f"replica {r}: collective table gives {action} the group {cost.group}, "
