@@ -7,7 +7,9 @@ modelled as ``static`` (resident all step) plus transient buffers that actions a
 * activations: ``activation_bytes`` from the start of F until its backward releases them
   (B keeps ``activation_after_b_bytes`` until W; BW frees everything);
 * the full gradient buffer of a stage, ``grad_buffer_bytes``, from the start of the rank's first
-  W or BW of that stage until a REDUCE_GRAD frees it (ZeRO-2/3; ZeRO-0/1 keep it in ``static``);
+  W or BW of that stage until REDUCE_GRADs free it (ZeRO-2/3; ZeRO-0/1 keep it in ``static``).
+  Reductions free at most what is live, and the next W/BW after the buffer is fully freed
+  allocates it again (several reduce-scatter rounds per step, or streaming ZeRO-3);
 * ZeRO collectives, described per action by :class:`CollectiveCost` (gathered weights, ...).
 
 How a caller fills :class:`CollectiveCost` for ZeRO levels 0..3 (one bucket = one stage here;
@@ -48,7 +50,8 @@ class StageCost:
         send_bytes: the stage's output activation per micro-batch, sent to the next stage; the
             gradient coming back into this stage from the next one has the same size.
         grad_buffer_bytes: full (unsharded) gradient buffer allocated at the rank's first W or BW
-            of this stage and freed by REDUCE_GRAD ``free_bytes``; 0 when gradients are static.
+            of this stage, freed by REDUCE_GRAD ``free_bytes`` (capped at what is still live) and
+            allocated again by the next W/BW once fully freed; 0 when gradients are static.
     """
 
     forward_s: float
