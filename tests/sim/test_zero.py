@@ -98,3 +98,60 @@ def test_no_comm_makes_collectives_free_but_keeps_the_optimizer_step():
     result = simulate(problem)
     assert result.step_time_s == 6 + 1  # slow replica's compute, then the optimizer step
     assert result.zero[0].comm_s == 0.0
+
+
+def test_gradient_buffer_is_allocated_again_after_each_reduction():
+    """Two reduce-scatter rounds in one step: the full gradient is allocated again by the second
+    BW, which overlaps the first reduce-scatter, so both buffers live for that second."""
+    group = (0, 1)
+    row = [F(0, 0), F(0, 1), Action(0, Kind.BW, 0), Action(0, Kind.REDUCE_GRAD), Action(0, Kind.BW, 1),
+           Action(0, Kind.REDUCE_GRAD)]
+
+    def table(replica: int, action: Action) -> CollectiveCost:
+        return CollectiveCost(group=group, op=Collective.REDUCE_SCATTER, nbytes=2.0, free_bytes=10.0)
+
+    schedules = [PipelineSchedule(family="one", num_stages=1, num_micro_batches=2, stage_to_rank=(0,),
+                                  actions=[row]) for _ in range(2)]
+    cost = StageCost(forward_s=1, backward_input_s=1, backward_weight_s=1, grad_buffer_bytes=10.0)
+    result = simulate(SimProblem(schedules=schedules, devices=[[0], [1]], stage_costs=[[cost], [cost]],
+                                 comm=AlphaBetaComm(alpha=0.0, beta=1.0), collectives=table))
+    # BW0 [2, 4], reduce-scatter [4, 5]; BW1 [4, 6], reduce-scatter [6, 7]
+    assert result.memory[0] == ([0.0, 2.0, 4.0, 5.0, 7.0], [0.0, 10.0, 20.0, 10.0, 0.0])
+
+
+def test_placement_pass_output_runs_with_uneven_micro_batches():
+    """The ZeRO pass's programs (levels 3 and 1, bubble policy) for replicas with 4 and 6
+    micro-batches simulate without deadlock, and each collective ran on both replicas' devices."""
+    from medley.schedule.generators import generate
+    from medley.schedule.zero import StageZero, place_collectives
+
+    zero = [StageZero(level=3, buckets=2), StageZero(level=1, buckets=2)]
+    schedules = place_collectives([generate("1f1b", pp=2, micro_batches=m) for m in (4, 6)], zero,
+                                  stage_layers=[4, 4], policy="bubble")
+    devices = [[0, 1], [2, 3]]
+
+    def table(replica: int, action: Action) -> CollectiveCost:
+        rank = schedules[replica].stage_to_rank[action.stage]
+        group = (devices[0][rank], devices[1][rank])
+        level = zero[action.stage].level
+        if action.kind is Kind.OPTIM:
+            return CollectiveCost(group=group, op=None, compute_s=0.5)
+        if action.kind is Kind.RESHARD:
+            return CollectiveCost(group=group, op=None, free_bytes=25.0)
+        if action.kind is Kind.UNSHARD:
+            return CollectiveCost(group=group, op=Collective.ALL_GATHER, nbytes=50.0,
+                                  alloc_bytes=25.0 if level == 3 else 0.0)
+        return CollectiveCost(group=group, op=Collective.REDUCE_SCATTER, nbytes=50.0)
+
+    cost = StageCost(forward_s=1, backward_input_s=1, backward_weight_s=1, activation_bytes=1.0,
+                     send_bytes=8.0)
+    problem = SimProblem(schedules=schedules, devices=devices, stage_costs=[[cost, cost]] * 2,
+                         static_memory_bytes={d: 100.0 for d in range(4)},
+                         comm=AlphaBetaComm(alpha=0.1, beta=100.0), collectives=table)
+    result = simulate(problem)
+    assert result.collectives and all(len(members) == 2 for members, *_ in result.collectives)
+    assert set(result.zero) == {0, 1}
+    for report in result.devices:
+        assert min(result.memory[report.device][1]) >= 100.0
+        assert report.exposed_zero_s <= report.idle_s + 1e-9
+    assert result.step_time_s >= 6 * 3 + 3  # the 6-micro-batch replica's compute alone
