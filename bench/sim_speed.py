@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -81,7 +82,8 @@ def write_markdown(rows: list[dict], path: Path) -> None:
     lines = [
         "# Simulator speed",
         "",
-        f"Best of the repeats, one process, Python {platform.python_version()} on {platform.machine()}. "
+        f"Best of the repeats, one process, Python {platform.python_version()} on {platform.machine()} "
+        f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} when measured). "
         f"Goal: 1F1B 64 stages x 512 micro-batches under {GOAL_S:.0f} s.",
         "",
         "| schedule | pp | micro-batches | comm | compute actions | transfers | actions | time (s) "
