@@ -142,20 +142,20 @@ def _peer(schedule: PipelineSchedule, rank: int, action: Action, pos: int) -> Ac
 
 def _check_p2p(schedule: PipelineSchedule) -> None:
     """Each SEND matched by exactly one RECV on the peer rank (and back), each placed sensibly."""
-    where: dict[Action, int] = {}
+    where: dict[Action, tuple[int, int]] = {}
     for rank, row in enumerate(schedule.actions):
         for pos, action in enumerate(row):
             if action.kind not in P2P_KINDS:
                 continue
             if action in where:
                 raise _fail(rank, action, "sent or received twice", pos)
-            where[action] = rank
-    for action, rank in where.items():
-        peer = _peer(schedule, rank, action, schedule.actions[rank].index(action))
+            where[action] = rank, pos
+    for action, (rank, pos) in where.items():
+        peer = _peer(schedule, rank, action, pos)
         peer_rank = schedule.stage_to_rank[peer.stage]
         if peer_rank == rank:
             raise _fail(rank, action, f"peer stage {peer.stage} is on the same rank; no transfer is needed")
-        if where.get(peer) != peer_rank:
+        if where.get(peer, (None,))[0] != peer_rank:
             raise _fail(rank, action, f"unmatched: rank {peer_rank} has no {peer}")
     # A cross-rank consumer needs its RECV earlier in its own row.
     for rank, row in enumerate(schedule.actions):
