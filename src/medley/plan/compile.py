@@ -66,7 +66,9 @@ class PlanLayout:
         return len(self.stage_layers)
 
     def layer_range(self, stage: int) -> range:
-        start = sum(self.stage_layers[:stage])
+        # A two-direction schedule holds the model twice: stages p.. restart at layer 0.
+        chain = self.pp if self.schedule == "bidirectional" else self.num_stages
+        start = sum(self.stage_layers[(stage // chain) * chain : stage])
         return range(start, start + self.stage_layers[stage])
 
     @property

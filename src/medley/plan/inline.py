@@ -106,11 +106,15 @@ def inline_layout(
     except ValueError as err:
         raise MedleyInputError(f"--schedule {schedule}: {err}") from None
     stages = probe.num_stages
+    # Two-direction schedules hold the model twice: the up pipeline's k-th stage (global p + k)
+    # has the same layers as the down pipeline's k-th, so the split names the down stages only.
+    mirrored = schedule == "bidirectional"
+    chain = pp if mirrored else stages
     assignment = default_assignment(cluster, pp=pp, dp=dp)
-    layers = parse_int_list(split, flag="--split", count=stages, minimum=0)
+    layers = parse_int_list(split, flag="--split", count=chain, minimum=0)
     if layers is None:
         speeds = []
-        for stage in range(stages):
+        for stage in range(chain):
             types = {cluster.devices[assignment[r][probe.stage_to_rank[stage]]].type.name for r in range(dp)}
             block_time = max(
                 sum(
@@ -125,6 +129,8 @@ def inline_layout(
         layers = balanced_split(model, speeds)
     else:
         layers = _expand_split(model, layers)
+    if mirrored:
+        layers = layers + layers
     levels = parse_int_list(zero, flag="--zero", count=stages, minimum=0) or (1,) * stages
     if any(level > 3 for level in levels):
         raise MedleyInputError(f"--zero '{zero}': ZeRO levels are 0, 1, 2 or 3")

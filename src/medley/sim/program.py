@@ -133,12 +133,15 @@ class _Builder:
                 cost = costs[s]
                 here = base + s * m + mb
                 dep = producer = local = ZERO_SLOT
+                # A micro-batch's chain (both ends) is the whole pipeline except in two-direction
+                # schedules, whose up micro-batches enter at stage p.
+                first, end = schedule.stage_span(mb)
                 if kind is Kind.F:
                     dur, out, mem_start, mem_end = cost.forward_s, here, cost.activation_bytes, 0.0
-                    if s > 0:
+                    if s > first:
                         producer = here - m
                         dep = producer if s2r[s - 1] == k else producer + 2 * stride
-                    send = not lowered and s < last and s2r[s + 1] != k
+                    send = not lowered and s < end and s2r[s + 1] != k
                 elif kind is Kind.W:
                     dur, out, mem_start = cost.backward_weight_s, SINK_SLOT, 0.0
                     mem_end = cost.activation_after_b_bytes
@@ -149,10 +152,10 @@ class _Builder:
                     dur = cost.backward_input_s + (0.0 if split else cost.backward_weight_s)
                     out, mem_start, local = here + stride, 0.0, here
                     mem_end = cost.activation_bytes - (cost.activation_after_b_bytes if split else 0.0)
-                    if s < last:
+                    if s < end:
                         producer = here + stride + m
                         dep = producer if s2r[s + 1] == k else producer + 2 * stride
-                    send = not lowered and s > 0 and s2r[s - 1] != k
+                    send = not lowered and s > first and s2r[s - 1] != k
                 if (kind is Kind.W or kind is Kind.BW) and live_grad.get(s, 0.0) <= 0.0:
                     # (Re)allocated by the first weight gradient after the last reduction freed it.
                     live_grad[s] = cost.grad_buffer_bytes

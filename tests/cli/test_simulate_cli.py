@@ -1,0 +1,105 @@
+"""``medley simulate`` end to end: figures, pictures, two-direction schedules and bad flags."""
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from medley.cli.main import app
+
+DEMO = str(Path(__file__).parents[2] / "examples" / "demo.toml")
+
+
+def _run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["simulate", *args], env={"COLUMNS": "200"})
+    return result.exit_code, result.output
+
+
+def test_json_figures_and_pictures(tmp_path: Path) -> None:
+    code, out = _run(
+        "--cluster",
+        DEMO,
+        "--model",
+        "llama-2-7b",
+        "--pp",
+        "3",
+        "--dp",
+        "4",
+        "--micro-batches",
+        "8",
+        "--zero",
+        "3,1,3",
+        "--trace",
+        str(tmp_path / "t.json"),
+        "--gantt",
+        str(tmp_path / "g.png"),
+        "--json",
+    )
+    assert code == 0, out
+    data = json.loads(out)
+    assert len(data["devices"]) == 12 and data["step_time_s"] > 0 and 0 < data["mfu"] < 1
+    assert sum(data["split"]) == 34  # every layer of LLaMA-2-7B (32 blocks + embedding + head), once
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert (tmp_path / "g.png").stat().st_size > 10_000
+
+
+def test_no_comm_homogeneous_1f1b_bubble_is_the_closed_form() -> None:
+    # Stages 0 and 3 hold only the embedding and the head (microseconds), so the two equal block
+    # stages form a 2-stage pipeline: busy = 1 - (p-1)/(m+p-1) = 8/9 with p=2, m=8.
+    code, out = _run(
+        "--cluster",
+        "4xA100-80GB",
+        "--model",
+        "llama-2-7b",
+        "--pp",
+        "4",
+        "--micro-batches",
+        "8",
+        "--split",
+        "1,16,16,1",
+        "--no-comm",
+        "--json",
+    )
+    assert code == 0, out
+    data = json.loads(out)
+    middle = [d for d in data["devices"] if d["stages"] in ([1], [2])]
+    for device in middle:
+        assert device["busy"] == pytest.approx(8 / 9, abs=0.01)
+
+
+def test_bidirectional_holds_the_model_twice() -> None:
+    base = [
+        "--cluster",
+        "4xA100-80GB",
+        "--model",
+        "llama-2-7b",
+        "--pp",
+        "4",
+        "--micro-batches",
+        "8",
+        "--json",
+    ]
+    code, out = _run(*base, "--schedule", "bidirectional")
+    assert code == 0, out
+    two_way = json.loads(out)
+    assert two_way["split"][:4] == two_way["split"][4:]
+    one_way = json.loads(_run(*base, "--schedule", "1f1b")[1])
+    for a, b in zip(two_way["devices"], one_way["devices"], strict=True):
+        assert a["static_memory_gb"] == pytest.approx(2 * b["static_memory_gb"], rel=0.15)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--split", "1,2"], "--split"),
+        (["--zero", "4"], "ZeRO levels"),
+        (["--pp", "8", "--dp", "4"], "lower --pp or --dp"),
+        (["--schedule", "zb-q"], "unknown schedule family"),
+        (["--micro-batches", "4,x"], "--micro-batches"),
+    ],
+)
+def test_bad_flags_get_one_clear_message(flags: list[str], message: str) -> None:
+    code, out = _run("--cluster", DEMO, "--model", "llama-2-7b", "--pp", "3", *flags)
+    assert code == 2
+    assert message in out and "Traceback" not in out
