@@ -30,7 +30,7 @@ def run_demo(*, out_dir: Path, model_name: str, console: Console) -> dict:
     print_cluster(cluster, console)
     print_model_costs(model, cluster, micro_batch_size=1, seq_len=2048, console=console)
     cost = CatalogCostSource.for_cluster(model, cluster)
-    figures = {}
+    figures, results = {}, {}
     for placement in ("naive", "bubble"):
         layout = inline_layout(
             cluster=cluster,
@@ -47,10 +47,11 @@ def run_demo(*, out_dir: Path, model_name: str, console: Console) -> dict:
         )
         problem, result = simulate_layout(layout, cluster)
         figures[placement] = summary(layout, cluster, problem, result)
+        results[placement] = result
     console.rule("One plan: pp=3 (A100 | V100 | T4 stages), dp=4, 1F1B, ZeRO 3,1,3, bubble-aware placement")
     print_summary(figures["bubble"], console)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_pictures(result, trace=out_dir / "demo-trace.json", gantt=out_dir / "demo-gantt.png")
+    write_pictures(results["bubble"], trace=out_dir / "demo-trace.json", gantt=out_dir / "demo-gantt.png")
     exposed = {p: sum(s["exposed_s"] for s in f["stages"]) for p, f in figures.items()}
     console.print(
         f"ZeRO communication exposed: naive {exposed['naive'] * 1e3:.0f} ms, bubble-aware "

@@ -11,7 +11,7 @@ calls it ``I``), ``W`` the weight-gradient backward and ``BW`` the fused full ba
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -226,13 +226,6 @@ def p2p_peer(schedule: PipelineSchedule, action: Action) -> tuple[int, int]:
     offset = {Kind.SEND_F: 1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: 1}[action.kind]
     peer_stage = action.stage + offset
     return peer_stage, schedule.stage_to_rank[peer_stage]
-
-
-def count_kinds(actions: Iterable[Action]) -> dict[Kind, int]:
-    counts: dict[Kind, int] = {}
-    for action in actions:
-        counts[action.kind] = counts.get(action.kind, 0) + 1
-    return counts
 
 
 def parse_rows(rows: Sequence[str]) -> list[list[Action]]:

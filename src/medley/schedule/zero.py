@@ -123,15 +123,15 @@ def _stage_collectives(
     reduces = [Action(stage, Kind.REDUCE_GRAD, bucket=b) for b in reduce_order]
     end = 2 * grads[-1] + 1
     out: Placed = []
-    if setting.level == 3 and policy is Placement.NAIVE:
+    streams = setting.streams and policy is Placement.BUBBLE
+    if setting.level == 3 and (policy is Placement.NAIVE or streams):
+        # One gather round per compute action, FSDP-style; streaming also reduces as it goes.
+        after_use = frees + reduces if streams else frees
         for i in uses:
-            out += [(2 * i, a) for a in gathers] + [(2 * i + 1, a) for a in frees]
-        out += [(end, a) for _ in range(naive_rounds - len(uses)) for a in gathers + frees]
-        out += [(end, a) for a in reduces]
-    elif setting.level == 3 and setting.streams:
-        for i in uses:  # FSDP-style: each compute streams its buckets, gradients reduced as made
-            out += [(2 * i, a) for a in gathers] + [(2 * i + 1, a) for a in frees + reduces]
-        out += [(end, a) for _ in range(naive_rounds - len(uses)) for a in gathers + frees + reduces]
+            out += [(2 * i, a) for a in gathers] + [(2 * i + 1, a) for a in after_use]
+        out += [(end, a) for _ in range(naive_rounds - len(uses)) for a in gathers + after_use]
+        if not streams:
+            out += [(end, a) for a in reduces]
     elif setting.level == 3:
         last = 2 * uses[0] + 1
         for window in _windows(uses, setting.gather_windows):
