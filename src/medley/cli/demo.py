@@ -14,10 +14,11 @@ import typer
 from rich.console import Console
 
 from medley.cli.errors import exit_on_input_error
-from medley.cli.simulate_cmd import print_summary, simulate_layout, summary, write_pictures
+from medley.cli.simulate_cmd import print_summary, summary, write_pictures
 from medley.cli.spec_cmds import print_cluster, print_model_costs
 from medley.cost.estimator import CatalogCostSource
 from medley.plan.inline import inline_layout
+from medley.plan.predict import simulate_layout
 from medley.spec.cluster import load_cluster
 from medley.spec.model import get_model
 

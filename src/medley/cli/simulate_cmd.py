@@ -10,32 +10,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from medley.cli.errors import MedleyInputError, exit_on_input_error
+from medley.cli.errors import exit_on_input_error
 from medley.cost.estimator import CatalogCostSource
-from medley.plan.compile import PlanLayout, compile_problem
+from medley.plan.compile import PlanLayout
 from medley.plan.inline import inline_layout
-from medley.schedule.validate import ScheduleError, validate
-from medley.sim.engine import simulate
+from medley.plan.predict import simulate_layout
 from medley.sim.problem import SimProblem
 from medley.sim.result import SimResult
 from medley.spec.cluster import Cluster, parse_cluster_arg
 from medley.spec.model import get_model
 
 GB = 1e9
-
-
-def simulate_layout(
-    layout: PlanLayout, cluster: Cluster, *, comm: bool = True
-) -> tuple[SimProblem, SimResult]:
-    """Validate the layout's schedules, then simulate one step."""
-    cost = CatalogCostSource.for_cluster(layout.model, cluster, dtype=layout.dtype)
-    problem = compile_problem(layout, cluster, cost, comm=comm)
-    for replica, schedule in enumerate(problem.schedules):
-        try:
-            validate(schedule)
-        except ScheduleError as err:
-            raise MedleyInputError(f"replica {replica}'s schedule is invalid: {err}") from None
-    return problem, simulate(problem)
 
 
 def summary(layout: PlanLayout, cluster: Cluster, problem: SimProblem, result: SimResult) -> dict:

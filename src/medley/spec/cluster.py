@@ -71,6 +71,8 @@ class Cluster:
     devices: list[Device]
     nodes: list[Node]
     tiers: list[Tier]
+    # The validated file contents it was built from, so that a plan file can carry its cluster.
+    source_spec: dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._node_by_name = {node.name: node for node in self.nodes}
@@ -145,7 +147,20 @@ def load_cluster(path: Path, catalog: dict[str, DeviceType] | None = None) -> Cl
 
     if spec.catalog is not None:
         catalog = load_catalog(path.parent / spec.catalog)
+        spec = spec.model_copy(update={"catalog": str((path.parent / spec.catalog).resolve())})
     return build_cluster(spec, source=str(path), catalog=catalog or load_catalog())
+
+
+def cluster_from_dict(raw: dict, *, source: str) -> Cluster:
+    """A cluster from already-parsed TOML contents (a plan file's ``[cluster]`` table)."""
+    try:
+        spec = ClusterFile.model_validate(raw)
+    except ValidationError as err:
+        raise MedleyInputError(describe_validation_error(err, source)) from None
+    from medley.spec.cluster_build import build_cluster
+
+    catalog = load_catalog(Path(spec.catalog)) if spec.catalog is not None else load_catalog()
+    return build_cluster(spec, source=source, catalog=catalog)
 
 
 _SHORT_FORM = re.compile(r"^\s*(\d+)\s*[xX*]\s*([A-Za-z0-9_.\-]+)\s*$")

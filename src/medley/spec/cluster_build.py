@@ -229,4 +229,10 @@ def build_cluster(spec: ClusterFile, *, source: str, catalog: dict[str, DeviceTy
     nodes = [
         Node(name=name, device_ids=ids, link=link, groups=tuple(paths[name])) for name, ids, link in node_rows
     ]
-    return Cluster(name=spec.name, devices=devices, nodes=nodes, tiers=tiers)
+    return Cluster(
+        name=spec.name,
+        devices=devices,
+        nodes=nodes,
+        tiers=tiers,
+        source_spec=spec.model_dump(mode="json", exclude_none=True),
+    )

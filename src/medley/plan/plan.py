@@ -1,0 +1,272 @@
+"""The plan file: everything the runtime needs to run a plan, and what the simulator predicted.
+
+A plan is a :class:`PlanLayout` (model, rectangle of devices, split, schedule, micro-batches, ZeRO
+and recomputation per stage) plus the cluster it was made for (embedded, so the file stands
+alone) and the predicted figures with the cost source they came from. The TOML form is versioned;
+:func:`load_plan` validates every field and names the one to fix, :func:`save_plan` writes
+atomically so that a crash never leaves half a plan behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from medley.cli.errors import MedleyInputError
+from medley.plan.compile import PlanLayout
+from medley.schedule.zero import Placement, StageZero
+from medley.spec.cluster import Cluster, cluster_from_dict
+from medley.spec.cluster_schema import describe_validation_error
+from medley.spec.model import PRESETS, ModelSpec
+
+PLAN_VERSION = 1
+_STRICT = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """What the simulator predicts for one step of the plan.
+
+    Attributes:
+        step_time_s: simulated step time.
+        tokens_per_s: tokens of the global batch per simulated second.
+        mfu: model FLOPs utilisation against the dense peaks of the devices used.
+        bubble_fraction: mean idle share of the devices over the step.
+        exposed_comm_s: mean time per device spent waiting on communication.
+        peak_memory_gb: simulated peak memory of each device used, by device id.
+        cost_source: where the per-layer times came from (catalog estimate or a profile file).
+    """
+
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    bubble_fraction: float
+    exposed_comm_s: float
+    peak_memory_gb: dict[int, float]
+    cost_source: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A runnable plan: the layout, the cluster it targets and (optionally) its prediction."""
+
+    layout: PlanLayout
+    cluster: Cluster
+    prediction: Prediction | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.pp * self.layout.dp
+
+
+class _ZeroSpec(BaseModel):
+    model_config = _STRICT
+    level: int = Field(ge=0, le=3)
+    buckets: int = Field(default=1, ge=1)
+    gather_windows: int = Field(default=1, ge=0)
+    grad_windows: int = Field(default=1, ge=1)
+
+
+class _LayoutSpec(BaseModel):
+    model_config = _STRICT
+    pp: int = Field(ge=1)
+    dp: int = Field(ge=1)
+    assignment: list[list[int]] = Field(min_length=1)
+    stage_layers: list[int] = Field(min_length=1)
+    schedule: str
+    knobs: dict[str, Any] = {}
+    micro_batches: list[int] = Field(min_length=1)
+    micro_batch_size: int = Field(ge=1)
+    seq_len: int = Field(ge=1)
+    zero: list[_ZeroSpec] = Field(min_length=1)
+    placement: Literal["naive", "bubble"] = "bubble"
+    recompute: list[bool] = []
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+
+
+class _PredictionSpec(BaseModel):
+    model_config = _STRICT
+    step_time_s: float = Field(gt=0)
+    tokens_per_s: float = Field(ge=0)
+    mfu: float = Field(ge=0)
+    bubble_fraction: float = Field(ge=0)
+    exposed_comm_s: float = Field(ge=0)
+    peak_memory_gb: dict[str, float] = {}
+    cost_source: str = "catalog"
+
+
+class _PlanFile(BaseModel):
+    model_config = _STRICT
+    version: int
+    model: dict[str, Any]
+    cluster: dict[str, Any]
+    layout: _LayoutSpec
+    prediction: _PredictionSpec | None = None
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The plan as plain TOML-ready data (inverse of :func:`plan_from_dict`)."""
+    layout = plan.layout
+    if plan.cluster.source_spec is None:
+        raise ValueError("the plan's cluster was not built from a cluster spec and cannot be embedded")
+    model = {k: v for k, v in dataclasses.asdict(layout.model).items() if v is not None}
+    out: dict[str, Any] = {
+        "version": PLAN_VERSION,
+        "model": model,
+        "cluster": plan.cluster.source_spec,
+        "layout": {
+            "pp": layout.pp,
+            "dp": layout.dp,
+            "assignment": [list(row) for row in layout.assignment],
+            "stage_layers": list(layout.stage_layers),
+            "schedule": layout.schedule,
+            "knobs": dict(layout.knobs),
+            "micro_batches": list(layout.micro_batches),
+            "micro_batch_size": layout.micro_batch_size,
+            "seq_len": layout.seq_len,
+            "zero": [dataclasses.asdict(z) for z in layout.zero],
+            "placement": layout.placement.value,
+            "recompute": list(layout.recompute),
+            "dtype": layout.dtype,
+        },
+    }
+    if plan.prediction is not None:
+        pred = dataclasses.asdict(plan.prediction)
+        pred["peak_memory_gb"] = {str(k): v for k, v in plan.prediction.peak_memory_gb.items()}
+        out["prediction"] = pred
+    return out
+
+
+def plan_from_dict(raw: dict[str, Any], *, source: str) -> Plan:
+    """Validate parsed plan contents; every problem names ``source``, the field and the fix."""
+    version = raw.get("version") if isinstance(raw, dict) else None
+    if version != PLAN_VERSION:
+        raise MedleyInputError(
+            f"{source}: field 'version' is {version!r}; this medley reads plan version {PLAN_VERSION}. "
+            "Re-create the plan with `medley plan` (or set version = 1 in a hand-written plan)."
+        )
+    try:
+        spec = _PlanFile.model_validate(raw)
+    except ValidationError as err:
+        raise MedleyInputError(describe_validation_error(err, source)) from None
+    model = _model_from_dict(spec.model, source)
+    cluster = cluster_from_dict(spec.cluster, source=f"{source} [cluster]")
+    layout = _layout_from_spec(spec.layout, model, cluster, source)
+    prediction = None
+    if spec.prediction is not None:
+        p = spec.prediction.model_dump()
+        p["peak_memory_gb"] = {int(k): v for k, v in p["peak_memory_gb"].items()}
+        prediction = Prediction(**p)
+    return Plan(layout=layout, cluster=cluster, prediction=prediction)
+
+
+def _model_from_dict(raw: dict[str, Any], source: str) -> ModelSpec:
+    if set(raw) == {"name"}:  # a hand-written plan may name a preset only
+        preset = PRESETS.get(str(raw["name"]).lower())
+        if preset is None:
+            raise MedleyInputError(
+                f"{source}: field 'model.name' = {raw['name']!r} is not a preset ({', '.join(PRESETS)}); "
+                "name a preset or give every model field"
+            )
+        return preset
+    names = {f.name for f in dataclasses.fields(ModelSpec)}
+    unknown = sorted(set(raw) - names)
+    missing = sorted(f.name for f in dataclasses.fields(ModelSpec) if f.default is dataclasses.MISSING
+                     and f.name not in raw)
+    if unknown or missing:
+        problem = f"unknown fields {unknown}" if unknown else f"missing fields {missing}"
+        raise MedleyInputError(
+            f"{source}: table 'model' has {problem}; fix them or give only 'name' of a preset"
+        )
+    try:
+        return ModelSpec(**raw)
+    except TypeError as err:
+        raise MedleyInputError(f"{source}: table 'model': {err}") from None
+
+
+def _layout_from_spec(spec: _LayoutSpec, model: ModelSpec, cluster: Cluster, source: str) -> PlanLayout:
+    def fail(field_name: str, problem: str, fix: str) -> MedleyInputError:
+        return MedleyInputError(f"{source}: field 'layout.{field_name}': {problem}; {fix}")
+
+    if len(spec.assignment) != spec.dp or any(len(row) != spec.pp for row in spec.assignment):
+        raise fail("assignment", f"must be {spec.dp} rows (dp) of {spec.pp} device ids (pp)", "fix its shape")
+    used = [d for row in spec.assignment for d in row]
+    if any(not 0 <= d < cluster.num_devices for d in used) or len(set(used)) != len(used):
+        raise fail("assignment", f"device ids must be distinct and in 0..{cluster.num_devices - 1}",
+                   "name each device of the cluster at most once")
+    if len(spec.micro_batches) != spec.dp or min(spec.micro_batches) < 1:
+        raise fail("micro_batches", f"needs {spec.dp} counts (one per replica), each >= 1", "fix the list")
+    stages = len(spec.stage_layers)
+    if len(spec.zero) != stages:
+        raise fail("zero", f"has {len(spec.zero)} entries for {stages} stages", "give one per stage")
+    if spec.recompute and len(spec.recompute) != stages:
+        raise fail("recompute", f"has {len(spec.recompute)} entries for {stages} stages",
+                   "give one per stage")
+    if min(spec.stage_layers) < 1:
+        raise fail("stage_layers", "every stage needs at least one layer", "move layers into the empty stage")
+    held = sum(spec.stage_layers) // (2 if spec.schedule == "bidirectional" else 1)
+    if held != model.num_layers:
+        raise fail("stage_layers", f"sums to {held} layers but {model.name} has {model.num_layers} "
+                   "(embedding and head count as layers)", "make the split cover every layer once")
+    layout = PlanLayout(
+        model=model,
+        pp=spec.pp,
+        dp=spec.dp,
+        assignment=tuple(tuple(row) for row in spec.assignment),
+        stage_layers=tuple(spec.stage_layers),
+        schedule=spec.schedule,
+        micro_batches=tuple(spec.micro_batches),
+        micro_batch_size=spec.micro_batch_size,
+        seq_len=spec.seq_len,
+        zero=tuple(StageZero(**z.model_dump()) for z in spec.zero),
+        placement=Placement(spec.placement),
+        recompute=tuple(spec.recompute),
+        dtype=spec.dtype,
+        knobs=dict(spec.knobs),
+    )
+    from medley.plan.compile import build_schedules
+
+    try:
+        build_schedules(layout)
+    except MedleyInputError as err:
+        raise MedleyInputError(f"{source}: table 'layout': {err}") from None
+    return layout
+
+
+def save_plan(plan: Plan, path: Path) -> None:
+    """Write ``plan`` as TOML; the file appears whole or not at all."""
+    path = Path(path)
+    text = tomli_w.dumps(plan_to_dict(plan))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_plan(path: Path) -> Plan:
+    """Read and validate a plan file; every problem is a :class:`MedleyInputError`."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as err:
+        raise MedleyInputError(
+            f"{path}: cannot read the plan file ({err.strerror}); check the path."
+        ) from None
+    except UnicodeDecodeError:
+        raise MedleyInputError(f"{path}: not a UTF-8 text file; give a plan TOML file.") from None
+    except tomllib.TOMLDecodeError as err:
+        raise MedleyInputError(f"{path}: malformed TOML ({err}); fix the syntax there.") from None
+    return plan_from_dict(raw, source=str(path))

@@ -1,0 +1,72 @@
+"""Simulate a layout on its cluster and condense the result into a :class:`Prediction`.
+
+Every figure a plan shows comes from here: the exact simulation of that plan, never a bound.
+"""
+
+from __future__ import annotations
+
+from medley.cli.errors import MedleyInputError
+from medley.cost.estimator import CatalogCostSource
+from medley.cost.interfaces import CostSource, Pass
+from medley.plan.compile import PlanLayout, compile_problem
+from medley.plan.plan import Prediction
+from medley.schedule.validate import ScheduleError, validate
+from medley.sim.engine import simulate
+from medley.sim.problem import SimProblem
+from medley.sim.result import SimResult
+from medley.spec.cluster import Cluster
+
+GB = 1e9
+
+
+def simulate_layout(
+    layout: PlanLayout, cluster: Cluster, *, cost: CostSource | None = None, comm: bool = True
+) -> tuple[SimProblem, SimResult]:
+    """Validate the layout's schedules, then simulate one step (catalog costs unless given)."""
+    if cost is None:
+        cost = CatalogCostSource.for_cluster(layout.model, cluster, dtype=layout.dtype)
+    problem = compile_problem(layout, cluster, cost, comm=comm)
+    for replica, schedule in enumerate(problem.schedules):
+        try:
+            validate(schedule)
+        except ScheduleError as err:
+            raise MedleyInputError(f"replica {replica}'s schedule is invalid: {err}") from None
+    return problem, simulate(problem)
+
+
+def cost_source_name(layout: PlanLayout, cost: CostSource, cluster: Cluster) -> str:
+    """The sources the layout's per-layer times came from (``catalog``, ``profile:FILE``, ...)."""
+    names = set()
+    for row in layout.assignment:
+        for device in row:
+            device_type = cluster.devices[device].type.name
+            for layer in (0, 1, layout.model.num_layers - 1):
+                estimate = cost.layer_time(
+                    layer, Pass.F, micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len,
+                    device_type=device_type,
+                )
+                names.add(estimate.source)
+    return "+".join(sorted(names))
+
+
+def prediction_of(layout: PlanLayout, result: SimResult, *, cost_source: str) -> Prediction:
+    reports = result.devices
+    return Prediction(
+        step_time_s=result.step_time_s,
+        tokens_per_s=result.tokens_per_s,
+        mfu=result.mfu,
+        bubble_fraction=sum(r.bubble_fraction for r in reports) / len(reports),
+        exposed_comm_s=sum(r.exposed_comm_s for r in reports) / len(reports),
+        peak_memory_gb={r.device: r.peak_memory_bytes / GB for r in reports},
+        cost_source=cost_source,
+    )
+
+
+def predict(
+    layout: PlanLayout, cluster: Cluster, *, cost: CostSource | None = None, comm: bool = True
+) -> tuple[Prediction, SimProblem, SimResult]:
+    """Simulate ``layout`` and return its prediction with the problem and result behind it."""
+    if cost is None:
+        cost = CatalogCostSource.for_cluster(layout.model, cluster, dtype=layout.dtype)
+    problem, result = simulate_layout(layout, cluster, cost=cost, comm=comm)
+    return prediction_of(layout, result, cost_source=cost_source_name(layout, cost, cluster)), problem, result
