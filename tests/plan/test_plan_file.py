@@ -106,3 +106,11 @@ def test_failed_save_leaves_old_file_and_no_temporary(
         save_plan(plan, target)
     assert target.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["plan.toml"]
+
+
+def test_documented_example_loads(tmp_path: Path) -> None:
+    text = (Path(__file__).parents[2] / "docs" / "plan-format.md").read_text()
+    example = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "plan.toml").write_text(example)
+    plan = load_plan(tmp_path / "plan.toml")
+    assert plan.layout.micro_batches == (5, 3) and plan.world_size == 4
