@@ -1,9 +1,84 @@
-"""Placeholder module: filled by its owner; registers nothing yet."""
+"""``medley profile``: measure a model's layers and the backend's collectives into a profile file."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Annotated
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from medley.cli.errors import exit_on_input_error
+from medley.cost.profiles import Profile, save_profile
+from medley.plan.inline import parse_int_list
+from medley.spec.model import get_model
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    count = len(str(text).split(","))
+    values = parse_int_list(text, flag=flag, count=count, minimum=1)
+    assert values is not None
+    return values
+
+
+def print_profile(profile: Profile, console: Console) -> None:
+    table = Table(title=f"{profile.model.get('name')} on {profile.device_type} ({profile.device_detail}), "
+                        f"{profile.dtype}, {profile.threads} thread(s), torch {profile.torch_version}")
+    columns = ("layer", "mbs", "seq", "F ms", "B ms", "W ms", "fused B+W ms", "activations MB", "after B MB")
+    for col in columns:
+        table.add_column(col, justify="right")
+    for m in profile.layers:
+        table.add_row(m.kind, str(m.micro_batch_size), str(m.seq_len), f"{m.forward_s * 1e3:.3f}",
+                      f"{m.backward_input_s * 1e3:.3f}", f"{m.backward_weight_s * 1e3:.3f}",
+                      f"{m.backward_full_s * 1e3:.3f}", f"{m.activation_bytes / 1e6:.2f}",
+                      f"{m.activation_after_b_bytes / 1e6:.2f}")
+    console.print(table)
+    if profile.comm is not None:
+        fits = Table(title=f"α-β fits over {profile.comm.backend}")
+        for col in ("op / group size", "α µs", "β GB/s", "median error"):
+            fits.add_column(col, justify="right")
+        by_ranks = [(f"{k} ranks", v) for k, v in profile.comm.link_by_ranks.items()]
+        rows = [*profile.comm.fits.items(), *by_ranks, ("all (link)", profile.comm.link)]
+        for name, fit in rows:
+            fits.add_row(name, f"{fit.latency_s * 1e6:.1f}", f"{fit.bandwidth_bytes_per_s / 1e9:.2f}",
+                         f"{fit.median_rel_error:.0%}")
+        console.print(fits)
 
 
 def register(app: typer.Typer) -> None:
-    del app
+    @app.command("profile")
+    @exit_on_input_error
+    def profile_cmd(
+        model: Annotated[str, typer.Option(help="Preset name or a Hugging Face config.json")],
+        device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+        micro_batch_sizes: Annotated[
+            str, typer.Option(help="Micro-batch sizes to measure, e.g. 1,2,4")
+        ] = "1,2,4",
+        seq_len: Annotated[str, typer.Option(help="Sequence lengths to measure, e.g. 128,512")] = "128",
+        dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "fp32",
+        threads: Annotated[int, typer.Option(help="torch threads (CPU ranks run one each)")] = 1,
+        runs: Annotated[int, typer.Option(help="Timed repetitions per figure (the median is kept)")] = 5,
+        comm_ranks: Annotated[
+            str, typer.Option(help="Group sizes for the gloo collective benchmarks; 0 skips them")
+        ] = "2,4",
+        out: Annotated[Path, typer.Option(help="Profile file to write (JSON)")] = Path("profile.json"),
+        as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON")] = False,
+    ) -> None:
+        """Measure F, B, W times and activation bytes per layer kind (and collectives) into a profile."""
+        from medley.profile.run import run_profile
+
+        ranks = () if comm_ranks.strip() == "0" else _ints(comm_ranks, "--comm-ranks")
+        profile = run_profile(
+            get_model(model), device=device,
+            micro_batch_sizes=_ints(micro_batch_sizes, "--micro-batch-sizes"),
+            seq_lens=_ints(seq_len, "--seq-len"), dtype=dtype, threads=max(1, threads), runs=max(1, runs),
+            comm_ranks=ranks,
+        )
+        save_profile(profile, out)
+        if as_json:
+            typer.echo(json.dumps(profile.model_dump(mode="json"), indent=1))
+        else:
+            print_profile(profile, Console())
+            Console().print(f"wrote {out}")

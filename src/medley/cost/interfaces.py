@@ -41,6 +41,30 @@ class CostSource(Protocol):
     ) -> TimeEstimate: ...
 
 
+class MeasuredCosts(Protocol):
+    """Optional questions a measured source (a profile) answers beyond :class:`CostSource`.
+
+    The compiler asks them with ``getattr``, so catalog estimates need not implement them; each
+    returns None when the source cannot say (the compiler then falls back to the formulas).
+    """
+
+    def activation_bytes(
+        self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> tuple[float, float] | None:
+        """(bytes held from F until B, bytes still held from B until W) of one micro-batch."""
+        ...
+
+    def backward_full_time(
+        self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> TimeEstimate | None:
+        """Time of the fused backward (one autograd call) of one micro-batch."""
+        ...
+
+    def optimizer_time(self, params: float, *, device_type: str) -> TimeEstimate | None:
+        """Time of one optimizer step over ``params`` parameters."""
+        ...
+
+
 class CommModel(Protocol):
     """α-β communication times over the cluster's topology. Devices are global device ids."""
 

@@ -34,6 +34,27 @@ OPTIMIZER_BYTES = 12
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class StateBytesPerParam:
+    """Bytes per parameter of the weights, the gradient and the optimizer state."""
+
+    weights: float
+    grads: float
+    optimizer: float
+
+
+# bf16/fp16 mixed precision with Adam: the table above (fp32 master, momentum and variance: 12 B).
+MIXED_PRECISION_ADAM = StateBytesPerParam(weights=WEIGHT_BYTES, grads=GRAD_BYTES, optimizer=OPTIMIZER_BYTES)
+# Plain fp32 training with Adam(W), as medley's runtime runs fp32 plans: fp32 weights and gradients
+# and two fp32 moments; no master copy, since the weights already are fp32.
+FP32_ADAM = StateBytesPerParam(weights=4, grads=4, optimizer=8)
+
+
+def state_bytes_per_param(dtype: str) -> StateBytesPerParam:
+    """Per-parameter model-state bytes of a plan trained in ``dtype`` (bf16, fp16 or fp32)."""
+    return FP32_ADAM if dtype == "fp32" else MIXED_PRECISION_ADAM
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StageStateBytes:
     """Bytes per device of one stage's model state, split by what ZeRO shards.
 
@@ -69,6 +90,7 @@ def stage_state_bytes(
     dp: int,
     gathered_fraction: float = 1.0,
     accumulation_fraction: float = 1.0,
+    per_param: StateBytesPerParam = MIXED_PRECISION_ADAM,
 ) -> StageStateBytes:
     """Model-state bytes per device for a stage of ``params`` parameters.
 
@@ -81,21 +103,24 @@ def stage_state_bytes(
         accumulation_fraction: levels 2-3: fraction of the stage's gradient held unsharded at
             the peak (1.0 with one reduce-scatter per step; a bucket's share when reduced per
             micro-batch).
+        per_param: bytes per parameter of weights, gradient and optimizer state (mixed-precision
+            Adam by default; :data:`FP32_ADAM` for fp32 plans).
     """
     if level not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO level must be 0, 1, 2 or 3, got {level}")
     if dp < 1:
         raise ValueError(f"data-parallel size must be >= 1, got {dp}")
     shard = params / dp
-    weights = params * WEIGHT_BYTES if level < 3 else shard * WEIGHT_BYTES
-    grads = params * GRAD_BYTES if level < 2 else shard * GRAD_BYTES
-    optimizer = params * OPTIMIZER_BYTES if level < 1 else shard * OPTIMIZER_BYTES
+    w, g, o = per_param.weights, per_param.grads, per_param.optimizer
+    weights = params * w if level < 3 else shard * w
+    grads = params * g if level < 2 else shard * g
+    optimizer = params * o if level < 1 else shard * o
     gathered = 0.0
     accumulation = 0.0
     if level == 3 and dp > 1:
-        gathered = (params - shard) * WEIGHT_BYTES * min(1.0, gathered_fraction)
+        gathered = (params - shard) * w * min(1.0, gathered_fraction)
     if level >= 2 and dp > 1:
-        accumulation = (params - shard) * GRAD_BYTES * min(1.0, accumulation_fraction)
+        accumulation = (params - shard) * g * min(1.0, accumulation_fraction)
     return StageStateBytes(
         weights=weights,
         grads=grads,

@@ -15,7 +15,7 @@ from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import DTYPE_BYTES
 from medley.cost.interfaces import Collective, CostSource, Pass
-from medley.cost.zero_memory import GRAD_BYTES, WEIGHT_BYTES, stage_state_bytes
+from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
 from medley.schedule.generators import generate
 from medley.schedule.ir import Action, Kind, PipelineSchedule
 from medley.schedule.zero import Placement, StageZero, place_collectives
@@ -97,36 +97,72 @@ def build_schedules(layout: PlanLayout) -> list[PipelineSchedule]:
 
 
 def _stage_cost(
-    layout: PlanLayout, cost: CostSource, stage: int, device_type: str, zero_level: int
+    layout: PlanLayout,
+    cost: CostSource,
+    stage: int,
+    device_type: str,
+    zero_level: int,
+    *,
+    fused: bool = False,
 ) -> StageCost:
+    """One stage's times and bytes per micro-batch. ``fused``: the schedule runs BW, not B and W.
+
+    Measured sources (profiles, see :class:`MeasuredCosts`) also give the fused backward time and
+    activation bytes; the formulas answer otherwise. The first stage's input (token ids) takes no
+    gradient, so its split backward does everything at W, as torch and medley's runtime do.
+    """
     mbs, seq, model = layout.micro_batch_size, layout.seq_len, layout.model
     recompute = bool(layout.recompute and layout.recompute[stage])
     times = {kind: 0.0 for kind in Pass}
-    act = after_b = 0.0
+    act = after_b = fused_s = 0.0
+    fused_known = measured_act = True
     dtype_bytes = DTYPE_BYTES[layout.dtype]
+    full_time = getattr(cost, "backward_full_time", None)
+    measured_bytes = getattr(cost, "activation_bytes", None)
     for layer in layout.layer_range(stage):
         for kind in Pass:
             times[kind] += cost.layer_time(
                 layer, kind, micro_batch_size=mbs, seq_len=seq, device_type=device_type
             ).seconds
-        act += formulas.layer_activation_bytes(
+        full = None
+        if full_time is not None:
+            full = full_time(layer, micro_batch_size=mbs, seq_len=seq, device_type=device_type)
+        fused_known = fused_known and full is not None
+        fused_s += full.seconds if full is not None else 0.0
+        found = None
+        if measured_bytes is not None and not recompute:
+            found = measured_bytes(layer, micro_batch_size=mbs, seq_len=seq, device_type=device_type)
+        measured_act = measured_act and found is not None
+        act += found[0] if found else formulas.layer_activation_bytes(
             model, layer, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes, recompute=recompute
         )
-        after_b += formulas.layer_activation_bytes_after_b(
+        after_b += found[1] if found else formulas.layer_activation_bytes_after_b(
             model, layer, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes
         )
+    boundary = formulas.boundary_bytes(model, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes)
+    first = layout.layer_range(stage).start == 0
+    if measured_act and not first:
+        # Measured layers count what their forward adds; the received input is held on top.
+        act, after_b = act + boundary, after_b + boundary
     if recompute:  # the forward runs again right before B
         times[Pass.B] += times[Pass.F]
+    if fused and fused_known and times[Pass.B] + times[Pass.W] > 0:
+        scale = fused_s / (times[Pass.B] + times[Pass.W])  # one autograd call costs less than two
+        times[Pass.B], times[Pass.W] = times[Pass.B] * scale, times[Pass.W] * scale
+    if first and not fused:
+        times[Pass.W], times[Pass.B] = times[Pass.W] + times[Pass.B], 0.0
+        after_b = act
     params = _stage_params(layout, stage)
-    grad_buffer = (params - params / layout.dp) * GRAD_BYTES if zero_level >= 2 and layout.dp > 1 else 0.0
+    state = state_bytes_per_param(layout.dtype)
+    grad_buffer = (params - params / layout.dp) * state.grads if zero_level >= 2 and layout.dp > 1 else 0.0
     grad_buffer *= _live_fraction(layout, stage)
     return StageCost(
         forward_s=times[Pass.F],
         backward_input_s=times[Pass.B],
         backward_weight_s=times[Pass.W],
         activation_bytes=act,
-        activation_after_b_bytes=min(after_b, act),
-        send_bytes=formulas.boundary_bytes(model, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes),
+        activation_after_b_bytes=min(after_b, act) if not measured_act else after_b,
+        send_bytes=boundary,
         grad_buffer_bytes=grad_buffer,
     )
 
@@ -154,7 +190,8 @@ def static_memory(layout: PlanLayout, stage_to_rank: Sequence[int]) -> dict[int,
     ZeRO-2/3 are the simulator's to add and free)."""
     out: dict[int, float] = {}
     for stage in range(layout.num_stages):
-        state = stage_state_bytes(_stage_params(layout, stage), level=layout.zero[stage].level, dp=layout.dp)
+        state = stage_state_bytes(_stage_params(layout, stage), level=layout.zero[stage].level, dp=layout.dp,
+                                  per_param=state_bytes_per_param(layout.dtype))
         for replica in range(layout.dp):
             device = layout.assignment[replica][stage_to_rank[stage]]
             out[device] = out.get(device, 0.0) + state.resident
@@ -164,8 +201,12 @@ def static_memory(layout: PlanLayout, stage_to_rank: Sequence[int]) -> dict[int,
 class _CollectiveTable:
     """What each ZeRO action does, from the stage's level, DP group and bucket share."""
 
-    def __init__(self, layout: PlanLayout, cluster: Cluster, schedule: PipelineSchedule) -> None:
+    def __init__(
+        self, layout: PlanLayout, cluster: Cluster, schedule: PipelineSchedule, cost: CostSource | None = None
+    ) -> None:
         self.layout, self.cluster, self.schedule = layout, cluster, schedule
+        self.state = state_bytes_per_param(layout.dtype)
+        self.optimizer_time = getattr(cost, "optimizer_time", None)
         self._cache: dict[tuple[int, Kind, int, int | None], CollectiveCost] = {}
 
     def __call__(self, replica: int, action: Action) -> CollectiveCost:
@@ -181,25 +222,30 @@ class _CollectiveTable:
         buckets = self.schedule.bucket_layers.get(stage, (layout.stage_layers[stage],))
         share = 1.0 if action.bucket is None else buckets[action.bucket] / sum(buckets)
         params = _stage_params(layout, stage) * share
-        gathered = (params - params / layout.dp) * WEIGHT_BYTES * _live_fraction(layout, stage)
+        weight_bytes, grad_bytes = self.state.weights, self.state.grads
+        gathered = (params - params / layout.dp) * weight_bytes * _live_fraction(layout, stage)
         level = layout.zero[stage].level
         if action.kind is Kind.UNSHARD:
             return CollectiveCost(
                 group=group,
                 op=Collective.ALL_GATHER,
-                nbytes=params * WEIGHT_BYTES,
+                nbytes=params * weight_bytes,
                 alloc_bytes=gathered if level == 3 else 0.0,
             )
         if action.kind is Kind.RESHARD:
             return CollectiveCost(group=group, op=None, free_bytes=gathered)
         if action.kind is Kind.REDUCE_GRAD:
             op = Collective.ALL_REDUCE if level == 0 else Collective.REDUCE_SCATTER
-            freed = (params - params / layout.dp) * GRAD_BYTES if level >= 2 and layout.dp > 1 else 0.0
+            freed = (params - params / layout.dp) * grad_bytes if level >= 2 and layout.dp > 1 else 0.0
             freed *= _live_fraction(layout, stage)
-            return CollectiveCost(group=group, op=op, nbytes=params * GRAD_BYTES, free_bytes=freed)
+            return CollectiveCost(group=group, op=op, nbytes=params * grad_bytes, free_bytes=freed)
         device = self.cluster.devices[layout.assignment[replica][rank]].type
         shard = params if level == 0 else params / layout.dp
-        step_s = shard * OPTIMIZER_STEP_BYTES_PER_PARAM / (device.memory_bandwidth_gbps * 1e9)
+        measured = self.optimizer_time(shard, device_type=device.name) if self.optimizer_time else None
+        if measured is not None:
+            step_s = measured.seconds
+        else:
+            step_s = shard * OPTIMIZER_STEP_BYTES_PER_PARAM / (device.memory_bandwidth_gbps * 1e9)
         return CollectiveCost(group=group, op=None, compute_s=step_s)
 
 
@@ -209,12 +255,15 @@ def compile_problem(
     """The :class:`SimProblem` of one training step of ``layout`` on ``cluster``."""
     schedules = build_schedules(layout)
     s2r = schedules[0].stage_to_rank
+    split = {a.stage for row in schedules[0].actions for a in row if a.kind in (Kind.B, Kind.W)}
+    fused = [stage not in split for stage in range(layout.num_stages)]
     stage_costs = []
     for replica in range(layout.dp):
         row = []
         for stage in range(layout.num_stages):
             device = cluster.devices[layout.assignment[replica][s2r[stage]]]
-            row.append(_stage_cost(layout, cost, stage, device.type.name, layout.zero[stage].level))
+            row.append(_stage_cost(layout, cost, stage, device.type.name, layout.zero[stage].level,
+                                   fused=fused[stage]))
         stage_costs.append(row)
     devices = [list(row) for row in layout.assignment]
     sequences = sum(layout.micro_batches) * layout.micro_batch_size
@@ -229,5 +278,5 @@ def compile_problem(
             layout.model, batch_size=sequences, seq_len=layout.seq_len
         ),
         tokens_per_step=float(layout.tokens_per_step),
-        collectives=_CollectiveTable(layout, cluster, schedules[0]),
+        collectives=_CollectiveTable(layout, cluster, schedules[0], cost),
     )

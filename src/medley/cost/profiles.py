@@ -1,0 +1,359 @@
+"""medley's measured profile file, and a :class:`CostSource` that answers from it.
+
+``medley profile`` writes one JSON file per (model, device, dtype): per layer kind (embedding,
+block, head) and per (micro-batch size, sequence length) the measured F, B and W times (B and W
+split exactly as the runtime splits them) and the activation bytes the layer holds; plus, when
+collectives were measured, the raw timings over the backend and their α-β fit. The file names
+the device, the torch version, the date and the host, and carries ``version``; a reader refuses
+versions it does not know.
+
+:class:`ProfileCostSource` matches a query by the model's layer kind, micro-batch size and
+sequence length. Shapes between measured ones are interpolated (linearly in the micro-batch size
+at a measured sequence length, then linearly in the sequence length); shapes outside the measured
+range, other models and other device types go to the fallback source, or raise a
+:class:`MedleyInputError` naming what is missing when there is none. Every answer says where it
+came from: ``profile:<file>`` for a measured shape, ``profile:<file>~interpolated`` otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from medley.cli.errors import MedleyInputError
+from medley.cost.interfaces import CostSource, Pass, TimeEstimate
+from medley.spec.cluster_schema import describe_validation_error
+from medley.spec.model import ModelSpec
+
+PROFILE_FORMAT = "medley-profile"
+PROFILE_VERSION = 1
+LayerKindName = Literal["embedding", "block", "head"]
+_STRICT = ConfigDict(extra="forbid")
+
+
+class LayerMeasurement(BaseModel):
+    """One layer kind at one shape: medians over the timed runs.
+
+    ``backward_full_s`` is the fused backward (one autograd call, what 1F1B runs); B + W is the
+    split backward of zero-bubble schedules. ``activation_bytes`` is what the layer's forward
+    leaves alive for its backward (saved tensors and its output), ``activation_after_b_bytes``
+    what is still alive between B and W.
+    """
+
+    model_config = _STRICT
+    kind: LayerKindName
+    micro_batch_size: int = Field(ge=1)
+    seq_len: int = Field(ge=1)
+    forward_s: float = Field(ge=0)
+    backward_input_s: float = Field(ge=0)
+    backward_weight_s: float = Field(ge=0)
+    backward_full_s: float = Field(ge=0)
+    activation_bytes: float = Field(ge=0)
+    activation_after_b_bytes: float = Field(ge=0)
+    runs: int = Field(ge=1)
+
+
+class CommMeasurement(BaseModel):
+    """Median time of one collective (or a send/recv pair) over ``ranks`` ranks.
+
+    ``nbytes`` is the full (unsharded) buffer, as :class:`CommModel` counts it."""
+
+    model_config = _STRICT
+    op: Literal["send_recv", "all_gather", "reduce_scatter", "all_reduce"]
+    ranks: int = Field(ge=2)
+    nbytes: float = Field(gt=0)
+    seconds: float = Field(gt=0)
+
+
+class AlphaBeta(BaseModel):
+    """Latency per message step (s) and bandwidth (bytes/s) of the ring/α-β model."""
+
+    model_config = _STRICT
+    latency_s: float = Field(ge=0)
+    bandwidth_bytes_per_s: float = Field(gt=0)
+    median_rel_error: float = Field(ge=0)
+
+
+class CommProfile(BaseModel):
+    model_config = _STRICT
+    backend: str
+    measurements: list[CommMeasurement]
+    fits: dict[str, AlphaBeta]  # per op, over every group size
+    link: AlphaBeta  # one fit over every op and group size
+    link_by_ranks: dict[str, AlphaBeta] = {}  # one fit over every op, per group size ("2", "4")
+
+    def link_for(self, ranks: int) -> AlphaBeta:
+        """The fit for a cluster link of ``ranks`` devices: that group size's, else the nearest
+        measured one (ranks sharing too few cores queue up, so the group size matters)."""
+        if not self.link_by_ranks:
+            return self.link
+        nearest = min(self.link_by_ranks, key=lambda k: (abs(int(k) - ranks), -int(k)))
+        return self.link_by_ranks[nearest]
+
+
+class OptimizerProfile(BaseModel):
+    """One optimizer step's time, fitted as ``fixed_s + per_param_s * params`` over the layer kinds."""
+
+    model_config = _STRICT
+    name: str
+    fixed_s: float = Field(ge=0)
+    per_param_s: float = Field(ge=0)
+    measurements: list[tuple[int, float]] = []  # (parameters, median seconds)
+
+
+class Profile(BaseModel):
+    """A profile file's contents (see the module docstring)."""
+
+    model_config = _STRICT
+    format: Literal["medley-profile"]
+    version: int
+    created: str
+    host: str
+    device_type: str = Field(min_length=1)
+    device_kind: Literal["cpu", "cuda"]
+    device_detail: str = ""
+    torch_version: str
+    dtype: Literal["fp32", "bf16", "fp16"]
+    threads: int = Field(ge=1)
+    model: dict[str, Any]
+    layers: list[LayerMeasurement] = Field(min_length=1)
+    comm: CommProfile | None = None
+    optimizer: OptimizerProfile | None = None
+    notes: str = ""
+
+    def model_spec(self) -> ModelSpec:
+        try:
+            return ModelSpec(**self.model)
+        except TypeError as err:
+            raise MedleyInputError(
+                f"profile table 'model': {err}; re-create it with `medley profile`"
+            ) from None
+
+
+def model_dict(model: ModelSpec) -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(model).items() if v is not None}
+
+
+def save_profile(profile: Profile, path: Path) -> None:
+    """Write ``profile`` as JSON; the file appears whole or not at all."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps(profile.model_dump(mode="json"), indent=1) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_profile(path: Path) -> Profile:
+    """Read and validate a profile file; every problem is a :class:`MedleyInputError`."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as err:
+        raise MedleyInputError(
+            f"{path}: cannot read the profile file ({err.strerror}); check --profile."
+        ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise MedleyInputError(f"{path}: not a JSON profile file ({err}); give a file written by "
+                               "`medley profile`.") from None
+    if not isinstance(raw, dict) or raw.get("format") != PROFILE_FORMAT:
+        raise MedleyInputError(f"{path}: field 'format' must be '{PROFILE_FORMAT}'; give a file written by "
+                               "`medley profile`.")
+    if raw.get("version") != PROFILE_VERSION:
+        raise MedleyInputError(
+            f"{path}: field 'version' is {raw.get('version')!r}; this medley reads profile version "
+            f"{PROFILE_VERSION}. Re-create the profile with `medley profile`."
+        )
+    try:
+        profile = Profile.model_validate(raw)
+    except ValidationError as err:
+        raise MedleyInputError(describe_validation_error(err, str(path))) from None
+    profile.model_spec()
+    return profile
+
+
+def _lerp(x: float, x0: float, x1: float, y0: float, y1: float) -> float:
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Figures:
+    """The per-pass times and activation bytes of one (kind, shape), measured or interpolated."""
+
+    times: dict[Pass, float]
+    backward_full_s: float
+    activation_bytes: float
+    activation_after_b_bytes: float
+    exact: bool
+
+    @staticmethod
+    def of(m: LayerMeasurement) -> _Figures:
+        times = {Pass.F: m.forward_s, Pass.B: m.backward_input_s, Pass.W: m.backward_weight_s}
+        return _Figures(times=times, backward_full_s=m.backward_full_s, activation_bytes=m.activation_bytes,
+                        activation_after_b_bytes=m.activation_after_b_bytes, exact=True)
+
+    def lerp(self, other: _Figures, x: float, x0: float, x1: float) -> _Figures:
+        return _Figures(
+            times={p: _lerp(x, x0, x1, self.times[p], other.times[p]) for p in Pass},
+            backward_full_s=_lerp(x, x0, x1, self.backward_full_s, other.backward_full_s),
+            activation_bytes=_lerp(x, x0, x1, self.activation_bytes, other.activation_bytes),
+            activation_after_b_bytes=_lerp(x, x0, x1, self.activation_after_b_bytes,
+                                           other.activation_after_b_bytes),
+            exact=False,
+        )
+
+
+def _bracket(values: list[int], x: int) -> tuple[int, int] | None:
+    below = [v for v in values if v <= x]
+    above = [v for v in values if v >= x]
+    return (max(below), min(above)) if below and above else None
+
+
+@dataclass(kw_only=True)
+class ProfileCostSource:
+    """Layer times (and activation bytes) from a profile, for the device types it stands for.
+
+    Attributes:
+        profile: the loaded profile.
+        name: how answers name their source, ``profile:<name>`` (the file name by default).
+        fallback: answers what the profile lacks (another model, device type or shape); None
+            makes those queries an error.
+        device_scale: device type name -> factor applied to the profile's times. By default the
+            profile's own ``device_type`` at 1.0; an emulated cluster maps its slowed types here.
+        model: the model the plan trains; the profile answers only if it has the same shape.
+    """
+
+    profile: Profile
+    name: str
+    model: ModelSpec
+    fallback: CostSource | None = None
+    device_scale: Mapping[str, float] = field(default_factory=dict)
+    _cache: dict[tuple[str, int, int], _Figures | None] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.device_scale:
+            self.device_scale = {self.profile.device_type: 1.0}
+        self.matches_model = _same_shape(self.profile.model_spec(), self.model)
+
+    @property
+    def source(self) -> str:
+        return f"profile:{self.name}"
+
+    def figures(
+        self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> _Figures | None:
+        """Measured or interpolated figures for the query, or None when the profile cannot say."""
+        if not self.matches_model or device_type not in self.device_scale:
+            return None
+        kind = self.model.layer_kind(layer)
+        key = (kind, micro_batch_size, seq_len)
+        if key not in self._cache:
+            self._cache[key] = self._lookup(kind, micro_batch_size, seq_len)
+        return self._cache[key]
+
+    def _lookup(self, kind: str, mbs: int, seq: int) -> _Figures | None:
+        rows = [m for m in self.profile.layers if m.kind == kind]
+        seqs = sorted({m.seq_len for m in rows})
+        pair = _bracket(seqs, seq)
+        if pair is None:
+            return None
+        ends = [self._at_seq(rows, s, mbs) for s in pair]
+        if ends[0] is None or ends[1] is None:
+            return None
+        if pair[0] == pair[1]:
+            return ends[0]
+        return ends[0].lerp(ends[1], seq, pair[0], pair[1])
+
+    @staticmethod
+    def _at_seq(rows: list[LayerMeasurement], seq: int, mbs: int) -> _Figures | None:
+        at = {m.micro_batch_size: m for m in rows if m.seq_len == seq}
+        pair = _bracket(sorted(at), mbs)
+        if pair is None:
+            return None
+        low, high = _Figures.of(at[pair[0]]), _Figures.of(at[pair[1]])
+        return low if pair[0] == pair[1] else low.lerp(high, mbs, pair[0], pair[1])
+
+    def layer_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> TimeEstimate:
+        found = self.figures(
+            layer, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type
+        )
+        if found is None:
+            if self.fallback is None:
+                raise MedleyInputError(self._missing(layer, micro_batch_size, seq_len, device_type))
+            return self.fallback.layer_time(
+                layer, kind, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type
+            )
+        seconds = found.times[Pass(kind)] * self.device_scale[device_type]
+        return TimeEstimate(seconds=seconds, source=self.source + ("" if found.exact else "~interpolated"))
+
+    def backward_full_time(
+        self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> TimeEstimate | None:
+        """The fused backward (what 1F1B-style schedules run), or None where the profile cannot say."""
+        found = self.figures(
+            layer, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type
+        )
+        if found is None:
+            return None
+        return TimeEstimate(seconds=found.backward_full_s * self.device_scale[device_type],
+                            source=self.source + ("" if found.exact else "~interpolated"))
+
+    def optimizer_time(self, params: float, *, device_type: str) -> TimeEstimate | None:
+        fit = self.profile.optimizer
+        if fit is None or device_type not in self.device_scale:
+            return None
+        seconds = (fit.fixed_s + fit.per_param_s * params) * self.device_scale[device_type]
+        return TimeEstimate(seconds=seconds, source=self.source)
+
+    def activation_bytes(
+        self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> tuple[float, float] | None:
+        """(held from F to B, still held from B to W) as measured, or None (use the formulas)."""
+        found = self.figures(
+            layer, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type
+        )
+        return None if found is None else (found.activation_bytes, found.activation_after_b_bytes)
+
+    def _missing(self, layer: int, mbs: int, seq: int, device_type: str) -> str:
+        where = f"profile {self.name}"
+        if not self.matches_model:
+            return (f"{where} measured model '{self.profile.model.get('name')}', not '{self.model.name}' "
+                    f"(or another shape of it); profile this model with `medley profile --model ...`")
+        if device_type not in self.device_scale:
+            return (f"{where} measured device type '{self.profile.device_type}', not '{device_type}'; "
+                    "profile that device or let the catalog answer for it")
+        kind = self.model.layer_kind(layer)
+        shapes = sorted({(m.micro_batch_size, m.seq_len) for m in self.profile.layers if m.kind == kind})
+        return (f"{where} has no {kind} layer at micro-batch size {mbs}, seq len {seq} and cannot "
+                f"interpolate it from the measured (micro-batch size, seq len) {shapes}; re-profile with "
+                "--micro-batch-sizes and --seq-len covering it")
+
+
+def _same_shape(a: ModelSpec, b: ModelSpec) -> bool:
+    """Equal in everything that sets layer costs (the name may differ)."""
+    return dataclasses.replace(a, name=b.name) == b
+
+
+def profile_cost_source(
+    path: Path, model: ModelSpec, *, fallback: CostSource | None = None,
+    device_scale: Mapping[str, float] | None = None,
+) -> ProfileCostSource:
+    """Load ``path`` into a :class:`ProfileCostSource` named after the file."""
+    profile = load_profile(path)
+    return ProfileCostSource(profile=profile, name=Path(path).name, model=model, fallback=fallback,
+                             device_scale=dict(device_scale or {}))

@@ -1,0 +1,212 @@
+"""Measure each layer kind of a model: F, B, W and fused backward times, and activation bytes.
+
+The layers are the runtime's own modules (:mod:`medley.runtime.model`), and the backward is
+split exactly as the runtime splits it (:mod:`medley.runtime.torch_adapter`): B computes the
+input gradient and keeps what W needs, W the weight gradients. The embedding takes token ids,
+which carry no gradient, so (as in the runtime and in torch) its B is empty and its whole
+backward runs at W. The head's forward includes the loss, as on the runtime's last stage.
+
+Each figure is the median of ``runs`` timed repetitions after ``warmup`` untimed ones, with
+torch pinned to ``threads`` threads (the runtime's ranks run one thread each on CPU). Activation
+bytes are allocator deltas (:mod:`medley.profile.memory`): what the forward leaves alive until the
+backward, and what is still alive between B and W.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.optimize import nnls
+from torch import nn
+
+from medley.cost.profiles import LayerMeasurement, OptimizerProfile
+from medley.profile.memory import allocated_bytes
+from medley.runtime.model import Block, Embedding, Head, init_layer, token_loss_sum
+from medley.runtime.torch_adapter import backward_input, backward_weight
+from medley.spec.model import ModelSpec
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Layer:
+    """A layer module with its way of running one forward from an input."""
+
+    kind: str
+    module: nn.Module
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _build(model: ModelSpec, kind: str, dtype: torch.dtype, device: torch.device) -> _Layer:
+    if kind == "embedding":
+        module: nn.Module = Embedding(model)
+        init_layer(module, 0, 0, model.num_blocks)
+        return _Layer(kind=kind, module=module.to(device, dtype), forward=lambda x, _t: module(x))
+    if kind == "block":
+        module = Block(model)
+        init_layer(module, 0, 1, model.num_blocks)
+        return _Layer(kind=kind, module=module.to(device, dtype), forward=lambda x, _t: module(x))
+    head = Head(model)
+    init_layer(head, 0, model.num_layers - 1, model.num_blocks)
+    tied = nn.Parameter(torch.randn(model.vocab_size, model.hidden_size) * 0.02) if head.out is None else None
+    head = head.to(device, dtype)
+    if tied is not None:
+        tied = nn.Parameter(tied.to(device, dtype))
+        head.register_parameter("tied_weight", tied)
+
+    def forward(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(head(x, tied), targets) / targets.numel()
+
+    return _Layer(kind=kind, module=head, forward=forward)
+
+
+def _inputs(model: ModelSpec, kind: str, mbs: int, seq: int, dtype: torch.dtype,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(mbs * 7919 + seq)
+    targets = torch.randint(0, model.vocab_size, (mbs, seq), generator=gen).to(device)
+    if kind == "embedding":
+        return torch.randint(0, model.vocab_size, (mbs, seq), generator=gen).to(device), targets
+    x = torch.randn(mbs, seq, model.hidden_size, generator=gen).to(device, dtype)
+    return x, targets
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    return allocated_bytes() or 0
+
+
+@dataclass(kw_only=True)
+class _Run:
+    forward_s: float
+    backward_input_s: float
+    backward_weight_s: float
+    activation_bytes: float
+    activation_after_b_bytes: float
+
+
+def _split_run(layer: _Layer, x: torch.Tensor, targets: torch.Tensor, device: torch.device) -> _Run:
+    """One F, then B, then W, timed and with the live bytes after F and after B."""
+    weights = list(layer.module.parameters())
+    layer.module.zero_grad(set_to_none=False)  # gradients exist, as they do after the first step
+    inp = x if layer.kind == "embedding" else x.detach().requires_grad_(True)
+    base = _memory(device)
+    t0 = _now(device)
+    out = layer.forward(inp, targets)
+    t1 = _now(device)
+    after_f = _memory(device)
+    grad = None if layer.kind == "head" else torch.ones_like(out)
+    held = _memory(device) - after_f  # the output gradient, which arrives from the next stage
+    t2 = _now(device)
+    if layer.kind == "embedding":
+        state = None  # token ids carry no gradient: everything happens at W
+    else:
+        dinputs, state = backward_input([out], None if grad is None else [grad], [inp], weights)
+    t3 = _now(device)
+    if state is not None:  # the input gradient leaves for the previous stage
+        inp.grad = None
+        del dinputs
+    after_b = _memory(device) - held
+    del grad
+    t4 = _now(device)
+    if state is None:
+        torch.autograd.backward([out], [torch.ones_like(out)])
+    else:
+        backward_weight(weights, state)
+    t5 = _now(device)
+    del out, state
+    return _Run(forward_s=t1 - t0, backward_input_s=t3 - t2, backward_weight_s=t5 - t4,
+                activation_bytes=max(0.0, after_f - base),
+                activation_after_b_bytes=max(0.0, after_b - base))
+
+
+def _fused_run(layer: _Layer, x: torch.Tensor, targets: torch.Tensor, device: torch.device) -> float:
+    inp = x if layer.kind == "embedding" else x.detach().requires_grad_(True)
+    out = layer.forward(inp, targets)
+    grad = None if layer.kind == "head" else torch.ones_like(out)
+    t0 = _now(device)
+    torch.autograd.backward([out], None if grad is None else [grad])
+    return _now(device) - t0
+
+
+def measure_layer(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len: int, dtype: str = "fp32",
+                  device: str = "cpu", warmup: int = 2, runs: int = 5) -> LayerMeasurement:
+    """Medians of ``runs`` repetitions of one layer kind at one shape."""
+    dev = torch.device(device)
+    layer = _build(model, kind, TORCH_DTYPES[dtype], dev)
+    x, targets = _inputs(model, kind, micro_batch_size, seq_len, TORCH_DTYPES[dtype], dev)
+    for _ in range(warmup):
+        _split_run(layer, x, targets, dev)
+        _fused_run(layer, x, targets, dev)
+    split = [_split_run(layer, x, targets, dev) for _ in range(runs)]
+    fused = [_fused_run(layer, x, targets, dev) for _ in range(runs)]
+
+    def median(name: str) -> float:
+        return statistics.median(getattr(r, name) for r in split)
+
+    return LayerMeasurement(
+        kind=kind, micro_batch_size=micro_batch_size, seq_len=seq_len, forward_s=median("forward_s"),
+        backward_input_s=median("backward_input_s"), backward_weight_s=median("backward_weight_s"),
+        backward_full_s=statistics.median(fused), activation_bytes=median("activation_bytes"),
+        activation_after_b_bytes=median("activation_after_b_bytes"), runs=runs,
+    )
+
+
+def profile_layers(model: ModelSpec, *, micro_batch_sizes: Sequence[int], seq_lens: Sequence[int],
+                   dtype: str = "fp32", device: str = "cpu", threads: int = 1, warmup: int = 2,
+                   runs: int = 5) -> list[LayerMeasurement]:
+    """Every layer kind of ``model`` at every (micro-batch size, sequence length)."""
+    previous = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        return [
+            measure_layer(model, kind, micro_batch_size=mbs, seq_len=seq, dtype=dtype, device=device,
+                          warmup=warmup, runs=runs)
+            for seq in seq_lens for mbs in micro_batch_sizes for kind in ("embedding", "block", "head")
+        ]
+    finally:
+        torch.set_num_threads(previous)
+
+
+def profile_optimizer(model: ModelSpec, *, dtype: str = "fp32", device: str = "cpu", threads: int = 1,
+                      warmup: int = 2, runs: int = 5) -> OptimizerProfile:
+    """AdamW step time over each layer kind's parameters, fitted as fixed + per-parameter cost."""
+    previous = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(threads)
+    dev = torch.device(device)
+    points: list[tuple[int, float]] = []
+    try:
+        for kind in ("embedding", "block", "head"):
+            params = list(_build(model, kind, TORCH_DTYPES[dtype], dev).module.parameters())
+            for param in params:
+                param.grad = torch.randn_like(param) * 1e-3
+            optimizer = torch.optim.AdamW(params, lr=1e-4)
+            samples = []
+            for i in range(warmup + runs):
+                t0 = _now(dev)
+                optimizer.step()
+                if i >= warmup:
+                    samples.append(_now(dev) - t0)
+            points.append((sum(p.numel() for p in params), statistics.median(samples)))
+    finally:
+        torch.set_num_threads(previous)
+    sizes = np.array([float(n) for n, _ in points])
+    times = np.array([t for _, t in points])
+    design = np.stack([np.ones_like(sizes), sizes], axis=1) / times[:, None]  # relative errors
+    (fixed, per_param), _ = nnls(design, np.ones_like(times))
+    return OptimizerProfile(name="AdamW", fixed_s=float(fixed), per_param_s=float(per_param),
+                            measurements=points)

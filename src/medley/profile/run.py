@@ -1,0 +1,67 @@
+"""One profiling run: layers (and optionally collectives) measured into a :class:`Profile`."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import socket
+from collections.abc import Sequence
+
+import torch
+
+from medley.cli.errors import MedleyInputError
+from medley.cost.profiles import PROFILE_FORMAT, PROFILE_VERSION, Profile, model_dict
+from medley.profile.collectives import comm_profile, measure_collectives
+from medley.profile.layers import TORCH_DTYPES, profile_layers, profile_optimizer
+from medley.spec.model import ModelSpec
+
+CPU_DEVICE_TYPE = "CPU-8GB"  # the catalog's generic CPU core (medley runs one rank per core)
+
+
+def _device_detail(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    try:
+        for line in open("/proc/cpuinfo"):  # noqa: SIM115 - a short read
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_profile(
+    model: ModelSpec, *, device: str = "cpu", device_type: str | None = None,
+    micro_batch_sizes: Sequence[int] = (1, 2, 4), seq_lens: Sequence[int] = (128,), dtype: str = "fp32",
+    threads: int = 1, warmup: int = 2, runs: int = 5, comm_ranks: Sequence[int] = (2, 4),
+    comm_sizes: Sequence[int] | None = None,
+) -> Profile:
+    """Measure ``model``'s layers on ``device`` (and gloo collectives when ``comm_ranks`` is given)."""
+    if device not in ("cpu", "cuda"):
+        raise MedleyInputError(f"--device '{device}' must be cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MedleyInputError("--device cuda: torch sees no CUDA device here; use --device cpu")
+    if dtype not in TORCH_DTYPES:
+        raise MedleyInputError(f"--dtype '{dtype}' must be one of {', '.join(TORCH_DTYPES)}")
+    if not micro_batch_sizes or not seq_lens or min(*micro_batch_sizes, *seq_lens) < 1:
+        raise MedleyInputError("--micro-batch-sizes and --seq-len need positive integers, like 1,2,4")
+    if model.position == "learned" and max(seq_lens) > model.max_seq_len:
+        raise MedleyInputError(f"--seq-len {max(seq_lens)} exceeds {model.name}'s max_seq_len "
+                               f"{model.max_seq_len}; profile shorter sequences")
+    layers = profile_layers(model, micro_batch_sizes=micro_batch_sizes, seq_lens=seq_lens, dtype=dtype,
+                            device=device, threads=threads, warmup=warmup, runs=runs)
+    optimizer = profile_optimizer(model, dtype=dtype, device=device, threads=threads, warmup=warmup,
+                                  runs=runs)
+    comm = None
+    if comm_ranks:
+        kwargs = {} if comm_sizes is None else {"sizes": comm_sizes}
+        comm = comm_profile(measure_collectives(ranks=comm_ranks, **kwargs), backend="gloo")
+    name = device_type or (CPU_DEVICE_TYPE if device == "cpu" else torch.cuda.get_device_name(0))
+    return Profile(
+        format=PROFILE_FORMAT, version=PROFILE_VERSION,
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        host=socket.gethostname(), device_type=name, device_kind=device, device_detail=_device_detail(device),
+        torch_version=torch.__version__, dtype=dtype, threads=threads, model=model_dict(model), layers=layers,
+        comm=comm, optimizer=optimizer,
+        notes=f"medians of {runs} runs after {warmup} warm-up runs; torch threads {threads}",
+    )
