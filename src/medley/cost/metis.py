@@ -1,0 +1,286 @@
+"""Per-layer costs measured on real GPUs, read from the Metis planner's profile format.
+
+Layout on disk: ``DIR/<GPU>/mbs{B}_tmp{T}.json`` for one model (or ``DIR/<MODEL>/<GPU>/...``, then
+the model is picked by name). Each file holds, for one GPU type, micro-batch size B and
+tensor-parallel degree T: per-layer parameter bytes, per-layer forward+backward milliseconds,
+the whole forward+backward and optimizer times, and per-layer memory. medley has no tensor
+parallelism, so only ``tmp1`` files are read.
+
+How the numbers are used:
+
+* ``layer_time`` returns the file's per-layer forward+backward time, split into F, B and W by the
+  F:B:W ratio of medley's catalog estimate of the same layer, micro-batch size and sequence length
+  (on the same device type when the catalog has it, else on ``REFERENCE_DEVICE``). So F+B+W of a
+  layer equals the file's ``layer_compute_total_ms`` exactly; only the division is estimated.
+* Micro-batch sizes between two measured ones are interpolated linearly in the time per sequence
+  (time per layer = B x interpolated per-sequence time); sizes outside the measured range raise
+  :class:`ProfileRangeError` (no extrapolation).
+* The files do not record the sequence length. It is inferred from the boundary bytes
+  (``activation_parameters_bytes`` = B x seq x hidden x 4 bytes, fp32 as measured) and can be
+  given explicitly; asking for another length raises :class:`ProfileRangeError`.
+* Device types the directory lacks are answered by ``fallback`` (for instance the catalog
+  estimate) when one is given, else they raise :class:`ProfileRangeError` as well.
+* The file's optimizer time and per-layer memory are kept (:meth:`MetisProfile.optimizer_s`,
+  :meth:`MetisProfile.layer_memory_bytes`) but not used: medley's simulator computes memory from
+  its own ZeRO-aware model and the optimizer step from memory bandwidth, per stage.
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_left
+from dataclasses import dataclass
+from pathlib import Path
+
+from medley.cli.errors import MedleyInputError
+from medley.cost.estimator import CatalogCostSource
+from medley.cost.interfaces import CostSource, Pass, TimeEstimate
+from medley.spec.catalog import get_device_type, load_catalog
+from medley.spec.model import PRESETS, ModelSpec
+
+# Metis / Sailor GPU directory names -> medley catalog names. Names not listed keep their own
+# name (add them to a catalog file, or use them as aliases, to plan with them).
+DEVICE_NAMES = {
+    "A100-40": "A100-40GB",
+    "A100-80": "A100-80GB",
+    "V100-16": "V100-16GB",
+    "V100-32": "V100-32GB",
+    "RTX-3090": "RTX3090-24GB",
+    "RTX-4090": "RTX4090-24GB",
+    "H100-80": "H100-SXM-80GB",
+    "T4-16": "T4-16GB",
+}
+MODEL_NAMES = {"OPT-350": "opt-350m", "GPT-NEO-2.7": "gpt-neo-2.7b", "LLAMA-3-8": "llama-3-8b"}
+REFERENCE_DEVICE = "A100-40GB"
+PROFILE_ACTIVATION_BYTES = 4  # the public profiles were measured in fp32
+
+
+class ProfileRangeError(MedleyInputError):
+    """The profile has no measurement for this device, micro-batch size or sequence length."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MetisEntry:
+    """One profile file: a GPU type at one micro-batch size (tensor-parallel degree 1)."""
+
+    path: Path
+    micro_batch_size: int
+    layer_ms: tuple[float, ...]
+    param_bytes: tuple[float, ...]
+    boundary_bytes: tuple[float, ...]
+    layer_memory_mb: tuple[float, ...]
+    forward_backward_ms: float
+    optimizer_ms: float
+
+
+def _read_entry(path: Path, micro_batch_size: int) -> MetisEntry:
+    try:
+        raw = json.loads(path.read_text())
+        params = raw["model"]["parameters"]
+        times = raw["execution_time"]
+        return MetisEntry(
+            path=path,
+            micro_batch_size=micro_batch_size,
+            layer_ms=tuple(float(x) for x in times["layer_compute_total_ms"]),
+            param_bytes=tuple(float(x) for x in params["parameters_per_layer_bytes"]),
+            boundary_bytes=tuple(float(x) for x in params["activation_parameters_bytes"]),
+            layer_memory_mb=tuple(float(x) for x in raw["execution_memory"]["layer_memory_total_mb"]),
+            forward_backward_ms=float(times["forward_backward_time_ms"]),
+            optimizer_ms=float(times["optimizer_time_ms"]),
+        )
+    except OSError as err:
+        raise MedleyInputError(f"{path}: cannot read the profile ({err.strerror}).") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise MedleyInputError(
+            f"{path}: not a Metis-format profile ({type(err).__name__}: {err}); it needs "
+            "model.parameters.parameters_per_layer_bytes, execution_time.layer_compute_total_ms and "
+            "execution_memory.layer_memory_total_mb."
+        ) from None
+
+
+def catalog_device_name(gpu_dir: str) -> str:
+    """The catalog name of a profile's GPU directory (``A100-40`` -> ``A100-40GB``)."""
+    name = DEVICE_NAMES.get(gpu_dir.upper(), DEVICE_NAMES.get(gpu_dir, gpu_dir))
+    try:
+        return get_device_type(name).name
+    except MedleyInputError:
+        return name
+
+
+@dataclass(kw_only=True)
+class MetisProfile:
+    """All tmp1 files of one model under a directory, by catalog device name and micro-batch size."""
+
+    directory: Path
+    entries: dict[str, dict[int, MetisEntry]]
+    num_layers: int
+    seq_len: int
+
+    def micro_batch_sizes(self, device_type: str) -> tuple[int, ...]:
+        return tuple(sorted(self.entries.get(device_type, {})))
+
+    def layer_memory_bytes(self, device_type: str, micro_batch_size: int) -> tuple[float, ...]:
+        entry = self.entries[device_type][micro_batch_size]
+        return tuple(mb * 2**20 for mb in entry.layer_memory_mb)
+
+    def optimizer_s(self, device_type: str, micro_batch_size: int) -> float:
+        return self.entries[device_type][micro_batch_size].optimizer_ms / 1e3
+
+
+def _model_directory(directory: Path, model: ModelSpec) -> Path:
+    """``directory`` itself, or its subdirectory named for ``model`` (``OPT-350`` for opt-350m)."""
+    if any(directory.glob("*/mbs*_tmp*.json")):
+        return directory
+    for sub in sorted(p for p in directory.iterdir() if p.is_dir()):
+        if MODEL_NAMES.get(sub.name.upper()) == model.name or sub.name.lower() == model.name:
+            return sub
+    raise MedleyInputError(
+        f"--profiles {directory}: no GPU/mbs*_tmp1.json files there nor in a subdirectory for model "
+        f"'{model.name}' (known names: {', '.join(MODEL_NAMES)}); point --profiles at the model's directory."
+    )
+
+
+def load_metis_profile(directory: Path, model: ModelSpec, *, seq_len: int | None = None) -> MetisProfile:
+    """Read every ``GPU/mbs{B}_tmp1.json`` for ``model`` and check it against the model's layers."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise MedleyInputError(
+            f"--profiles {directory}: not a directory; give a Metis-format profile directory."
+        )
+    root = _model_directory(directory, model)
+    entries: dict[str, dict[int, MetisEntry]] = {}
+    for path in sorted(root.glob("*/mbs*_tmp1.json")):
+        mbs = int(path.name.removeprefix("mbs").split("_")[0])
+        entries.setdefault(catalog_device_name(path.parent.name), {})[mbs] = _read_entry(path, mbs)
+    if not entries:
+        raise MedleyInputError(f"--profiles {root}: no */mbs*_tmp1.json files (tensor-parallel degree 1).")
+    inferred = set()
+    for device, by_mbs in entries.items():
+        for entry in by_mbs.values():
+            if len(entry.layer_ms) != model.num_layers:
+                raise MedleyInputError(
+                    f"{entry.path}: {len(entry.layer_ms)} profiled layers but {model.name} has "
+                    f"{model.num_layers} (embedding, {model.num_blocks} blocks, head); use the profile "
+                    "of this model."
+                )
+            per_token = entry.micro_batch_size * model.hidden_size * PROFILE_ACTIVATION_BYTES
+            inferred.add(round(entry.boundary_bytes[1] / per_token))
+        del device
+    if seq_len is None:
+        if len(inferred) != 1:
+            raise MedleyInputError(
+                f"--profiles {root}: files disagree on the sequence length ({sorted(inferred)}); "
+                "give the measured length explicitly."
+            )
+        seq_len = inferred.pop()
+    return MetisProfile(directory=root, entries=entries, num_layers=model.num_layers, seq_len=seq_len)
+
+
+class MetisCostSource:
+    """A :class:`CostSource` answering from Metis-format measurements (module docstring has the rules)."""
+
+    def __init__(
+        self,
+        profile: MetisProfile,
+        model: ModelSpec,
+        *,
+        fallback: CostSource | None = None,
+        dtype: str = "bf16",
+    ) -> None:
+        self.profile = profile
+        self.model = model
+        self.fallback = fallback
+        catalog = load_catalog()
+        self._ratio_source = CatalogCostSource(model, dtype=dtype, catalog=catalog)
+        self._catalog = catalog
+        self._cache: dict[tuple[int, Pass, int, int, str], TimeEstimate] = {}
+
+    @classmethod
+    def from_directory(
+        cls,
+        directory: Path,
+        model: ModelSpec,
+        *,
+        fallback: CostSource | None = None,
+        seq_len: int | None = None,
+        dtype: str = "bf16",
+    ) -> MetisCostSource:
+        return cls(
+            load_metis_profile(directory, model, seq_len=seq_len), model, fallback=fallback, dtype=dtype
+        )
+
+    def covers(self, device_type: str, micro_batch_size: int, seq_len: int) -> bool:
+        """Whether the profile (not the fallback) answers for this device, size and length."""
+        sizes = self.profile.micro_batch_sizes(device_type)
+        return bool(sizes) and seq_len == self.profile.seq_len and sizes[0] <= micro_batch_size <= sizes[-1]
+
+    def layer_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> TimeEstimate:
+        key = (layer, Pass(kind), micro_batch_size, seq_len, device_type)
+        cached = self._cache.get(key)
+        if cached is None:
+            cached = self._cache[key] = self._answer(
+                layer, Pass(kind), micro_batch_size, seq_len, device_type
+            )
+        return cached
+
+    def _answer(self, layer: int, kind: Pass, mbs: int, seq: int, device_type: str) -> TimeEstimate:
+        if not self.profile.micro_batch_sizes(device_type):
+            if self.fallback is not None:
+                return self.fallback.layer_time(
+                    layer, kind, micro_batch_size=mbs, seq_len=seq, device_type=device_type
+                )
+            known = ", ".join(sorted(self.profile.entries))
+            raise ProfileRangeError(
+                f"--profiles {self.profile.directory}: no profile for device type '{device_type}' "
+                f"(profiled: {known}); add one, or plan with the catalog estimate as fallback."
+            )
+        if seq != self.profile.seq_len:
+            raise ProfileRangeError(
+                f"--seq-len {seq}: the profiles in {self.profile.directory} were measured at "
+                f"{self.profile.seq_len} tokens per sequence; use --seq-len {self.profile.seq_len}."
+            )
+        total_s, source = self.fwd_bwd_seconds(layer, mbs, device_type)
+        return TimeEstimate(seconds=total_s * self._share(layer, kind, mbs, seq, device_type), source=source)
+
+    def fwd_bwd_seconds(self, layer: int, mbs: int, device_type: str) -> tuple[float, str]:
+        """The file's forward+backward seconds of ``layer`` (interpolated between sizes) and its source."""
+        by_mbs = self.profile.entries[device_type]
+        sizes = sorted(by_mbs)
+        if mbs in by_mbs:
+            entry = by_mbs[mbs]
+            return entry.layer_ms[layer] / 1e3, f"metis:{entry.path.parent.name}/{entry.path.name}"
+        if not sizes[0] < mbs < sizes[-1]:
+            raise ProfileRangeError(
+                f"micro-batch size {mbs}: the profiles for {device_type} in {self.profile.directory} cover "
+                f"sizes {sizes}; use one in {sizes[0]}..{sizes[-1]} (medley does not extrapolate)."
+            )
+        hi = sizes[bisect_left(sizes, mbs)]
+        lo = sizes[bisect_left(sizes, mbs) - 1]
+        a, b = by_mbs[lo], by_mbs[hi]
+        w = (mbs - lo) / (hi - lo)
+        per_seq = (1 - w) * a.layer_ms[layer] / lo + w * b.layer_ms[layer] / hi
+        name = f"metis:{a.path.parent.name}/{a.path.name}~{b.path.name}"
+        return per_seq * mbs / 1e3, name
+
+    def _share(self, layer: int, kind: Pass, mbs: int, seq: int, device_type: str) -> float:
+        """F, B or W's share of the layer's forward+backward, from the catalog estimate."""
+        reference = device_type if device_type in self._catalog else REFERENCE_DEVICE
+        times = {
+            p: self._ratio_source.layer_time(
+                layer, p, micro_batch_size=mbs, seq_len=seq, device_type=reference
+            ).seconds
+            for p in Pass
+        }
+        return times[kind] / sum(times.values())
+
+
+def model_for_profile_name(name: str) -> ModelSpec:
+    """The medley preset for a profile's model directory name (``OPT-350`` -> opt-350m)."""
+    preset = MODEL_NAMES.get(name.upper())
+    if preset is None:
+        raise MedleyInputError(
+            f"profile model '{name}': no medley preset for it; known: {', '.join(MODEL_NAMES)}."
+        )
+    return PRESETS[preset]

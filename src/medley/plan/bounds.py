@@ -1,0 +1,278 @@
+"""Fast analytic estimates the planner prunes with; the exact simulation has the last word.
+
+* :class:`LayerTable`: per device type and micro-batch size, each layer's F/B/W seconds (from the
+  cost source), activation bytes and held parameters, as prefix sums so any contiguous range is
+  O(1).
+* :func:`stage_memory`: a stage's peak bytes per device under a ZeRO option, the same terms the
+  compiler hands the simulator (model state by :mod:`medley.cost.zero_memory`, gathered weights
+  and gradient buffer of streamed ZeRO-3, in-flight activations).
+* :func:`bottleneck_split`: the layer split minimising the slowest stage (Alpa/HARP's bottleneck
+  sweep): binary search on the bottleneck time t, each probe a greedy that gives every stage in
+  turn the most layers within t and its memory (optimal for contiguous splits with monotone costs).
+* :func:`pipeline_time`: 1F1B-style step estimate per replica, (m-1)·t_max + Σ t_s, with HARP's
+  link term max(t, transfer) and the family's bubble shape.
+* :func:`aggregate_bound`: the most the cluster could do (no bubbles, no communication).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from medley.cost import formulas
+from medley.cost.estimator import DTYPE_BYTES
+from medley.cost.interfaces import CostSource, Pass
+from medley.cost.zero_memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
+from medley.spec.cluster import Cluster
+from medley.spec.model import ModelSpec
+
+
+def _prefix(values: Sequence[float]) -> tuple[float, ...]:
+    return (0.0, *accumulate(values))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerTable:
+    """Prefix sums over layers for one (device type, micro-batch size, sequence length).
+
+    ``total[j] - total[i]`` is F+B+W of layers i..j-1 for one micro-batch; ``forward`` the F part
+    (what recomputation adds); ``act``/``act_rc`` activation bytes held per in-flight micro-batch
+    without/with recomputation; ``params`` parameters held (a tied head keeps its own copy).
+    """
+
+    device_type: str
+    micro_batch_size: int
+    total: tuple[float, ...]
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weight: tuple[float, ...]
+    act: tuple[float, ...]
+    act_rc: tuple[float, ...]
+    params: tuple[float, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.total) - 1
+
+    def time(self, i: int, j: int, *, recompute: bool = False) -> float:
+        extra = self.forward[j] - self.forward[i] if recompute else 0.0
+        return self.total[j] - self.total[i] + extra
+
+    def max_end(self, i: int, budget: float, *, recompute: bool = False) -> int:
+        """Largest j with time(i, j) <= budget (i when not even one layer fits)."""
+        if not recompute:
+            return bisect_right(self.total, self.total[i] + budget) - 1
+        lo, hi = i, self.num_layers
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.time(i, mid, recompute=True) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+def layer_table(
+    model: ModelSpec, cost: CostSource, *, device_type: str, micro_batch_size: int, seq_len: int, dtype: str
+) -> LayerTable:
+    times = {
+        p: [
+            cost.layer_time(
+                i, p, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type
+            ).seconds
+            for i in range(model.num_layers)
+        ]
+        for p in Pass
+    }
+    nbytes = DTYPE_BYTES[dtype]
+    act = [
+        formulas.layer_activation_bytes(
+            model, i, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype_bytes=nbytes
+        )
+        for i in range(model.num_layers)
+    ]
+    act_rc = [
+        formulas.layer_activation_bytes(
+            model, i, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype_bytes=nbytes, recompute=True
+        )
+        for i in range(model.num_layers)
+    ]
+    total = [f + b + w for f, b, w in zip(times[Pass.F], times[Pass.B], times[Pass.W], strict=True)]
+    return LayerTable(
+        device_type=device_type,
+        micro_batch_size=micro_batch_size,
+        total=_prefix(total),
+        forward=_prefix(times[Pass.F]),
+        backward=_prefix(times[Pass.B]),
+        weight=_prefix(times[Pass.W]),
+        act=_prefix(act),
+        act_rc=_prefix(act_rc),
+        params=_prefix([float(formulas.layer_held_params(model, i)) for i in range(model.num_layers)]),
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryOption:
+    """One way to make a stage fit: ZeRO level (3 here means streamed ZeRO-3) and recomputation."""
+
+    level: int
+    recompute: bool = False
+    buckets: int = 4
+
+    @property
+    def streams(self) -> bool:
+        return self.level == 3
+
+
+def memory_options(dp: int) -> tuple[MemoryOption, ...]:
+    """Cheapest first: plain state (ZeRO-1 when replicated, as sharding the optimizer is free
+    with bubble-placed collectives), streamed ZeRO-3, recomputation, both."""
+    if dp == 1:
+        return (MemoryOption(level=0), MemoryOption(level=0, recompute=True))
+    return (
+        MemoryOption(level=1),
+        MemoryOption(level=3, buckets=8),
+        MemoryOption(level=1, recompute=True),
+        MemoryOption(level=3, buckets=8, recompute=True),
+    )
+
+
+def stage_memory(
+    table: LayerTable, i: int, j: int, *, option: MemoryOption, dp: int, in_flight: float
+) -> float:
+    """Estimated peak bytes per device of a stage holding layers i..j-1."""
+    params = table.params[j] - table.params[i]
+    act = (table.act_rc if option.recompute else table.act)[j] - (
+        table.act_rc if option.recompute else table.act
+    )[i]
+    if option.level == 0:
+        state = params * (WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES)
+    elif option.level in (1, 2):
+        state = params * (WEIGHT_BYTES + GRAD_BYTES) + params * OPTIMIZER_BYTES / dp
+    else:
+        live = min(1.0, 2.0 / min(option.buckets, max(1, j - i)))
+        state = params * (WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES) / dp
+        state += (params - params / dp) * (WEIGHT_BYTES + GRAD_BYTES) * live
+    # The simulator also holds one received boundary tensor per in-flight micro-batch; small.
+    return state + in_flight * act
+
+
+StageCheck = Callable[[int, int, int, float], bool]
+"""(stage, first layer, end layer, time budget) -> whether the stage fits that budget and memory."""
+
+
+def bottleneck_split(
+    num_layers: int,
+    num_stages: int,
+    stage_end: Callable[[int, int, float], int],
+    *,
+    lo: float,
+    hi: float,
+    iterations: int = 36,
+) -> tuple[tuple[int, ...], float] | None:
+    """Contiguous split of ``num_layers`` over ``num_stages`` minimising the bottleneck time.
+
+    ``stage_end(s, i, t)`` is the largest end j such that stage s holding layers i..j-1 fits the
+    budget t (time and memory); i when not even one layer fits. Returns (layers per stage, t) or
+    None when no budget up to ``hi`` admits a split.
+    """
+
+    def probe(t: float) -> tuple[int, ...] | None:
+        start, split = 0, []
+        for s in range(num_stages):
+            remaining = num_stages - s - 1
+            end = min(stage_end(s, start, t), num_layers - remaining)
+            if s == num_stages - 1:
+                if end < num_layers:
+                    return None
+            if end <= start:
+                return None
+            split.append(end - start)
+            start = end
+        return tuple(split)
+
+    best = probe(hi)
+    if best is None:
+        return None
+    best_t = hi
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        got = probe(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best, best_t = mid, got, mid
+        if hi - lo <= 1e-4 * hi:
+            break
+    return best, best_t
+
+
+def pipeline_time(
+    family: str,
+    *,
+    stage_times: Sequence[float],
+    stage_weight_times: Sequence[float],
+    link_times: Sequence[float],
+    micro_batches: int,
+    virtual_stages: int = 1,
+) -> float:
+    """Estimated compute+transfer time of one replica's step (no DP collectives).
+
+    ``stage_times[s]``: F+B+W of one micro-batch on stage s (rank order); ``link_times[k]``: one
+    boundary transfer between ranks k and k+1. The bottleneck is max(stage, link) as in HARP.
+    """
+    bottleneck = max(max(stage_times), max(link_times, default=0.0))
+    fill = sum(stage_times) + 2.0 * sum(link_times)
+    m = micro_batches
+    if family == "zb-h1":
+        # Deferred weight gradients fill the cooldown: about (p-1)(F+B-W) of bubble instead of (p-1)(F+B+W).
+        worst = max(range(len(stage_times)), key=lambda s: stage_times[s])
+        saved = 2.0 * stage_weight_times[worst] * (len(stage_times) - 1)
+        return max(m * bottleneck, (m - 1) * bottleneck + fill - saved)
+    if family == "interleaved":
+        return (m - 1) * bottleneck + fill / virtual_stages + 2.0 * sum(link_times) * (virtual_stages - 1)
+    return (m - 1) * bottleneck + fill
+
+
+def best_standalone_tokens_per_s(
+    model: ModelSpec, cost: CostSource, *, device_type: str, seq_len: int, micro_batch_sizes: Sequence[int]
+) -> tuple[float, int]:
+    """A device's tokens/s running the whole model alone at its best micro-batch (no bubbles, no
+    communication, memory ignored), and that micro-batch size."""
+    best = (0.0, micro_batch_sizes[0])
+    for mbs in micro_batch_sizes:
+        try:
+            seconds = sum(
+                cost.layer_time(i, p, micro_batch_size=mbs, seq_len=seq_len, device_type=device_type).seconds
+                for i in range(model.num_layers)
+                for p in Pass
+            )
+        except ValueError:  # a measured profile without this size
+            continue
+        best = max(best, (mbs * seq_len / seconds, mbs))
+    return best
+
+
+def aggregate_bound(
+    cluster: Cluster,
+    model: ModelSpec,
+    cost: CostSource,
+    *,
+    seq_len: int,
+    micro_batch_sizes: Sequence[int],
+    devices: Sequence[int] | None = None,
+) -> float:
+    """Sum over the devices of each one's standalone tokens/s at its best micro-batch size."""
+    chosen = range(cluster.num_devices) if devices is None else devices
+    per_type: dict[str, float] = {}
+    total = 0.0
+    for d in chosen:
+        name = cluster.devices[d].type.name
+        if name not in per_type:
+            per_type[name] = best_standalone_tokens_per_s(
+                model, cost, device_type=name, seq_len=seq_len, micro_batch_sizes=micro_batch_sizes
+            )[0]
+        total += per_type[name]
+    return total

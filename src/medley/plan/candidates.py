@@ -1,0 +1,570 @@
+"""The planner's candidate space and its analytic estimates (exact figures come from the simulator).
+
+A *structure* fixes the devices and their roles: a pool of devices (all of them, one device type,
+or the k fastest types), pp x dp, an assignment strategy and the micro-batch size. Strategies:
+
+* ``stage-major`` (HyperPipe's grouping): devices sorted fastest type first, in cluster (node)
+  order; pipeline rank k's DP group is the k-th run of dp devices. DP groups, which carry the
+  ZeRO collectives, stay inside a node where they can; the pipeline crosses the slow links.
+* ``memory-first``: the same with the types sorted by memory, largest first (stage 0 holds the
+  most in-flight activations and the embedding).
+* ``replica-major``: replica r is the r-th run of pp devices, so each replica sits on one type
+  (and node) where it can; replicas then differ and get micro-batch counts by speed.
+
+:class:`Estimator` turns a structure into a :class:`Candidate` for a schedule family: micro-batches
+per replica in proportion to replica speed, the layer split from the bottleneck sweep under each
+device's memory, the cheapest memory option per stage that fits, and an estimated step time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from medley.cost import formulas
+from medley.cost.comm import TopologyCommModel
+from medley.cost.estimator import DTYPE_BYTES
+from medley.cost.interfaces import Collective, CostSource
+from medley.plan.bounds import (
+    LayerTable,
+    MemoryOption,
+    bottleneck_split,
+    layer_table,
+    memory_options,
+    pipeline_time,
+    stage_memory,
+)
+from medley.plan.compile import OPTIMIZER_STEP_BYTES_PER_PARAM, PlanLayout
+from medley.schedule.zero import Placement, StageZero
+from medley.spec.cluster import Cluster
+from medley.spec.model import ModelSpec
+
+PP_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128)
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+STRATEGIES = ("stage-major", "memory-first", "replica-major")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Structure:
+    """Devices and their roles, before the split and the schedule are chosen."""
+
+    pool: str
+    strategy: str
+    pp: int
+    dp: int
+    assignment: tuple[tuple[int, ...], ...]
+    micro_batch_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """A complete plan choice with its analytic estimate (``estimate_s``: step seconds)."""
+
+    structure: Structure
+    family: str
+    knobs: dict = field(default_factory=dict)
+    micro_batches: tuple[int, ...]
+    stage_layers: tuple[int, ...]
+    options: tuple[MemoryOption, ...]
+    estimate_s: float
+    dtype: str
+
+    def layout(self, model: ModelSpec, seq_len: int) -> PlanLayout:
+        st = self.structure
+        return PlanLayout(
+            model=model,
+            pp=st.pp,
+            dp=st.dp,
+            assignment=st.assignment,
+            stage_layers=self.stage_layers,
+            schedule=self.family,
+            micro_batches=self.micro_batches,
+            micro_batch_size=st.micro_batch_size,
+            seq_len=seq_len,
+            zero=tuple(
+                StageZero(
+                    level=o.level,
+                    buckets=max(1, min(o.buckets, n)),
+                    gather_windows=0 if o.streams else 1,
+                )
+                for o, n in zip(self.options, self.stage_layers, strict=True)
+            ),
+            placement=Placement.BUBBLE,
+            recompute=tuple(o.recompute for o in self.options),
+            dtype=self.dtype,
+            knobs=dict(self.knobs),
+        )
+
+    @property
+    def key(self) -> tuple:
+        st = self.structure
+        return (
+            st.assignment,
+            st.micro_batch_size,
+            self.family,
+            tuple(sorted(self.knobs.items())),
+            self.micro_batches,
+            self.stage_layers,
+            self.options,
+        )
+
+
+def distribute(total: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """``total`` items over len(weights) parts in proportion to the weights, each at least one
+    (largest remainder; ties to the lower index)."""
+    parts = len(weights)
+    if total < parts:
+        raise ValueError(f"{total} items cannot give each of {parts} parts one")
+    scale = sum(weights)
+    ideal = [1 + (total - parts) * w / scale for w in weights]
+    counts = [int(math.floor(x)) for x in ideal]
+    order = sorted(range(parts), key=lambda i: (-(ideal[i] - counts[i]), i))
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+class Estimator:
+    """Analytic planning over one cluster, model and cost source (tables and groups cached)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        model: ModelSpec,
+        cost: CostSource,
+        *,
+        seq_len: int,
+        global_batch: int,
+        memory_headroom: float,
+        dtype_for: dict[frozenset[str], str] | None = None,
+    ) -> None:
+        self.cluster, self.model, self.cost = cluster, model, cost
+        self.seq_len, self.global_batch = seq_len, global_batch
+        self.headroom = memory_headroom
+        self.comm = TopologyCommModel(cluster)
+        self._tables: dict[tuple[str, int], LayerTable] = {}
+        self.dtype_for = dtype_for or {}
+
+    # --- building blocks -------------------------------------------------------------------
+    def table(self, device_type: str, mbs: int, dtype: str = "bf16") -> LayerTable:
+        key = (device_type, mbs)
+        if key not in self._tables:
+            self._tables[key] = layer_table(
+                self.model,
+                self.cost,
+                device_type=device_type,
+                micro_batch_size=mbs,
+                seq_len=self.seq_len,
+                dtype=dtype,
+            )
+        return self._tables[key]
+
+    def capacity(self, device: int) -> float:
+        return self.cluster.devices[device].type.memory_bytes * (1.0 - self.headroom)
+
+    def dtype(self, assignment: tuple[tuple[int, ...], ...]) -> str:
+        types = {self.cluster.devices[d].type for row in assignment for d in row}
+        return "bf16" if all(t.supports_bf16 for t in types) else "fp16"
+
+    def boundary_time(self, a: int, b: int, mbs: int) -> float:
+        nbytes = formulas.boundary_bytes(self.model, micro_batch_size=mbs, seq_len=self.seq_len)
+        return self.comm.p2p_time(a, b, nbytes)
+
+    # --- structures -------------------------------------------------------------------------
+    def assign(self, order: Sequence[int], pp: int, dp: int, strategy: str) -> tuple[tuple[int, ...], ...]:
+        used = list(order[: pp * dp])
+        if strategy == "replica-major":
+            return tuple(tuple(used[r * pp + k] for k in range(pp)) for r in range(dp))
+        return tuple(tuple(used[k * dp + r] for k in range(pp)) for r in range(dp))
+
+    def structures(
+        self,
+        pools: dict[str, list[int]],
+        *,
+        max_pp: int,
+        micro_batch_sizes: Sequence[int],
+    ) -> Iterator[Structure]:
+        """Every (pool, strategy, pp, dp, micro-batch size) worth estimating, in a fixed order."""
+        for pool_name, devices in pools.items():
+            orders = self._orders(devices)
+            for pp in PP_CHOICES:
+                if pp > min(max_pp, len(devices), self.model.num_layers):
+                    break
+                for mbs in micro_batch_sizes:
+                    if self.global_batch % mbs:
+                        continue
+                    dp = min(len(devices) // pp, self.global_batch // mbs)
+                    if dp < 1:
+                        continue
+                    seen = set()
+                    for strategy, order in orders.items():
+                        if strategy == "replica-major" and (pp == 1 or dp == 1):
+                            continue
+                        assignment = self.assign(order, pp, dp, strategy)
+                        if assignment in seen:
+                            continue
+                        seen.add(assignment)
+                        yield Structure(
+                            pool=pool_name,
+                            strategy=strategy,
+                            pp=pp,
+                            dp=dp,
+                            assignment=assignment,
+                            micro_batch_size=mbs,
+                        )
+
+    def _orders(self, devices: list[int]) -> dict[str, list[int]]:
+        types = {self.cluster.devices[d].type for d in devices}
+        speed = {t.name: self.table(t.name, 1).total[-1] for t in types}
+        by_speed = sorted(devices, key=lambda d: (speed[self.cluster.devices[d].type.name], d))
+        by_memory = sorted(
+            devices,
+            key=lambda d: (
+                -self.cluster.devices[d].type.memory_bytes,
+                speed[self.cluster.devices[d].type.name],
+                d,
+            ),
+        )
+        orders = {"stage-major": by_speed}
+        if by_memory != by_speed:
+            orders["memory-first"] = by_memory
+        orders["replica-major"] = by_speed
+        return orders
+
+    # --- one structure, one family -------------------------------------------------------------
+    def candidate(self, st: Structure, family: str, *, virtual_stages: int = 2) -> Candidate | None:
+        """The family's best split/options/micro-batches for ``st``, or None if it cannot fit."""
+        if family == "interleaved":
+            return self._interleaved(st, virtual_stages)
+        dtype = self.dtype(st.assignment)
+        mbs = st.micro_batch_size
+        total_mb = self.global_batch // mbs
+        signatures = self._signatures(st)
+        # Start from speeds of whole-model time, then rebalance once from the split's bottlenecks.
+        weights = [1.0 / sum(self.table(t, mbs).total[-1] for t in sig) for sig, _ in signatures]
+        micro_batches = self._micro_batches(st, signatures, weights, total_mb)
+        result = None
+        for _ in range(2):
+            counts = [micro_batches[members[0]] for _, members in signatures]
+            depth = self._depths(st, family, max(counts), signatures)
+            if depth is None:
+                return None
+            result = self._split(st, signatures, counts, depth, dtype, st.pp)
+            if result is None:
+                return None
+            split, options = result
+            bottlenecks = [
+                max(self._stage_time(sig[s], split, s, options[s], mbs) for s in range(st.pp))
+                for sig, _ in signatures
+            ]
+            new = self._micro_batches(st, signatures, [1.0 / b for b in bottlenecks], total_mb)
+            if new == micro_batches:
+                break
+            micro_batches = new
+        assert result is not None
+        split, options = result
+        knobs = {}
+        if family == "hetero-1f1b":
+            counts = [micro_batches[members[0]] for _, members in signatures]
+            warmup = self._depths(st, family, max(counts), signatures)
+            knobs = {"warmup": list(warmup)}
+        estimate = self.estimate(st, family, split, options, micro_batches, signatures)
+        return Candidate(
+            structure=st,
+            family=family,
+            knobs=knobs,
+            micro_batches=micro_batches,
+            stage_layers=split,
+            options=options,
+            estimate_s=estimate,
+            dtype=dtype,
+        )
+
+    def _signatures(self, st: Structure) -> list[tuple[tuple[str, ...], list[int]]]:
+        """Replicas grouped by the device types of their ranks (identical replicas share estimates)."""
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for r, row in enumerate(st.assignment):
+            groups.setdefault(tuple(self.cluster.devices[d].type.name for d in row), []).append(r)
+        return list(groups.items())
+
+    def _micro_batches(self, st, signatures, weights, total_mb) -> tuple[int, ...]:
+        per_replica = [0.0] * st.dp
+        for (_, members), w in zip(signatures, weights, strict=True):
+            for r in members:
+                per_replica[r] = w
+        return distribute(total_mb, per_replica)
+
+    def _depths(self, st: Structure, family: str, m: int, signatures) -> tuple[int, ...] | None:
+        """In-flight micro-batches per stage (warm-up depth); hetero-1f1b deepens before slow links."""
+        pp = st.pp
+        if family == "gpipe":
+            return (m,) * pp
+        base = tuple(min(pp - s, m) for s in range(pp))
+        if family != "hetero-1f1b":
+            return base
+        row = st.assignment[0]
+        mbs = st.micro_batch_size
+        t_stage = max(self.table(t, mbs).total[-1] for sig, _ in signatures for t in sig) / pp
+        depths = [1] * pp
+        for s in range(pp - 2, -1, -1):
+            link = max(self.boundary_time(r[s], r[s + 1], mbs) for r in st.assignment)
+            same_node = all(
+                self.cluster.devices[r[s]].node == self.cluster.devices[r[s + 1]].node for r in st.assignment
+            )
+            step = 1 if same_node else (1 if link < t_stage / 10 else 2 if link < t_stage / 2 else 3)
+            depths[s] = depths[s + 1] + step
+        del row
+        depths = tuple(min(d, m) for d in depths)
+        return None if depths == base else depths
+
+    def _split(self, st, signatures, counts, depth, dtype, num_stages):
+        """Bottleneck split over ``num_stages`` stages with the cheapest options that fit."""
+        mbs, pp, dp = st.micro_batch_size, st.pp, st.dp
+        stage_types = [
+            sorted({(sig[s], c) for (sig, _), c in zip(signatures, counts, strict=True)}) for s in range(pp)
+        ]
+        caps = {
+            t: min(
+                self.capacity(d)
+                for row in st.assignment
+                for d in row
+                if self.cluster.devices[d].type.name == t
+            )
+            for sig, _ in signatures
+            for t in sig
+        }
+        ladder = memory_options(dp)
+        num_layers = self.model.num_layers
+        slowest = max(
+            self.table(t, mbs).time(0, num_layers, recompute=True) * c
+            for s in range(pp)
+            for t, c in stage_types[s]
+        )
+        for allowed in (ladder[:1], ladder):
+
+            def stage_end(s: int, i: int, t: float, allowed=allowed) -> int:
+                best = i
+                for option in allowed:
+                    end = num_layers
+                    for device_type, c in stage_types[s]:
+                        end = min(
+                            end,
+                            self.table(device_type, mbs, dtype).max_end(i, t / c, recompute=option.recompute),
+                        )
+                    end = self._memory_end(stage_types[s], caps, i, end, option, dp, depth[s], mbs, dtype)
+                    best = max(best, end)
+                return best
+
+            found = bottleneck_split(num_layers, num_stages, stage_end, lo=0.0, hi=slowest * 1.0001)
+            if found is None:
+                continue
+            split, _ = found
+            options = []
+            start = 0
+            for s, n in enumerate(split):
+                fit = next(
+                    (
+                        o
+                        for o in ladder
+                        if all(
+                            stage_memory(
+                                self.table(t, mbs, dtype),
+                                start,
+                                start + n,
+                                option=o,
+                                dp=dp,
+                                in_flight=depth[s],
+                            )
+                            <= caps[t]
+                            for t, _ in stage_types[s]
+                        )
+                    ),
+                    None,
+                )
+                if fit is None:
+                    return None
+                options.append(fit)
+                start += n
+            return split, tuple(options)
+        return None
+
+    def _memory_end(self, types, caps, i, end, option, dp, in_flight, mbs, dtype) -> int:
+        """Largest j <= end whose stage memory fits every device type of the stage."""
+
+        def fits(j: int) -> bool:
+            return all(
+                stage_memory(self.table(t, mbs, dtype), i, j, option=option, dp=dp, in_flight=in_flight)
+                <= caps[t]
+                for t, _ in types
+            )
+
+        if fits(end):
+            return end
+        lo, hi = i, end - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _stage_time(self, device_type: str, split, s, option, mbs) -> float:
+        start = sum(split[:s])
+        return self.table(device_type, mbs).time(start, start + split[s], recompute=option.recompute)
+
+    def estimate(
+        self, st, family, split, options, micro_batches, signatures, virtual_stages: int = 1
+    ) -> float:
+        """Estimated step seconds: slowest replica's pipeline plus the worst stage's exposed DP work."""
+        mbs, pp = st.micro_batch_size, st.pp
+        chain = len(split)
+        worst = 0.0
+        rank_busy = 0.0
+        for sig, members in signatures:
+            row = st.assignment[members[0]]
+            stage_of_rank = [[s for s in range(chain) if s % pp == k] for k in range(pp)]
+            times = [
+                sum(self._stage_time(sig[k], split, s, options[s], mbs) for s in stage_of_rank[k])
+                for k in range(pp)
+            ]
+            weights = []
+            for k in range(pp):
+                tab = self.table(sig[k], mbs)
+                weights.append(
+                    sum(
+                        tab.weight[sum(split[:s]) + split[s]] - tab.weight[sum(split[:s])]
+                        for s in stage_of_rank[k]
+                    )
+                )
+            links = [self.boundary_time(row[k], row[k + 1], mbs) for k in range(pp - 1)]
+            m = max(micro_batches[r] for r in members)
+            worst = max(
+                worst,
+                pipeline_time(
+                    family,
+                    stage_times=times,
+                    stage_weight_times=weights,
+                    link_times=links,
+                    micro_batches=m,
+                    virtual_stages=virtual_stages,
+                ),
+            )
+            rank_busy = max(rank_busy, max(times))
+        return worst + self._exposed_dp(st, split, options, micro_batches, rank_busy)
+
+    def _exposed_dp(self, st, split, options, micro_batches, stage_time) -> float:
+        """Per stage: optimizer step, plus the reduction past the tail bubble, plus streamed ZeRO-3
+        gathers not hidden behind compute; the worst stage counts."""
+        pp, dp = st.pp, st.dp
+        worst = 0.0
+        start = 0
+        m = max(micro_batches)
+        for s, n in enumerate(split):
+            rank = s % pp
+            params = float(sum(formulas.layer_held_params(self.model, i) for i in range(start, start + n)))
+            start += n
+            group = tuple(st.assignment[r][rank] for r in range(dp))
+            bandwidth = min(self.cluster.devices[d].type.memory_bandwidth_gbps for d in group) * 1e9
+            option = options[s]
+            shard = params / dp if option.level >= 1 else params
+            exposed = shard * OPTIMIZER_STEP_BYTES_PER_PARAM / bandwidth
+            if dp > 1:
+                grads = params * 2.0
+                reduce = self.comm.collective_time(Collective.ALL_REDUCE, group, grads)
+                tail = rank * stage_time / 2.0
+                if option.streams:
+                    gather = self.comm.collective_time(Collective.ALL_GATHER, group, grads)
+                    scatter = self.comm.collective_time(Collective.REDUCE_SCATTER, group, grads)
+                    exposed += m * max(0.0, 2 * gather + scatter - stage_time)
+                else:
+                    exposed += max(0.0, reduce - tail)
+            worst = max(worst, exposed)
+        return worst
+
+    def _interleaved(self, st: Structure, v: int) -> Candidate | None:
+        pp = st.pp
+        stages = pp * v
+        if pp < 2 or stages > self.model.num_layers:
+            return None
+        base = self.candidate(st, "1f1b")
+        if base is None:
+            return None
+        dtype, mbs, dp = base.dtype, st.micro_batch_size, st.dp
+        signatures = self._signatures(st)
+        counts = [base.micro_batches[members[0]] for _, members in signatures]
+        # Chunk c runs on rank c % pp; the split is over the chunks in pipeline order, time only,
+        # then each rank's memory (all its chunks, Megatron's warm-up depth) is checked.
+        chunk_types = [
+            sorted({(sig[c % pp], n) for (sig, _), n in zip(signatures, counts, strict=True)})
+            for c in range(stages)
+        ]
+        num_layers = self.model.num_layers
+        slowest = max(self.table(t, mbs).total[-1] * n for c in range(stages) for t, n in chunk_types[c])
+
+        def stage_end(s: int, i: int, t: float) -> int:
+            return min(self.table(ty, mbs, dtype).max_end(i, t / n) for ty, n in chunk_types[s])
+
+        found = bottleneck_split(num_layers, stages, stage_end, lo=0.0, hi=slowest * 1.0001)
+        if found is None:
+            return None
+        split, _ = found
+        m = max(counts)
+        ladder = memory_options(dp)
+        options: list[MemoryOption | None] = [None] * stages
+        starts = [sum(split[:c]) for c in range(stages)]
+        for rank in range(pp):
+            chunks = [c for c in range(stages) if c % pp == rank]
+            depth = min(m * v, 2 * (pp - rank - 1) + (v - 1) * min(m, pp) + 1)
+            types = {sig[rank] for sig, _ in signatures}
+            cap = {
+                t: min(
+                    self.capacity(row[rank])
+                    for row in st.assignment
+                    if self.cluster.devices[row[rank]].type.name == t
+                )
+                for t in types
+            }
+            fit = None
+            for option in ladder:
+                ok = all(
+                    sum(
+                        stage_memory(
+                            self.table(t, mbs, dtype),
+                            starts[c],
+                            starts[c] + split[c],
+                            option=option,
+                            dp=dp,
+                            in_flight=depth / v,
+                        )
+                        for c in chunks
+                    )
+                    <= cap[t]
+                    for t in types
+                )
+                if ok:
+                    fit = option
+                    break
+            if fit is None:
+                return None
+            for c in chunks:
+                options[c] = fit
+        final = tuple(o for o in options if o is not None)
+        estimate = self.estimate(
+            st, "interleaved", split, final, base.micro_batches, signatures, virtual_stages=v
+        )
+        return Candidate(
+            structure=st,
+            family="interleaved",
+            knobs={"virtual_stages": v},
+            micro_batches=base.micro_batches,
+            stage_layers=split,
+            options=final,
+            estimate_s=estimate,
+            dtype=dtype,
+        )
+
+
+def dtype_bytes(dtype: str) -> int:
+    return DTYPE_BYTES[dtype]

@@ -1,0 +1,404 @@
+"""The planner: a joint search over device assignment, pp x dp, layer split, micro-batching, schedule
+family and knobs, and ZeRO level and recomputation per stage (Quartet + HyperPipe + ZIPPer).
+
+Method. Every structure (device pool, assignment strategy, pp x dp, micro-batch size; see
+:mod:`medley.plan.candidates`) gets a 1F1B estimate: micro-batches per replica in proportion to
+replica speed, the bottleneck-sweep split under memory, the cheapest memory option per stage.
+The best structures (overall and per device pool) are expanded into every allowed schedule family;
+the best ``simulate`` of those by estimate are compiled to the IR and simulated exactly with
+:func:`medley.plan.predict.predict`, checked against memory, and ranked by simulated throughput
+(or cost per token). Bounds only prune: every figure reported comes from a simulation. The search
+is deterministic: fixed enumeration order, ties broken by the enumeration index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from medley.cli.errors import MedleyInputError
+from medley.cost.estimator import CatalogCostSource
+from medley.cost.interfaces import CostSource
+from medley.plan.bounds import aggregate_bound
+from medley.plan.candidates import MICRO_BATCH_SIZES, Candidate, Estimator, Structure
+from medley.plan.compile import PlanLayout
+from medley.plan.plan import Plan, Prediction
+from medley.plan.predict import predict
+from medley.sim.result import SimResult
+from medley.spec.cluster import Cluster
+from medley.spec.model import ModelSpec
+
+SEARCHED_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b", "gpipe")
+DEFAULT_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b")
+Objective = Literal["throughput", "cost"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constraints:
+    """Limits on the search.
+
+    Attributes:
+        max_pp: most pipeline ranks per replica (None: up to the layer count).
+        schedules: schedule families to consider (subset of ``SEARCHED_FAMILIES``).
+        memory_headroom: fraction of each device's memory left free (fragmentation, CUDA context).
+        exclude_devices: device ids left out of every plan.
+        micro_batch_sizes: sizes to consider (None: 1, 2, 4, 8, 16).
+    """
+
+    max_pp: int | None = None
+    schedules: tuple[str, ...] = DEFAULT_FAMILIES
+    memory_headroom: float = 0.05
+    exclude_devices: tuple[int, ...] = ()
+    micro_batch_sizes: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankedPlan:
+    """A simulated plan with its objective figures."""
+
+    plan: Plan
+    candidate: Candidate
+    result: SimResult
+    fits: bool
+    cost_per_mtoken: float | None
+    min_headroom_gb: float
+
+    @property
+    def prediction(self) -> Prediction:
+        assert self.plan.prediction is not None
+        return self.plan.prediction
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.prediction.tokens_per_s
+
+
+@dataclass(kw_only=True)
+class SearchResult:
+    """What :func:`search` found: ranked plans, baselines, the aggregate bound, and the material
+    for ``--explain`` (the estimator and every simulated plan)."""
+
+    plans: list[RankedPlan]
+    baselines: dict[str, RankedPlan | None]
+    aggregate_tokens_per_s: float
+    objective: Objective
+    cluster: Cluster
+    model: ModelSpec
+    cost: CostSource
+    global_batch: int
+    seq_len: int
+    constraints: Constraints
+    simulated: list[RankedPlan] = field(default_factory=list)
+    structures_estimated: int = 0
+    candidates_estimated: int = 0
+    best_single_type: RankedPlan | None = None
+
+    @property
+    def best(self) -> RankedPlan:
+        return self.plans[0]
+
+
+def _check_inputs(
+    cluster: Cluster,
+    model: ModelSpec,
+    global_batch: int,
+    seq_len: int,
+    constraints: Constraints,
+    objective: str,
+) -> list[int]:
+    if global_batch < 1:
+        raise MedleyInputError(
+            f"--global-batch {global_batch}: give a positive number of sequences per step."
+        )
+    if seq_len < 1:
+        raise MedleyInputError(f"--seq-len {seq_len}: give a positive number of tokens per sequence.")
+    if model.position == "learned" and seq_len > model.max_seq_len:
+        raise MedleyInputError(
+            f"--seq-len {seq_len}: {model.name} learns positions only up to {model.max_seq_len}; "
+            "use at most that."
+        )
+    unknown = sorted(set(constraints.schedules) - set(SEARCHED_FAMILIES))
+    if unknown or not constraints.schedules:
+        raise MedleyInputError(
+            f"--schedules: the planner searches {', '.join(SEARCHED_FAMILIES)}; {unknown or 'none'} given. "
+            "Pick from those (zb-h2 and bidirectional plans: use `medley simulate`)."
+        )
+    if not 0.0 <= constraints.memory_headroom < 1.0:
+        raise MedleyInputError(f"--memory-headroom {constraints.memory_headroom}: give a fraction in [0, 1).")
+    bad = [d for d in constraints.exclude_devices if not 0 <= d < cluster.num_devices]
+    if bad:
+        raise MedleyInputError(
+            f"--exclude-devices {bad}: device ids run 0..{cluster.num_devices - 1} (`medley cluster show`)."
+        )
+    if constraints.max_pp is not None and constraints.max_pp < 1:
+        raise MedleyInputError(f"--max-pp {constraints.max_pp}: give at least 1.")
+    devices = [d for d in range(cluster.num_devices) if d not in set(constraints.exclude_devices)]
+    if not devices:
+        raise MedleyInputError("--exclude-devices leaves no device to plan on; exclude fewer.")
+    if objective not in ("throughput", "cost"):
+        raise MedleyInputError(f"--objective {objective}: use 'throughput' or 'cost'.")
+    if objective == "cost":
+        unpriced = sorted(
+            {cluster.devices[d].node for d in devices if cluster.devices[d].price_per_hour is None}
+        )
+        if unpriced:
+            raise MedleyInputError(
+                f"--objective cost needs a price for every device; nodes {unpriced} of cluster "
+                f"'{cluster.name}' "
+                "have no 'price_per_hour' (USD per device hour); set it in the cluster file."
+            )
+    sizes = constraints.micro_batch_sizes or MICRO_BATCH_SIZES
+    if constraints.micro_batch_sizes and not any(global_batch % s == 0 for s in sizes):
+        works = sorted(
+            {v for s in sizes for v in (global_batch // s * s, (global_batch // s + 1) * s) if v > 0}
+        )
+        raise MedleyInputError(
+            f"--global-batch {global_batch} is not a multiple of any allowed micro-batch size {list(sizes)}; "
+            f"values that would work: {', '.join(map(str, works[:6]))}."
+        )
+    return devices
+
+
+def device_pools(cluster: Cluster, devices: Sequence[int], estimator: Estimator) -> dict[str, list[int]]:
+    """All devices, each device type alone, and the k fastest types for k = 2..T-1."""
+    by_type: dict[str, list[int]] = {}
+    for d in devices:
+        by_type.setdefault(cluster.devices[d].type.name, []).append(d)
+    speed = {t: estimator.table(t, 1).total[-1] for t in by_type}
+    ranked = sorted(by_type, key=lambda t: (speed[t], t))
+    pools = {"all": list(devices)}
+    for k in range(2, len(ranked)):
+        pools["+".join(ranked[:k])] = sorted(d for t in ranked[:k] for d in by_type[t])
+    if len(ranked) > 1:
+        for t in ranked:
+            pools[t] = by_type[t]
+    return pools
+
+
+def rank_plan(
+    candidate: Candidate, layout: PlanLayout, cluster: Cluster, cost: CostSource, headroom: float
+) -> RankedPlan:
+    """Simulate ``layout`` exactly and attach the figures the planner ranks by."""
+    prediction, _, result = predict(layout, cluster, cost=cost)
+    headrooms = [
+        cluster.devices[r.device].type.memory_bytes * (1.0 - headroom) - r.peak_memory_bytes
+        for r in result.devices
+    ]
+    used = [d for row in layout.assignment for d in row]
+    prices = [cluster.devices[d].price_per_hour for d in used]
+    cost_per_mtoken = None
+    if all(p is not None for p in prices) and prediction.tokens_per_s > 0:
+        cost_per_mtoken = sum(prices) / 3600.0 / prediction.tokens_per_s * 1e6  # type: ignore[arg-type]
+    return RankedPlan(
+        plan=Plan(layout=layout, cluster=cluster, prediction=prediction),
+        candidate=candidate,
+        result=result,
+        fits=min(headrooms) >= 0.0,
+        cost_per_mtoken=cost_per_mtoken,
+        min_headroom_gb=min(headrooms) / 1e9,
+    )
+
+
+def objective_key(plan: RankedPlan, objective: Objective) -> float:
+    """Smaller is better."""
+    if objective == "cost":
+        return plan.cost_per_mtoken if plan.cost_per_mtoken is not None else float("inf")
+    return -plan.tokens_per_s
+
+
+def simulation_budget(num_devices: int, top: int) -> int:
+    """How many candidates get an exact simulation (fewer on huge clusters, where each is slower)."""
+    if num_devices <= 64:
+        return max(24, 3 * top)
+    if num_devices <= 256:
+        return max(12, 2 * top)
+    return max(6, top)
+
+
+def search(
+    cluster: Cluster,
+    model: ModelSpec,
+    *,
+    global_batch: int,
+    seq_len: int,
+    cost: CostSource | None = None,
+    objective: Objective = "throughput",
+    top: int = 5,
+    constraints: Constraints | None = None,
+    baselines: bool = True,
+    progress: bool = False,
+    simulate: int | None = None,
+) -> SearchResult:
+    """Plan ``model`` on ``cluster`` for ``global_batch`` sequences of ``seq_len`` tokens per step.
+
+    Returns the ``top`` memory-feasible plans ranked by simulated throughput (or cost per token),
+    the baselines' simulated figures and the aggregate bound. Raises :class:`MedleyInputError`
+    naming the smallest memory shortfall when nothing fits.
+    """
+    constraints = constraints or Constraints()
+    devices = _check_inputs(cluster, model, global_batch, seq_len, constraints, objective)
+    cost = cost or CatalogCostSource.for_cluster(model, cluster)
+    estimator = Estimator(
+        cluster,
+        model,
+        cost,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        memory_headroom=constraints.memory_headroom,
+    )
+    sizes = _usable_sizes(estimator, devices, constraints)
+    pools = device_pools(cluster, devices, estimator)
+    max_pp = constraints.max_pp or model.num_layers
+    structures = list(estimator.structures(pools, max_pp=max_pp, micro_batch_sizes=sizes))
+    candidates = _estimate(estimator, structures, constraints.schedules, progress)
+    budget = simulate if simulate is not None else simulation_budget(len(devices), top)
+    chosen = _choose(candidates, budget)
+    ranked = _simulate_all(chosen, model, seq_len, cluster, cost, constraints, progress)
+    feasible = sorted(
+        (p for p in ranked if p.fits), key=lambda p: (objective_key(p, objective), ranked.index(p))
+    )
+    if not feasible:
+        from medley.plan.explain import shortfall_error
+
+        raise shortfall_error(estimator, ranked, pools, constraints, global_batch, sizes)
+    singles = [
+        p
+        for p in feasible
+        if len({cluster.devices[d].type.name for row in p.plan.layout.assignment for d in row}) == 1
+    ]
+    result = SearchResult(
+        plans=feasible[:top],
+        baselines={},
+        aggregate_tokens_per_s=aggregate_bound(
+            cluster, model, cost, seq_len=seq_len, micro_batch_sizes=sizes, devices=devices
+        ),
+        objective=objective,
+        cluster=cluster,
+        model=model,
+        cost=cost,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        constraints=constraints,
+        simulated=ranked,
+        structures_estimated=len(structures),
+        candidates_estimated=len(candidates),
+        best_single_type=singles[0] if singles else None,
+    )
+    if baselines:
+        from medley.plan.baselines import run_baselines
+
+        result.baselines = run_baselines(estimator, devices, sizes, constraints)
+    return result
+
+
+def _usable_sizes(estimator: Estimator, devices: Sequence[int], constraints: Constraints) -> tuple[int, ...]:
+    """Micro-batch sizes the cost source can answer for every device type of the cluster; sizes a
+    measured profile lacks for some type are still searched on the pools that avoid that type."""
+    sizes = tuple(
+        s for s in (constraints.micro_batch_sizes or MICRO_BATCH_SIZES) if estimator.global_batch % s == 0
+    )
+    usable = []
+    for size in sizes:
+        try:
+            estimator.table(estimator.cluster.devices[devices[0]].type.name, size)
+        except ValueError:
+            continue
+        usable.append(size)
+    if not usable:
+        raise MedleyInputError(
+            f"--global-batch {estimator.global_batch}: no usable micro-batch size among {list(sizes)} "
+            "divides "
+            "it (or the profiles lack them); use a multiple of 1, 2 or 4."
+        )
+    return tuple(usable)
+
+
+def _estimate(
+    estimator: Estimator, structures: list[Structure], families: Sequence[str], progress: bool
+) -> list[tuple[float, int, Candidate]]:
+    """1F1B estimate of every structure, then the allowed families of the most promising ones."""
+    base: list[tuple[float, int, Candidate]] = []
+    with _progress(progress, "estimating structures", len(structures)) as advance:
+        for index, st in enumerate(structures):
+            advance()
+            try:
+                candidate = estimator.candidate(st, "1f1b")
+            except ValueError:  # a profile without this device type or micro-batch size
+                continue
+            if candidate is not None:
+                base.append((candidate.estimate_s, index, candidate))
+    base.sort(key=lambda x: (x[0], x[1]))
+    keep: dict[int, Candidate] = {}
+    per_pool: dict[str, int] = {}
+    for estimate, index, candidate in base:
+        pool = candidate.structure.pool
+        if len(keep) < 12 or per_pool.get(pool, 0) < 2:
+            keep[index] = candidate
+            per_pool[pool] = per_pool.get(pool, 0) + 1
+        del estimate
+    out: list[tuple[float, int, Candidate]] = []
+    for index, candidate in sorted(keep.items()):
+        for f, family in enumerate(families):
+            expanded = candidate if family == "1f1b" else estimator.candidate(candidate.structure, family)
+            if expanded is not None:
+                out.append((expanded.estimate_s, index * len(SEARCHED_FAMILIES) + f, expanded))
+    out.sort(key=lambda x: (x[0], x[1]))
+    return out
+
+
+def _choose(candidates: list[tuple[float, int, Candidate]], budget: int) -> list[Candidate]:
+    """The best ``budget`` by estimate, plus the best of every pool (so single-type plans are
+    always simulated), without duplicates."""
+    chosen: dict[tuple, Candidate] = {}
+    pools_seen: set[str] = set()
+    for _, _, candidate in candidates:
+        pool = candidate.structure.pool
+        if len(chosen) < budget or pool not in pools_seen:
+            chosen.setdefault(candidate.key, candidate)
+            pools_seen.add(pool)
+    return list(chosen.values())
+
+
+def _simulate_all(chosen, model, seq_len, cluster, cost, constraints, progress) -> list[RankedPlan]:
+    ranked = []
+    with _progress(progress, "simulating candidates", len(chosen)) as advance:
+        for candidate in chosen:
+            advance()
+            layout = candidate.layout(model, seq_len)
+            try:
+                ranked.append(rank_plan(candidate, layout, cluster, cost, constraints.memory_headroom))
+            except MedleyInputError:
+                continue
+    return ranked
+
+
+class _progress:
+    """A rich progress bar on stderr when asked for (and a no-op otherwise)."""
+
+    def __init__(self, enabled: bool, label: str, total: int) -> None:
+        self.enabled, self.label, self.total = enabled, label, total
+        self._bar: Progress | None = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda: None
+        self._bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self._bar.__enter__()
+        task = self._bar.add_task(self.label, total=self.total)
+        bar = self._bar
+        return lambda: bar.advance(task)
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
