@@ -10,6 +10,8 @@ so every member of a DP group issues the collectives the schedule placed, in the
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -53,11 +55,23 @@ class RankExecutor:
         pp_group: the replica's pipeline process group.
         activation_shape: [micro_batch_size, seq, hidden] of the tensors passed between stages.
         loss_fn: loss of one micro-batch from logits and targets, already scaled for the global batch.
+        dtype: dtype of the activations and gradients passed between stages.
+        autocast_dtype: run forwards under ``torch.autocast`` in this dtype (bf16 compute on fp32
+            master weights); None computes in the weights' dtype.
+        slowdown: emulation of a slower device: after each compute action the rank sleeps
+            ``(slowdown - 1) x`` the time the action took (1.0: no emulation).
+        defer_optim: keep the OPTIM actions for :meth:`run_deferred_optim` instead of running
+            them where the schedule put them (gradient clipping needs the global norm first).
+        before_optim: called with (stage, bucket) right before each optimizer step runs.
+        device: where activations live (receive buffers are allocated there).
     """
 
     def __init__(self, *, schedule: PipelineSchedule, pipeline_rank: int, stages: dict[int, ShardedStage],
                  pp_group: dist.ProcessGroup, activation_shape: Sequence[int], loss_fn: LossFn,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, autocast_dtype: torch.dtype | None = None,
+                 slowdown: float = 1.0, defer_optim: bool = False,
+                 before_optim: Callable[[int, int | None], None] | None = None,
+                 device: torch.device | None = None) -> None:
         self.schedule = schedule
         self.rank = pipeline_rank
         self.stages = stages
@@ -65,6 +79,13 @@ class RankExecutor:
         self.activation_shape = tuple(activation_shape)
         self.loss_fn = loss_fn
         self.dtype = dtype
+        self.autocast_dtype = autocast_dtype
+        self.slowdown = slowdown
+        self.defer_optim = defer_optim
+        self.before_optim = before_optim
+        self.deferred: list[Action] = []
+        self.device = device or torch.device("cpu")
+        self.emulated_sleep_s = 0.0
         self.state: dict[int, StageState] = {}
         self.pending_sends: list[dist.Work] = []
 
@@ -84,16 +105,35 @@ class RankExecutor:
         losses = self.state[last].losses if last in self.state else {}
         return [losses[mb].detach() for mb in sorted(losses)]
 
+    def run_deferred_optim(self) -> None:
+        """Run the OPTIM actions held back by ``defer_optim``, in program order."""
+        deferred, self.deferred = self.deferred, []
+        for action in deferred:
+            self._optim(action)
+
+    def _optim(self, action: Action) -> None:
+        if self.before_optim is not None:
+            self.before_optim(action.stage, action.bucket)
+        self.stages[action.stage].optim_step(action.bucket)
+
     def _run(self, action: Action, batch: MicroBatches) -> None:
         kind, stage, mb = action.kind, action.stage, action.micro_batch
-        if kind not in (Kind.OPTIM,) and stage not in self.stages:
+        if stage not in self.stages:
             raise ValueError(f"rank {self.rank} was given {action} but holds stages {sorted(self.stages)}")
-        if kind is Kind.F:
-            self._forward(stage, mb, batch)
-        elif kind in (Kind.B, Kind.BW):
-            self._backward_input(stage, mb, full=kind is Kind.BW)
-        elif kind is Kind.W:
-            self._backward_weight(stage, mb)
+        if action.is_compute:
+            self.stages[stage].require_gathered(f"{action} on pipeline rank {self.rank}")
+            started = time.perf_counter()
+            if kind is Kind.F:
+                self._forward(stage, mb, batch)
+            elif kind in (Kind.B, Kind.BW):
+                self._backward_input(stage, mb, full=kind is Kind.BW)
+            else:
+                self._backward_weight(stage, mb)
+            if self.slowdown > 1.0:
+                # Emulated heterogeneity: this rank computes as if its device were slower.
+                pause = (self.slowdown - 1.0) * (time.perf_counter() - started)
+                self.emulated_sleep_s += pause
+                time.sleep(pause)
         elif kind in (Kind.SEND_F, Kind.SEND_B):
             self._send(action)
         elif kind in (Kind.RECV_F, Kind.RECV_B):
@@ -105,7 +145,15 @@ class RankExecutor:
         elif kind is Kind.REDUCE_GRAD:
             self.stages[stage].reduce_grad(action.bucket)
         elif kind is Kind.OPTIM:
-            self.stages[stage].optim_step(action.bucket)
+            if self.defer_optim:
+                self.deferred.append(action)
+            else:
+                self._optim(action)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _forward(self, stage: int, mb: int, batch: MicroBatches) -> None:
         st = self.state[stage]
@@ -116,10 +164,11 @@ class RankExecutor:
                 raise RuntimeError(f"{stage}F{mb} on rank {self.rank}: its input was never received")
             inp = st.inputs[mb].detach().requires_grad_(True)
             st.inputs[mb] = inp
-        out = self.stages[stage].module(inp)
-        if stage == self.schedule.num_stages - 1:
-            st.losses[mb] = self.loss_fn(out, batch.targets[mb])
-            return
+        with self._autocast():
+            out = self.stages[stage].module(inp)
+            if stage == self.schedule.num_stages - 1:
+                st.losses[mb] = self.loss_fn(out, batch.targets[mb])
+                return
         st.outputs[mb] = out
         if stage + 1 in self.stages:
             self.state[stage + 1].inputs[mb] = out.detach()
@@ -174,7 +223,7 @@ class RankExecutor:
 
     def _recv(self, action: Action) -> None:
         st, mb = self.state[action.stage], action.micro_batch
-        buffer = torch.empty(self.activation_shape, dtype=self.dtype)
+        buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
         if action.kind is Kind.RECV_F:
             peer_stage, tag = action.stage - 1, self._tag(action.stage - 1, mb, grad=False)
         else:

@@ -72,16 +72,30 @@ class ShardedStage:
     bucket_names: list[list[str]]
     # Levels 0-1: gradients already all-reduced this step; a stage may reduce in several windows.
     reduced: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)
+    # Level 3: buckets whose weights are gathered now (compute needs all of them).
+    gathered: set[int] = field(default_factory=set)
 
     def unshard(self, bucket: int | None) -> None:
         if self.zero == 3:
             for index in self._indices(bucket):
                 self.fsdp_units[index].unshard()
+                self.gathered.add(index)
 
     def reshard(self, bucket: int | None) -> None:
         if self.zero == 3:
             for index in self._indices(bucket):
                 self.fsdp_units[index].reshard()
+                self.gathered.discard(index)
+
+    def require_gathered(self, action: str) -> None:
+        """Level 3: fail clearly when compute would run on sharded weights (a schedule without the
+        UNSHARD it needs would otherwise produce shape errors deep inside FSDP)."""
+        missing = sorted(set(range(len(self.buckets))) - self.gathered)
+        if self.zero == 3 and missing:
+            raise RuntimeError(
+                f"{action} runs on a ZeRO-3 stage whose weight buckets {missing} are not gathered: the "
+                "schedule has no UNSHARD before it. Fix the plan's 'layout.zero' / 'layout.placement' "
+                "(or the hand-written schedule) so that every level-3 compute follows an UNSHARD")
 
     def reduce_grad(self, bucket: int | None) -> None:
         for index in self._indices(bucket):
@@ -101,6 +115,32 @@ class ShardedStage:
                 # Parameters stay gathered all step at level 2: refresh them after the update.
                 self.fsdp_units[index].reshard()
                 self.fsdp_units[index].unshard()
+
+    def final_grads(self, bucket: int | None = None) -> list[torch.Tensor]:
+        """The reduced gradients OPTIM will apply: local shards (DTensors) at levels 2-3, the
+        all-reduced full gradients at levels 0-1."""
+        grads = []
+        for index in self._indices(bucket):
+            for param in self.buckets[index]:
+                grad = self.reduced.get(param) if self.zero < 2 and self.dp_group is not None else param.grad
+                if grad is not None:
+                    grads.append(grad)
+        return grads
+
+    def grad_sq_norm(self, bucket: int | None, *, replica: int) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (fp64): its shards at levels 2-3;
+        at levels 0-1 every replica holds the whole gradient, so only replica 0 counts it."""
+        total = torch.zeros((), dtype=torch.float64)
+        if self.zero < 2 and replica > 0:
+            return total
+        for grad in self.final_grads(bucket):
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            total += local.double().square().sum()
+        return total
+
+    def scale_grads(self, factor: float) -> None:
+        for grad in self.final_grads():
+            grad.mul_(factor)
 
     def weights(self) -> list[nn.Parameter]:
         """The parameters autograd sees: FSDP's unsharded ones for levels 2-3, so that a split
@@ -122,6 +162,18 @@ class ShardedStage:
         """Full parameters by global name; a collective at levels 2-3."""
         return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
                 for name, p in self._named_params()}
+
+    def named_parameters_local(self) -> list[tuple[str, nn.Parameter]]:
+        """(global name, parameter as this rank holds it: a DTensor shard at levels 2-3)."""
+        return self._named_params()
+
+    def refresh_gathered(self) -> None:
+        """Level 2 keeps gathered copies of the weights: re-gather them after the shards changed
+        outside an optimizer step (a checkpoint load)."""
+        if self.zero == 2:
+            for unit in self.fsdp_units:
+                unit.reshard()
+                unit.unshard()
 
     def _named_params(self) -> list[tuple[str, nn.Parameter]]:
         return [(name, p) for names, params in zip(self.bucket_names, self.buckets, strict=True)

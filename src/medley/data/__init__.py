@@ -1,0 +1,1 @@
+"""Data files shipped with medley (the small training corpus, see NOTICE.md)."""

@@ -1,0 +1,77 @@
+"""Start a plan's ranks on this machine through torch's own launcher (torchelastic, as torchrun).
+
+Each rank initialises the default process group (gloo on CPU, nccl when CUDA has a device per
+rank) from the environment the launcher sets, runs :func:`medley.runtime.train.train` and
+returns its records; rank 0's come back to the caller. With ``max_restarts``, a failed rank makes
+the agent stop every rank and start them all again, and training resumes from the newest
+checkpoint (as under ``torchrun --max-restarts``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from medley.cli.errors import MedleyInputError
+from medley.plan.plan import Plan
+from medley.runtime.train import StepRecord, TrainConfig, train
+
+PROCESS_GROUP_TIMEOUT_S = 120
+
+
+def init_process_group() -> str:
+    """The default process group from torchrun's environment; nccl only with a GPU per local rank."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
+    return backend
+
+
+@dataclass(frozen=True)
+class InputFailure:
+    """A rank's :class:`MedleyInputError`, returned (not raised) so the caller can re-raise it."""
+
+    message: str
+
+
+@record
+def rank_main(plan: Plan, config: TrainConfig) -> list[StepRecord] | InputFailure | None:
+    """Body of one launched rank: records on rank 0, None elsewhere."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    init_process_group()
+    try:
+        records = train(plan, config)
+    except MedleyInputError as err:
+        # Bad input fails on every rank alike (plan, flags, checkpoint), so all return.
+        return InputFailure(str(err))
+    finally:
+        dist.destroy_process_group()
+    return records if int(os.environ.get("RANK", "0")) == 0 else None
+
+
+def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None,
+                max_restarts: int = 0) -> list[StepRecord]:
+    """Train ``plan`` with ``nprocs`` ranks on this machine (default: the plan's world size)."""
+    nprocs = plan.world_size if nprocs is None else nprocs
+    if nprocs != plan.world_size:
+        raise MedleyInputError(
+            f"--local-ranks {nprocs}: the plan needs pp {plan.layout.pp} x dp {plan.layout.dp} = "
+            f"{plan.world_size} ranks; pass --local-ranks {plan.world_size}")
+    launch = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"medley-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
+        monitor_interval=0.1, start_method="spawn")
+    results = elastic_launch(launch, rank_main)(plan, config)
+    failure = next((r for r in results.values() if isinstance(r, InputFailure)), None)
+    if failure is not None:
+        raise MedleyInputError(failure.message)
+    return results[0]

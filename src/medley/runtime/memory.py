@@ -1,0 +1,74 @@
+"""Peak memory of a rank: CUDA's allocator counter, or live tensor bytes tracked on CPU.
+
+On CPU there is no allocator counter. A probe step runs under :class:`LiveTensorBytes`, a torch
+dispatch mode that follows every tensor storage the step creates, plus the storages alive before
+it (parameters, gradients, optimizer state, FSDP's gathered buffers), and samples their total
+size after every operator; storages resized in place (FSDP frees and refills its gathered
+weights that way) count at their current size. Tracking slows a step several-fold, so the probe
+is an extra step after the timed ones and no step time includes it. (torch's own ``MemTracker``
+refuses modules called more than once per step, as pipeline stages are once per micro-batch.)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak of the summed sizes of all live tensor storages while the mode is active."""
+
+    def __init__(self, existing: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages: dict[int, weakref.ref] = {}
+        self.peak = 0
+        for tensor in existing:
+            self._track(tensor)
+        self._sample()
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = _local(tensor).untyped_storage()
+        key = id(storage)
+        if key not in self.storages:
+            self.storages[key] = weakref.ref(storage, lambda _, key=key: self.storages.pop(key, None))
+
+    def _sample(self) -> None:
+        total = 0
+        for ref in list(self.storages.values()):
+            storage = ref()
+            if storage is not None:
+                total += storage.nbytes()
+        self.peak = max(self.peak, total)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for item in tree_flatten(out)[0]:
+            if isinstance(item, torch.Tensor):
+                self._track(item)
+        self._sample()
+        return out
+
+
+def probe_peak_bytes(run_step: Callable[[], None], *, existing: Iterable[torch.Tensor]) -> int:
+    """Run ``run_step`` once under :class:`LiveTensorBytes`; its peak live bytes."""
+    mode = LiveTensorBytes(existing)
+    with mode:
+        run_step()
+    return mode.peak
+
+
+def reset_cuda_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def cuda_peak_bytes(device: torch.device) -> int:
+    return int(torch.cuda.max_memory_allocated(device))

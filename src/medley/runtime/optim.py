@@ -1,0 +1,61 @@
+"""Optimizer choice, learning-rate schedule and the state tensors a checkpoint restores."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from medley.cli.errors import MedleyInputError
+
+OPTIMIZERS = ("adamw", "sgd")
+ADAMW_BETAS = (0.9, 0.95)
+
+
+def optimizer_class(name: str, *, lr: float, weight_decay: float) -> tuple[type[torch.optim.Optimizer],
+                                                                          dict[str, Any]]:
+    """The torch optimizer class and its arguments for ``name`` (``adamw`` or ``sgd``)."""
+    if name == "adamw":
+        return torch.optim.AdamW, dict(lr=lr, betas=ADAMW_BETAS, eps=1e-8, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD, dict(lr=lr, weight_decay=weight_decay)
+    raise MedleyInputError(f"--optimizer '{name}' must be one of {', '.join(OPTIMIZERS)}")
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
+    """Linear warm-up over ``warmup_steps`` (step 0 already takes a non-zero step), then cosine
+    decay from ``lr`` to ``min_lr`` at ``total_steps``."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    # ZeroRedundancyOptimizer copies its param_groups into the local optimizer at each step.
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state (ZeRO-1's inner optimizer over owned params)."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def ensure_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create zero state for every parameter that has none yet (AdamW's step, exp_avg and
+    exp_avg_sq, shaped and sharded like the parameter), so a checkpoint can be loaded into it."""
+    local = local_optimizer(optimizer)
+    if not isinstance(local, torch.optim.AdamW):
+        return
+    for group in local.param_groups:
+        for param in group["params"]:
+            if local.state.get(param):
+                continue
+            local.state[param] = {
+                "step": torch.tensor(0.0, dtype=torch.float32),
+                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+            }

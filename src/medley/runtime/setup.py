@@ -1,0 +1,107 @@
+"""Turn a plan into this rank's executable parts: mesh, stages, schedule and executor."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from medley.cli.errors import MedleyInputError
+from medley.plan.compile import build_schedules
+from medley.plan.plan import Plan
+from medley.runtime.executor import RankExecutor, with_default_collectives
+from medley.runtime.model import token_loss_sum
+from medley.runtime.sharding import ShardedStage
+from medley.runtime.stages import build_local_stages, make_mesh, rank_place
+from medley.schedule.zero import CollectiveMismatchError, check_zero_placement
+
+
+@dataclass(kw_only=True)
+class RankSetup:
+    """This rank's share of the plan.
+
+    Attributes:
+        replica: data-parallel replica index; pipeline_rank: rank inside the replica.
+        device: where this rank computes (cuda:LOCAL_RANK under nccl, else cpu).
+        device_of_rank: the plan's device id of every global rank.
+        stages: this rank's stages by global stage index.
+        executor: runs this rank's program of its replica's schedule.
+    """
+
+    replica: int
+    pipeline_rank: int
+    device: torch.device
+    device_of_rank: list[int]
+    mesh: DeviceMesh
+    stages: dict[int, ShardedStage]
+    executor: RankExecutor
+
+
+def check_plan(plan: Plan, world_size: int) -> None:
+    """What the runtime cannot run, as errors naming the plan setting to change."""
+    layout, model = plan.layout, plan.layout.model
+    if world_size != plan.world_size:
+        raise MedleyInputError(
+            f"the plan needs pp {layout.pp} x dp {layout.dp} = {plan.world_size} ranks but {world_size} were "
+            f"started; launch {plan.world_size} (torchrun --nproc-per-node {plan.world_size}, or "
+            f"--local-ranks {plan.world_size}) or change layout.pp / layout.dp")
+    if layout.schedule == "bidirectional":
+        raise MedleyInputError("layout.schedule 'bidirectional' (the model held twice) is not run by the "
+                               "runtime; choose another schedule")
+    if model.tied_embeddings and layout.num_stages > 1:
+        raise MedleyInputError(
+            f"model '{model.name}' ties its embeddings, which needs the embedding and the head on the same "
+            f"stage, but the plan has {layout.num_stages} stages; set tied_embeddings = false in the plan's "
+            "[model] or use one stage (pp 1)")
+    if model.word_embed_proj_dim is not None:
+        raise MedleyInputError(f"model '{model.name}' projects its word embedding (word_embed_proj_dim), "
+                               "which the runtime does not build; use another model")
+    if model.position == "learned" and layout.seq_len > model.max_seq_len:
+        raise MedleyInputError(
+            f"layout.seq_len {layout.seq_len} exceeds model.max_seq_len {model.max_seq_len}")
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optimizer],
+               optimizer_kwargs: dict[str, Any], autocast_dtype: torch.dtype | None = None,
+               defer_optim: bool = False, slowdown: Mapping[int, float] | None = None) -> RankSetup:
+    """Build this rank's stages and executor for ``plan`` (collective: every rank calls it)."""
+    check_plan(plan, dist.get_world_size())
+    layout = plan.layout
+    device = _device()
+    schedules = build_schedules(layout)
+    mesh = make_mesh(layout.pp, layout.dp, device.type)
+    place = rank_place(mesh)
+    schedule = with_default_collectives(schedules[place.replica])
+    levels = [z.level for z in layout.zero]
+    try:
+        check_zero_placement(schedule, layout.zero)
+    except CollectiveMismatchError as err:
+        raise MedleyInputError(f"layout.zero / layout.placement give an unrunnable schedule: {err}") from None
+    if device.type == "cuda":
+        torch.set_default_device(device)
+    stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers, zero=levels,
+                                mesh=mesh, seed=seed, optimizer_class=optimizer_class,
+                                optimizer_kwargs=optimizer_kwargs)
+    device_of_rank = [layout.assignment[r][k] for r in range(layout.dp) for k in range(layout.pp)]
+    n_tokens = layout.tokens_per_step
+    factor = 1.0 if slowdown is None else slowdown[layout.assignment[place.replica][place.pipeline_rank]]
+    executor = RankExecutor(
+        schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pp_group=mesh["pp"].get_group(),
+        activation_shape=(layout.micro_batch_size, layout.seq_len, layout.model.hidden_size),
+        loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens, autocast_dtype=autocast_dtype,
+        slowdown=factor, defer_optim=defer_optim, device=device)
+    return RankSetup(replica=place.replica, pipeline_rank=place.pipeline_rank, device=device,
+                     device_of_rank=device_of_rank, mesh=mesh, stages=stages, executor=executor)
