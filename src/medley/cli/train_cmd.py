@@ -1,9 +1,174 @@
-"""Placeholder module: filled by its owner; registers nothing yet."""
+"""``medley train``: run a plan for real (a plan file, or a plan given inline by the flags of
+``medley simulate``), one rank per device of the plan.
+
+Launch it with torchrun (``torchrun --nproc-per-node N $(which medley) train ...``; gloo on
+CPU, nccl on CUDA) or let it start the ranks itself with ``--local-ranks N``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from medley.cli.errors import MedleyInputError, exit_on_input_error
+from medley.plan.plan import Plan
+
+DEFAULT_DEVICE = "A100-80GB"
+
+
+def parse_slowdown(text: str | None) -> dict[int, float]:
+    """``"0=2,3=1.5"`` as {device id: factor}."""
+    if not text:
+        return {}
+    out = {}
+    for item in text.split(","):
+        device, _, factor = item.partition("=")
+        try:
+            out[int(device)] = float(factor)
+        except ValueError:
+            raise MedleyInputError(
+                f"--slowdown '{text}' must look like '0=2.0,3=1.5' (device id=factor)") from None
+    return out
+
+
+def inline_plan(*, cluster: str | None, model: str, pp: int, dp: int, schedule: str, micro_batches: str,
+                micro_batch_size: int, seq_len: int, virtual_stages: int, split: str | None, zero: str | None,
+                zero_placement: str, buckets: int, gather_windows: int) -> Plan:
+    from medley.cost.estimator import CatalogCostSource
+    from medley.plan.inline import inline_layout
+    from medley.spec.cluster import parse_cluster_arg
+    from medley.spec.model import get_model
+
+    spec = parse_cluster_arg(cluster or f"{pp * dp}x{DEFAULT_DEVICE}")
+    model_spec = get_model(model)
+    layout = inline_layout(
+        cluster=spec, model=model_spec, cost=CatalogCostSource.for_cluster(model_spec, spec), pp=pp, dp=dp,
+        schedule=schedule, micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
+        virtual_stages=virtual_stages, split=split, zero=zero, placement=zero_placement, buckets=buckets,
+        gather_windows=gather_windows)
+    return Plan(layout=layout, cluster=spec)
+
+
+def run(plan: Plan, config, *, local_ranks: int | None):  # noqa: ANN001, ANN201 - lazy torch import
+    """Records on the rank that reports (rank 0), None on the others."""
+    from medley.runtime.launch import InputFailure, rank_main, train_local
+
+    if local_ranks is not None:
+        return train_local(plan, config, nprocs=local_ranks)
+    if "RANK" not in os.environ:
+        raise MedleyInputError(
+            f"the plan needs {plan.world_size} ranks: launch with torchrun --nproc-per-node "
+            f"{plan.world_size} or pass --local-ranks {plan.world_size}")
+    result = rank_main(plan, config)
+    if isinstance(result, InputFailure):
+        if int(os.environ["RANK"]) == 0:
+            raise MedleyInputError(result.message)
+        raise typer.Exit(code=2)
+    return result
+
+
+def print_records(plan: Plan, records: list, console: Console) -> None:
+    layout = plan.layout
+    table = Table(title=f"{layout.model.name} · {layout.schedule} · pp={layout.pp} dp={layout.dp} · split "
+                  f"{list(layout.stage_layers)} · ZeRO {[z.level for z in layout.zero]}")
+    for col in ("step", "loss", "lr", "grad norm", "step time", "tokens/s"):
+        table.add_column(col, justify="right")
+    for r in records:
+        table.add_row(str(r.step), f"{r.loss:.4f}", f"{r.lr:.2e}", f"{r.grad_norm:.3f}",
+                      f"{r.step_time_s * 1e3:.1f} ms", f"{r.tokens_per_s:,.0f}")
+    console.print(table)
+    if not records:
+        console.print("nothing to run: the checkpoint is already at --steps")
+        return
+    steady = records[1:] or records
+    mean = sum(r.step_time_s for r in steady) / len(steady)
+    line = f"mean step {mean * 1e3:.1f} ms (first step excluded)"
+    if plan.prediction is not None:
+        line += f" · predicted {plan.prediction.step_time_s * 1e3:.1f} ms"
+    console.print(line)
+    if records[-1].peak_memory_bytes:
+        peaks = sorted(records[-1].peak_memory_bytes.items())
+        memory = ", ".join(f"{d}: {b / 2**20:.1f} MiB" for d, b in peaks)
+        console.print(f"peak memory per device: {memory}")
 
 
 def register(app: typer.Typer) -> None:
-    del app
+    @app.command("train")
+    @exit_on_input_error
+    def train_cmd(
+        plan: Annotated[Path | None, typer.Option(help="Plan TOML file (else the inline flags)")] = None,
+        steps: Annotated[int, typer.Option(help="Optimizer steps in total")] = 20,
+        data: Annotated[str | None, typer.Option(help="UTF-8 text file, or 'synthetic' (default: shipped "
+                                                      "corpus)")] = None,
+        checkpoint_dir: Annotated[Path | None, typer.Option(help="Save here; resume from the newest")] = None,
+        checkpoint_every: Annotated[int, typer.Option(help="Save every K steps (0: at the end)")] = 0,
+        local_ranks: Annotated[int | None, typer.Option(help="Start N ranks on this machine")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the per-step records as JSON")] = False,
+        emulate: Annotated[bool, typer.Option(help="Stretch compute per the plan's device speeds")] = False,
+        slowdown: Annotated[str | None, typer.Option(help="Emulated slowdown by device: 0=2,3=1.5")] = None,
+        seed: Annotated[int, typer.Option(help="Seed of weights and data order")] = 0,
+        optimizer: Annotated[str, typer.Option(help="adamw or sgd")] = "adamw",
+        lr: Annotated[float, typer.Option(help="Peak learning rate")] = 3e-3,
+        min_lr: Annotated[float, typer.Option(help="Learning rate at the end of the cosine decay")] = 3e-4,
+        warmup_steps: Annotated[int, typer.Option(help="Linear warm-up steps")] = 5,
+        weight_decay: Annotated[float, typer.Option(help="Weight decay")] = 0.1,
+        clip_norm: Annotated[float, typer.Option(help="Global gradient-norm clip (0: off)")] = 1.0,
+        dtype: Annotated[str | None, typer.Option(help="fp32 or bf16 (default: fp32 on CPU)")] = None,
+        log_jsonl: Annotated[Path | None, typer.Option(help="Append one JSON line per step here")] = None,
+        cluster: Annotated[str | None, typer.Option(help="Inline plan: cluster (NxA100-80GB)")] = None,
+        model: Annotated[str, typer.Option(help="Inline plan: model preset")] = "tiny",
+        pp: Annotated[int, typer.Option(help="Inline plan: pipeline ranks per replica")] = 1,
+        dp: Annotated[int, typer.Option(help="Inline plan: data-parallel replicas")] = 1,
+        schedule: Annotated[str, typer.Option(help="Inline plan: schedule family")] = "1f1b",
+        micro_batches: Annotated[str, typer.Option(help="Inline plan: micro-batches per replica")] = "4",
+        micro_batch_size: Annotated[int, typer.Option(help="Inline plan: sequences per micro-batch")] = 2,
+        seq_len: Annotated[int, typer.Option(help="Inline plan: tokens per sequence")] = 64,
+        virtual_stages: Annotated[int, typer.Option(help="Inline plan: chunks per rank (interleaved)")] = 2,
+        split: Annotated[str | None, typer.Option(help="Inline plan: blocks (or layers) per stage")] = None,
+        zero: Annotated[str | None, typer.Option(help="Inline plan: ZeRO level per stage")] = None,
+        zero_placement: Annotated[str, typer.Option(help="Inline plan: naive or bubble")] = "bubble",
+        buckets: Annotated[int, typer.Option(help="Inline plan: layer buckets per stage")] = 1,
+        gather_windows: Annotated[int, typer.Option(help="Inline plan: ZeRO-3 gather rounds")] = 1,
+    ) -> None:
+        """Train a plan on torch.distributed and report loss, step time and memory per step."""
+        from medley.plan.plan import load_plan
+        from medley.runtime.train import TrainConfig
+
+        if plan is not None:
+            the_plan = load_plan(plan)
+        else:
+            the_plan = inline_plan(
+                cluster=cluster, model=model, pp=pp, dp=dp, schedule=schedule,
+                micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                virtual_stages=virtual_stages, split=split, zero=zero, zero_placement=zero_placement,
+                buckets=buckets, gather_windows=gather_windows)
+        config = TrainConfig(
+            steps=steps, seed=seed, optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, min_lr=min_lr,
+            weight_decay=weight_decay, clip_norm=clip_norm or None, data=data, checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every, log_jsonl=log_jsonl, emulate=emulate,
+            slowdown=parse_slowdown(slowdown), progress=not as_json, dtype=dtype)
+        from medley.runtime.train import check_config
+
+        check_config(config)
+        if local_ranks is not None and local_ranks != the_plan.world_size:
+            layout = the_plan.layout
+            raise MedleyInputError(
+                f"--local-ranks {local_ranks}: the plan needs pp {layout.pp} x dp {layout.dp} = "
+                f"{the_plan.world_size} ranks; pass --local-ranks {the_plan.world_size}")
+        records = run(the_plan, config, local_ranks=local_ranks)
+        if records is None:
+            return
+        if as_json:
+            rows = [dataclasses.asdict(r) for r in records]
+            for row in rows:
+                row["peak_memory_bytes"] = {str(k): v for k, v in row["peak_memory_bytes"].items()}
+            typer.echo(json.dumps(rows, indent=1))
+        else:
+            print_records(the_plan, records, Console())
