@@ -12,13 +12,15 @@ from rich.table import Table
 
 from medley.cli.errors import exit_on_input_error
 from medley.cost.estimator import CatalogCostSource
+from medley.cost.interfaces import CostSource, Pass
+from medley.cost.profiles import ProfileCostSource, profile_cost_source
 from medley.plan.compile import PlanLayout
 from medley.plan.inline import inline_layout
 from medley.plan.predict import simulate_layout
 from medley.sim.problem import SimProblem
 from medley.sim.result import SimResult
 from medley.spec.cluster import Cluster, parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.model import ModelSpec, get_model
 
 GB = 1e9
 
@@ -133,6 +135,10 @@ def print_summary(data: dict, console: Console) -> None:
                 f"{s['exposed_s'] * 1e3:.1f} ms",
             )
         console.print(zt)
+    if "cost_sources" in data:
+        parts = [f"{device}: " + ", ".join(f"{kind} {src}" for kind, src in kinds.items())
+                 for device, kinds in data["cost_sources"].items()]
+        console.print("layer times from " + "; ".join(parts))
     verdict = (
         "fits in memory on every device" if data["fits"] else "[red]does NOT fit in memory[/] (see OOM rows)"
     )
@@ -178,11 +184,21 @@ def register(app: typer.Typer) -> None:
         trace: Annotated[Path | None, typer.Option(help="Write a Chrome trace (Perfetto) here")] = None,
         gantt: Annotated[Path | None, typer.Option(help="Write a Gantt chart PNG here")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON")] = False,
+        profile: Annotated[
+            Path | None,
+            typer.Option(help="Measured profile (from `medley profile`); the catalog answers what it lacks"),
+        ] = None,
+        dtype: Annotated[
+            str | None,
+            typer.Option(help="bf16, fp16 or fp32 (default: the profile's, else bf16 where supported)"),
+        ] = None,
     ) -> None:
         """Simulate one training step of a plan and report time, bubbles and memory per device."""
         spec = parse_cluster_arg(cluster)
         model_spec = get_model(model)
-        cost = CatalogCostSource.for_cluster(model_spec, spec)
+        cost = profiled_cost(model_spec, spec, profile, dtype)
+        if dtype is None and isinstance(cost, ProfileCostSource):
+            dtype = cost.profile.dtype
         layout = inline_layout(
             cluster=spec,
             model=model_spec,
@@ -200,14 +216,39 @@ def register(app: typer.Typer) -> None:
             buckets=buckets,
             gather_windows=gather_windows,
             recompute=recompute,
+            dtype=dtype,
         )
-        problem, result = simulate_layout(layout, spec, comm=not no_comm)
+        problem, result = simulate_layout(layout, spec, cost=cost, comm=not no_comm)
         write_pictures(result, trace=trace, gantt=gantt)
         data = summary(layout, spec, problem, result)
+        data["cost_sources"] = layer_sources(layout, spec, cost)
         if as_json:
             typer.echo(json.dumps(data, indent=2))
         else:
             print_summary(data, Console())
+
+
+def profiled_cost(model: ModelSpec, cluster: Cluster, profile: Path | None, dtype: str | None) -> CostSource:
+    """The catalog, or a profile with the catalog answering what the profile lacks."""
+    catalog = CatalogCostSource.for_cluster(model, cluster, dtype=dtype or "bf16")
+    if profile is None:
+        return catalog
+    return profile_cost_source(profile, model, fallback=catalog)
+
+
+def layer_sources(layout: PlanLayout, cluster: Cluster, cost: CostSource) -> dict[str, dict[str, str]]:
+    """Where each layer kind's F/B/W times came from, per device type of the plan."""
+    out: dict[str, dict[str, str]] = {}
+    layers = {layout.model.layer_kind(i): i for i in (0, 1, layout.model.num_layers - 1)}
+    for row in layout.assignment:
+        for device in row:
+            name = cluster.devices[device].type.name
+            out[name] = {
+                kind: cost.layer_time(layer, Pass.F, micro_batch_size=layout.micro_batch_size,
+                                      seq_len=layout.seq_len, device_type=name).source
+                for kind, layer in layers.items()
+            }
+    return out
 
 
 def write_pictures(result: SimResult, *, trace: Path | None, gantt: Path | None) -> None:

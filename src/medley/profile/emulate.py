@@ -1,0 +1,104 @@
+"""An emulated heterogeneous cluster on this machine's CPU, and the costs that predict it.
+
+medley's runtime emulates unlike devices on like ones (``TrainConfig(emulate=True)``): each rank
+sleeps ``(factor - 1) x`` the measured time of every compute action, where ``factor`` is the
+plan's fastest device peak over the rank's own (:mod:`medley.runtime.emulate`). This module makes
+the matching plan inputs from a CPU profile:
+
+* a :class:`Cluster` of N CPU ranks whose device types (``CPU-x1``, ``CPU-x2``, ...) have the
+  profiled CPU's peaks divided by each rank's slowdown, one single-device node per rank joined by a
+  "loopback" tier with the gloo α-β fitted for that group size (so every pair and every ring is
+  timed with the measured latency and bandwidth);
+* a :class:`ProfileCostSource` whose times for each of those types are the profile's times times
+  the slowdown (and times ``compute_share``, below).
+
+``compute_share``: ranks are processes sharing the machine's cores. With more ranks than cores
+(4 ranks on 2 cores here) the ranks that compute at the same time share the cores and each runs
+slower; the simulator models devices as independent, so the caller may pass the expected
+stretch (at most ranks / cores). This is an approximation of the emulation, stated in reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomli_w
+
+from medley.cost.estimator import CatalogCostSource
+from medley.cost.profiles import Profile, ProfileCostSource
+from medley.spec.catalog import get_device_type, load_catalog
+from medley.spec.cluster import Cluster, cluster_from_dict
+from medley.spec.model import ModelSpec
+
+
+def emulated_type_name(factor: float) -> str:
+    return f"CPU-x{factor:g}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmulatedCluster:
+    """A cluster of emulated CPU devices and the cost source that predicts runs on it.
+
+    Attributes:
+        cluster: device ``i`` is rank-device ``i`` with slowdown ``slowdowns[i]``.
+        cost: profile times scaled per device type (catalog fallback for what the profile lacks).
+        slowdowns: per device id.
+        catalog_path: the device catalog file the cluster's types are defined in.
+    """
+
+    cluster: Cluster
+    cost: ProfileCostSource
+    slowdowns: tuple[float, ...]
+    catalog_path: Path
+
+
+def _catalog(profile: Profile, factors: Sequence[float], link_gbps: float) -> dict:
+    base = get_device_type(profile.device_type, load_catalog())
+    entries = {}
+    for factor in sorted(set(factors)):
+        entries[emulated_type_name(factor)] = {
+            "peak_tflops_half": base.peak_tflops_half / factor,
+            "peak_tflops_fp32": base.peak_tflops_fp32 / factor,
+            "memory_gb": base.memory_gb,
+            "memory_bandwidth_gbps": base.memory_bandwidth_gbps / factor,
+            "intra_node_link": "pcie",
+            "intra_node_bandwidth_gbps": link_gbps,
+            "supports_bf16": base.supports_bf16,
+            "confidence": "low",
+        }
+    return {"devices": entries}
+
+
+def emulated_cluster(
+    profile: Profile, model: ModelSpec, slowdowns: Sequence[float], *, directory: Path, profile_name: str,
+    compute_share: float = 1.0, name: str = "emulated-cpu",
+) -> EmulatedCluster:
+    """Cluster and costs of ``len(slowdowns)`` CPU ranks; writes the device catalog to ``directory``."""
+    if not slowdowns or min(slowdowns) < 1.0:
+        raise ValueError(f"slowdowns must be >= 1 (1 = full speed), got {tuple(slowdowns)}")
+    if profile.comm is None:
+        raise ValueError("the profile has no collective measurements; profile with --comm-ranks")
+    link = profile.comm.link_for(len(slowdowns))
+    link_gbps = link.bandwidth_bytes_per_s / 1e9
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    catalog_path = (directory / f"{name}-devices.toml").resolve()
+    catalog_path.write_text(tomli_w.dumps(_catalog(profile, slowdowns, link_gbps)))
+    spec = {
+        "name": name,
+        "catalog": str(catalog_path),
+        "nodes": [{"name": f"rank{i}", "device": emulated_type_name(f), "count": 1,
+                   "link": {"kind": "pcie", "bandwidth_gbps": link_gbps, "latency_us": link.latency_s * 1e6}}
+                  for i, f in enumerate(slowdowns)],
+        "tiers": [{"name": "loopback", "bandwidth_gbps": link_gbps, "latency_us": link.latency_s * 1e6}]
+        if len(slowdowns) > 1 else [],
+    }
+    cluster = cluster_from_dict(spec, source=f"emulated cluster '{name}'")
+    scale = {emulated_type_name(f): f * compute_share for f in slowdowns}
+    fallback = CatalogCostSource.for_cluster(model, cluster, dtype=profile.dtype)
+    cost = ProfileCostSource(profile=profile, name=profile_name, model=model, fallback=fallback,
+                             device_scale=scale)
+    return EmulatedCluster(cluster=cluster, cost=cost, slowdowns=tuple(float(f) for f in slowdowns),
+                           catalog_path=catalog_path)
