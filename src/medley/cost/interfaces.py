@@ -60,6 +60,12 @@ class MeasuredCosts(Protocol):
         """Time of the fused backward (one autograd call) of one micro-batch."""
         ...
 
+    def workspace_bytes(
+        self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> float | None:
+        """Transient peak of one backward beyond the held activations (one layer at a time)."""
+        ...
+
     def optimizer_time(self, params: float, *, device_type: str) -> TimeEstimate | None:
         """Time of one optimizer step over ``params`` parameters."""
         ...

@@ -45,7 +45,8 @@ class LayerMeasurement(BaseModel):
     ``backward_full_s`` is the fused backward (one autograd call, what 1F1B runs); B + W is the
     split backward of zero-bubble schedules. ``activation_bytes`` is what the layer's forward
     leaves alive for its backward (saved tensors and its output), ``activation_after_b_bytes``
-    what is still alive between B and W.
+    what is still alive between B and W, ``backward_workspace_bytes`` the transient peak of the
+    backward beyond that (gradients of intermediates, temporaries).
     """
 
     model_config = _STRICT
@@ -58,6 +59,7 @@ class LayerMeasurement(BaseModel):
     backward_full_s: float = Field(ge=0)
     activation_bytes: float = Field(ge=0)
     activation_after_b_bytes: float = Field(ge=0)
+    backward_workspace_bytes: float = Field(default=0.0, ge=0)
     runs: int = Field(ge=1)
 
 
@@ -197,13 +199,15 @@ class _Figures:
     backward_full_s: float
     activation_bytes: float
     activation_after_b_bytes: float
+    workspace_bytes: float
     exact: bool
 
     @staticmethod
     def of(m: LayerMeasurement) -> _Figures:
         times = {Pass.F: m.forward_s, Pass.B: m.backward_input_s, Pass.W: m.backward_weight_s}
         return _Figures(times=times, backward_full_s=m.backward_full_s, activation_bytes=m.activation_bytes,
-                        activation_after_b_bytes=m.activation_after_b_bytes, exact=True)
+                        activation_after_b_bytes=m.activation_after_b_bytes,
+                        workspace_bytes=m.backward_workspace_bytes, exact=True)
 
     def lerp(self, other: _Figures, x: float, x0: float, x1: float) -> _Figures:
         return _Figures(
@@ -212,6 +216,7 @@ class _Figures:
             activation_bytes=_lerp(x, x0, x1, self.activation_bytes, other.activation_bytes),
             activation_after_b_bytes=_lerp(x, x0, x1, self.activation_after_b_bytes,
                                            other.activation_after_b_bytes),
+            workspace_bytes=_lerp(x, x0, x1, self.workspace_bytes, other.workspace_bytes),
             exact=False,
         )
 
@@ -328,6 +333,15 @@ class ProfileCostSource:
             layer, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type
         )
         return None if found is None else (found.activation_bytes, found.activation_after_b_bytes)
+
+    def workspace_bytes(
+        self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> float | None:
+        """Transient bytes of one backward beyond the held activations, or None (unknown)."""
+        found = self.figures(
+            layer, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type
+        )
+        return None if found is None else found.workspace_bytes
 
     def _missing(self, layer: int, mbs: int, seq: int, device_type: str) -> str:
         where = f"profile {self.name}"

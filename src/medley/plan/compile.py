@@ -185,17 +185,37 @@ def _stage_params(layout: PlanLayout, stage: int) -> float:
     return float(sum(formulas.layer_held_params(layout.model, i) for i in layout.layer_range(stage)))
 
 
-def static_memory(layout: PlanLayout, stage_to_rank: Sequence[int]) -> dict[int, float]:
+def static_memory(
+    layout: PlanLayout,
+    stage_to_rank: Sequence[int],
+    *,
+    cost: CostSource | None = None,
+    cluster: Cluster | None = None,
+) -> dict[int, float]:
     """Weights, gradients and optimizer states resident all step, per device (transient buffers of
-    ZeRO-2/3 are the simulator's to add and free)."""
+    ZeRO-2/3 are the simulator's to add and free).
+
+    A measured source may also know the backward's transient workspace per layer (temporaries and
+    gradients of intermediates, beyond the held activations); one backward runs at a time, so
+    each device reserves its largest layer's."""
     out: dict[int, float] = {}
+    workspace: dict[int, float] = {}
+    measured = getattr(cost, "workspace_bytes", None)
     for stage in range(layout.num_stages):
         state = stage_state_bytes(_stage_params(layout, stage), level=layout.zero[stage].level, dp=layout.dp,
                                   per_param=state_bytes_per_param(layout.dtype))
         for replica in range(layout.dp):
             device = layout.assignment[replica][stage_to_rank[stage]]
             out[device] = out.get(device, 0.0) + state.resident
-    return out
+            if measured is None or cluster is None:
+                continue
+            name = cluster.devices[device].type.name
+            for layer in layout.layer_range(stage):
+                extra = measured(
+                    layer, micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len, device_type=name
+                )
+                workspace[device] = max(workspace.get(device, 0.0), extra or 0.0)
+    return {device: held + workspace.get(device, 0.0) for device, held in out.items()}
 
 
 class _CollectiveTable:
@@ -271,7 +291,7 @@ def compile_problem(
         schedules=schedules,
         devices=devices,
         stage_costs=stage_costs,
-        static_memory_bytes=static_memory(layout, s2r),
+        static_memory_bytes=static_memory(layout, s2r, cost=cost, cluster=cluster),
         comm=TopologyCommModel(cluster) if comm else None,
         peak_flops={d: cluster.devices[d].type.peak_flops(layout.dtype) for row in devices for d in row},
         model_flops_per_step=formulas.megatron_flops_per_step(

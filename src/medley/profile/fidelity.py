@@ -9,10 +9,12 @@ probe step). Errors are (predicted - measured) / measured.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,18 +70,25 @@ class FidelityResult:
     case: str
     plan: str
     predicted_step_s: float
+    loaded_predicted_step_s: float
     measured_step_s: float
     measured_step_spread_s: float
     predicted_memory: dict[int, float]
     measured_memory: dict[int, float]
     cost_source: str
     compute_share: float
+    loaded_compute_share: float
+    background_cores: float
     wall_s: float
     step_times_s: list[float] = field(default_factory=list)
 
     @property
     def step_error(self) -> float:
         return (self.predicted_step_s - self.measured_step_s) / self.measured_step_s
+
+    @property
+    def loaded_step_error(self) -> float:
+        return (self.loaded_predicted_step_s - self.measured_step_s) / self.measured_step_s
 
     @property
     def memory_errors(self) -> dict[int, float]:
@@ -104,28 +113,91 @@ def describe(case: FidelityCase) -> str:
     return ", ".join(parts)
 
 
-def build_plan(case: FidelityCase, profile: Profile, *, profile_name: str, directory: Path,
-               cores: int) -> tuple[Plan, float]:
-    """The case's plan on its emulated cluster, with the simulator's prediction."""
+@dataclass(frozen=True, kw_only=True)
+class CpuUse:
+    """CPU time over a run: the whole machine's, this process tree's, and the rest (other users).
+
+    Attributes:
+        wall_s: duration.
+        machine_cores: busy cores of the machine, on average.
+        own_cores: cores used by this process and its finished children, on average.
+        background_cores: the rest: other processes sharing the machine.
+    """
+
+    wall_s: float
+    machine_cores: float
+    own_cores: float
+
+    @property
+    def background_cores(self) -> float:
+        return max(0.0, self.machine_cores - self.own_cores)
+
+
+def _busy_seconds() -> float:
+    with open("/proc/stat") as handle:
+        fields = handle.readline().split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+@contextlib.contextmanager
+def cpu_meter() -> Iterator[list[CpuUse]]:
+    """Measure CPU use around a block (Linux ``/proc/stat``); the result is appended to the list."""
+    out: list[CpuUse] = []
+    wall, busy, own = time.perf_counter(), _busy_seconds(), _own_seconds()
+    yield out
+    elapsed = time.perf_counter() - wall
+    out.append(CpuUse(wall_s=elapsed, machine_cores=(_busy_seconds() - busy) / elapsed,
+                      own_cores=(_own_seconds() - own) / elapsed))
+
+
+def build_plan(case: FidelityCase, profile: Profile, *, profile_name: str, directory: Path, cores: int,
+               background_cores: float = 0.0) -> tuple[Plan, float]:
+    """The case's plan on its emulated cluster, with the simulator's prediction.
+
+    Ranks are processes sharing ``cores`` with ``background_cores`` of other work. A first
+    simulation (ranks at full speed) gives how many ranks compute at once on average, Σ busy/slowdown
+    (an emulated slow rank sleeps for the rest of its busy time); with more than the cores can
+    serve, every rank's compute is stretched by (that + background) / cores and simulated again.
+    Returns the plan and that stretch.
+    """
     slowdowns = case.slowdowns or (1.0,) * case.world
     if len(slowdowns) != case.world:
         raise ValueError(f"case {case.name}: {len(slowdowns)} slowdowns for {case.world} devices")
-    share = max(1.0, case.world / cores)
-    emulated = emulated_cluster(profile, case.model, slowdowns, directory=directory,
-                                profile_name=profile_name, compute_share=share, name=f"emu-{case.name}")
-    layout = inline_layout(
-        cluster=emulated.cluster, model=case.model, cost=emulated.cost, pp=case.pp, dp=case.dp,
-        schedule=case.schedule, micro_batches=case.micro_batches, micro_batch_size=case.micro_batch_size,
-        seq_len=case.seq_len, virtual_stages=case.virtual_stages, split=case.split, zero=case.zero,
-        buckets=case.buckets, gather_windows=case.gather_windows, dtype=profile.dtype,
-    )
-    prediction, _, _ = predict(layout, emulated.cluster, cost=emulated.cost)
-    return Plan(layout=layout, cluster=emulated.cluster, prediction=prediction), share
+    share, plan = 1.0, None
+    for _ in range(2):
+        emulated = emulated_cluster(profile, case.model, slowdowns, directory=directory,
+                                    profile_name=profile_name, compute_share=share, name=f"emu-{case.name}")
+        layout = inline_layout(
+            cluster=emulated.cluster, model=case.model, cost=emulated.cost, pp=case.pp, dp=case.dp,
+            schedule=case.schedule, micro_batches=case.micro_batches, micro_batch_size=case.micro_batch_size,
+            seq_len=case.seq_len, virtual_stages=case.virtual_stages, split=case.split, zero=case.zero,
+            buckets=case.buckets, gather_windows=case.gather_windows, dtype=profile.dtype,
+        )
+        prediction, _, result = predict(layout, emulated.cluster, cost=emulated.cost)
+        plan = Plan(layout=layout, cluster=emulated.cluster, prediction=prediction)
+        if share > 1.0:
+            break
+        active = sum(r.busy_fraction / slowdowns[r.device] for r in result.devices)
+        share = max(1.0, (active + background_cores) / cores)
+        if share == 1.0:
+            break
+    assert plan is not None
+    return plan, share
 
 
 def run_case(case: FidelityCase, profile: Profile, *, profile_name: str, directory: Path, steps: int = 6,
              warmup_steps: int = 2, cores: int | None = None) -> FidelityResult:
-    """Predict, then train ``steps`` steps for real; the first ``warmup_steps`` are not timed."""
+    """Predict, then train ``steps`` steps for real; the first ``warmup_steps`` are not timed.
+
+    The prediction assumes the machine's cores serve only these ranks; the run measures what
+    else used the CPU meanwhile, and ``loaded_*`` re-predicts with that background load.
+    """
     from medley.runtime.launch import train_local
     from medley.runtime.train import TrainConfig
 
@@ -134,27 +206,34 @@ def run_case(case: FidelityCase, profile: Profile, *, profile_name: str, directo
     assert plan.prediction is not None
     config = TrainConfig(steps=steps, emulate=True, clip_norm=None, data="synthetic", measure_memory=True,
                          progress=False, dtype=profile.dtype, warmup_steps=0)
-    started = time.perf_counter()
-    records = train_local(plan, config)
-    wall = time.perf_counter() - started
+    with cpu_meter() as use:
+        records = train_local(plan, config)
+    loaded, loaded_share = build_plan(case, profile, profile_name=profile_name, directory=directory,
+                                      cores=cores, background_cores=use[0].background_cores)
+    assert loaded.prediction is not None
     times = [r.step_time_s for r in records[warmup_steps:]] or [r.step_time_s for r in records]
     memory = {int(d): float(b) for d, b in records[-1].peak_memory_bytes.items()}
     return FidelityResult(
         case=case.name, plan=describe(case), predicted_step_s=plan.prediction.step_time_s,
+        loaded_predicted_step_s=loaded.prediction.step_time_s,
         measured_step_s=statistics.median(times), measured_step_spread_s=max(times) - min(times),
         predicted_memory={d: gb * 1e9 for d, gb in plan.prediction.peak_memory_gb.items()},
-        measured_memory=memory, cost_source=plan.prediction.cost_source, compute_share=share, wall_s=wall,
+        measured_memory=memory, cost_source=plan.prediction.cost_source, compute_share=share,
+        loaded_compute_share=loaded_share, background_cores=use[0].background_cores, wall_s=use[0].wall_s,
         step_times_s=[r.step_time_s for r in records],
     )
 
 
 def summarize(results: Sequence[FidelityResult]) -> dict[str, float]:
     steps = [abs(r.step_error) for r in results]
+    loaded = [abs(r.loaded_step_error) for r in results]
     memory = [abs(e) for r in results for e in r.memory_errors.values()]
     return {
         "cases": len(results),
         "median_abs_step_error": statistics.median(steps) if steps else float("nan"),
         "worst_abs_step_error": max(steps) if steps else float("nan"),
+        "median_abs_loaded_step_error": statistics.median(loaded) if loaded else float("nan"),
+        "worst_abs_loaded_step_error": max(loaded) if loaded else float("nan"),
         "median_abs_memory_error": statistics.median(memory) if memory else float("nan"),
         "worst_abs_memory_error": max(memory) if memory else float("nan"),
     }

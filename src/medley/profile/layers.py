@@ -132,6 +132,27 @@ def _split_run(layer: _Layer, x: torch.Tensor, targets: torch.Tensor, device: to
                 activation_after_b_bytes=max(0.0, after_b - base))
 
 
+def _backward_workspace(layer: _Layer, x: torch.Tensor, targets: torch.Tensor) -> float:
+    """Peak live bytes during F and the fused backward beyond what F leaves alive (temporaries and
+    gradients of intermediates), as torch's MemTracker (the runtime's CPU probe) counts them."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(layer.module)
+    with tracker:
+        inp = x if layer.kind == "embedding" else x.detach().requires_grad_(True)
+        out = layer.forward(inp, targets)
+        after_forward = tracker.get_tracker_snapshot("current")
+        grad = None if layer.kind == "head" else torch.ones_like(out)
+        torch.autograd.backward([out], None if grad is None else [grad])
+        peak = tracker.get_tracker_snapshot("peak")
+
+    def total(snapshot: dict) -> float:
+        return float(max((usage.get("Total", 0) for usage in snapshot.values()), default=0))
+
+    return max(0.0, total(peak) - total(after_forward))
+
+
 def _fused_run(layer: _Layer, x: torch.Tensor, targets: torch.Tensor, device: torch.device) -> float:
     inp = x if layer.kind == "embedding" else x.detach().requires_grad_(True)
     out = layer.forward(inp, targets)
@@ -152,6 +173,7 @@ def measure_layer(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len
         _fused_run(layer, x, targets, dev)
     split = [_split_run(layer, x, targets, dev) for _ in range(runs)]
     fused = [_fused_run(layer, x, targets, dev) for _ in range(runs)]
+    workspace = _backward_workspace(layer, x, targets) if dev.type == "cpu" else 0.0
 
     def median(name: str) -> float:
         return statistics.median(getattr(r, name) for r in split)
@@ -160,7 +182,8 @@ def measure_layer(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len
         kind=kind, micro_batch_size=micro_batch_size, seq_len=seq_len, forward_s=median("forward_s"),
         backward_input_s=median("backward_input_s"), backward_weight_s=median("backward_weight_s"),
         backward_full_s=statistics.median(fused), activation_bytes=median("activation_bytes"),
-        activation_after_b_bytes=median("activation_after_b_bytes"), runs=runs,
+        activation_after_b_bytes=median("activation_after_b_bytes"), backward_workspace_bytes=workspace,
+        runs=runs,
     )
 
 
