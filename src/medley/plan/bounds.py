@@ -50,6 +50,7 @@ class LayerTable:
     weight: tuple[float, ...]
     act: tuple[float, ...]
     act_rc: tuple[float, ...]
+    after_b: tuple[float, ...]
     params: tuple[float, ...]
 
     @property
@@ -99,6 +100,12 @@ def layer_table(
         )
         for i in range(model.num_layers)
     ]
+    after_b = [
+        formulas.layer_activation_bytes_after_b(
+            model, i, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype_bytes=nbytes
+        )
+        for i in range(model.num_layers)
+    ]
     total = [f + b + w for f, b, w in zip(times[Pass.F], times[Pass.B], times[Pass.W], strict=True)]
     return LayerTable(
         device_type=device_type,
@@ -109,6 +116,7 @@ def layer_table(
         weight=_prefix(times[Pass.W]),
         act=_prefix(act),
         act_rc=_prefix(act_rc),
+        after_b=_prefix([min(a, b) for a, b in zip(after_b, act, strict=True)]),
         params=_prefix([float(formulas.layer_held_params(model, i)) for i in range(model.num_layers)]),
     )
 
@@ -139,24 +147,54 @@ def memory_options(dp: int) -> tuple[MemoryOption, ...]:
     )
 
 
+def state_bytes_per_param(option: MemoryOption, dp: int) -> float:
+    """Model-state bytes per parameter per device, with streamed ZeRO-3's live buckets counted at
+    their share for a stage of at least ``option.buckets`` layers."""
+    if option.level == 0:
+        return float(WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES)
+    if option.level in (1, 2):
+        return WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES / dp
+    live = min(1.0, 2.0 / option.buckets)
+    return (WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES) / dp + (1 - 1 / dp) * (
+        WEIGHT_BYTES + GRAD_BYTES
+    ) * live
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Flight:
+    """Micro-batches a stage holds at its peak: ``full`` between F and B, ``after_b`` between B
+    and a deferred W (zero-bubble schedules)."""
+
+    full: float
+    after_b: float = 0.0
+
+
 def stage_memory(
-    table: LayerTable, i: int, j: int, *, option: MemoryOption, dp: int, in_flight: float
+    table: LayerTable, i: int, j: int, *, option: MemoryOption, dp: int, in_flight: float | Flight
 ) -> float:
     """Estimated peak bytes per device of a stage holding layers i..j-1."""
+    flight = in_flight if isinstance(in_flight, Flight) else Flight(full=in_flight)
     params = table.params[j] - table.params[i]
-    act = (table.act_rc if option.recompute else table.act)[j] - (
-        table.act_rc if option.recompute else table.act
-    )[i]
-    if option.level == 0:
-        state = params * (WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES)
-    elif option.level in (1, 2):
-        state = params * (WEIGHT_BYTES + GRAD_BYTES) + params * OPTIMIZER_BYTES / dp
-    else:
+    acts = table.act_rc if option.recompute else table.act
+    act = acts[j] - acts[i]
+    if option.level == 3:
         live = min(1.0, 2.0 / min(option.buckets, max(1, j - i)))
         state = params * (WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES) / dp
         state += (params - params / dp) * (WEIGHT_BYTES + GRAD_BYTES) * live
-    # The simulator also holds one received boundary tensor per in-flight micro-batch; small.
-    return state + in_flight * act
+    else:
+        state = params * state_bytes_per_param(option, dp)
+    return state + flight.full * act + flight.after_b * (table.after_b[j] - table.after_b[i])
+
+
+def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: Flight) -> tuple[float, ...]:
+    """c[j] with c[j] - c[i] = :func:`stage_memory` for stages of at least ``option.buckets`` layers
+    (shorter streamed stages hold more: check them exactly)."""
+    a = state_bytes_per_param(option, dp)
+    acts = table.act_rc if option.recompute else table.act
+    return tuple(
+        a * p + flight.full * x + flight.after_b * y
+        for p, x, y in zip(table.params, acts, table.after_b, strict=True)
+    )
 
 
 StageCheck = Callable[[int, int, int, float], bool]
@@ -170,7 +208,7 @@ def bottleneck_split(
     *,
     lo: float,
     hi: float,
-    iterations: int = 36,
+    iterations: int = 24,
 ) -> tuple[tuple[int, ...], float] | None:
     """Contiguous split of ``num_layers`` over ``num_stages`` minimising the bottleneck time.
 
@@ -204,7 +242,7 @@ def bottleneck_split(
             lo = mid
         else:
             hi, best, best_t = mid, got, mid
-        if hi - lo <= 1e-4 * hi:
+        if hi - lo <= 2e-3 * hi:
             break
     return best, best_t
 

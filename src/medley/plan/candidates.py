@@ -19,6 +19,7 @@ device's memory, the cheapest memory option per stage that fits, and an estimate
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -27,11 +28,13 @@ from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import DTYPE_BYTES
 from medley.cost.interfaces import Collective, CostSource
 from medley.plan.bounds import (
+    Flight,
     LayerTable,
     MemoryOption,
     bottleneck_split,
     layer_table,
     memory_options,
+    memory_prefix,
     pipeline_time,
     stage_memory,
 )
@@ -144,6 +147,7 @@ class Estimator:
         self.headroom = memory_headroom
         self.comm = TopologyCommModel(cluster)
         self._tables: dict[tuple[str, int], LayerTable] = {}
+        self._memory_prefixes: dict[tuple, tuple[float, ...]] = {}
         self.dtype_for = dtype_for or {}
 
     # --- building blocks -------------------------------------------------------------------
@@ -250,7 +254,9 @@ class Estimator:
             depth = self._depths(st, family, max(counts), signatures)
             if depth is None:
                 return None
-            result = self._split(st, signatures, counts, depth, dtype, st.pp)
+            result = self._split(
+                st, signatures, counts, self.flights(family, depth, max(counts)), dtype, st.pp
+            )
             if result is None:
                 return None
             split, options = result
@@ -296,14 +302,15 @@ class Estimator:
         return distribute(total_mb, per_replica)
 
     def _depths(self, st: Structure, family: str, m: int, signatures) -> tuple[int, ...] | None:
-        """In-flight micro-batches per stage (warm-up depth); hetero-1f1b deepens before slow links."""
+        """Warm-up depth per stage; hetero-1f1b deepens it before slow links (HARP's launch
+        micro-batches: +1 per boundary, +1..3 across nodes by the transfer's share of a stage's
+        time). None when hetero-1f1b would equal 1F1B."""
         pp = st.pp
         if family == "gpipe":
             return (m,) * pp
         base = tuple(min(pp - s, m) for s in range(pp))
         if family != "hetero-1f1b":
             return base
-        row = st.assignment[0]
         mbs = st.micro_batch_size
         t_stage = max(self.table(t, mbs).total[-1] for sig, _ in signatures for t in sig) / pp
         depths = [1] * pp
@@ -314,9 +321,16 @@ class Estimator:
             )
             step = 1 if same_node else (1 if link < t_stage / 10 else 2 if link < t_stage / 2 else 3)
             depths[s] = depths[s + 1] + step
-        del row
-        depths = tuple(min(d, m) for d in depths)
-        return None if depths == base else depths
+        clipped = tuple(min(d, m) for d in depths)
+        return None if clipped == base else clipped
+
+    @staticmethod
+    def flights(family: str, depths: Sequence[int], m: int) -> list[Flight]:
+        """Peak in-flight micro-batches per stage: zero-bubble schedules also hold the B-to-W
+        tensors of the weight gradients they defer (stage s defers s of them)."""
+        if family == "zb-h1":
+            return [Flight(full=d, after_b=min(s, m)) for s, d in enumerate(depths)]
+        return [Flight(full=d) for d in depths]
 
     def _split(self, st, signatures, counts, depth, dtype, num_stages):
         """Bottleneck split over ``num_stages`` stages with the cheapest options that fit."""
@@ -389,26 +403,21 @@ class Estimator:
             return split, tuple(options)
         return None
 
-    def _memory_end(self, types, caps, i, end, option, dp, in_flight, mbs, dtype) -> int:
+    def _memory_end(self, types, caps, i, end, option, dp, flight, mbs, dtype) -> int:
         """Largest j <= end whose stage memory fits every device type of the stage."""
-
-        def fits(j: int) -> bool:
-            return all(
-                stage_memory(self.table(t, mbs, dtype), i, j, option=option, dp=dp, in_flight=in_flight)
-                <= caps[t]
-                for t, _ in types
-            )
-
-        if fits(end):
-            return end
-        lo, hi = i, end - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        for t, _ in types:
+            table = self.table(t, mbs, dtype)
+            key = (t, mbs, option, dp, flight)
+            prefix = self._memory_prefixes.get(key)
+            if prefix is None:
+                prefix = self._memory_prefixes[key] = memory_prefix(
+                    table, option=option, dp=dp, flight=flight
+                )
+            end = min(end, bisect_right(prefix, prefix[i] + caps[t]) - 1)
+            # Short streamed stages keep a larger share gathered than the prefix assumes.
+            while end > i and stage_memory(table, i, end, option=option, dp=dp, in_flight=flight) > caps[t]:
+                end -= 1
+        return max(end, i)
 
     def _stage_time(self, device_type: str, split, s, option, mbs) -> float:
         start = sum(split[:s])
@@ -422,11 +431,14 @@ class Estimator:
         chain = len(split)
         worst = 0.0
         rank_busy = 0.0
+        stream = self._stream_times(st, family, split, options)
+        stage_of_rank = [[s for s in range(chain) if s % pp == k] for k in range(pp)]
         for sig, members in signatures:
             row = st.assignment[members[0]]
-            stage_of_rank = [[s for s in range(chain) if s % pp == k] for k in range(pp)]
+            # Streamed ZeRO-3 gathers mostly wait in line with the compute (the simulator shows
+            # little overlap), so they are counted on top of it.
             times = [
-                sum(self._stage_time(sig[k], split, s, options[s], mbs) for s in stage_of_rank[k])
+                sum(self._stage_time(sig[k], split, s, options[s], mbs) + stream[s] for s in stage_of_rank[k])
                 for k in range(pp)
             ]
             weights = []
@@ -454,13 +466,31 @@ class Estimator:
             rank_busy = max(rank_busy, max(times))
         return worst + self._exposed_dp(st, split, options, micro_batches, rank_busy)
 
+    def _stream_times(self, st, family, split, options) -> list[float]:
+        """Per stage, one micro-batch's streamed ZeRO-3 traffic: a gather per compute action
+        (F and the backward, or F, B and W) and a reduce-scatter of the gradient."""
+        out = []
+        start = 0
+        actions = 3 if family == "zb-h1" else 2
+        for s, n in enumerate(split):
+            if not options[s].streams or st.dp == 1:
+                out.append(0.0)
+                start += n
+                continue
+            params = float(sum(formulas.layer_held_params(self.model, i) for i in range(start, start + n)))
+            start += n
+            group = tuple(row[s % st.pp] for row in st.assignment)
+            gather = self.comm.collective_time(Collective.ALL_GATHER, group, params * 2.0)
+            scatter = self.comm.collective_time(Collective.REDUCE_SCATTER, group, params * 2.0)
+            out.append(actions * gather + scatter)
+        return out
+
     def _exposed_dp(self, st, split, options, micro_batches, stage_time) -> float:
         """Per stage: optimizer step, plus the reduction past the tail bubble, plus streamed ZeRO-3
         gathers not hidden behind compute; the worst stage counts."""
         pp, dp = st.pp, st.dp
         worst = 0.0
         start = 0
-        m = max(micro_batches)
         for s, n in enumerate(split):
             rank = s % pp
             params = float(sum(formulas.layer_held_params(self.model, i) for i in range(start, start + n)))
@@ -474,11 +504,7 @@ class Estimator:
                 grads = params * 2.0
                 reduce = self.comm.collective_time(Collective.ALL_REDUCE, group, grads)
                 tail = rank * stage_time / 2.0
-                if option.streams:
-                    gather = self.comm.collective_time(Collective.ALL_GATHER, group, grads)
-                    scatter = self.comm.collective_time(Collective.REDUCE_SCATTER, group, grads)
-                    exposed += m * max(0.0, 2 * gather + scatter - stage_time)
-                else:
+                if not option.streams:
                     exposed += max(0.0, reduce - tail)
             worst = max(worst, exposed)
         return worst

@@ -60,10 +60,10 @@ class Explanation:
             if k.step_time_s is None:
                 out.append(f"{k.knob}: {k.chosen}; with {k.alternative} the plan would not fit or run.")
             else:
-                gain = (k.slowdown or 1.0) - 1.0
+                change = (k.slowdown or 1.0) - 1.0
                 out.append(
-                    f"{k.knob}: {k.chosen} instead of {k.alternative} saves {gain:+.1%} of step time "
-                    f"({k.step_time_s:.3f} s with {k.alternative})."
+                    f"{k.knob}: {k.chosen}; with {k.alternative} the step takes {k.step_time_s:.3f} s "
+                    f"({change:+.1%})."
                 )
         for name, ratio in self.versus_baselines.items():
             out.append(

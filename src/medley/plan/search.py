@@ -14,7 +14,7 @@ is deterministic: fixed enumeration order, ties broken by the enumeration index.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rich.console import Console
@@ -23,11 +23,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from medley.cli.errors import MedleyInputError
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
-from medley.plan.bounds import aggregate_bound
+from medley.plan.bounds import aggregate_bound, memory_options
 from medley.plan.candidates import MICRO_BATCH_SIZES, Candidate, Estimator, Structure
-from medley.plan.compile import PlanLayout
+from medley.plan.compile import PlanLayout, compile_problem
 from medley.plan.plan import Plan, Prediction
-from medley.plan.predict import predict
+from medley.plan.predict import cost_source_name, prediction_of
+from medley.schedule.validate import ScheduleError, validate
+from medley.sim.engine import simulate as run_simulation
 from medley.sim.result import SimResult
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
@@ -179,11 +181,30 @@ def device_pools(cluster: Cluster, devices: Sequence[int], estimator: Estimator)
     return pools
 
 
+def exact_predict(layout: PlanLayout, cluster: Cluster, cost: CostSource) -> tuple[Prediction, SimResult]:
+    """:func:`medley.plan.predict.predict`, validating each distinct schedule once: replicas with
+    the same micro-batch count run the same schedule (1,024 replicas need not be checked 1,024
+    times). The simulation and the figures are the same."""
+    problem = compile_problem(layout, cluster, cost)
+    checked: set[int] = set()
+    for replica, schedule in enumerate(problem.schedules):
+        count = layout.micro_batches[replica]
+        if count in checked:
+            continue
+        checked.add(count)
+        try:
+            validate(schedule)
+        except ScheduleError as err:
+            raise MedleyInputError(f"replica {replica}'s schedule is invalid: {err}") from None
+    result = run_simulation(problem)
+    return prediction_of(layout, result, cost_source=cost_source_name(layout, cost, cluster)), result
+
+
 def rank_plan(
     candidate: Candidate, layout: PlanLayout, cluster: Cluster, cost: CostSource, headroom: float
 ) -> RankedPlan:
     """Simulate ``layout`` exactly and attach the figures the planner ranks by."""
-    prediction, _, result = predict(layout, cluster, cost=cost)
+    prediction, result = exact_predict(layout, cluster, cost)
     headrooms = [
         cluster.devices[r.device].type.memory_bytes * (1.0 - headroom) - r.peak_memory_bytes
         for r in result.devices
@@ -210,13 +231,19 @@ def objective_key(plan: RankedPlan, objective: Objective) -> float:
     return -plan.tokens_per_s
 
 
+SIMULATION_WORK = 60_000
+"""Most stage-micro-batches (micro-batches x pipeline stages, summed over replicas) simulated per
+search beyond the first candidate: the simulator runs a few thousand per second, so this keeps a
+search on a 1,024-device cluster to a few exact simulations and a small cluster to many."""
+
+
 def simulation_budget(num_devices: int, top: int) -> int:
-    """How many candidates get an exact simulation (fewer on huge clusters, where each is slower)."""
-    if num_devices <= 64:
-        return max(24, 3 * top)
-    if num_devices <= 256:
-        return max(12, 2 * top)
-    return max(6, top)
+    """How many candidates at most get an exact simulation."""
+    return max(24, 3 * top) if num_devices <= 64 else max(12, 2 * top)
+
+
+def simulation_work(candidate: Candidate) -> int:
+    return sum(candidate.micro_batches) * len(candidate.stage_layers)
 
 
 def search(
@@ -317,32 +344,60 @@ def _usable_sizes(estimator: Estimator, devices: Sequence[int], constraints: Con
     return tuple(usable)
 
 
+def structure_bound(estimator: Estimator, st: Structure) -> float:
+    """A quick lower estimate of a structure's step: its devices' total speed running whole
+    micro-batches with no bubbles, stretched by a third of 1F1B's fill (zero-bubble's share)."""
+    mbs = st.micro_batch_size
+    speed = sum(
+        mbs / estimator.table(estimator.cluster.devices[d].type.name, mbs).total[-1]
+        for row in st.assignment
+        for d in row
+    )
+    m = -(-estimator.global_batch // mbs // st.dp)
+    return estimator.global_batch / speed * (m + (st.pp - 1) / 3) / m
+
+
 def _estimate(
     estimator: Estimator, structures: list[Structure], families: Sequence[str], progress: bool
 ) -> list[tuple[float, int, Candidate]]:
-    """1F1B estimate of every structure, then the allowed families of the most promising ones."""
+    """1F1B estimate of the structures in order of their bound (skipping those whose bound cannot
+    beat the 12th best estimate once their pool has two), then the allowed families of the most
+    promising ones."""
+    bounded = []
+    for index, st in enumerate(structures):
+        try:
+            bounded.append((structure_bound(estimator, st), index, st))
+        except ValueError:  # a profile without this device type or micro-batch size
+            continue
+    bounded.sort(key=lambda x: (x[0], x[1]))
     base: list[tuple[float, int, Candidate]] = []
-    with _progress(progress, "estimating structures", len(structures)) as advance:
-        for index, st in enumerate(structures):
+    per_pool: dict[str, int] = {}
+    with _progress(progress, "estimating structures", len(bounded)) as advance:
+        for bound, index, st in bounded:
             advance()
+            estimates = sorted(e for e, _, _ in base)
+            if len(estimates) >= 12 and bound >= estimates[11] and per_pool.get(st.pool, 0) >= 2:
+                continue
             try:
                 candidate = estimator.candidate(st, "1f1b")
-            except ValueError:  # a profile without this device type or micro-batch size
+            except ValueError:
                 continue
             if candidate is not None:
                 base.append((candidate.estimate_s, index, candidate))
+                per_pool[st.pool] = per_pool.get(st.pool, 0) + 1
     base.sort(key=lambda x: (x[0], x[1]))
     keep: dict[int, Candidate] = {}
-    per_pool: dict[str, int] = {}
-    for estimate, index, candidate in base:
+    kept_per_pool: dict[str, int] = {}
+    for _, index, candidate in base:
         pool = candidate.structure.pool
-        if len(keep) < 12 or per_pool.get(pool, 0) < 2:
+        if len(keep) < 12 or kept_per_pool.get(pool, 0) < 2:
             keep[index] = candidate
-            per_pool[pool] = per_pool.get(pool, 0) + 1
-        del estimate
+            kept_per_pool[pool] = kept_per_pool.get(pool, 0) + 1
     out: list[tuple[float, int, Candidate]] = []
     for index, candidate in sorted(keep.items()):
         for f, family in enumerate(families):
+            if family != "1f1b" and candidate.structure.pp == 1:
+                continue  # one stage: every family runs the same F, B, W sequence
             expanded = candidate if family == "1f1b" else estimator.candidate(candidate.structure, family)
             if expanded is not None:
                 out.append((expanded.estimate_s, index * len(SEARCHED_FAMILIES) + f, expanded))
@@ -351,29 +406,74 @@ def _estimate(
 
 
 def _choose(candidates: list[tuple[float, int, Candidate]], budget: int) -> list[Candidate]:
-    """The best ``budget`` by estimate, plus the best of every pool (so single-type plans are
-    always simulated), without duplicates."""
+    """The best by estimate while the count and the simulation work allow (always at least one),
+    then the best of every device pool that still fits the work budget (so single-type plans are
+    simulated too), without duplicates."""
     chosen: dict[tuple, Candidate] = {}
-    pools_seen: set[str] = set()
+    work = 0
+    for _, _, candidate in candidates:
+        cost = simulation_work(candidate)
+        if not chosen or (len(chosen) < budget and work + cost <= SIMULATION_WORK):
+            if candidate.key not in chosen:
+                chosen[candidate.key] = candidate
+                work += cost
+    pools_seen = {c.structure.pool for c in chosen.values()}
     for _, _, candidate in candidates:
         pool = candidate.structure.pool
-        if len(chosen) < budget or pool not in pools_seen:
+        cost = simulation_work(candidate)
+        if pool not in pools_seen and work + cost <= SIMULATION_WORK:
             chosen.setdefault(candidate.key, candidate)
+            work += cost
             pools_seen.add(pool)
     return list(chosen.values())
 
 
 def _simulate_all(chosen, model, seq_len, cluster, cost, constraints, progress) -> list[RankedPlan]:
+    """Simulate each candidate; one that overflows memory gets its overflowing stages' memory
+    option raised one step (streamed ZeRO-3, then recomputation) and is simulated once more."""
     ranked = []
     with _progress(progress, "simulating candidates", len(chosen)) as advance:
         for candidate in chosen:
             advance()
-            layout = candidate.layout(model, seq_len)
             try:
-                ranked.append(rank_plan(candidate, layout, cluster, cost, constraints.memory_headroom))
+                plan = rank_plan(
+                    candidate, candidate.layout(model, seq_len), cluster, cost, constraints.memory_headroom
+                )
+                ranked.append(plan)
+                if not plan.fits:
+                    repaired = _repair(plan, constraints.memory_headroom)
+                    if repaired is not None:
+                        ranked.append(
+                            rank_plan(
+                                repaired,
+                                repaired.layout(model, seq_len),
+                                cluster,
+                                cost,
+                                constraints.memory_headroom,
+                            )
+                        )
             except MedleyInputError:
                 continue
     return ranked
+
+
+def _repair(plan: RankedPlan, headroom: float) -> Candidate | None:
+    candidate, layout, cluster = plan.candidate, plan.plan.layout, plan.plan.cluster
+    over_ranks = {
+        report.rank
+        for report in plan.result.devices
+        if report.peak_memory_bytes > cluster.devices[report.device].type.memory_bytes * (1.0 - headroom)
+    }
+    ladder = memory_options(layout.dp)
+    options = list(candidate.options)
+    changed = False
+    for stage, option in enumerate(options):
+        if stage % layout.pp in over_ranks and option in ladder and ladder.index(option) + 1 < len(ladder):
+            options[stage] = ladder[ladder.index(option) + 1]
+            changed = True
+    if not changed:
+        return None
+    return replace(candidate, options=tuple(options), estimate_s=float("nan"))
 
 
 class _progress:
