@@ -201,6 +201,41 @@ StageCheck = Callable[[int, int, int, float], bool]
 """(stage, first layer, end layer, time budget) -> whether the stage fits that budget and memory."""
 
 
+def _reachable(
+    intervals: list[tuple[int, int]],
+    s: int,
+    t: float,
+    limit: int,
+    stage_end: Callable[[int, int, float], int],
+) -> list[tuple[int, int]]:
+    """End positions stage s can reach from any start in ``intervals`` (disjoint, sorted) within t.
+
+    From start i the reachable ends are i+1..end(i), and end(i) never decreases with i (a later
+    start has the same budget for fewer layers), so one interval of starts yields few intervals of
+    ends: grow each from its first feasible start through the starts it covers."""
+    out: list[tuple[int, int]] = []
+    for a, b in intervals:
+        i = a
+        while i <= b:
+            end = min(stage_end(s, i, t), limit)
+            if end <= i:  # layer i alone does not fit this stage
+                i += 1
+                continue
+            first = i + 1
+            while True:
+                k = min(b, end)
+                grown = min(stage_end(s, k, t), limit) if k > i else end
+                if grown <= end:
+                    break
+                end = grown
+            if out and first <= out[-1][1] + 1:
+                out[-1] = (out[-1][0], max(out[-1][1], end))
+            else:
+                out.append((first, end))
+            i = end + 1
+    return out
+
+
 def bottleneck_split(
     num_layers: int,
     num_stages: int,
@@ -213,23 +248,33 @@ def bottleneck_split(
     """Contiguous split of ``num_layers`` over ``num_stages`` minimising the bottleneck time.
 
     ``stage_end(s, i, t)`` is the largest end j such that stage s holding layers i..j-1 fits the
-    budget t (time and memory); i when not even one layer fits. Returns (layers per stage, t) or
-    None when no budget up to ``hi`` admits a split.
+    budget t (time and memory); i when not even one layer fits. Each probe of t is a dynamic
+    program over the reachable cut positions (exact for unlike stages, where the greedy
+    "fill each stage" is not). Returns (layers per stage, t) or None when no budget up to ``hi``
+    admits a split.
     """
 
     def probe(t: float) -> tuple[int, ...] | None:
-        start, split = 0, []
+        reach = [[(0, 0)]]
         for s in range(num_stages):
-            remaining = num_stages - s - 1
-            end = min(stage_end(s, start, t), num_layers - remaining)
-            if s == num_stages - 1:
-                if end < num_layers:
-                    return None
-            if end <= start:
+            step = _reachable(reach[-1], s, t, num_layers - (num_stages - s - 1), stage_end)
+            if not step:
                 return None
+            reach.append(step)
+        if reach[-1][-1][1] != num_layers:
+            return None
+        # Walk back: each stage starts at the latest reachable cut that can still reach its end.
+        split, end = [], num_layers
+        for s in range(num_stages - 1, -1, -1):
+            start = next(
+                i
+                for a, b in reversed(reach[s])
+                for i in range(min(b, end - 1), a - 1, -1)
+                if stage_end(s, i, t) >= end
+            )
             split.append(end - start)
-            start = end
-        return tuple(split)
+            end = start
+        return tuple(reversed(split))
 
     best = probe(hi)
     if best is None:

@@ -1,0 +1,124 @@
+"""Metis-format profiles of real GPUs drive the planner: per-layer times equal the file's, and the
+OPT-350 plan on 8x A100-40GB + 8x V100-16GB fits in memory and beats every baseline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from medley.cli.errors import MedleyInputError
+from medley.cost.estimator import CatalogCostSource
+from medley.cost.interfaces import Pass
+from medley.cost.metis import MetisCostSource, ProfileRangeError, load_metis_profile
+from medley.plan.compile import compile_problem
+from medley.plan.search import search
+from medley.spec.cluster import parse_cluster_arg
+from medley.spec.model import get_model
+
+PROFILES = Path(__file__).parents[1] / "data" / "metis-opt-350"
+OPT = get_model("opt-350m")
+
+
+def _file_ms(gpu: str, mbs: int) -> list[float]:
+    return json.loads((PROFILES / gpu / f"mbs{mbs}_tmp1.json").read_text())["execution_time"][
+        "layer_compute_total_ms"
+    ]
+
+
+@pytest.fixture(scope="module")
+def source() -> MetisCostSource:
+    return MetisCostSource.from_directory(PROFILES, OPT)
+
+
+@pytest.fixture(scope="module")
+def opt_result():
+    cluster = parse_cluster_arg("8xA100-40GB+8xV100-16GB")
+    cost = MetisCostSource.from_directory(PROFILES, OPT, fallback=CatalogCostSource.for_cluster(OPT, cluster))
+    return search(cluster, OPT, global_batch=256, seq_len=2048, cost=cost, top=3)
+
+
+def test_profile_reads_devices_sizes_and_sequence_length(source: MetisCostSource) -> None:
+    assert source.profile.seq_len == 2048  # inferred from the boundary bytes (fp32 hidden states)
+    assert source.profile.micro_batch_sizes("A100-40GB") == (1, 2, 4, 8)
+    assert source.profile.micro_batch_sizes("V100-16GB") == (1, 2, 4)
+
+
+@pytest.mark.parametrize(("gpu", "device", "mbs"), [("A100-40", "A100-40GB", 2), ("V100-16", "V100-16GB", 4)])
+def test_layer_times_sum_to_the_files_forward_backward(source, gpu: str, device: str, mbs: int) -> None:
+    for layer, ms in enumerate(_file_ms(gpu, mbs)):
+        parts = [
+            source.layer_time(layer, p, micro_batch_size=mbs, seq_len=2048, device_type=device) for p in Pass
+        ]
+        assert sum(t.seconds for t in parts) == pytest.approx(ms / 1e3, rel=1e-12)
+        assert all(t.seconds > 0 for t in parts)
+        assert parts[0].source == f"metis:{gpu}/mbs{mbs}_tmp1.json"
+
+
+def test_split_follows_the_catalog_ratio(source) -> None:
+    catalog = CatalogCostSource(OPT)
+    est = [
+        catalog.layer_time(5, p, micro_batch_size=1, seq_len=2048, device_type="A100-40GB").seconds
+        for p in Pass
+    ]
+    got = [
+        source.layer_time(5, p, micro_batch_size=1, seq_len=2048, device_type="A100-40GB").seconds
+        for p in Pass
+    ]
+    assert [g / sum(got) for g in got] == pytest.approx([e / sum(est) for e in est])
+
+
+def test_sizes_between_measured_ones_interpolate_and_others_are_refused(source) -> None:
+    lo, hi = _file_ms("A100-40", 2)[3] / 2, _file_ms("A100-40", 4)[3] / 4
+    total = sum(
+        source.layer_time(3, p, micro_batch_size=3, seq_len=2048, device_type="A100-40GB").seconds
+        for p in Pass
+    )
+    assert total == pytest.approx(3 * (lo + hi) / 2 / 1e3)
+    with pytest.raises(ProfileRangeError, match="cover sizes \\[1, 2, 4\\]"):
+        source.layer_time(3, Pass.F, micro_batch_size=8, seq_len=2048, device_type="V100-16GB")
+    with pytest.raises(ProfileRangeError, match="--seq-len 2048"):
+        source.layer_time(3, Pass.F, micro_batch_size=1, seq_len=1024, device_type="V100-16GB")
+    with pytest.raises(ProfileRangeError, match="no profile for device type 'T4-16GB'"):
+        source.layer_time(3, Pass.F, micro_batch_size=1, seq_len=2048, device_type="T4-16GB")
+
+
+def test_fallback_answers_devices_the_profile_lacks() -> None:
+    catalog = CatalogCostSource(OPT)
+    source = MetisCostSource.from_directory(PROFILES, OPT, fallback=catalog)
+    got = source.layer_time(3, Pass.F, micro_batch_size=1, seq_len=2048, device_type="T4-16GB")
+    assert got == catalog.layer_time(3, Pass.F, micro_batch_size=1, seq_len=2048, device_type="T4-16GB")
+
+
+def test_a_profile_of_another_model_is_refused() -> None:
+    with pytest.raises(MedleyInputError, match="26 profiled layers but gpt-neo-2.7b has 34"):
+        load_metis_profile(PROFILES, get_model("gpt-neo-2.7b"))
+
+
+def test_the_planner_uses_the_files_per_layer_times(opt_result) -> None:
+    best = opt_result.best
+    layout, cluster = best.plan.layout, opt_result.cluster
+    problem = compile_problem(layout, cluster, opt_result.cost)
+    s2r = problem.schedules[0].stage_to_rank
+    for replica, row in enumerate(problem.stage_costs):
+        for stage, stage_cost in enumerate(row):
+            device = cluster.devices[layout.assignment[replica][s2r[stage]]].type.name
+            gpu = {"A100-40GB": "A100-40", "V100-16GB": "V100-16"}[device]
+            file_ms = _file_ms(gpu, layout.micro_batch_size)
+            expected = sum(file_ms[i] for i in layout.layer_range(stage)) / 1e3
+            simulated = stage_cost.forward_s + stage_cost.backward_input_s + stage_cost.backward_weight_s
+            assert simulated == pytest.approx(expected, rel=1e-9)
+    assert best.prediction.cost_source.startswith("metis:")
+
+
+def test_opt350_plan_fits_and_beats_every_baseline(opt_result) -> None:
+    best = opt_result.best
+    cluster = opt_result.cluster
+    for report in best.result.devices:
+        assert report.peak_memory_bytes <= cluster.devices[report.device].type.memory_bytes
+    assert set(opt_result.baselines) == {"megatron", "fastest-type-only", "metis"}
+    for name, baseline in opt_result.baselines.items():
+        assert baseline is not None, name
+        assert best.tokens_per_s > baseline.tokens_per_s, name
+    assert best.tokens_per_s <= opt_result.aggregate_tokens_per_s
