@@ -42,6 +42,7 @@ _SAFE_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
 _SAFE_GLOBALS = {
     ("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"), ("builtins", "set"),
     ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "getattr"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
 }
 _TORCH_ATTRS = {"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
                 "bool", "strided", "contiguous_format", "preserve_format", "channels_last"}

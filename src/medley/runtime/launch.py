@@ -24,6 +24,7 @@ from medley.plan.plan import Plan
 from medley.runtime.train import StepRecord, TrainConfig, train
 
 PROCESS_GROUP_TIMEOUT_S = 120
+_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def init_process_group() -> str:
@@ -70,7 +71,17 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None,
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"medley-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
         monitor_interval=0.1, start_method="spawn")
-    results = elastic_launch(launch, rank_main)(plan, config)
+    # Rank 0 hosts each attempt's own store: with the agent's shared store, the ranks of a
+    # restarted attempt found the dead attempt's gloo addresses there (connection refused).
+    previous = os.environ.get(_SHARED_STORE_ENV)
+    os.environ[_SHARED_STORE_ENV] = "1"
+    try:
+        results = elastic_launch(launch, rank_main)(plan, config)
+    finally:
+        if previous is None:
+            os.environ.pop(_SHARED_STORE_ENV, None)
+        else:
+            os.environ[_SHARED_STORE_ENV] = previous
     failure = next((r for r in results.values() if isinstance(r, InputFailure)), None)
     if failure is not None:
         raise MedleyInputError(failure.message)
