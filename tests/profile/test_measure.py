@@ -1,0 +1,49 @@
+"""Real measurements on the tiny model: what each figure must look like, and `medley profile`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from medley.cli.main import app
+from medley.cost.profiles import load_profile
+from medley.profile.layers import measure_layer
+from medley.spec.model import get_model
+
+TINY = get_model("tiny")
+
+
+def test_layer_figures_follow_the_runtime_split() -> None:
+    embedding = measure_layer(TINY, "embedding", micro_batch_size=2, seq_len=32, runs=2, warmup=1)
+    block = measure_layer(TINY, "block", micro_batch_size=2, seq_len=32, runs=2, warmup=1)
+    head = measure_layer(TINY, "head", micro_batch_size=2, seq_len=32, runs=2, warmup=1)
+    # Token ids take no gradient: the embedding's whole backward happens at W, and it holds its
+    # output until then.
+    assert embedding.backward_input_s < embedding.backward_weight_s
+    assert embedding.activation_after_b_bytes == embedding.activation_bytes
+    for m in (block, head):
+        assert min(m.forward_s, m.backward_input_s, m.backward_weight_s, m.backward_full_s) > 0
+        # B keeps the graph (retain_graph) plus the intermediates' gradients for W.
+        assert m.activation_after_b_bytes >= m.activation_bytes > 0
+        assert m.backward_workspace_bytes > 0
+    # A block saves at least its SwiGLU's inner tensors and Q/K/V for backward (fp32).
+    tokens = 2 * 32
+    assert block.activation_bytes > tokens * (3 * TINY.ffn_hidden_size + 2 * TINY.kv_dim) * 4
+
+
+def test_profile_command_writes_a_loadable_file(tmp_path: Path) -> None:
+    out = tmp_path / "tiny.json"
+    args = ["profile", "--model", "tiny", "--micro-batch-sizes", "1,2", "--seq-len", "16", "--runs", "1",
+            "--comm-ranks", "0", "--out", str(out), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    profile = load_profile(out)
+    assert profile.device_type == "CPU-8GB" and profile.torch_version.startswith("2.13")
+    assert {(m.kind, m.micro_batch_size) for m in profile.layers} == {
+        (k, b) for k in ("embedding", "block", "head") for b in (1, 2)}
+    assert profile.comm is None and profile.optimizer is not None and profile.optimizer.per_param_s > 0
+    assert json.loads(result.output)["host"] == profile.host
+    bad = CliRunner().invoke(app, ["profile", "--model", "tiny", "--device", "tpu", "--out", str(out)])
+    assert bad.exit_code == 2 and "--device 'tpu' must be cpu or cuda" in bad.output
