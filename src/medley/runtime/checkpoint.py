@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from medley.cli.errors import MedleyInputError
@@ -165,7 +166,7 @@ def load_checkpoint(path: Path, *, stages: dict[int, ShardedStage], expected: di
     state = checkpoint_state(stages, for_load=True)
     try:
         dcp.load(state, storage_reader=SafeReader(path))
-    except Exception as err:  # noqa: BLE001 - DCP wraps every rank's failure; report it as bad input
+    except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure (a BaseException)
         first = str(err).strip().splitlines()
         reason = next((line for line in first if "Error" in line), first[0] if first else type(err).__name__)
         raise MedleyInputError(
