@@ -204,9 +204,13 @@ def static_memory(
     for stage in range(layout.num_stages):
         state = stage_state_bytes(_stage_params(layout, stage), level=layout.zero[stage].level, dp=layout.dp,
                                   per_param=state_bytes_per_param(layout.dtype))
+        held = state.resident
+        if _fsdp_keeps_shards(layout) and layout.zero[stage].level == 2:
+            # FSDP2 keeps the sharded parameters the optimizer steps next to the gathered ones.
+            held += _stage_params(layout, stage) / layout.dp * state_bytes_per_param(layout.dtype).weights
         for replica in range(layout.dp):
             device = layout.assignment[replica][stage_to_rank[stage]]
-            out[device] = out.get(device, 0.0) + state.resident
+            out[device] = out.get(device, 0.0) + held
             if measured is None or cluster is None:
                 continue
             name = cluster.devices[device].type.name
@@ -216,6 +220,20 @@ def static_memory(
                 )
                 workspace[device] = max(workspace.get(device, 0.0), extra or 0.0)
     return {device: held + workspace.get(device, 0.0) for device, held in out.items()}
+
+
+def _fsdp_keeps_shards(layout: PlanLayout) -> bool:
+    """Whether to book the buffers medley's runtime really holds around ZeRO collectives.
+
+    Measured on CPU (bench/results/runtime.md), fp32 plans with dp > 1: FSDP2 keeps a stage's
+    sharded parameters while they are gathered (level 3 gathers the whole stage, not the part it
+    lacks; level 2 holds both all step), and a gradient reduction holds its buffers next to the
+    gradients (levels 0-1: the flat all-reduce buffer and the reduced copy of the bucket's
+    gradient while the gradients they come from are still referenced; levels 2-3: the new
+    gradient shard), booked until the end of the step's reductions. The bf16
+    mixed-precision model is left as the ZeRO paper's accounting (research/schedules_sim.md).
+    """
+    return layout.dtype == "fp32" and layout.dp > 1
 
 
 class _CollectiveTable:
@@ -243,7 +261,9 @@ class _CollectiveTable:
         share = 1.0 if action.bucket is None else buckets[action.bucket] / sum(buckets)
         params = _stage_params(layout, stage) * share
         weight_bytes, grad_bytes = self.state.weights, self.state.grads
-        gathered = (params - params / layout.dp) * weight_bytes * _live_fraction(layout, stage)
+        runtime_buffers = _fsdp_keeps_shards(layout)
+        missing = params if runtime_buffers else params - params / layout.dp
+        gathered = missing * weight_bytes * _live_fraction(layout, stage)
         level = layout.zero[stage].level
         if action.kind is Kind.UNSHARD:
             return CollectiveCost(
@@ -258,7 +278,14 @@ class _CollectiveTable:
             op = Collective.ALL_REDUCE if level == 0 else Collective.REDUCE_SCATTER
             freed = (params - params / layout.dp) * grad_bytes if level >= 2 and layout.dp > 1 else 0.0
             freed *= _live_fraction(layout, stage)
-            return CollectiveCost(group=group, op=op, nbytes=params * grad_bytes, free_bytes=freed)
+            # (The buffer is booked until the end of the step: a reduction frees at most the
+            # gradient buffer still live, see SimProblem.)
+            buffer = 0.0
+            if runtime_buffers:
+                buffer = (2 * params if level < 2 else params / layout.dp) * grad_bytes
+            return CollectiveCost(
+                group=group, op=op, nbytes=params * grad_bytes, free_bytes=freed, alloc_bytes=buffer
+            )
         device = self.cluster.devices[layout.assignment[replica][rank]].type
         shard = params if level == 0 else params / layout.dp
         measured = self.optimizer_time(shard, device_type=device.name) if self.optimizer_time else None
