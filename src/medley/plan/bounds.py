@@ -45,6 +45,7 @@ class LayerTable:
     device_type: str
     micro_batch_size: int
     total: tuple[float, ...]
+    total_rc: tuple[float, ...]
     forward: tuple[float, ...]
     backward: tuple[float, ...]
     weight: tuple[float, ...]
@@ -111,6 +112,7 @@ def layer_table(
         device_type=device_type,
         micro_batch_size=micro_batch_size,
         total=_prefix(total),
+        total_rc=_prefix([t + f for t, f in zip(total, times[Pass.F], strict=True)]),
         forward=_prefix(times[Pass.F]),
         backward=_prefix(times[Pass.B]),
         weight=_prefix(times[Pass.W]),
@@ -244,6 +246,7 @@ def bottleneck_split(
     lo: float,
     hi: float,
     iterations: int = 24,
+    fallback_hi: float | None = None,
 ) -> tuple[tuple[int, ...], float] | None:
     """Contiguous split of ``num_layers`` over ``num_stages`` minimising the bottleneck time.
 
@@ -254,7 +257,21 @@ def bottleneck_split(
     admits a split.
     """
 
+    def greedy(t: float) -> tuple[int, ...] | None:
+        """Each stage takes the most layers it can: often feasible, never wrong when it is."""
+        start, split = 0, []
+        for s in range(num_stages):
+            end = min(stage_end(s, start, t), num_layers - (num_stages - s - 1))
+            if end <= start:
+                return None
+            split.append(end - start)
+            start = end
+        return tuple(split) if start == num_layers else None
+
     def probe(t: float) -> tuple[int, ...] | None:
+        quick = greedy(t)
+        if quick is not None:
+            return quick
         reach = [[(0, 0)]]
         for s in range(num_stages):
             step = _reachable(reach[-1], s, t, num_layers - (num_stages - s - 1), stage_end)
@@ -277,6 +294,9 @@ def bottleneck_split(
         return tuple(reversed(split))
 
     best = probe(hi)
+    if best is None and fallback_hi is not None and fallback_hi > hi:
+        lo, hi = hi, fallback_hi  # the first guess was too tight
+        best = probe(hi)
     if best is None:
         return None
     best_t = hi
@@ -287,7 +307,7 @@ def bottleneck_split(
             lo = mid
         else:
             hi, best, best_t = mid, got, mid
-        if hi - lo <= 2e-3 * hi:
+        if hi - lo <= 5e-3 * hi:
             break
     return best, best_t
 

@@ -44,6 +44,9 @@ from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
 PP_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128)
+# On large pools every candidate costs more; the odd depths rarely win there.
+PP_CHOICES_LARGE = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+LARGE_POOL = 128
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 STRATEGIES = ("stage-major", "memory-first", "replica-major")
 
@@ -106,7 +109,7 @@ class Candidate:
             st.assignment,
             st.micro_batch_size,
             self.family,
-            tuple(sorted(self.knobs.items())),
+            tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(self.knobs.items())),
             self.micro_batches,
             self.stage_layers,
             self.options,
@@ -192,7 +195,7 @@ class Estimator:
         """Every (pool, strategy, pp, dp, micro-batch size) worth estimating, in a fixed order."""
         for pool_name, devices in pools.items():
             orders = self._orders(devices)
-            for pp in PP_CHOICES:
+            for pp in PP_CHOICES if len(devices) <= LARGE_POOL else PP_CHOICES_LARGE:
                 if pp > min(max_pp, len(devices), self.model.num_layers):
                     break
                 for mbs in micro_batch_sizes:
@@ -254,9 +257,9 @@ class Estimator:
             depth = self._depths(st, family, max(counts), signatures)
             if depth is None:
                 return None
-            result = self._split(
-                st, signatures, counts, self.flights(family, depth, max(counts)), dtype, st.pp
-            )
+            uneven = len(set(micro_batches)) > 1
+            flights = self.flights(family, depth, max(counts))
+            result = self._split(st, signatures, counts, flights, dtype, st.pp, uneven=uneven)
             if result is None:
                 return None
             split, options = result
@@ -332,23 +335,17 @@ class Estimator:
             return [Flight(full=d, after_b=min(s, m)) for s, d in enumerate(depths)]
         return [Flight(full=d) for d in depths]
 
-    def _split(self, st, signatures, counts, depth, dtype, num_stages):
-        """Bottleneck split over ``num_stages`` stages with the cheapest options that fit."""
+    def _split(self, st, signatures, counts, depth, dtype, num_stages, *, uneven: bool = False):
+        """Bottleneck split over ``num_stages`` stages with the cheapest options that fit. Replicas
+        with unequal micro-batch counts cannot stream ZeRO-3 (their per-micro-batch collectives
+        would not match across the DP group), so that option is left out for them."""
         mbs, pp, dp = st.micro_batch_size, st.pp, st.dp
         stage_types = [
             sorted({(sig[s], c) for (sig, _), c in zip(signatures, counts, strict=True)}) for s in range(pp)
         ]
-        caps = {
-            t: min(
-                self.capacity(d)
-                for row in st.assignment
-                for d in row
-                if self.cluster.devices[d].type.name == t
-            )
-            for sig, _ in signatures
-            for t in sig
-        }
-        ladder = memory_options(dp)
+        types = self.cluster.device_types()
+        caps = {t: types[t].memory_bytes * (1.0 - self.headroom) for sig, _ in signatures for t in sig}
+        ladder = tuple(o for o in memory_options(dp) if not (uneven and o.streams))
         num_layers = self.model.num_layers
         slowest = max(
             self.table(t, mbs).time(0, num_layers, recompute=True) * c
@@ -356,21 +353,57 @@ class Estimator:
             for t, c in stage_types[s]
         )
         for allowed in (ladder[:1], ladder):
+            # Per stage and option: (option, [(time prefix, micro-batches, memory prefix, capacity, table)]),
+            # so that a probe is a few bisections.
+            plans = [
+                [
+                    (
+                        option,
+                        [
+                            (
+                                self.table(t, mbs, dtype).total_rc
+                                if option.recompute
+                                else self.table(t, mbs, dtype).total,
+                                c,
+                                self._prefix(t, mbs, dtype, option, dp, depth[s]),
+                                caps[t],
+                                self.table(t, mbs, dtype),
+                            )
+                            for t, c in stage_types[s]
+                        ],
+                    )
+                    for option in allowed
+                ]
+                for s in range(pp)
+            ]
 
-            def stage_end(s: int, i: int, t: float, allowed=allowed) -> int:
+            def stage_end(s: int, i: int, t: float, plans=plans) -> int:
                 best = i
-                for option in allowed:
+                for option, items in plans[s]:
                     end = num_layers
-                    for device_type, c in stage_types[s]:
+                    for times, c, memory, cap, _ in items:
                         end = min(
                             end,
-                            self.table(device_type, mbs, dtype).max_end(i, t / c, recompute=option.recompute),
+                            bisect_right(times, times[i] + t / c) - 1,
+                            bisect_right(memory, memory[i] + cap) - 1,
                         )
-                    end = self._memory_end(stage_types[s], caps, i, end, option, dp, depth[s], mbs, dtype)
+                    if option.streams and end - i < option.buckets:  # short stages gather a larger share
+                        for _, _, _, cap, table in items:
+                            while end > i and stage_memory(
+                                table, i, end, option=option, dp=dp, in_flight=depth[s]
+                            ) > cap:
+                                end -= 1
                     best = max(best, end)
                 return best
 
-            found = bottleneck_split(num_layers, num_stages, stage_end, lo=0.0, hi=slowest * 1.0001)
+            # The continuous optimum (stage s takes the share of the model its speed allows) is a
+            # lower bound on the bottleneck; the split is rarely more than a few layers' time above it.
+            ideal = 1.0 / sum(
+                1.0 / max(self.table(t, mbs).total[-1] * c for t, c in stage_types[s]) for s in range(pp)
+            )
+            found = bottleneck_split(
+                num_layers, num_stages, stage_end, lo=ideal * 0.999, hi=ideal * 1.5, fallback_hi=slowest * 1.0001
+            )
             if found is None:
                 continue
             split, _ = found
@@ -403,21 +436,13 @@ class Estimator:
             return split, tuple(options)
         return None
 
-    def _memory_end(self, types, caps, i, end, option, dp, flight, mbs, dtype) -> int:
-        """Largest j <= end whose stage memory fits every device type of the stage."""
-        for t, _ in types:
-            table = self.table(t, mbs, dtype)
-            key = (t, mbs, option, dp, flight)
-            prefix = self._memory_prefixes.get(key)
-            if prefix is None:
-                prefix = self._memory_prefixes[key] = memory_prefix(
-                    table, option=option, dp=dp, flight=flight
-                )
-            end = min(end, bisect_right(prefix, prefix[i] + caps[t]) - 1)
-            # Short streamed stages keep a larger share gathered than the prefix assumes.
-            while end > i and stage_memory(table, i, end, option=option, dp=dp, in_flight=flight) > caps[t]:
-                end -= 1
-        return max(end, i)
+    def _prefix(self, device_type, mbs, dtype, option, dp, flight) -> tuple[float, ...]:
+        key = (device_type, mbs, option, dp, flight)
+        prefix = self._memory_prefixes.get(key)
+        if prefix is None:
+            table = self.table(device_type, mbs, dtype)
+            prefix = self._memory_prefixes[key] = memory_prefix(table, option=option, dp=dp, flight=flight)
+        return prefix
 
     def _stage_time(self, device_type: str, split, s, option, mbs) -> float:
         start = sum(split[:s])
@@ -537,7 +562,7 @@ class Estimator:
             return None
         split, _ = found
         m = max(counts)
-        ladder = memory_options(dp)
+        ladder = tuple(o for o in memory_options(dp) if not (o.streams and len(set(base.micro_batches)) > 1))
         options: list[MemoryOption | None] = [None] * stages
         starts = [sum(split[:c]) for c in range(stages)]
         for rank in range(pp):

@@ -346,22 +346,36 @@ def _usable_sizes(estimator: Estimator, devices: Sequence[int], constraints: Con
 
 def structure_bound(estimator: Estimator, st: Structure) -> float:
     """A quick lower estimate of a structure's step: its devices' total speed running whole
-    micro-batches with no bubbles, stretched by a third of 1F1B's fill (zero-bubble's share)."""
+    micro-batches with no bubbles, stretched by a third of 1F1B's fill (zero-bubble's share), and
+    by recomputation's extra forward when the first stage's device cannot hold one micro-batch's
+    activations of every layer (what 1F1B's first stage keeps in flight) next to its share of the
+    model state. Infinite when even fully sharded state does not fit the cluster's devices."""
     mbs = st.micro_batch_size
-    speed = sum(
-        mbs / estimator.table(estimator.cluster.devices[d].type.name, mbs).total[-1]
-        for row in st.assignment
-        for d in row
-    )
+    counts: dict[str, int] = {}
+    for row in st.assignment:
+        for d in row:
+            name = estimator.cluster.devices[d].type.name
+            counts[name] = counts.get(name, 0) + 1
+    speed = sum(n * mbs / estimator.table(t, mbs).total[-1] for t, n in counts.items())
     m = -(-estimator.global_batch // mbs // st.dp)
-    return estimator.global_batch / speed * (m + (st.pp - 1) / 3) / m
+    bound = estimator.global_batch / speed * (m + (st.pp - 1) / 3) / m
+    first = estimator.cluster.devices[st.assignment[0][0]].type
+    table = estimator.table(first.name, mbs)
+    state = 16.0 * table.params[-1] / (st.pp * st.dp)
+    capacity = first.memory_bytes * (1.0 - estimator.headroom)
+    if state > capacity:
+        return float("inf")
+    if state + table.act[-1] > capacity:
+        table_rc = table.total_rc[-1] / table.total[-1]
+        bound *= table_rc
+    return bound
 
 
 def _estimate(
     estimator: Estimator, structures: list[Structure], families: Sequence[str], progress: bool
 ) -> list[tuple[float, int, Candidate]]:
     """1F1B estimate of the structures in order of their bound (skipping those whose bound cannot
-    beat the 12th best estimate once their pool has two), then the allowed families of the most
+    beat the 6th best estimate once their pool has two), then the allowed families of the most
     promising ones."""
     bounded = []
     for index, st in enumerate(structures):
@@ -376,7 +390,9 @@ def _estimate(
         for bound, index, st in bounded:
             advance()
             estimates = sorted(e for e, _, _ in base)
-            if len(estimates) >= 12 and bound >= estimates[11] and per_pool.get(st.pool, 0) >= 2:
+            if bound == float("inf"):
+                continue
+            if len(estimates) >= 6 and bound >= estimates[5] and per_pool.get(st.pool, 0) >= 2:
                 continue
             try:
                 candidate = estimator.candidate(st, "1f1b")
@@ -452,7 +468,7 @@ def _simulate_all(chosen, model, seq_len, cluster, cost, constraints, progress) 
                                 constraints.memory_headroom,
                             )
                         )
-            except MedleyInputError:
+            except ValueError:  # MedleyInputError included: a layout the compiler rejects
                 continue
     return ranked
 
