@@ -286,9 +286,10 @@ def markdown(data: dict) -> str:
                 continue
             v = r["versus"]
             lines.append(
-                f"| {r['devices']} | {r['types']} | {r['model']} | {r['search_cpu_s']:.1f} | {r['simulated']} | "
-                f"{r['plan']} | {r['tokens_per_s']:,.0f} | {_fmt(v['megatron'])} | {_fmt(v['fastest-type-only'])} | "
-                f"{_fmt(v['metis'])} | {_fmt(r.get('versus_best_single_type'))} | {r['aggregate_fraction']:.0%} |"
+                f"| {r['devices']} | {r['types']} | {r['model']} | {r['search_cpu_s']:.1f} | "
+                f"{r['simulated']} | {r['plan']} | {r['tokens_per_s']:,.0f} | {_fmt(v['megatron'])} | "
+                f"{_fmt(v['fastest-type-only'])} | {_fmt(v['metis'])} | "
+                f"{_fmt(r.get('versus_best_single_type'))} | {r['aggregate_fraction']:.0%} |"
             )
         lines.append("")
     if data.get("gap"):
@@ -302,15 +303,16 @@ def markdown(data: dict) -> str:
         for r in data["gap"]:
             lines.append(
                 f"| {r['case']} | {r['model']} | {r['global_batch']} | {r['costs']} | "
-                f"{r['planner_tokens_per_s']:,.0f} | {r['exhaustive_tokens_per_s']:,.0f} | {_fmt(r['gap'], '.1%')} | "
-                f"{r['planner_simulated']} | {r['exhaustive_simulated']} |"
+                f"{r['planner_tokens_per_s']:,.0f} | {r['exhaustive_tokens_per_s']:,.0f} | "
+                f"{_fmt(r['gap'], '.1%')} | {r['planner_simulated']} | {r['exhaustive_simulated']} |"
             )
         lines.append("")
     if data.get("bound"):
         lines += [
             "## Fraction of the aggregate bound",
             "",
-            "| cluster | model | samples per device | tokens/s | aggregate bound | fraction | vs best baseline |",
+            "| cluster | model | samples per device | tokens/s | aggregate bound | fraction | "
+            "vs best baseline |",
             "|---|---|---:|---:|---:|---:|---:|",
         ]
         for r in data["bound"]:

@@ -178,3 +178,20 @@ def test_bad_flags_name_the_flag() -> None:
     assert code == 2 and "--exclude-devices" in out
     code, out = _run("plan", "--cluster", CLUSTER, "--model", "tiny", "--export", "onnx", "x")
     assert code == 2 and "--export onnx" in out
+
+
+def test_profiles_at_another_sequence_length_are_named() -> None:
+    code, out = _run(
+        "plan",
+        "--cluster",
+        "2xA100-40GB+2xV100-16GB",
+        "--model",
+        "opt-350m",
+        "--global-batch",
+        "16",
+        "--seq-len",
+        "1024",
+        "--profiles",
+        PROFILES,
+    )
+    assert code == 2 and "--seq-len 2048" in out

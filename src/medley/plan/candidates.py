@@ -402,7 +402,8 @@ class Estimator:
                 1.0 / max(self.table(t, mbs).total[-1] * c for t, c in stage_types[s]) for s in range(pp)
             )
             found = bottleneck_split(
-                num_layers, num_stages, stage_end, lo=ideal * 0.999, hi=ideal * 1.5, fallback_hi=slowest * 1.0001
+                num_layers, num_stages, stage_end, lo=ideal * 0.999, hi=ideal * 1.5,
+                fallback_hi=slowest * 1.0001,
             )
             if found is None:
                 continue

@@ -323,23 +323,30 @@ def search(
 
 
 def _usable_sizes(estimator: Estimator, devices: Sequence[int], constraints: Constraints) -> tuple[int, ...]:
-    """Micro-batch sizes the cost source can answer for every device type of the cluster; sizes a
-    measured profile lacks for some type are still searched on the pools that avoid that type."""
+    """Micro-batch sizes that divide the global batch and that the cost source can answer for at
+    least one device type (a measured profile may lack a size for some type: pools without that
+    type still use it). When none is usable the cost source's own reason is raised (a profile
+    measured at another sequence length, say)."""
     sizes = tuple(
         s for s in (constraints.micro_batch_sizes or MICRO_BATCH_SIZES) if estimator.global_batch % s == 0
     )
-    usable = []
+    types = sorted({estimator.cluster.devices[d].type.name for d in devices})
+    usable, reason = [], None
     for size in sizes:
-        try:
-            estimator.table(estimator.cluster.devices[devices[0]].type.name, size)
-        except ValueError:
-            continue
-        usable.append(size)
+        for name in types:
+            try:
+                estimator.table(name, size)
+            except MedleyInputError as err:
+                reason = reason or err
+                continue
+            usable.append(size)
+            break
     if not usable:
+        if reason is not None:
+            raise reason
         raise MedleyInputError(
-            f"--global-batch {estimator.global_batch}: no usable micro-batch size among {list(sizes)} "
-            "divides "
-            "it (or the profiles lack them); use a multiple of 1, 2 or 4."
+            f"--global-batch {estimator.global_batch}: no micro-batch size among {list(sizes)} divides it; "
+            "use a multiple of one of them."
         )
     return tuple(usable)
 
