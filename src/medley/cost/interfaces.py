@@ -66,6 +66,12 @@ class MeasuredCosts(Protocol):
         """Transient peak of one backward beyond the held activations (one layer at a time)."""
         ...
 
+    def fsdp_extra_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> float | None:
+        """Seconds a ZeRO-2/3 (FSDP-wrapped) stage adds to one pass of the layer."""
+        ...
+
     def optimizer_time(self, params: float, *, device_type: str) -> TimeEstimate | None:
         """Time of one optimizer step over ``params`` parameters."""
         ...

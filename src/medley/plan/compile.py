@@ -118,12 +118,17 @@ def _stage_cost(
     fused_known = measured_act = True
     dtype_bytes = DTYPE_BYTES[layout.dtype]
     full_time = getattr(cost, "backward_full_time", None)
+    fsdp_time = getattr(cost, "fsdp_extra_time", None) if zero_level >= 2 else None
+    fsdp = {kind: 0.0 for kind in Pass}
     measured_bytes = getattr(cost, "activation_bytes", None)
     for layer in layout.layer_range(stage):
         for kind in Pass:
             times[kind] += cost.layer_time(
                 layer, kind, micro_batch_size=mbs, seq_len=seq, device_type=device_type
             ).seconds
+            if fsdp_time is not None:
+                extra = fsdp_time(layer, kind, micro_batch_size=mbs, seq_len=seq, device_type=device_type)
+                fsdp[kind] += extra or 0.0
         full = None
         if full_time is not None:
             full = full_time(layer, micro_batch_size=mbs, seq_len=seq, device_type=device_type)
@@ -149,6 +154,8 @@ def _stage_cost(
     if fused and fused_known and times[Pass.B] + times[Pass.W] > 0:
         scale = fused_s / (times[Pass.B] + times[Pass.W])  # one autograd call costs less than two
         times[Pass.B], times[Pass.W] = times[Pass.B] * scale, times[Pass.W] * scale
+    for kind in Pass:  # FSDP2's hooks on ZeRO-2/3 stages (measured sources only)
+        times[kind] += fsdp[kind]
     if first and not fused:
         times[Pass.W], times[Pass.B] = times[Pass.W] + times[Pass.B], 0.0
         after_b = act
