@@ -296,8 +296,6 @@ def shortfall_error(
         hints.append("stop excluding devices with --exclude-devices (more devices shard ZeRO state further)")
     state_gb = 16.0 * formulas.total_params(model) / GB
     total_gb = sum(cluster.devices[d].type.memory_gb for d in pools["all"])
-    if not lay.recompute or not all(lay.recompute):
-        hints.append("recomputation (--schedules 1f1b with recompute is tried automatically)")
     hints.append(f"a shorter --seq-len than {estimator.seq_len} (activations grow with it)")
     if state_gb > 0.5 * total_gb:
         hints.append(
@@ -306,7 +304,8 @@ def shortfall_error(
         )
     else:
         hints.append("devices with more memory for the first stages (they hold the most activations)")
-    zero = "streamed ZeRO-3" if any(z.streams for z in lay.zero) else f"ZeRO {[z.level for z in lay.zero]}"
+    levels = sorted({"streamed ZeRO-3" if z.streams else f"ZeRO-{z.level}" for z in lay.zero})
+    zero = " / ".join(levels)
     return MedleyInputError(
         f"{model.name} fits nowhere on cluster '{cluster.name}' at --global-batch {global_batch}, --seq-len "
         f"{estimator.seq_len}: the closest plan (pp={lay.pp}, dp={lay.dp}, micro-batch size "
