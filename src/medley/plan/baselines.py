@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from medley.plan.bounds import MemoryOption, pipeline_time, stage_memory
 from medley.plan.candidates import PP_CHOICES, Candidate, Estimator, Structure, distribute
 from medley.plan.inline import balanced_split
-from medley.plan.search import Constraints, RankedPlan, rank_plan
+from medley.plan.ranking import RankedPlan, rank_plan
+from medley.plan.search import Constraints
 from medley.schedule.zero import Placement
 
 FINALISTS = 3

@@ -14,29 +14,26 @@ is deterministic: fixed enumeration order, ties broken by the enumeration index.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import Literal
-
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from dataclasses import dataclass, field
 
 from medley.cli.errors import MedleyInputError
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
-from medley.plan.bounds import aggregate_bound, memory_options
+from medley.plan.bounds import aggregate_bound
 from medley.plan.candidates import MICRO_BATCH_SIZES, Candidate, Estimator, Structure
-from medley.plan.compile import PlanLayout, compile_problem
-from medley.plan.plan import Plan, Prediction
-from medley.plan.predict import cost_source_name, prediction_of
-from medley.schedule.validate import ScheduleError, validate
-from medley.sim.engine import simulate as run_simulation
-from medley.sim.result import SimResult
+from medley.plan.ranking import (
+    Objective,
+    RankedPlan,
+    objective_key,
+    progress_bar,
+    rank_plan,
+    repair,
+)
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
 SEARCHED_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b", "gpipe")
 DEFAULT_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b")
-Objective = Literal["throughput", "cost"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,27 +53,6 @@ class Constraints:
     memory_headroom: float = 0.05
     exclude_devices: tuple[int, ...] = ()
     micro_batch_sizes: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankedPlan:
-    """A simulated plan with its objective figures."""
-
-    plan: Plan
-    candidate: Candidate
-    result: SimResult
-    fits: bool
-    cost_per_mtoken: float | None
-    min_headroom_gb: float
-
-    @property
-    def prediction(self) -> Prediction:
-        assert self.plan.prediction is not None
-        return self.plan.prediction
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.prediction.tokens_per_s
 
 
 @dataclass(kw_only=True)
@@ -179,56 +155,6 @@ def device_pools(cluster: Cluster, devices: Sequence[int], estimator: Estimator)
         for t in ranked:
             pools[t] = by_type[t]
     return pools
-
-
-def exact_predict(layout: PlanLayout, cluster: Cluster, cost: CostSource) -> tuple[Prediction, SimResult]:
-    """:func:`medley.plan.predict.predict`, validating each distinct schedule once: replicas with
-    the same micro-batch count run the same schedule (1,024 replicas need not be checked 1,024
-    times). The simulation and the figures are the same."""
-    problem = compile_problem(layout, cluster, cost)
-    checked: set[int] = set()
-    for replica, schedule in enumerate(problem.schedules):
-        count = layout.micro_batches[replica]
-        if count in checked:
-            continue
-        checked.add(count)
-        try:
-            validate(schedule)
-        except ScheduleError as err:
-            raise MedleyInputError(f"replica {replica}'s schedule is invalid: {err}") from None
-    result = run_simulation(problem)
-    return prediction_of(layout, result, cost_source=cost_source_name(layout, cost, cluster)), result
-
-
-def rank_plan(
-    candidate: Candidate, layout: PlanLayout, cluster: Cluster, cost: CostSource, headroom: float
-) -> RankedPlan:
-    """Simulate ``layout`` exactly and attach the figures the planner ranks by."""
-    prediction, result = exact_predict(layout, cluster, cost)
-    headrooms = [
-        cluster.devices[r.device].type.memory_bytes * (1.0 - headroom) - r.peak_memory_bytes
-        for r in result.devices
-    ]
-    used = [d for row in layout.assignment for d in row]
-    prices = [cluster.devices[d].price_per_hour for d in used]
-    cost_per_mtoken = None
-    if all(p is not None for p in prices) and prediction.tokens_per_s > 0:
-        cost_per_mtoken = sum(prices) / 3600.0 / prediction.tokens_per_s * 1e6  # type: ignore[arg-type]
-    return RankedPlan(
-        plan=Plan(layout=layout, cluster=cluster, prediction=prediction),
-        candidate=candidate,
-        result=result,
-        fits=min(headrooms) >= 0.0,
-        cost_per_mtoken=cost_per_mtoken,
-        min_headroom_gb=min(headrooms) / 1e9,
-    )
-
-
-def objective_key(plan: RankedPlan, objective: Objective) -> float:
-    """Smaller is better."""
-    if objective == "cost":
-        return plan.cost_per_mtoken if plan.cost_per_mtoken is not None else float("inf")
-    return -plan.tokens_per_s
 
 
 SIMULATION_WORK = 60_000
@@ -393,7 +319,7 @@ def _estimate(
     bounded.sort(key=lambda x: (x[0], x[1]))
     base: list[tuple[float, int, Candidate]] = []
     per_pool: dict[str, int] = {}
-    with _progress(progress, "estimating structures", len(bounded)) as advance:
+    with progress_bar(progress, "estimating structures", len(bounded)) as advance:
         for bound, index, st in bounded:
             advance()
             estimates = sorted(e for e, _, _ in base)
@@ -455,7 +381,7 @@ def _simulate_all(chosen, model, seq_len, cluster, cost, constraints, progress) 
     """Simulate each candidate; one that overflows memory gets its overflowing stages' memory
     option raised one step (streamed ZeRO-3, then recomputation) and is simulated once more."""
     ranked = []
-    with _progress(progress, "simulating candidates", len(chosen)) as advance:
+    with progress_bar(progress, "simulating candidates", len(chosen)) as advance:
         for candidate in chosen:
             advance()
             try:
@@ -464,7 +390,7 @@ def _simulate_all(chosen, model, seq_len, cluster, cost, constraints, progress) 
                 )
                 ranked.append(plan)
                 if not plan.fits:
-                    repaired = _repair(plan, constraints.memory_headroom)
+                    repaired = repair(plan, constraints.memory_headroom)
                     if repaired is not None:
                         ranked.append(
                             rank_plan(
@@ -478,50 +404,3 @@ def _simulate_all(chosen, model, seq_len, cluster, cost, constraints, progress) 
             except ValueError:  # MedleyInputError included: a layout the compiler rejects
                 continue
     return ranked
-
-
-def _repair(plan: RankedPlan, headroom: float) -> Candidate | None:
-    candidate, layout, cluster = plan.candidate, plan.plan.layout, plan.plan.cluster
-    over_ranks = {
-        report.rank
-        for report in plan.result.devices
-        if report.peak_memory_bytes > cluster.devices[report.device].type.memory_bytes * (1.0 - headroom)
-    }
-    ladder = memory_options(layout.dp)
-    options = list(candidate.options)
-    changed = False
-    for stage, option in enumerate(options):
-        if stage % layout.pp in over_ranks and option in ladder and ladder.index(option) + 1 < len(ladder):
-            options[stage] = ladder[ladder.index(option) + 1]
-            changed = True
-    if not changed:
-        return None
-    return replace(candidate, options=tuple(options), estimate_s=float("nan"))
-
-
-class _progress:
-    """A rich progress bar on stderr when asked for (and a no-op otherwise)."""
-
-    def __init__(self, enabled: bool, label: str, total: int) -> None:
-        self.enabled, self.label, self.total = enabled, label, total
-        self._bar: Progress | None = None
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda: None
-        self._bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
-        self._bar.__enter__()
-        task = self._bar.add_task(self.label, total=self.total)
-        bar = self._bar
-        return lambda: bar.advance(task)
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.__exit__(*exc)
