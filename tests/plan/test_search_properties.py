@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from medley.plan.bounds import bottleneck_split
 from medley.plan.candidates import distribute
 from medley.plan.compile import build_schedules
+from medley.plan.explain import explain
+from medley.plan.predict import predict
 from medley.plan.search import Constraints, search
 from medley.schedule.validate import validate
 from medley.spec.cluster import parse_cluster_arg
@@ -40,7 +42,7 @@ def _signature(result) -> list[tuple]:
     ]
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(cluster=clusters, global_batch=st.sampled_from([4, 6, 8, 16]), seq_len=st.sampled_from([32, 64]))
 def test_every_returned_plan_is_valid_fits_and_covers_each_layer_once(cluster, global_batch, seq_len) -> None:
     spec = parse_cluster_arg(cluster)
@@ -145,3 +147,15 @@ def test_baselines_follow_their_definitions() -> None:
     metis = result.baselines["metis"]
     assert metis is not None and metis.plan.layout.placement.value == "naive"
     assert result.best.tokens_per_s >= max(b.tokens_per_s for b in result.baselines.values() if b)
+
+
+def test_ranked_figures_are_predicts_and_explain_names_the_knobs() -> None:
+    spec = parse_cluster_arg("2xA100-80GB+2xT4-16GB")
+    result = search(spec, TINY, global_batch=32, seq_len=128, top=3)
+    for ranked in result.plans:
+        prediction, _, _ = predict(ranked.plan.layout, spec, cost=result.cost)
+        assert prediction == ranked.prediction
+    text = "\n".join(explain(result).lines())
+    assert "Bottleneck: device" in text and "Fraction of the aggregate bound" in text
+    for name in result.baselines:
+        assert f"vs {name}:" in text
