@@ -6,7 +6,7 @@ Profiles the tiny and small models (layers and gloo collectives), then for each 
 medley.profile.harness.default_cases(): simulates one step on the emulated CPU cluster, trains the
 plan for real with emulation on, and compares step time and peak memory per rank. Writes
 bench/results/fidelity.json and bench/results/fidelity.md. The process raises its own priority when
-allowed (the machine is shared; other jobs only add noise) and pins each rank to one core.
+allowed (the machine is shared; other jobs only add noise).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ largest layer's backward workspace).
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two plans only")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reuse-profiles", action="store_true", help="use bench/results/profile-cpu-*.json")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")

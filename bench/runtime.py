@@ -127,7 +127,7 @@ NOTES = (
     "shards the moments, ZeRO-2 also the gradients, ZeRO-3 also the weights, over dp=2), measured "
     "activations and backward workspace from the CPU profile; measured = peak live tensor bytes of the "
     "runtime's MemTracker probe step. Step times on a shared 2-core machine: other jobs add noise to "
-    "both sides alike (alternating rounds); ranks pinned one per core."
+    "both sides alike (alternating rounds)."
 )
 
 

@@ -121,8 +121,7 @@ def describe(case: FidelityCase) -> str:
 @dataclass(frozen=True)
 class PinToCore:
     """A ``TrainConfig.on_step`` hook that pins each rank to core ``local rank % cores`` after its
-    first step. Unpinned, Linux tends to put ranks that wake each other on one core (wake-affine)
-    while other jobs hold the other, which doubles their compute time at random."""
+    first step (an experiment: measured here, pinned ranks ran slower, so it is off by default)."""
 
     cores: int
 
@@ -209,14 +208,17 @@ def build_plan(case: FidelityCase, profile: Profile, *, profile_name: str, direc
     return plan, share
 
 
-def run_case(case: FidelityCase, profile: Profile, *, profile_name: str, directory: Path, steps: int = 12,
-             warmup_steps: int = 2, cores: int | None = None, pin: bool = True) -> FidelityResult:
+def run_case(case: FidelityCase, profile: Profile, *, profile_name: str, directory: Path, steps: int = 20,
+             warmup_steps: int = 5, cores: int | None = None, pin: bool = False) -> FidelityResult:
     """Predict, then train ``steps`` steps for real; the first ``warmup_steps`` are not timed.
 
     The prediction assumes the machine's cores serve only these ranks; the run measures what
     else used the CPU meanwhile, and ``loaded_*`` re-predicts with that background load. Other
     jobs can only add time, so the fastest step stands for the machine without them
-    (``fastest_step_s``); the median is reported too.
+    (``fastest_step_s``); the median is reported too. The first steps run slower while glibc's
+    allocator adapts its mmap threshold to the step's large tensors (page faults), hence
+    ``warmup_steps``. ``pin`` (off by default) pins each rank to one core after its first step;
+    measured here, that made steps slower (the gloo threads then share the rank's core).
     """
     from medley.runtime.launch import train_local
     from medley.runtime.train import TrainConfig

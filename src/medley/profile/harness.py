@@ -78,7 +78,7 @@ def profiles_for(cases: Sequence[FidelityCase], directory: Path, *, comm_ranks: 
     return out
 
 
-def run_harness(cases: Sequence[FidelityCase], out_dir: Path, *, name: str = "fidelity", steps: int = 12,
+def run_harness(cases: Sequence[FidelityCase], out_dir: Path, *, name: str = "fidelity", steps: int = 20,
                 reuse_profiles: bool = False, comm_sizes: Sequence[int] | None = None,
                 notes: str = "") -> list[FidelityResult]:
     """Profile, predict and run ``cases``; writes ``<name>.json`` and ``<name>.md`` to ``out_dir``."""
@@ -89,7 +89,8 @@ def run_harness(cases: Sequence[FidelityCase], out_dir: Path, *, name: str = "fi
     results = []
     for case in cases:
         profile, profile_name = profiles[case.model.name]
-        results.append(run_case(case, profile, profile_name=profile_name, directory=emulated, steps=steps))
+        results.append(run_case(case, profile, profile_name=profile_name, directory=emulated, steps=steps,
+                                warmup_steps=min(5, steps // 2)))
     meta = machine() | {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                         "profiles": sorted({p for _, p in profiles.values()}), "steps": steps,
                         "niceness": os.nice(0)}

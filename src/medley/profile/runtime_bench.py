@@ -114,8 +114,6 @@ def _run_case(case: RuntimeCase, rounds: int, steps: int, seed: int) -> dict:
 def worker(rank: int, world: int, port: int, cases: list[RuntimeCase], rounds: int, steps: int,
            out_path: str) -> None:
     torch.set_num_threads(1)
-    if hasattr(os, "sched_setaffinity"):  # one core per rank, as the fidelity runs pin them
-        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     results = {}
