@@ -15,7 +15,8 @@ catalog estimate unless a case names the public Metis-format profiles. Sections:
    (searched separately with the other types excluded), and its fraction of the aggregate bound.
 2. ``gap``: on instances of up to 16 devices, the planner's best against an exhaustive search that
    simulates every candidate of the planner's space (every structure x family, no pruning).
-3. ``bound``: fraction of the aggregate bound against samples per device.
+3. ``bound``: fraction of the aggregate bound against samples per device (LLaMA-2-7B, 2,048
+   tokens per sequence).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from medley.plan.search import (
     DEFAULT_FAMILIES,
     Constraints,
     device_pools,
+    family_variants,
     rank_plan,
     search,
 )
@@ -171,9 +173,9 @@ def exhaustive_best(cluster: Cluster, model, global_batch: int, seq_len: int, co
     best, count = 0.0, 0
     seen = set()
     for structure in estimator.structures(pools, max_pp=model.num_layers, micro_batch_sizes=sizes):
-        for family in DEFAULT_FAMILIES:
+        for family, knobs in family_variants(DEFAULT_FAMILIES):
             try:
-                candidate = estimator.candidate(structure, family)
+                candidate = estimator.candidate(structure, family, **knobs)
             except ValueError:
                 continue
             if candidate is None or candidate.key in seen:

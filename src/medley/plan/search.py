@@ -34,6 +34,7 @@ from medley.spec.model import ModelSpec
 
 SEARCHED_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b", "gpipe")
 DEFAULT_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b")
+INTERLEAVE_DEPTHS = (2, 4)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,6 +278,18 @@ def _usable_sizes(estimator: Estimator, devices: Sequence[int], constraints: Con
     return tuple(usable)
 
 
+def family_variants(families: Sequence[str]) -> list[tuple[str, dict]]:
+    """Each allowed family with each value of its searched integer knob: interleaved's chunks
+    per rank (2 or 4); hetero-1f1b's warm-up depths follow from the links (see candidates)."""
+    out: list[tuple[str, dict]] = []
+    for family in families:
+        if family == "interleaved":
+            out += [(family, {"virtual_stages": v}) for v in INTERLEAVE_DEPTHS]
+        else:
+            out.append((family, {}))
+    return out
+
+
 def structure_bound(estimator: Estimator, st: Structure) -> float:
     """A quick lower estimate of a structure's step: its devices' total speed running whole
     micro-batches with no bubbles, stretched by a third of 1F1B's fill (zero-bubble's share), and
@@ -343,13 +356,16 @@ def _estimate(
             keep[index] = candidate
             kept_per_pool[pool] = kept_per_pool.get(pool, 0) + 1
     out: list[tuple[float, int, Candidate]] = []
+    variants = family_variants(families)
     for index, candidate in sorted(keep.items()):
-        for f, family in enumerate(families):
+        for f, (family, knobs) in enumerate(variants):
             if family != "1f1b" and candidate.structure.pp == 1:
                 continue  # one stage: every family runs the same F, B, W sequence
-            expanded = candidate if family == "1f1b" else estimator.candidate(candidate.structure, family)
+            expanded = (
+                candidate if family == "1f1b" else estimator.candidate(candidate.structure, family, **knobs)
+            )
             if expanded is not None:
-                out.append((expanded.estimate_s, index * len(SEARCHED_FAMILIES) + f, expanded))
+                out.append((expanded.estimate_s, index * len(variants) + f, expanded))
     out.sort(key=lambda x: (x[0], x[1]))
     return out
 
