@@ -23,7 +23,26 @@ steps (other jobs on this shared machine can only add time); *median*: the media
 *loaded pred*: re-simulated with the background CPU load measured during the run (bg cores).
 Memory: peak live tensor bytes per rank from the runtime's MemTracker probe step, against the
 simulator's peak (fp32 weights 4 B, grads 4 B, AdamW 8 B per parameter, measured activations, the
-largest layer's backward workspace).
+largest layer's backward workspace; with dp > 1 the buffers FSDP2 and the gradient reductions
+hold, see plan/compile.py `_fsdp_keeps_shards`).
+
+Why the worst cases miss (what the traces of single steps show):
+- The machine is shared with other jobs (bg cores: their average use during the run). They take
+  whole time slices from a rank, so single actions run 2-3x slower at random; the fastest step is
+  the figure least disturbed, and the load-aware prediction covers the average share only.
+- Four ranks on two cores (pp2 x dp2, pp4): every point-to-point hand-off needs the receiving
+  process to get a core, and gloo's collectives pay the same; the α-β fit at 4 ranks (all ops)
+  and the ranks-computing / cores stretch capture part of it, not the queueing per message.
+- ZeRO-1 (dp2): the runtime's ZeroRedundancyOptimizer broadcasts every parameter tensor from its
+  owner after the step (one collective per tensor); the simulator books one all-gather.
+- ZeRO-2/3: FSDP2's hook time is profiled per layer on a one-rank group; the runtime's units
+  (a bucket of layers plus the root) and the real reduce-scatter/all-gather calls add more.
+- Emulated slow ranks sleep (factor-1) x each compute's measured time; a compute slowed by a
+  background job is then stretched again, so emulated ranks amplify the noise.
+- Memory (worst cases): the replica with fewer micro-batches under ZeRO-3 is over-predicted,
+  since the simulator books a reduction's buffers until the end of the step; the last stages
+  of the 4-stage tiny pipeline hold about 0.3-0.4 MB (10-15% there) that the profile of single
+  layers does not see (received gradient buffers and the loss's temporaries).
 """
 
 

@@ -133,7 +133,7 @@ NOTES = (
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--reuse-profiles", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT)
