@@ -1,0 +1,43 @@
+"""The emulated CPU cluster: slowed device types, the fitted link, and costs that match the
+runtime's emulation (factor = fastest peak / own peak)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from medley.cost.comm import TopologyCommModel
+from medley.cost.interfaces import Collective, Pass
+from medley.cost.profiles import Profile
+from medley.profile.collectives import model_time
+from medley.profile.emulate import emulated_cluster
+from medley.spec.model import get_model
+
+TINY = get_model("tiny")
+
+
+def test_slowed_types_link_and_costs(tmp_path: Path, profile: Profile) -> None:
+    slowdowns = (1.0, 2.0, 1.0, 4.0)
+    emulated = emulated_cluster(profile, TINY, slowdowns, directory=tmp_path, profile_name="p.json")
+    cluster = emulated.cluster
+    names = [d.type.name for d in cluster.devices]
+    assert names == ["CPU-x1", "CPU-x2", "CPU-x1", "CPU-x4"]
+    # The runtime's emulation stretches each rank by fastest peak / own peak (fp32 here).
+    peaks = [d.type.peak_flops("fp32") for d in cluster.devices]
+    assert [max(peaks) / p for p in peaks] == pytest.approx([1.0, 2.0, 1.0, 4.0])
+    base = emulated.cost.layer_time(1, Pass.F, micro_batch_size=1, seq_len=64, device_type="CPU-x1").seconds
+    slow = emulated.cost.layer_time(1, Pass.F, micro_batch_size=1, seq_len=64, device_type="CPU-x4").seconds
+    assert slow == pytest.approx(4 * base)
+    # Every pair and ring is timed with the profile's fitted α-β.
+    comm = TopologyCommModel(cluster)
+    fit = profile.comm.link
+    assert comm.p2p_time(0, 3, 1e6) == pytest.approx(model_time("send_recv", 2, 1e6, fit))
+    assert comm.collective_time(Collective.ALL_REDUCE, (0, 1), 1e6) == pytest.approx(
+        model_time("all_reduce", 2, 1e6, fit))
+    assert emulated.catalog_path.exists() and cluster.source_spec["catalog"] == str(emulated.catalog_path)
+
+
+def test_refuses_factors_below_one(tmp_path: Path, profile: Profile) -> None:
+    with pytest.raises(ValueError, match="slowdowns must be >= 1"):
+        emulated_cluster(profile, TINY, (0.5, 1.0), directory=tmp_path, profile_name="p.json")
