@@ -10,7 +10,9 @@ checkpoint (as under ``torchrun --max-restarts``).
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
+import signal
 import uuid
 from dataclasses import dataclass
 
@@ -48,6 +50,7 @@ def rank_main(plan: Plan, config: TrainConfig) -> list[StepRecord] | InputFailur
     """Body of one launched rank: records on rank 0, None elsewhere."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` shows where a rank waits
     init_process_group()
     try:
         records = train(plan, config)

@@ -217,6 +217,9 @@ def shard_stage(
         for unit in [*units, root]:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
+            # Every REDUCE_GRAD is a reduce-scatter, gradient or not: a replica with fewer
+            # micro-batches pads its rounds, and a skipped collective would hang its DP group.
+            unit.set_reduce_scatter_unused_params(True, recurse=False)
         root.set_requires_gradient_sync(False)
         root.set_reshard_after_backward(False)
         root.set_is_last_backward(False)

@@ -16,6 +16,7 @@ across all ranks at the end of every step: no optimizer step overlaps another ra
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import math
 import time
@@ -65,6 +66,9 @@ class TrainConfig:
         dtype: ``fp32`` or ``bf16`` (bf16 compute, fp32 master weights and gradient reductions);
             None: fp32 on CPU, the plan's dtype on CUDA.
         on_step: called on every rank with the step index after each step (and its checkpoint).
+        step_timeout_s: a rank that spends longer than this in one step prints every thread's
+            stack and exits, so a hang (a mismatched collective never times out on gloo) fails the
+            run (and, under restarts, resumes it) instead of stalling it; None: no watchdog.
     """
 
     steps: int = 20
@@ -85,6 +89,7 @@ class TrainConfig:
     measure_memory: bool = True
     dtype: str | None = None
     on_step: Callable[[int], None] | None = None
+    step_timeout_s: float | None = 600.0
 
 
 @dataclass(kw_only=True)
@@ -123,6 +128,8 @@ def check_config(config: TrainConfig) -> None:
         raise MedleyInputError("--lr must be > 0; --min-lr, --warmup-steps and --weight-decay >= 0")
     if config.clip_norm is not None and config.clip_norm <= 0:
         raise MedleyInputError(f"--clip-norm {config.clip_norm} must be > 0 (or off)")
+    if config.step_timeout_s is not None and config.step_timeout_s <= 0:
+        raise MedleyInputError(f"--step-timeout {config.step_timeout_s} must be > 0")
     if config.checkpoint_every < 0:
         raise MedleyInputError(f"--checkpoint-every {config.checkpoint_every} must be >= 0")
     if config.dtype not in (None, *DTYPES):
@@ -177,8 +184,11 @@ class _Loop:
         dist.barrier()
         try:
             for step in range(start, self.config.steps):
+                if self.config.step_timeout_s is not None:
+                    faulthandler.dump_traceback_later(self.config.step_timeout_s, exit=True)
                 local = self._step(step)
                 record = self._record(step, local)
+                faulthandler.cancel_dump_traceback_later()
                 if record is not None:
                     records.append(record)
                     self._log(record)
