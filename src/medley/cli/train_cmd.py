@@ -122,6 +122,7 @@ def register(app: typer.Typer) -> None:
         clip_norm: Annotated[float, typer.Option(help="Global gradient-norm clip (0: off)")] = 1.0,
         dtype: Annotated[str | None, typer.Option(help="fp32 or bf16 (default: fp32 on CPU)")] = None,
         log_jsonl: Annotated[Path | None, typer.Option(help="Append one JSON line per step here")] = None,
+        step_timeout: Annotated[float, typer.Option(help="Seconds until a stuck step fails (0: off)")] = 600,
         cluster: Annotated[str | None, typer.Option(help="Inline plan: cluster (NxA100-80GB)")] = None,
         model: Annotated[str, typer.Option(help="Inline plan: model preset")] = "tiny",
         pp: Annotated[int, typer.Option(help="Inline plan: pipeline ranks per replica")] = 1,
@@ -153,7 +154,8 @@ def register(app: typer.Typer) -> None:
             steps=steps, seed=seed, optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, min_lr=min_lr,
             weight_decay=weight_decay, clip_norm=clip_norm or None, data=data, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, log_jsonl=log_jsonl, emulate=emulate,
-            slowdown=parse_slowdown(slowdown), progress=not as_json, dtype=dtype)
+            slowdown=parse_slowdown(slowdown), progress=not as_json, dtype=dtype,
+            step_timeout_s=step_timeout or None)
         from medley.runtime.train import check_config
 
         check_config(config)

@@ -64,7 +64,7 @@ class TrainConfig:
         measure_memory: peak memory per rank: CUDA's counter every step; on CPU one untimed probe
             step after the last one, reported in every record.
         dtype: ``fp32`` or ``bf16`` (bf16 compute, fp32 master weights and gradient reductions);
-            None: fp32 on CPU, the plan's dtype on CUDA.
+            None: fp32 on CPU; on CUDA bf16 for a bf16 plan, else fp32 (no fp16 loss scaling).
         on_step: called on every rank with the step index after each step (and its checkpoint).
         step_timeout_s: a rank that spends longer than this in one step prints every thread's
             stack and exits, so a hang (a mismatched collective never times out on gloo) fails the
@@ -140,11 +140,20 @@ def train(plan: Plan, config: TrainConfig) -> list[StepRecord]:
     """Train ``plan`` on this rank; rank 0 returns the records of the steps it ran."""
     check_config(config)
     opt_class, opt_kwargs = optimizer_class(config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
-    dtype = config.dtype
+    dtype = resolve_dtype(plan, config)
     setup = build_rank(plan, seed=config.seed, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
-                       autocast_dtype=None if dtype is None else DTYPES[dtype], defer_optim=config.clip_norm
+                       autocast_dtype=DTYPES[dtype], defer_optim=config.clip_norm
                        is not None, slowdown=_slowdown(plan, config))
     return _Loop(plan, config, setup).run()
+
+
+def resolve_dtype(plan: Plan, config: TrainConfig) -> str:
+    """fp32 on CPU unless asked; on CUDA the plan's bf16, or fp32 for an fp16 plan (fp16 would
+    need loss scaling, which the runtime does not do)."""
+    if config.dtype is not None:
+        return config.dtype
+    on_cuda = dist.get_backend() == "nccl"
+    return "bf16" if on_cuda and plan.layout.dtype == "bf16" else "fp32"
 
 
 def _slowdown(plan: Plan, config: TrainConfig) -> dict[int, float] | None:
@@ -274,6 +283,7 @@ class _Loop:
         memory = {}
         if self.setup.device.type == "cuda" and self.config.measure_memory:
             memory = {self.setup.device_of_rank[r]: int(stats[r, 4]) for r in range(self.world)}
+            memory = dict(sorted(memory.items()))
         lr = lr_at(step, lr=self.config.lr, min_lr=self.config.min_lr,
                    warmup_steps=self.config.warmup_steps, total_steps=self.config.steps)
         return StepRecord(
@@ -320,7 +330,7 @@ class _Loop:
         peak = torch.tensor([probe_peak_bytes(step, existing=self._resident_tensors())], dtype=torch.float64)
         gathered = torch.zeros(self.world, dtype=torch.float64)
         dist.all_gather_single(gathered, peak)
-        memory = {setup.device_of_rank[r]: int(gathered[r]) for r in range(self.world)}
+        memory = dict(sorted((setup.device_of_rank[r], int(gathered[r])) for r in range(self.world)))
         for record in records:
             record.peak_memory_bytes = dict(memory)
         if self.rank == 0 and self.config.log_jsonl is not None:
