@@ -17,9 +17,10 @@ from pathlib import Path
 
 NOTES = """
 How to read this. *predicted*: the simulator on the emulated cluster (profile times x slowdown,
-gloo α-β link), assuming the cores serve only these ranks (with more ranks computing at once than
-cores, every compute is stretched by ranks-computing / cores). *fastest*: the fastest of the timed
-steps (other jobs on this shared machine can only add time); *median*: the median step.
+gloo α-β link), assuming the cores serve only these ranks (with more ranks than cores, every
+compute is stretched by Σ 1/slowdown / cores: a rank waiting on gloo still uses its core).
+*fastest*: the fastest of the timed steps (other jobs on this shared machine can only add time);
+*median*: the median step.
 *loaded pred*: re-simulated with the background CPU load measured during the run (bg cores).
 Memory: peak live tensor bytes per rank from the runtime's MemTracker probe step, against the
 simulator's peak (fp32 weights 4 B, grads 4 B, AdamW 8 B per parameter, measured activations, the
@@ -32,7 +33,7 @@ Why the worst cases miss (what the traces of single steps show):
   the figure least disturbed, and the load-aware prediction covers the average share only.
 - Four ranks on two cores (pp2 x dp2, pp4): every point-to-point hand-off needs the receiving
   process to get a core, and gloo's collectives pay the same; the α-β fit at 4 ranks (all ops)
-  and the ranks-computing / cores stretch capture part of it, not the queueing per message.
+  and the ranks / cores stretch capture the average, not the queueing per message.
 - ZeRO-1 (dp2): the runtime's ZeroRedundancyOptimizer broadcasts every parameter tensor from its
   owner after the step (one collective per tensor); the simulator books one all-gather.
 - ZeRO-2/3: FSDP2's hook time is profiled per layer on a one-rank group; the runtime's units
