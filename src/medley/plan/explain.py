@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from medley.cli.errors import MedleyInputError
 from medley.cost import formulas
-from medley.plan.bounds import MemoryOption
+from medley.plan.bounds import MemoryOption, stage_memory
 from medley.plan.candidates import PP_CHOICES, Candidate, Estimator, Structure
 from medley.plan.compile import PlanLayout
 from medley.plan.inline import balanced_split
@@ -217,33 +217,47 @@ def explain(search_result) -> Explanation:
 
 
 def _frugal_candidate(estimator: Estimator, devices: list[int], max_pp: int, mbs: int) -> Candidate:
-    """The least memory per device medley can offer on ``devices``: the deepest pipeline, streamed
-    ZeRO-3 and recomputation everywhere, the smallest micro-batch, layers split by parameters."""
+    """The least memory per device medley can offer on ``devices``: streamed ZeRO-3 (when
+    replicated) and recomputation everywhere, the smallest micro-batch, an even split, at the
+    pipeline depth whose estimated worst overshoot is smallest."""
     model = estimator.model
-    pp = max(p for p in PP_CHOICES if p <= min(max_pp, len(devices), model.num_layers))
-    dp = max(1, min(len(devices) // pp, estimator.global_batch // mbs))
     order = sorted(devices, key=lambda d: (-estimator.cluster.devices[d].type.memory_bytes, d))
-    assignment = estimator.assign(order, pp, dp, "stage-major")
-    weights = [float(formulas.layer_held_params(model, i)) for i in range(model.num_layers)]
-    split = balanced_split(model, [1.0] * pp)
-    del weights
-    option = (
-        MemoryOption(level=3, buckets=8, recompute=True) if dp > 1 else MemoryOption(level=0, recompute=True)
-    )
-    structure = Structure(
-        pool="frugal", strategy="memory-first", pp=pp, dp=dp, assignment=assignment, micro_batch_size=mbs
-    )
     total = estimator.global_batch // mbs
-    counts = tuple(total // dp + (1 if r < total % dp else 0) for r in range(dp))
-    return Candidate(
-        structure=structure,
-        family="1f1b",
-        micro_batches=counts,
-        stage_layers=split,
-        options=(option,) * pp,
-        estimate_s=0.0,
-        dtype=estimator.dtype(assignment),
-    )
+    best: tuple[float, int, Candidate] | None = None
+    for pp in (p for p in PP_CHOICES if p <= min(max_pp, len(devices), model.num_layers)):
+        dp = max(1, min(len(devices) // pp, total))
+        assignment = estimator.assign(order, pp, dp, "stage-major")
+        split = balanced_split(model, [1.0] * pp)
+        option = MemoryOption(level=3 if dp > 1 else 0, buckets=8, recompute=True)
+        counts = tuple(total // dp + (1 if r < total % dp else 0) for r in range(dp))
+        overshoot = max(
+            stage_memory(
+                estimator.table(estimator.cluster.devices[assignment[0][s]].type.name, mbs),
+                sum(split[:s]),
+                sum(split[: s + 1]),
+                option=option,
+                dp=dp,
+                in_flight=min(pp - s, max(counts)),
+            )
+            - estimator.capacity(assignment[0][s])
+            for s in range(pp)
+        )
+        structure = Structure(
+            pool="frugal", strategy="memory-first", pp=pp, dp=dp, assignment=assignment, micro_batch_size=mbs
+        )
+        candidate = Candidate(
+            structure=structure,
+            family="1f1b",
+            micro_batches=counts,
+            stage_layers=split,
+            options=(option,) * pp,
+            estimate_s=0.0,
+            dtype=estimator.dtype(assignment),
+        )
+        if best is None or overshoot < best[0]:
+            best = (overshoot, pp, candidate)
+    assert best is not None
+    return best[2]
 
 
 def shortfall_error(
