@@ -229,6 +229,18 @@ def static_memory(
     return {device: held + workspace.get(device, 0.0) for device, held in out.items()}
 
 
+def _param_tensors(model: ModelSpec, layer: int) -> int:
+    """Parameter tensors of a layer as the runtime builds it (weights, biases, norm parameters)."""
+    kind = model.layer_kind(layer)
+    norm = 2 if model.norm == "layernorm" else 1
+    if kind == "embedding":
+        return 1 + (model.position == "learned")
+    if kind == "head":
+        return norm + (not model.tied_embeddings)
+    linears = 4 + (3 if model.mlp == "swiglu" else 2)
+    return linears * (2 if model.bias else 1) + 2 * norm
+
+
 def _fsdp_keeps_shards(layout: PlanLayout) -> bool:
     """Whether to book the buffers medley's runtime really holds around ZeRO collectives.
 
@@ -252,6 +264,7 @@ class _CollectiveTable:
         self.layout, self.cluster, self.schedule = layout, cluster, schedule
         self.state = state_bytes_per_param(layout.dtype)
         self.optimizer_time = getattr(cost, "optimizer_time", None)
+        self.comm = TopologyCommModel(cluster)
         self._cache: dict[tuple[int, Kind, int, int | None], CollectiveCost] = {}
 
     def __call__(self, replica: int, action: Action) -> CollectiveCost:
@@ -300,6 +313,11 @@ class _CollectiveTable:
             step_s = measured.seconds
         else:
             step_s = shard * OPTIMIZER_STEP_BYTES_PER_PARAM / (device.memory_bandwidth_gbps * 1e9)
+        if level == 1 and runtime_buffers:
+            # medley's runtime steps ZeRO-1 with torch's ZeroRedundancyOptimizer, which then
+            # broadcasts every parameter tensor from its owner: one collective latency per tensor.
+            tensors = share * sum(_param_tensors(layout.model, i) for i in layout.layer_range(stage))
+            step_s += tensors * self.comm.collective_time(Collective.ALL_GATHER, group, 0.0)
         return CollectiveCost(group=group, op=None, compute_s=step_s)
 
 
