@@ -121,6 +121,32 @@ def test_one_rank_run_and_checkpoint_errors(one_rank_group, tmp_path: Path) -> N
         train(plan, config(steps=3, checkpoint_dir=directory))
 
 
+@pytest.mark.timeout(120)
+def test_one_rank_bf16_and_emulated_slowdown(one_rank_group) -> None:
+    plan = tiny_plan(pp=1, dp=1, split="6", zero="2", schedule="1f1b", micro_batches="2")
+    want = reference_losses(plan.layout, config(steps=2))
+    bf16 = train(plan, config(steps=2, dtype="bf16", measure_memory=False))
+    assert [r.loss for r in bf16] == pytest.approx(want, abs=1e-2)
+    slowed = train(plan, config(steps=2, slowdown={0: 3.0}, measure_memory=False))
+    assert [r.loss for r in slowed] == pytest.approx(want, abs=1e-6)
+    # The rank slept twice its compute time: at least half of the step is emulation.
+    assert all(r.emulated_sleep_s > 0.5 * r.step_time_s for r in slowed)
+
+
+def test_default_slowdown_follows_peak_flops() -> None:
+    from medley.runtime.emulate import slowdown_factors
+    from medley.spec.cluster import parse_cluster_arg
+
+    plan = tiny_plan(pp=2, dp=1, split="3,3", zero="0", schedule="1f1b", micro_batches="2")
+    mixed = Plan(layout=plan.layout, cluster=parse_cluster_arg("1xA100-80GB+1xT4-16GB"))
+    factors = slowdown_factors(mixed)
+    a100, t4 = (mixed.cluster.devices[d].type for d in (0, 1))
+    assert factors == {0: 1.0, 1: pytest.approx(a100.peak_flops("bf16") / t4.peak_flops("bf16"))}
+    assert slowdown_factors(mixed, {0: 2.0})[0] == 2.0
+    with pytest.raises(MedleyInputError, match="--slowdown"):
+        slowdown_factors(mixed, {7: 2.0})
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--pp", "2", "--dp", "2", "--split", "2,2", "--local-ranks", "3"], "--local-ranks 4"),
     (["--pp", "2", "--split", "2,2"], "torchrun --nproc-per-node 2"),
