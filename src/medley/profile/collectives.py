@@ -2,7 +2,8 @@
 
 Ranks are spawned on this machine (gloo on CPU). For each group size and message size: a
 send/recv ping-pong between ranks 0 and 1 (half the round trip), all-gather, reduce-scatter and
-all-reduce, each the median over ``runs`` repetitions of the slowest rank's time after a barrier.
+all-reduce, each the median of the faster half of ``runs`` repetitions of the slowest rank's time after a
+barrier (other jobs on a shared machine only add time).
 ``nbytes`` is always the full buffer, as :class:`medley.cost.interfaces.CommModel` counts it.
 
 The fit uses the formulas of :class:`medley.cost.comm.TopologyCommModel` inside one node, so the
@@ -34,6 +35,7 @@ import torch.multiprocessing as mp
 from scipy.optimize import nnls
 
 from medley.cost.profiles import AlphaBeta, CommMeasurement, CommProfile
+from medley.profile.memory import quiet_median
 
 OPS = ("send_recv", "all_gather", "reduce_scatter", "all_reduce")
 DEFAULT_SIZES = (4 << 10, 32 << 10, 256 << 10, 2 << 20, 8 << 20)
@@ -81,7 +83,7 @@ def _timed(fn: Callable[[], object], runs: int, warmup: int) -> float:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if i >= warmup:
             samples.append(float(elapsed.item()))
-    return statistics.median(samples)
+    return quiet_median(samples)
 
 
 def _ops(rank: int, world: int, full: torch.Tensor, shard: torch.Tensor) -> dict[str, Callable[[], object]]:

@@ -8,14 +8,13 @@ layers they cost as much as the math (measured: about 1.6x a tiny block's F and 
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from medley.profile.layers import _build, _inputs, _now  # noqa: PLC2701 - the same layer builders
+from medley.profile.memory import quiet_median
 from medley.spec.model import ModelSpec
 
 
@@ -51,4 +50,4 @@ def _measure(model: ModelSpec, kind: str, micro_batch_size: int, seq_len: int, d
         if i >= warmup:
             forward.append(t1 - t0)
             backward.append(t2 - t1)
-    return statistics.median(forward), statistics.median(backward)
+    return quiet_median(forward), quiet_median(backward)

@@ -54,7 +54,7 @@ def default_cases() -> list[FidelityCase]:
 
 
 def profiles_for(cases: Sequence[FidelityCase], directory: Path, *, comm_ranks: Sequence[int] = (2, 4),
-                 comm_sizes: Sequence[int] | None = None, runs: int = 5, reuse: bool = False,
+                 comm_sizes: Sequence[int] | None = None, runs: int = 9, reuse: bool = False,
                  ) -> dict[str, tuple[Profile, str]]:
     """One CPU profile per model of ``cases``, at the shapes they use (collectives measured once)."""
     out: dict[str, tuple[Profile, str]] = {}

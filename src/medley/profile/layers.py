@@ -6,7 +6,8 @@ input gradient and keeps what W needs, W the weight gradients. The embedding tak
 which carry no gradient, so (as in the runtime and in torch) its B is empty and its whole
 backward runs at W. The head's forward includes the loss, as on the runtime's last stage.
 
-Each figure is the median of ``runs`` timed repetitions after ``warmup`` untimed ones, with
+Each time is the median of the faster half of ``runs`` timed repetitions (other jobs on a shared
+machine only add time) after ``warmup`` untimed ones, with
 torch pinned to ``threads`` threads (the runtime's ranks run one thread each on CPU). Activation
 bytes are allocator deltas (:mod:`medley.profile.memory`): what the forward leaves alive until the
 backward, and what is still alive between B and W.
@@ -25,7 +26,7 @@ from scipy.optimize import nnls
 from torch import nn
 
 from medley.cost.profiles import LayerMeasurement, OptimizerProfile
-from medley.profile.memory import allocated_bytes
+from medley.profile.memory import allocated_bytes, quiet_median
 from medley.runtime.model import Block, Embedding, Head, init_layer, token_loss_sum
 from medley.runtime.torch_adapter import backward_input, backward_weight
 from medley.spec.model import ModelSpec
@@ -183,12 +184,13 @@ def measure_layer(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len
                                                    runs=runs)
 
     def median(name: str) -> float:
-        return statistics.median(getattr(r, name) for r in split)
+        values = [getattr(r, name) for r in split]
+        return quiet_median(values) if name.endswith("_s") else statistics.median(values)
 
     return LayerMeasurement(
         kind=kind, micro_batch_size=micro_batch_size, seq_len=seq_len, forward_s=median("forward_s"),
         backward_input_s=median("backward_input_s"), backward_weight_s=median("backward_weight_s"),
-        backward_full_s=statistics.median(fused), activation_bytes=median("activation_bytes"),
+        backward_full_s=quiet_median(fused), activation_bytes=median("activation_bytes"),
         activation_after_b_bytes=median("activation_after_b_bytes"), backward_workspace_bytes=workspace,
         fsdp_forward_s=fsdp_forward, fsdp_backward_full_s=fsdp_backward, runs=runs,
     )
@@ -231,7 +233,7 @@ def profile_optimizer(model: ModelSpec, *, dtype: str = "fp32", device: str = "c
                 optimizer.step()
                 if i >= warmup:
                     samples.append(_now(dev) - t0)
-            points.append((sum(p.numel() for p in params), statistics.median(samples)))
+            points.append((sum(p.numel() for p in params), quiet_median(samples)))
     finally:
         torch.set_num_threads(previous)
     sizes = np.array([float(n) for n, _ in points])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import socket
 from collections.abc import Sequence
@@ -28,6 +29,13 @@ def _device_detail(device: str) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def run_profile(
@@ -63,5 +71,6 @@ def run_profile(
         host=socket.gethostname(), device_type=name, device_kind=device, device_detail=_device_detail(device),
         torch_version=torch.__version__, dtype=dtype, threads=threads, model=model_dict(model), layers=layers,
         comm=comm, optimizer=optimizer,
-        notes=f"medians of {runs} runs after {warmup} warm-up runs; torch threads {threads}",
+        notes=f"times: medians of the faster half of {runs} runs after {warmup} warm-up runs; torch threads "
+              f"{threads}; load average when done {_loadavg()}",
     )
