@@ -46,15 +46,15 @@ def plans(draw):
     ]
     layers = [draw(st.integers(1, 6)) for _ in range(stages)]
     policy = draw(st.sampled_from(list(Placement)))
-    return schedules, zero, layers, policy
+    return schedules, zero, layers, policy, draw(st.booleans())
 
 
 @settings(max_examples=150, deadline=None)
 @given(plans())
 def test_pass_keeps_compute_order_and_dp_groups_agree(plan) -> None:
-    schedules, zero, layers, policy = plan
+    schedules, zero, layers, policy, clip = plan
     try:
-        placed = place_collectives(schedules, zero, stage_layers=layers, policy=policy)
+        placed = place_collectives(schedules, zero, stage_layers=layers, policy=policy, clip_grad=clip)
     except CollectiveMismatchError as err:
         # Documented limit: several stages per rank, replicas of unequal length and level-3
         # gathers in several rounds can leave no issue order that every replica can follow.
@@ -68,6 +68,13 @@ def test_pass_keeps_compute_order_and_dp_groups_agree(plan) -> None:
         assert after.compute_only().actions == before.compute_only().actions
         check_zero_placement(after, zero)
     check_dp_consistency(placed)
+    if clip:  # each rank: one CLIP, after everything but the optimizer steps and their weight syncs
+        for sched in placed:
+            for row in sched.actions:
+                kinds = [a.kind for a in row]
+                assert kinds.count(Kind.CLIP) == 1
+                assert set(kinds[kinds.index(Kind.CLIP) + 1 :]) <= {Kind.OPTIM, Kind.UNSHARD}
+                assert Kind.OPTIM not in kinds[: kinds.index(Kind.CLIP)]
     for rank in range(placed[0].num_ranks):
         sequences = {tuple(collective_sequence(s, rank)) for s in placed}
         assert len(sequences) == 1

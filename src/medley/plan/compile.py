@@ -44,6 +44,8 @@ class PlanLayout:
         placement: collective placement policy.
         recompute: per global stage, whether blocks recompute their forward before backward.
         dtype: training precision of weights and activations (bf16, fp16 or fp32).
+        clip_grad: clip gradients by their global norm; every optimizer step then waits for a
+            world-wide all-reduce (``CLIP``) after the last gradient reduction of the step.
     """
 
     model: ModelSpec
@@ -60,6 +62,7 @@ class PlanLayout:
     recompute: tuple[bool, ...] = ()
     dtype: str = "bf16"
     knobs: dict = field(default_factory=dict)
+    clip_grad: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -92,7 +95,8 @@ def build_schedules(layout: PlanLayout) -> list[PipelineSchedule]:
             f"has {schedules[0].num_stages}; give one layer count per stage"
         )
     return place_collectives(
-        schedules, layout.zero, stage_layers=layout.stage_layers, policy=layout.placement
+        schedules, layout.zero, stage_layers=layout.stage_layers, policy=layout.placement,
+        clip_grad=layout.clip_grad,
     )
 
 
@@ -275,6 +279,9 @@ class _CollectiveTable:
 
     def _cost(self, replica: int, action: Action) -> CollectiveCost:
         layout, stage = self.layout, action.stage
+        if action.kind is Kind.CLIP:  # one fp64 partial squared norm per rank, summed world-wide
+            world = tuple(sorted(d for row in layout.assignment for d in row))
+            return CollectiveCost(group=world, op=Collective.ALL_REDUCE, nbytes=8.0)
         rank = self.schedule.stage_to_rank[stage]
         group = tuple(layout.assignment[r][rank] for r in range(layout.dp))
         buckets = self.schedule.bucket_layers.get(stage, (layout.stage_layers[stage],))

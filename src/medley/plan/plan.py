@@ -90,6 +90,7 @@ class _LayoutSpec(BaseModel):
     placement: Literal["naive", "bubble"] = "bubble"
     recompute: list[bool] = []
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    clip_grad: bool = False
 
 
 class _PredictionSpec(BaseModel):
@@ -136,6 +137,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "placement": layout.placement.value,
             "recompute": list(layout.recompute),
             "dtype": layout.dtype,
+            "clip_grad": layout.clip_grad,
         },
     }
     if plan.prediction is not None:
@@ -231,6 +233,7 @@ def _layout_from_spec(spec: _LayoutSpec, model: ModelSpec, cluster: Cluster, sou
         recompute=tuple(spec.recompute),
         dtype=spec.dtype,
         knobs=dict(spec.knobs),
+        clip_grad=spec.clip_grad,
     )
     from medley.plan.compile import build_schedules
 

@@ -29,11 +29,14 @@ class Kind(StrEnum):
     RESHARD = "RESHARD"
     REDUCE_GRAD = "REDUCE_GRAD"
     OPTIM = "OPTIM"
+    # All-reduce of the squared gradient norm over every rank, then the clip: gradient clipping
+    # by the global norm needs every stage's reduced gradient before any optimizer step.
+    CLIP = "CLIP"
 
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW})
 P2P_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
-COLLECTIVE_KINDS = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD, Kind.OPTIM})
+COLLECTIVE_KINDS = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD, Kind.OPTIM, Kind.CLIP})
 # Kinds that carry a micro-batch index; collectives act on a whole stage (or a bucket of it).
 MICRO_BATCH_KINDS = COMPUTE_KINDS | P2P_KINDS
 

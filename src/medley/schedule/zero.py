@@ -8,6 +8,8 @@ replicas. The pass inserts, per stage and in every replica's program:
   after its last use in the window;
 * ``REDUCE_GRAD(s, b)``: the gradient reduction of bucket ``b`` (all-reduce at level 0,
   reduce-scatter at 1-3) after its last weight gradient of the window;
+* ``CLIP`` (with gradient clipping): one all-reduce of the squared gradient norm over every
+  rank, after which each rank clips and runs its optimizer steps;
 * ``OPTIM(s, b)``: the (sharded) optimizer step of bucket ``b``; at levels 1-2 each member
   updated only its shard, so an ``UNSHARD(s, b)`` after it gathers the updated weights (with the
   reduce-scatter, the same 2Ψ traffic as level 0's all-reduce).
@@ -216,6 +218,7 @@ def place_collectives(
     *,
     stage_layers: Sequence[int],
     policy: Placement | str = Placement.BUBBLE,
+    clip_grad: bool = False,
 ) -> list[PipelineSchedule]:
     """Insert the ZeRO collectives of every stage into every replica's schedule.
 
@@ -223,6 +226,8 @@ def place_collectives(
     stage-to-rank map, micro-batch counts may differ). ``zero[s]`` and ``stage_layers[s]`` are
     per global stage. Existing collectives are removed first, so the pass can be re-run. The
     replica with the most compute sets the issue order every other member of a DP group follows.
+    With ``clip_grad`` every rank's optimizer steps wait behind one ``CLIP`` (the world-wide
+    gradient-norm all-reduce), issued after the rank's last other action.
     """
     policy = Placement(policy)
     first = schedules[0]
@@ -254,7 +259,8 @@ def place_collectives(
         ]
         order = _common_order([chains[reference]] + chains[:reference] + chains[reference + 1 :], pinned)
         for replica, base in enumerate(bases):
-            rows[replica].append(_merge(base[rank], _positions(chains[replica], order, pinned)))
+            row = _merge(base[rank], _positions(chains[replica], order, pinned))
+            rows[replica].append(_behind_clip(row, first.stages_of_rank(rank)[0]) if clip_grad else row)
     out = []
     for sched, sched_rows in zip(schedules, rows, strict=True):
         placed_sched = sched.with_actions(sched_rows)
@@ -262,6 +268,24 @@ def place_collectives(
         out.append(placed_sched)
     check_dp_consistency(out)
     return out
+
+
+def _behind_clip(row: list[Action], stage: int) -> list[Action]:
+    """Move the optimizer steps (and the ZeRO-1/2 weight gathers that follow them) behind a CLIP:
+    the global norm needs every gradient, so no step may start before it."""
+    stepped: set[tuple[int, int | None]] = set()
+    kept: list[Action] = []
+    steps: list[Action] = []
+    for action in row:
+        key = (action.stage, action.bucket)
+        if action.kind is Kind.OPTIM:
+            stepped.add(key)
+            steps.append(action)
+        elif action.kind is Kind.UNSHARD and key in stepped:
+            steps.append(action)
+        else:
+            kept.append(action)
+    return [*kept, Action(stage, Kind.CLIP), *steps]
 
 
 def _merge(base: list[Action], items: Placed) -> list[Action]:
@@ -324,6 +348,7 @@ def check_zero_placement(schedule: PipelineSchedule, zero: Sequence[StageZero]) 
         gathered: set[tuple[int, int | None]] = set()
         reduced_after_last_grad: dict[tuple[int, int | None], bool] = {}
         stepped: dict[tuple[int, int | None], bool] = {}
+        clipping, clipped = any(a.kind is Kind.CLIP for a in row), False
         for action in row:
             key = (action.stage, action.bucket)
             level = zero[action.stage].level
@@ -343,7 +368,11 @@ def check_zero_placement(schedule: PipelineSchedule, zero: Sequence[StageZero]) 
                 gathered.discard(key)
             elif action.kind is Kind.REDUCE_GRAD:
                 reduced_after_last_grad[key] = True
+            elif action.kind is Kind.CLIP:
+                clipped = True
             elif action.kind is Kind.OPTIM:
+                if clipping and not clipped:
+                    _fail(rank, action, "optimizer step before the gradient-norm CLIP")
                 if not reduced_after_last_grad.get(key):
                     _fail(rank, action, "optimizer step before the bucket's gradient reduction")
                 stepped[key] = True

@@ -5,7 +5,8 @@ Resources and rules (the contract the planner and the runtime rely on):
 * Each device has one **compute stream** running its compute actions (F, B, W, BW, OPTIM) in list
   order. A compute action starts when the previous one has ended and its inputs are there: the
   activation or gradient it consumes (local: the producer's end; remote: the transfer's arrival),
-  the latest UNSHARD of its stage listed before it (OPTIM: the latest REDUCE_GRAD of its stage).
+  the latest UNSHARD of its stage listed before it (OPTIM: the latest REDUCE_GRAD of its stage, or
+  the CLIP listed before it).
 * Non-compute actions are **issued** when the device's program reaches them, that is when every
   compute action listed before them has ended (``program point``).
 * A **transfer** (SEND_F/SEND_B) is ready at its program point. It runs on the sender's **p2p

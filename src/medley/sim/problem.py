@@ -162,4 +162,4 @@ class SimProblem:
                 )
 
 
-_ZERO_KINDS = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD, Kind.OPTIM})
+_ZERO_KINDS = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD, Kind.OPTIM, Kind.CLIP})

@@ -219,7 +219,11 @@ class _Builder:
             raise ValueError(f"replica {r}: collective table gives {action} the group {cost.group}, "
                              f"which lacks the issuing device {me}")
         if action.kind is Kind.OPTIM:
-            inst = reduce.get((action.stage, action.bucket), reduce.get((action.stage, None), -1))
+            # Behind a CLIP the step waits for the world-wide norm, which (collective streams
+            # being FIFO) ends after every reduction listed before it.
+            inst = reduce.get(_CLIP_KEY, -1)
+            if inst < 0:
+                inst = reduce.get((action.stage, action.bucket), reduce.get((action.stage, None), -1))
             zero_dep = self.prog.coll_slot[inst] if inst >= 0 else ZERO_SLOT
             ops.append((OP_COMPUTE, cost.compute_s, ZERO_SLOT, ZERO_SLOT, ZERO_SLOT, zero_dep, SINK_SLOT,
                         cost.alloc_bytes, cost.free_bytes, action, inst))
@@ -227,7 +231,7 @@ class _Builder:
         if cost.op is None or len(cost.group) == 1:
             ops.append((OP_MEMORY, cost.alloc_bytes, cost.free_bytes, action))
             return
-        key3 = (action.kind, action.stage, action.bucket)
+        key3 = (action.kind, _group_stage(action), action.bucket)
         nth = occurrences.get(key3, 0)
         occurrences[key3] = nth + 1
         inst = self.instance(cost.group, action, nth, cost.op, cost.nbytes)
@@ -240,12 +244,14 @@ class _Builder:
         elif action.kind is Kind.REDUCE_GRAD:
             reduce[(action.stage, action.bucket)] = inst
             reduce[(action.stage, None)] = inst
+        elif action.kind is Kind.CLIP:
+            reduce[_CLIP_KEY] = inst
         ops.append((OP_ISSUE, inst))
 
     def instance(
         self, group: tuple[int, ...], action: Action, nth: int, op: Collective, nbytes: float
     ) -> int:
-        key = (group, action.kind, action.stage, action.bucket, nth)
+        key = (group, action.kind, _group_stage(action), action.bucket, nth)
         inst = self.coll_index.get(key)
         if inst is not None:
             return inst
@@ -264,6 +270,15 @@ class _Builder:
         prog.times.append(-1.0)
         prog.coll_action.append(action)
         return inst
+
+
+_CLIP_KEY = (-1, None)  # where a rank's latest CLIP instance is kept among its reductions
+
+
+def _group_stage(action: Action) -> int:
+    """The stage that identifies a collective across its members: a CLIP spans every rank, each
+    of which names its own first stage, so it is matched by order alone."""
+    return -1 if action.kind is Kind.CLIP else action.stage
 
 
 def build_program(problem: SimProblem) -> Program:
