@@ -94,6 +94,7 @@ def inline_layout(
     gather_windows: int = 1,
     recompute: bool = False,
     dtype: str | None = None,
+    clip_grad: bool = False,
 ) -> PlanLayout:
     """A :class:`PlanLayout` from the flags of ``medley simulate`` (and ``medley train``)."""
     if pp < 1 or dp < 1 or micro_batch_size < 1 or seq_len < 1:
@@ -156,4 +157,5 @@ def inline_layout(
         recompute=(recompute,) * stages,
         dtype=dtype,
         knobs=knobs,
+        clip_grad=clip_grad,
     )
