@@ -27,6 +27,7 @@ from medley.runtime.train import StepRecord, TrainConfig, train
 
 PROCESS_GROUP_TIMEOUT_S = 120
 _SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_FORKED_ENV = "MEDLEY_FORKED_RANKS"
 
 
 def init_process_group() -> str:
@@ -49,7 +50,8 @@ class InputFailure:
 def rank_main(plan: Plan, config: TrainConfig) -> list[StepRecord] | InputFailure | None:
     """Body of one launched rank: records on rank 0, None elsewhere."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    forked = os.environ.get(_FORKED_ENV) == "1"
+    torch.set_num_threads(1 if forked else max(1, (os.cpu_count() or 1) // local_world))
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` shows where a rank waits
     init_process_group()
     try:
@@ -62,9 +64,16 @@ def rank_main(plan: Plan, config: TrainConfig) -> list[StepRecord] | InputFailur
     return records if int(os.environ.get("RANK", "0")) == 0 else None
 
 
-def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None,
-                max_restarts: int = 0) -> list[StepRecord]:
-    """Train ``plan`` with ``nprocs`` ranks on this machine (default: the plan's world size)."""
+def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, max_restarts: int = 0,
+                start_method: str | None = None) -> list[StepRecord]:
+    """Train ``plan`` with ``nprocs`` ranks on this machine (default: the plan's world size).
+
+    ``start_method`` defaults to ``fork`` without CUDA (ranks start in about a second instead of
+    re-importing torch; each forked rank computes with one thread, since an OpenMP pool does not
+    survive a fork) and ``spawn`` with CUDA.
+    """
+    if start_method is None:
+        start_method = "spawn" if torch.cuda.is_available() else "fork"
     nprocs = plan.world_size if nprocs is None else nprocs
     if nprocs != plan.world_size:
         raise MedleyInputError(
@@ -73,18 +82,20 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None,
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"medley-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
-        monitor_interval=0.1, start_method="spawn")
+        monitor_interval=0.1, start_method=start_method)
     # Rank 0 hosts each attempt's own store: with the agent's shared store, the ranks of a
     # restarted attempt found the dead attempt's gloo addresses there (connection refused).
-    previous = os.environ.get(_SHARED_STORE_ENV)
-    os.environ[_SHARED_STORE_ENV] = "1"
+    settings = {_SHARED_STORE_ENV: "1", _FORKED_ENV: "1" if start_method == "fork" else "0"}
+    previous = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
     try:
         results = elastic_launch(launch, rank_main)(plan, config)
     finally:
-        if previous is None:
-            os.environ.pop(_SHARED_STORE_ENV, None)
-        else:
-            os.environ[_SHARED_STORE_ENV] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     failure = next((r for r in results.values() if isinstance(r, InputFailure)), None)
     if failure is not None:
         raise MedleyInputError(failure.message)
