@@ -47,7 +47,9 @@ def zb_h1(pp: int, micro_batches: int) -> PipelineSchedule:
 
 def launch(world: int, cases: list[Case], tmp_path) -> dict[str, dict]:
     out = tmp_path / f"results_{world}.json"
-    mp.spawn(worker, args=(world, free_port(), cases, str(out)), nprocs=world, join=True)
+    # Forked ranks start at once (no re-import of torch); each computes with one thread.
+    mp.start_processes(worker, args=(world, free_port(), cases, str(out)), nprocs=world, join=True,
+                       start_method="fork")
     merged: dict[str, dict] = {}
     for rank_results in json.loads(out.read_text()):
         for name, figures in rank_results.items():
