@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from train_plans import config, crash_rank_one_once, tiny_plan
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from train_plans import config, crash_rank_one_once, stop_after_step_3, tiny_plan
 
 from medley.runtime.checkpoint import SafeReader
 from medley.runtime.launch import train_local
@@ -89,3 +90,18 @@ def test_resume_under_another_plan(baseline, tmp_path) -> None:
     records = train_local(tiny_plan(**PLAN_B), config(checkpoint_dir=directory, measure_memory=False))
     assert [r.step for r in records] == [4, 5]
     assert max(abs(r.loss - u.loss) for r, u in zip(records, uninterrupted[4:], strict=True)) <= TOL
+
+
+@pytest.mark.timeout(240)
+def test_resume_into_zero1_and_zero3_from_another_plan(tmp_path) -> None:
+    """The other direction: plan C (ZeRO-2, one stage) stops after four of six steps (as at a
+    job's time limit, its checkpoint saved); plan A (ZeRO-3 and ZeRO-1 stages) finishes the run,
+    equal to the reference."""
+    directory = tmp_path / "ckpt"
+    with pytest.raises(ChildFailedError, match="stopped after step 3"):
+        train_local(tiny_plan(**PLAN_C), config(checkpoint_dir=directory, measure_memory=False,
+                                                on_step=stop_after_step_3))
+    records = train_local(tiny_plan(**PLAN_A), config(checkpoint_dir=directory, measure_memory=False))
+    want = reference_losses(tiny_plan(**PLAN_A).layout, config())
+    assert [r.step for r in records] == [4, 5]
+    assert max(abs(r.loss - w) for r, w in zip(records, want[4:], strict=True)) <= TOL

@@ -36,3 +36,12 @@ def crash_rank_one_once(step: int) -> None:
     """Kill rank 1 after step 4 on the first attempt only (torchelastic counts restarts)."""
     if step == 4 and os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
         os._exit(3)
+
+
+class StopTraining(Exception):
+    """Raised by :func:`stop_after_step_3` to end a run early, as a job's time limit would."""
+
+
+def stop_after_step_3(step: int) -> None:
+    if step == 3:
+        raise StopTraining(f"stopped after step {step}")
