@@ -207,6 +207,7 @@ class _Loop:
                 if self.config.on_step is not None:
                     self.config.on_step(step)
         finally:
+            faulthandler.cancel_dump_traceback_later()
             if progress is not None:
                 progress.close()
         if self.config.measure_memory and self.setup.device.type == "cpu" and start < self.config.steps:
