@@ -33,6 +33,7 @@ from medley.plan.plan import Plan
 from medley.runtime import checkpoint
 from medley.runtime.data import load_source, replica_slice
 from medley.runtime.emulate import slowdown_factors
+from medley.runtime.executor import MicroBatches
 from medley.runtime.memory import cuda_peak_bytes, probe_peak_bytes, reset_cuda_peak
 from medley.runtime.optim import local_optimizer, lr_at, optimizer_class, set_lr
 from medley.runtime.setup import RankSetup, build_rank
@@ -180,7 +181,7 @@ class _Loop:
         flops = formulas.megatron_flops_per_step(layout.model, batch_size=self.sequences,
                                                  seq_len=layout.seq_len)
         devices = [plan.cluster.devices[d].type for row in layout.assignment for d in row]
-        peak = sum(t.peak_flops(layout.dtype) for t in devices)
+        peak = sum(t.peak_flops(resolve_dtype(plan, config)) for t in devices)
         self.flops_per_peak = flops / peak if setup.device.type == "cuda" and peak > 0 else None
 
     def _count_norm(self, stage: int, bucket: int | None) -> None:
@@ -228,7 +229,7 @@ class _Loop:
             checkpoint.save_checkpoint(directory, next_step=next_step, stages=self.setup.stages,
                                        meta=self.meta)
 
-    def _batch(self, step: int):
+    def _batch(self, step: int) -> MicroBatches:
         layout = self.plan.layout
         tokens = self.source.global_batch(step=step, seed=self.config.seed, sequences=self.sequences,
                                           seq_len=layout.seq_len).to(self.setup.device)
