@@ -255,9 +255,8 @@ class Estimator:
             depth = self._depths(st, family, max(counts), signatures)
             if depth is None:
                 return None
-            uneven = len(set(micro_batches)) > 1
             flights = self.flights(family, depth, max(counts))
-            result = self._split(st, signatures, counts, flights, dtype, st.pp, uneven=uneven)
+            result = self._split(st, signatures, counts, flights, dtype, st.pp)
             if result is None:
                 return None
             split, options = result
@@ -333,17 +332,15 @@ class Estimator:
             return [Flight(full=d, after_b=min(s, m)) for s, d in enumerate(depths)]
         return [Flight(full=d) for d in depths]
 
-    def _split(self, st, signatures, counts, depth, dtype, num_stages, *, uneven: bool = False):
-        """Bottleneck split over ``num_stages`` stages with the cheapest options that fit. Replicas
-        with unequal micro-batch counts cannot stream ZeRO-3 (their per-micro-batch collectives
-        would not match across the DP group), so that option is left out for them."""
+    def _split(self, st, signatures, counts, depth, dtype, num_stages):
+        """Bottleneck split over ``num_stages`` stages with the cheapest options that fit."""
         mbs, pp, dp = st.micro_batch_size, st.pp, st.dp
         stage_types = [
             sorted({(sig[s], c) for (sig, _), c in zip(signatures, counts, strict=True)}) for s in range(pp)
         ]
         types = self.cluster.device_types()
         caps = {t: types[t].memory_bytes * (1.0 - self.headroom) for sig, _ in signatures for t in sig}
-        ladder = tuple(o for o in memory_options(dp) if not (uneven and o.streams))
+        ladder = memory_options(dp)
         num_layers = self.model.num_layers
         slowest = max(
             self.table(t, mbs).time(0, num_layers, recompute=True) * c

@@ -139,7 +139,7 @@ def interleaved_candidate(est: Estimator, st: Structure, v: int) -> Candidate | 
         return None
     split, _ = found
     m = max(counts)
-    ladder = tuple(o for o in memory_options(dp) if not (o.streams and len(set(base.micro_batches)) > 1))
+    ladder = memory_options(dp)
     options: list[MemoryOption | None] = [None] * stages
     starts = [sum(split[:c]) for c in range(stages)]
     for rank in range(pp):
