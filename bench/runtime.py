@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch.multiprocessing as mp
@@ -147,7 +148,7 @@ def main() -> None:
     from medley.profile.report import machine, result_row
 
     args.out.mkdir(parents=True, exist_ok=True)
-    emulated = args.out / "emulated"
+    emulated = Path(tempfile.mkdtemp(prefix="medley-emulated-"))  # generated device catalogs
     mem_cases = memory_cases()
     profiles = profiles_for(
         [*mem_cases, FidelityCase(name="t", model=TINY, pp=2, dp=1)], args.out, reuse=args.reuse_profiles

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -85,12 +86,12 @@ def run_harness(cases: Sequence[FidelityCase], out_dir: Path, *, name: str = "fi
     out_dir.mkdir(parents=True, exist_ok=True)
     profiles = profiles_for(cases, out_dir, reuse=reuse_profiles, comm_sizes=comm_sizes,
                             comm_ranks=sorted({2, *(c.world for c in cases if c.world > 1)}))
-    emulated = out_dir / "emulated"
     results = []
-    for case in cases:
-        profile, profile_name = profiles[case.model.name]
-        results.append(run_case(case, profile, profile_name=profile_name, directory=emulated, steps=steps,
-                                warmup_steps=min(5, steps // 2)))
+    with tempfile.TemporaryDirectory(prefix="medley-emulated-") as emulated:  # generated device catalogs
+        for case in cases:
+            profile, profile_name = profiles[case.model.name]
+            results.append(run_case(case, profile, profile_name=profile_name, directory=Path(emulated),
+                                    steps=steps, warmup_steps=min(5, steps // 2)))
     meta = machine() | {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                         "profiles": sorted({p for _, p in profiles.values()}), "steps": steps,
                         "niceness": os.nice(0)}
