@@ -40,7 +40,7 @@ def parse_slowdown(text: str | None) -> dict[int, float]:
 
 def inline_plan(*, cluster: str | None, model: str, pp: int, dp: int, schedule: str, micro_batches: str,
                 micro_batch_size: int, seq_len: int, virtual_stages: int, split: str | None, zero: str | None,
-                zero_placement: str, buckets: int, gather_windows: int) -> Plan:
+                zero_placement: str, buckets: int, gather_windows: int, clip_grad: bool) -> Plan:
     from medley.cost.estimator import CatalogCostSource
     from medley.plan.inline import inline_layout
     from medley.spec.cluster import parse_cluster_arg
@@ -52,7 +52,7 @@ def inline_plan(*, cluster: str | None, model: str, pp: int, dp: int, schedule: 
         cluster=spec, model=model_spec, cost=CatalogCostSource.for_cluster(model_spec, spec), pp=pp, dp=dp,
         schedule=schedule, micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
         virtual_stages=virtual_stages, split=split, zero=zero, placement=zero_placement, buckets=buckets,
-        gather_windows=gather_windows)
+        gather_windows=gather_windows, clip_grad=clip_grad)
     return Plan(layout=layout, cluster=spec)
 
 
@@ -149,7 +149,7 @@ def register(app: typer.Typer) -> None:
                 cluster=cluster, model=model, pp=pp, dp=dp, schedule=schedule,
                 micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
                 virtual_stages=virtual_stages, split=split, zero=zero, zero_placement=zero_placement,
-                buckets=buckets, gather_windows=gather_windows)
+                buckets=buckets, gather_windows=gather_windows, clip_grad=bool(clip_norm))
         config = TrainConfig(
             steps=steps, seed=seed, optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, min_lr=min_lr,
             weight_decay=weight_decay, clip_norm=clip_norm or None, data=data, checkpoint_dir=checkpoint_dir,

@@ -60,8 +60,8 @@ class RankExecutor:
             master weights); None computes in the weights' dtype.
         slowdown: emulation of a slower device: after each compute action the rank sleeps
             ``(slowdown - 1) x`` the time the action took (1.0: no emulation).
-        defer_optim: keep the OPTIM actions for :meth:`run_deferred_optim` instead of running
-            them where the schedule put them (gradient clipping needs the global norm first).
+        on_clip: runs the schedule's CLIP action (the world-wide gradient-norm all-reduce and
+            the clip); the schedule puts every OPTIM of the rank behind it.
         before_optim: called with (stage, bucket) right before each optimizer step runs.
         device: where activations live (receive buffers are allocated there).
     """
@@ -69,7 +69,7 @@ class RankExecutor:
     def __init__(self, *, schedule: PipelineSchedule, pipeline_rank: int, stages: dict[int, ShardedStage],
                  pp_group: dist.ProcessGroup, activation_shape: Sequence[int], loss_fn: LossFn,
                  dtype: torch.dtype = torch.float32, autocast_dtype: torch.dtype | None = None,
-                 slowdown: float = 1.0, defer_optim: bool = False,
+                 slowdown: float = 1.0, on_clip: Callable[[], None] | None = None,
                  before_optim: Callable[[int, int | None], None] | None = None,
                  device: torch.device | None = None) -> None:
         self.schedule = schedule
@@ -81,9 +81,8 @@ class RankExecutor:
         self.dtype = dtype
         self.autocast_dtype = autocast_dtype
         self.slowdown = slowdown
-        self.defer_optim = defer_optim
+        self.on_clip = on_clip
         self.before_optim = before_optim
-        self.deferred: list[Action] = []
         self.device = device or torch.device("cpu")
         self.emulated_sleep_s = 0.0
         self.state: dict[int, StageState] = {}
@@ -104,12 +103,6 @@ class RankExecutor:
         last = self.schedule.num_stages - 1
         losses = self.state[last].losses if last in self.state else {}
         return [losses[mb].detach() for mb in sorted(losses)]
-
-    def run_deferred_optim(self) -> None:
-        """Run the OPTIM actions held back by ``defer_optim``, in program order."""
-        deferred, self.deferred = self.deferred, []
-        for action in deferred:
-            self._optim(action)
 
     def _optim(self, action: Action) -> None:
         if self.before_optim is not None:
@@ -145,10 +138,12 @@ class RankExecutor:
         elif kind is Kind.REDUCE_GRAD:
             self.stages[stage].reduce_grad(action.bucket)
         elif kind is Kind.OPTIM:
-            if self.defer_optim:
-                self.deferred.append(action)
-            else:
-                self._optim(action)
+            self._optim(action)
+        elif kind is Kind.CLIP:
+            if self.on_clip is None:
+                raise RuntimeError(f"{action} on pipeline rank {self.rank}: the schedule clips gradients "
+                                   "but no clipping was configured (TrainConfig.clip_norm)")
+            self.on_clip()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -76,10 +77,15 @@ def _device() -> torch.device:
 
 def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optimizer],
                optimizer_kwargs: dict[str, Any], autocast_dtype: torch.dtype | None = None,
-               defer_optim: bool = False, slowdown: Mapping[int, float] | None = None) -> RankSetup:
-    """Build this rank's stages and executor for ``plan`` (collective: every rank calls it)."""
+               clip_grad: bool = False, slowdown: Mapping[int, float] | None = None) -> RankSetup:
+    """Build this rank's stages and executor for ``plan`` (collective: every rank calls it).
+
+    ``clip_grad`` decides whether the schedules carry the ``CLIP`` action (the run's clipping
+    setting wins over ``layout.clip_grad``, which only says what the plan's prediction assumed);
+    the caller sets ``executor.on_clip``.
+    """
     check_plan(plan, dist.get_world_size())
-    layout = plan.layout
+    layout = dataclasses.replace(plan.layout, clip_grad=clip_grad)
     device = _device()
     schedules = build_schedules(layout)
     mesh = make_mesh(layout.pp, layout.dp, device.type)
@@ -102,6 +108,6 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
         schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pp_group=mesh["pp"].get_group(),
         activation_shape=(layout.micro_batch_size, layout.seq_len, layout.model.hidden_size),
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens, autocast_dtype=autocast_dtype,
-        slowdown=factor, defer_optim=defer_optim, device=device)
+        slowdown=factor, device=device)
     return RankSetup(replica=place.replica, pipeline_rank=place.pipeline_rank, device=device,
                      device_of_rank=device_of_rank, mesh=mesh, stages=stages, executor=executor)

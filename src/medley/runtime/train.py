@@ -6,11 +6,11 @@ ranks on this machine. Each step: the global batch of the step (the same sequenc
 plan), this replica's slice of it, the rank's program of the plan's schedule, then per-step
 statistics gathered on rank 0.
 
-Gradient clipping needs the global norm before any optimizer step, but the schedule places
-OPTIM actions inside the program. With ``clip_norm`` set, the executor holds every OPTIM back
-until the end of the program; then one all-reduce of the squared norm (one fp64 scalar) over the
-world group, the clip, and the held-back OPTIMs in program order. That all-reduce is a barrier
-across all ranks at the end of every step: no optimizer step overlaps another rank's backward.
+Gradient clipping needs the global norm before any optimizer step. With ``clip_norm`` set, the
+schedules are built with ``clip_grad`` (``medley.schedule.zero``): each rank's program ends with
+one ``CLIP`` action, an all-reduce of its share of the squared norm (one fp64 scalar) over the
+world group followed by the clip, and then its OPTIM actions. That all-reduce is a barrier across
+all ranks at the end of every step: no optimizer step overlaps another rank's backward.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def train(plan: Plan, config: TrainConfig) -> list[StepRecord]:
     opt_class, opt_kwargs = optimizer_class(config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
     dtype = resolve_dtype(plan, config)
     setup = build_rank(plan, seed=config.seed, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
-                       autocast_dtype=DTYPES[dtype], defer_optim=config.clip_norm
+                       autocast_dtype=DTYPES[dtype], clip_grad=config.clip_norm
                        is not None, slowdown=_slowdown(plan, config))
     return _Loop(plan, config, setup).run()
 
@@ -173,7 +173,10 @@ class _Loop:
         self.sequences = sum(layout.micro_batches) * layout.micro_batch_size
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.sq_norm = torch.zeros((), dtype=torch.float64)
-        setup.executor.before_optim = None if config.clip_norm is not None else self._count_norm
+        if config.clip_norm is None:
+            setup.executor.before_optim = self._count_norm
+        else:
+            setup.executor.on_clip = lambda: self._clip(config.clip_norm)
         self.meta = {"model": dataclasses.asdict(layout.model), "data": self.source.fingerprint,
                      "optimizer": config.optimizer, "seq_len": layout.seq_len, "seed": config.seed,
                      "plan": {"pp": layout.pp, "dp": layout.dp, "split": list(layout.stage_layers),
@@ -250,9 +253,6 @@ class _Loop:
         reset_cuda_peak(setup.device)
         started = time.perf_counter()
         losses = setup.executor.run_step(batch)
-        if config.clip_norm is not None:
-            self._clip(config.clip_norm)
-            setup.executor.run_deferred_optim()
         if setup.device.type == "cuda":
             torch.cuda.synchronize(setup.device)
         elapsed = time.perf_counter() - started
@@ -325,9 +325,6 @@ class _Loop:
 
         def step() -> None:
             setup.executor.run_step(batch)
-            if self.config.clip_norm is not None:
-                self._clip(self.config.clip_norm)
-                setup.executor.run_deferred_optim()
 
         peak = torch.tensor([probe_peak_bytes(step, existing=self._resident_tensors())], dtype=torch.float64)
         gathered = torch.zeros(self.world, dtype=torch.float64)
