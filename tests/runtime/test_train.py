@@ -25,8 +25,8 @@ TOL = 1e-5
 PLAN_A = dict(pp=2, dp=2, split="3,3", zero="3,1", schedule="zb-h1", micro_batches="5,3", buckets=2)
 # B: 2 ranks, one pipeline, ZeRO-2 then ZeRO-0, another split.
 PLAN_B = dict(pp=2, dp=1, split="2,4", zero="2,0", schedule="1f1b", micro_batches="8")
-# C: 2 replicas of the whole model, ZeRO-2, uneven micro-batch counts.
-PLAN_C = dict(pp=1, dp=2, split="6", zero="2", schedule="gpipe", micro_batches="3,5")
+# C: 2 replicas of the whole model, ZeRO-2, uneven micro-batch counts, blocks recomputed.
+PLAN_C = dict(pp=1, dp=2, split="6", zero="2", schedule="gpipe", micro_batches="3,5", recompute=True)
 
 
 @pytest.fixture(scope="module")

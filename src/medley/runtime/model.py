@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from medley.spec.model import ModelSpec
 
@@ -145,7 +146,8 @@ def init_layer(module: nn.Module, seed: int, layer_index: int, num_blocks: int) 
 
 
 class Decoder(nn.Module):
-    """Layers ``[first_layer, last_layer)`` of the model described by ``spec``.
+    """Layers ``[first_layer, last_layer)`` of the model described by ``spec``; with ``recompute``
+    each block keeps only its input and recomputes its activations in the backward.
 
     The input is token ids [batch, seq] when the range holds the embedding, else hidden states
     [batch, seq, hidden]; the output is logits [batch, seq, vocab] when it holds the head, else
@@ -153,7 +155,7 @@ class Decoder(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, *, first_layer: int = 0, last_layer: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, recompute: bool = False) -> None:
         super().__init__()
         last_layer = spec.num_layers if last_layer is None else last_layer
         if not 0 <= first_layer < last_layer <= spec.num_layers:
@@ -166,6 +168,7 @@ class Decoder(nn.Module):
             raise ValueError(f"model '{spec.name}' ties its embeddings, so the head must live on the stage "
                              "that holds the embedding; use untied embeddings for pipelines")
         self.spec = spec
+        self.recompute = recompute
         self.first_layer, self.last_layer = first_layer, last_layer
         self.embed = Embedding(spec) if has_embed else None
         block_ids = range(max(first_layer, 1), min(last_layer, spec.num_blocks + 1))
@@ -189,7 +192,11 @@ class Decoder(nn.Module):
         if self.embed is not None:
             x = self.embed(x)
         for block in self.blocks.values():
-            x = block(x)
+            if self.recompute and torch.is_grad_enabled():
+                # Keep only the block's input; its activations are recomputed in the backward.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         if self.head is not None:
             tied = self.embed.tok.weight if self.spec.tied_embeddings else None
             x = self.head(x, tied)

@@ -100,7 +100,7 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
         torch.set_default_device(device)
     stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers, zero=levels,
                                 mesh=mesh, seed=seed, optimizer_class=optimizer_class,
-                                optimizer_kwargs=optimizer_kwargs)
+                                optimizer_kwargs=optimizer_kwargs, recompute=layout.recompute)
     device_of_rank = [layout.assignment[r][k] for r in range(layout.dp) for k in range(layout.pp)]
     n_tokens = layout.tokens_per_step
     factor = 1.0 if slowdown is None else slowdown[layout.assignment[place.replica][place.pipeline_rank]]

@@ -57,7 +57,7 @@ def rank_place(mesh: DeviceMesh) -> RankPlace:
 def build_local_stages(
     spec: ModelSpec, *, schedule: PipelineSchedule, split: Sequence[int], zero: Sequence[int],
     mesh: DeviceMesh, seed: int, optimizer_class: type[torch.optim.Optimizer],
-    optimizer_kwargs: dict[str, Any],
+    optimizer_kwargs: dict[str, Any], recompute: Sequence[bool] = (),
 ) -> dict[int, ShardedStage]:
     """Build and shard only the stages this rank runs in ``schedule`` (its replica's program)."""
     if len(split) != schedule.num_stages or len(zero) != schedule.num_stages:
@@ -69,7 +69,8 @@ def build_local_stages(
     stages: dict[int, ShardedStage] = {}
     for stage in schedule.stages_of_rank(place.pipeline_rank):
         first, last = ranges[stage]
-        module = Decoder(spec, first_layer=first, last_layer=last, seed=seed)
+        module = Decoder(spec, first_layer=first, last_layer=last, seed=seed,
+                         recompute=bool(recompute and recompute[stage]))
         stages[stage] = shard_stage(module, zero=zero[stage], bucket_layers=schedule.bucket_layers.get(stage),
                                     dp_mesh=dp_mesh, optimizer_class=optimizer_class,
                                     optimizer_kwargs=optimizer_kwargs)
