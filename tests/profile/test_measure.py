@@ -47,3 +47,9 @@ def test_profile_command_writes_a_loadable_file(tmp_path: Path) -> None:
     assert json.loads(result.output)["host"] == profile.host
     bad = CliRunner().invoke(app, ["profile", "--model", "tiny", "--device", "tpu", "--out", str(out)])
     assert bad.exit_code == 2 and "--device 'tpu' must be cpu or cuda" in bad.output
+
+
+def test_fidelity_command_rejects_unknown_cases(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["fidelity", "--cases", "nope", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--cases: unknown ['nope']" in result.output
+    assert not list(tmp_path.iterdir())  # nothing profiled or run

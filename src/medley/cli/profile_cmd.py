@@ -82,3 +82,45 @@ def register(app: typer.Typer) -> None:
         else:
             print_profile(profile, Console())
             Console().print(f"wrote {out}")
+
+    @app.command("fidelity")
+    @exit_on_input_error
+    def fidelity_cmd(
+        out: Annotated[Path, typer.Option(help="Directory for the profiles and the report")] = Path(
+            "out/fidelity"
+        ),
+        quick: Annotated[bool, typer.Option(help="Two plans only (pp2 1F1B, dp2 ZeRO-1)")] = False,
+        cases: Annotated[str, typer.Option(help="Comma-separated case names (default: all)")] = "",
+        steps: Annotated[
+            int, typer.Option(help="Training steps per plan (the first min(5, steps/2) untimed)")
+        ] = 20,
+        reuse_profiles: Annotated[
+            bool, typer.Option(help="Reuse profile-cpu-*.json found in --out instead of profiling")
+        ] = False,
+    ) -> None:
+        """Profile, simulate and train plans on this machine's CPU; predicted vs measured step time
+        and peak memory per rank (JSON + Markdown in --out). bench/fidelity.py runs the same."""
+        from medley.cli.errors import MedleyInputError
+        from medley.profile.harness import default_cases, run_harness
+
+        chosen = default_cases()
+        if quick:
+            chosen = chosen[:1] + chosen[3:4]
+        if cases:
+            wanted = set(cases.split(","))
+            unknown = sorted(wanted - {c.name for c in chosen})
+            if unknown:
+                raise MedleyInputError(f"--cases: unknown {unknown}; choose from "
+                                       f"{', '.join(c.name for c in default_cases())}")
+            chosen = [c for c in chosen if c.name in wanted]
+        if steps < 2:
+            raise MedleyInputError(f"--steps {steps}: run at least 2 steps (the first ones are untimed)")
+        results = run_harness(chosen, out, name="fidelity", steps=steps, reuse_profiles=reuse_profiles)
+        table = Table(title=f"fidelity on this machine ({out / 'fidelity.md'})")
+        for col in ("case", "predicted ms", "fastest ms", "error", "median ms", "worst memory error"):
+            table.add_column(col, justify="right")
+        for r in results:
+            table.add_row(r.case, f"{r.predicted_step_s * 1e3:.1f}", f"{r.fastest_step_s * 1e3:.1f}",
+                          f"{r.fastest_step_error:+.1%}", f"{r.measured_step_s * 1e3:.1f}",
+                          f"{r.worst_memory_error:+.1%}")
+        Console().print(table)
