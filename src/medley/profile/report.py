@@ -72,6 +72,19 @@ def markdown(results: Sequence[FidelityResult], meta: dict[str, Any], notes: str
     return "\n".join(lines)
 
 
+def results_from_json(path: Path) -> tuple[list[FidelityResult], dict[str, Any]]:
+    """The results and metadata of a written report (to render it again)."""
+    payload = json.loads(Path(path).read_text())
+    names = {f.name for f in dataclasses.fields(FidelityResult)}
+    results = []
+    for row in payload["results"]:
+        fields = {k: v for k, v in row.items() if k in names}
+        for key in ("predicted_memory", "measured_memory"):
+            fields[key] = {int(d): float(b) for d, b in fields[key].items()}
+        results.append(FidelityResult(**fields))
+    return results, payload["meta"]
+
+
 def write_report(results: Sequence[FidelityResult], meta: dict[str, Any], *, json_path: Path, md_path: Path,
                  notes: str = "") -> None:
     json_path.parent.mkdir(parents=True, exist_ok=True)
