@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import multiprocessing
 import os
 import signal
 import uuid
@@ -68,12 +69,16 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, m
                 start_method: str | None = None) -> list[StepRecord]:
     """Train ``plan`` with ``nprocs`` ranks on this machine (default: the plan's world size).
 
-    ``start_method`` defaults to ``fork`` without CUDA (ranks start in about a second instead of
-    re-importing torch; each forked rank computes with one thread, since an OpenMP pool does not
-    survive a fork) and ``spawn`` with CUDA.
+    ``start_method`` defaults to ``forkserver`` without CUDA and ``spawn`` with CUDA. Ranks forked
+    from the caller itself (``fork``) start fastest but can deadlock when the caller already runs
+    other threads (a lock held at fork time, seen in the test suite); the fork server is a clean
+    single-threaded process with torch and medley already imported, so ranks still start in
+    about a second after its first use.
     """
     if start_method is None:
-        start_method = "spawn" if torch.cuda.is_available() else "fork"
+        start_method = "spawn" if torch.cuda.is_available() else "forkserver"
+    if start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(["torch", "medley.runtime.launch"])
     nprocs = plan.world_size if nprocs is None else nprocs
     if nprocs != plan.world_size:
         raise MedleyInputError(
