@@ -1,66 +1,141 @@
-"""``medley demo``: the built-in example, end to end as far as medley goes today.
+"""``medley demo``: the built-in example, end to end.
 
-Shows the demo cluster (4x A100-80GB, 4x V100-32GB, 4x T4-16GB over 25 GbE) and a model's cost
-per device type, then simulates one heterogeneous plan with ZeRO placed naively and bubble-aware,
-and writes the Chrome trace and Gantt chart of the bubble-aware one.
+1. The demo cluster (4x A100-80GB, 4x V100-32GB, 4x T4-16GB over 25 GbE) and a model's cost per
+   device type.
+2. The planner's best plans for that model on that cluster, against the baselines, with why the
+   best one wins; its Gantt chart and Chrome trace.
+3. ZIPPer's point on one hand-made plan: the same ZeRO levels with collectives placed naively and
+   in the pipeline bubbles.
+4. A real run: a 4-rank emulated mixed cluster on this machine's CPU (two ranks at full speed, two
+   stretched 2x, see medley.runtime.emulate), a CPU profile of the tiny model, a plan for it from
+   the planner, a few dozen training steps with torch.distributed, and the predicted step time
+   next to the measured one.
 """
 
 from __future__ import annotations
 
+import os
+import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 from medley.cli.errors import exit_on_input_error
-from medley.cli.simulate_cmd import print_summary, summary, write_pictures
+from medley.cli.plan_cmd import print_result, result_data
+from medley.cli.simulate_cmd import write_pictures
 from medley.cli.spec_cmds import print_cluster, print_model_costs
 from medley.cost.estimator import CatalogCostSource
+from medley.plan.explain import explain
 from medley.plan.inline import inline_layout
-from medley.plan.predict import simulate_layout
+from medley.plan.plan import Plan, save_plan
+from medley.plan.predict import predict
+from medley.plan.search import Constraints, search
 from medley.spec.cluster import load_cluster
 from medley.spec.model import get_model
 
 DEMO_CLUSTER = Path(__file__).resolve().parents[3] / "examples" / "demo.toml"
+EMULATED_SLOWDOWNS = (1.0, 1.0, 2.0, 2.0)
+RUN_MODEL, RUN_SEQ_LEN, RUN_MICRO_BATCH, RUN_GLOBAL_BATCH = "tiny", 64, 2, 16
 
 
-def run_demo(*, out_dir: Path, model_name: str, console: Console) -> dict:
+def plan_demo_cluster(*, out_dir: Path, model_name: str, console: Console) -> dict:
     cluster = load_cluster(DEMO_CLUSTER)
     model = get_model(model_name)
     print_cluster(cluster, console)
     print_model_costs(model, cluster, micro_batch_size=1, seq_len=2048, console=console)
+    result = search(cluster, model, global_batch=96, seq_len=2048, top=3)
+    data = result_data(result)
+    print_result(data, console)
+    for line in explain(result).lines():
+        console.print(f"· {line}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_plan(result.best.plan, out_dir / "demo-plan.toml")
+    write_pictures(result.best.result, trace=out_dir / "demo-trace.json", gantt=out_dir / "demo-gantt.png")
+    console.print(f"Best plan: {out_dir / 'demo-plan.toml'} (`medley show` renders it); "
+                  f"Gantt {out_dir / 'demo-gantt.png'}; trace {out_dir / 'demo-trace.json'} "
+                  "(open in https://ui.perfetto.dev)")
+    return data
+
+
+def zero_placement_demo(*, model_name: str, console: Console) -> dict[str, float]:
+    cluster = load_cluster(DEMO_CLUSTER)
+    model = get_model(model_name)
     cost = CatalogCostSource.for_cluster(model, cluster)
-    figures, results = {}, {}
+    steps = {}
     for placement in ("naive", "bubble"):
         layout = inline_layout(
-            cluster=cluster,
-            model=model,
-            cost=cost,
-            pp=3,
-            dp=4,
-            schedule="1f1b",
-            micro_batches="16",
-            micro_batch_size=1,
-            seq_len=2048,
-            zero="3,1,3",
-            placement=placement,
+            cluster=cluster, model=model, cost=cost, pp=3, dp=4, schedule="1f1b", micro_batches="16",
+            micro_batch_size=1, seq_len=2048, zero="3,1,3", placement=placement,
         )
-        problem, result = simulate_layout(layout, cluster)
-        figures[placement] = summary(layout, cluster, problem, result)
-        results[placement] = result
-    console.rule("One plan: pp=3 (A100 | V100 | T4 stages), dp=4, 1F1B, ZeRO 3,1,3, bubble-aware placement")
-    print_summary(figures["bubble"], console)
+        steps[placement] = predict(layout, cluster, cost=cost)[0].step_time_s
+    console.rule("ZIPPer: pp=3 (A100 | V100 | T4 stages) x dp=4, 1F1B, ZeRO 3,1,3")
+    console.print(f"ZeRO collectives placed naively: step {steps['naive']:.3f} s; in the pipeline "
+                  f"bubbles: {steps['bubble']:.3f} s ({steps['naive'] / steps['bubble']:.2f}x)")
+    return steps
+
+
+def emulated_run(*, out_dir: Path, steps: int, console: Console) -> dict:
+    """Profile, plan and train on a 4-rank emulated mixed cluster; predicted vs measured."""
+    from medley.cost.profiles import save_profile
+    from medley.profile.emulate import emulated_cluster
+    from medley.profile.run import run_profile
+    from medley.runtime.launch import train_local
+    from medley.runtime.train import TrainConfig
+
+    console.rule(f"A real run: {len(EMULATED_SLOWDOWNS)} CPU ranks emulating a mixed cluster "
+                 f"(slowdowns {', '.join(f'{f:g}x' for f in EMULATED_SLOWDOWNS)})")
+    model = get_model(RUN_MODEL)
+    console.print(f"profiling {model.name}'s layers and gloo collectives on this CPU ...")
+    profile = run_profile(model, micro_batch_sizes=(RUN_MICRO_BATCH,), seq_lens=(RUN_SEQ_LEN,),
+                          comm_ranks=(len(EMULATED_SLOWDOWNS),), runs=5)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_pictures(results["bubble"], trace=out_dir / "demo-trace.json", gantt=out_dir / "demo-gantt.png")
-    exposed = {p: sum(s["exposed_s"] for s in f["stages"]) for p, f in figures.items()}
-    console.print(
-        f"ZeRO communication exposed: naive {exposed['naive'] * 1e3:.0f} ms, bubble-aware "
-        f"{exposed['bubble'] * 1e3:.0f} ms; step {figures['naive']['step_time_s']:.3f} s -> "
-        f"{figures['bubble']['step_time_s']:.3f} s"
-    )
-    console.print(f"Trace (open in https://ui.perfetto.dev): {out_dir / 'demo-trace.json'}")
-    console.print(f"Gantt chart: {out_dir / 'demo-gantt.png'}")
+    profile_path = out_dir / "demo-profile-cpu.json"
+    save_profile(profile, profile_path)
+    # Ranks are processes sharing this machine's cores: with more demand than cores every rank's
+    # compute stretches (see medley.profile.fidelity.build_plan).
+    cores = max(1, len(os.sched_getaffinity(0)))
+    share = max(1.0, sum(1.0 / f for f in EMULATED_SLOWDOWNS) / cores)
+    emulated = emulated_cluster(profile, model, EMULATED_SLOWDOWNS, directory=out_dir,
+                                profile_name=profile_path.name, compute_share=share, name="demo-emulated")
+    result = search(emulated.cluster, model, global_batch=RUN_GLOBAL_BATCH, seq_len=RUN_SEQ_LEN,
+                    cost=emulated.cost, top=1, baselines=False,
+                    constraints=Constraints(micro_batch_sizes=(RUN_MICRO_BATCH,)))
+    # The run trains in fp32 with gradient clipping on the CPU: predict exactly that.
+    layout = replace(result.best.plan.layout, dtype="fp32", clip_grad=True)
+    prediction, _, _ = predict(layout, emulated.cluster, cost=emulated.cost)
+    plan = Plan(layout=layout, cluster=emulated.cluster, prediction=prediction)
+    save_plan(plan, out_dir / "demo-emulated-plan.toml")
+    console.print(f"planned: pp={layout.pp} x dp={layout.dp}, {layout.schedule}, split "
+                  f"{list(layout.stage_layers)}, micro-batches {list(layout.micro_batches)} x "
+                  f"{layout.micro_batch_size}, ZeRO {[z.level for z in layout.zero]} "
+                  f"({out_dir / 'demo-emulated-plan.toml'})")
+    records = train_local(plan, TrainConfig(steps=steps, emulate=True, data=None, warmup_steps=3))
+    timed = [r.step_time_s for r in records[5:]] or [r.step_time_s for r in records]
+    measured = {"fastest": min(timed), "median": statistics.median(timed)}
+    table = Table(title=f"{model.name}, {steps} steps, {layout.tokens_per_step} tokens per step")
+    for column in ("", "step time", "error vs predicted"):
+        table.add_column(column, justify="right")
+    table.add_row("predicted (simulator, CPU profile)", f"{prediction.step_time_s * 1e3:.1f} ms", "")
+    for name, value in measured.items():
+        error = (prediction.step_time_s - value) / value
+        table.add_row(f"measured, {name} step", f"{value * 1e3:.1f} ms", f"{error:+.1%}")
+    console.print(table)
+    console.print(f"loss {records[0].loss:.3f} -> {records[-1].loss:.3f} over {steps} steps "
+                  "(byte-level text of the shipped corpus); the machine is shared, so single steps "
+                  "vary (bench/results/fidelity.md has the full fidelity study)")
+    return {"predicted_s": prediction.step_time_s, **{f"{k}_s": v for k, v in measured.items()},
+            "loss_first": records[0].loss, "loss_last": records[-1].loss}
+
+
+def run_demo(*, out_dir: Path, model_name: str, console: Console, train_steps: int = 30) -> dict:
+    figures = {"plan": plan_demo_cluster(out_dir=out_dir, model_name=model_name, console=console)}
+    figures["zero_placement"] = zero_placement_demo(model_name=model_name, console=console)
+    if train_steps > 0:
+        figures["run"] = emulated_run(out_dir=out_dir, steps=train_steps, console=console)
     return figures
 
 
@@ -68,8 +143,11 @@ def register(app: typer.Typer) -> None:
     @app.command("demo")
     @exit_on_input_error
     def demo(
-        out: Annotated[Path, typer.Option(help="Where the pictures go")] = Path("out"),
-        model: Annotated[str, typer.Option(help="Model preset to show and simulate")] = "llama-2-7b",
+        out: Annotated[Path, typer.Option(help="Where the plans, profile and pictures go")] = Path("out"),
+        model: Annotated[str, typer.Option(help="Model preset to plan for the demo cluster")] = "llama-2-7b",
+        train_steps: Annotated[
+            int, typer.Option(help="Steps of the emulated 4-rank run (0 skips it)")
+        ] = 30,
     ) -> None:
-        """Show the demo cluster and model costs, simulate one plan and write its pictures."""
-        run_demo(out_dir=out, model_name=model, console=Console())
+        """Plan for the demo cluster, show ZIPPer's placement, then train a tiny model on 4 emulated ranks."""
+        run_demo(out_dir=out, model_name=model, console=Console(), train_steps=train_steps)

@@ -1,0 +1,26 @@
+"""The README's demo, end to end with a short emulated run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from medley.cli.demo import run_demo
+from medley.plan.plan import load_plan
+
+
+@pytest.mark.timeout(300)
+def test_demo_plans_simulates_and_trains(tmp_path: Path) -> None:
+    figures = run_demo(out_dir=tmp_path, model_name="llama-2-7b", console=Console(quiet=True), train_steps=8)
+    best = figures["plan"]["plans"][0]
+    assert all(ratio is None or ratio >= 1.0 for ratio in best["versus_baselines"].values())
+    assert figures["zero_placement"]["bubble"] < figures["zero_placement"]["naive"]
+    run = figures["run"]
+    assert run["predicted_s"] > 0 and 0 < run["fastest_s"] <= run["median_s"]
+    assert run["loss_last"] < run["loss_first"]
+    for name in ("demo-plan.toml", "demo-emulated-plan.toml", "demo-gantt.png", "demo-trace.json",
+                 "demo-profile-cpu.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert load_plan(tmp_path / "demo-emulated-plan.toml").layout.clip_grad
