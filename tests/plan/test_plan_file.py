@@ -101,7 +101,7 @@ def test_failed_save_leaves_old_file_and_no_temporary(
     def explode(*_args, **_kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("medley.plan.plan.os.replace", explode)
+    monkeypatch.setattr("medley.fileio.os.replace", explode)
     with pytest.raises(OSError):
         save_plan(plan, target)
     assert target.read_text() == before

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from medley.cli.errors import MedleyInputError
 from medley.cost.interfaces import CostSource, Pass, TimeEstimate
+from medley.fileio import write_atomically
 from medley.spec.cluster_schema import describe_validation_error
 from medley.spec.model import ModelSpec
 
@@ -149,17 +148,7 @@ def model_dict(model: ModelSpec) -> dict[str, Any]:
 
 def save_profile(profile: Profile, path: Path) -> None:
     """Write ``profile`` as JSON; the file appears whole or not at all."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(json.dumps(profile.model_dump(mode="json"), indent=1) + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(Path(path), json.dumps(profile.model_dump(mode="json"), indent=1) + "\n")
 
 
 def load_profile(path: Path) -> Profile:

@@ -10,9 +10,6 @@ atomically so that a crash never leaves half a plan behind.
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +18,7 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from medley.cli.errors import MedleyInputError
+from medley.fileio import read_toml, write_atomically
 from medley.plan.compile import PlanLayout
 from medley.schedule.zero import Placement, StageZero
 from medley.spec.cluster import Cluster, cluster_from_dict
@@ -246,30 +244,9 @@ def _layout_from_spec(spec: _LayoutSpec, model: ModelSpec, cluster: Cluster, sou
 
 def save_plan(plan: Plan, path: Path) -> None:
     """Write ``plan`` as TOML; the file appears whole or not at all."""
-    path = Path(path)
-    text = tomli_w.dumps(plan_to_dict(plan))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(Path(path), tomli_w.dumps(plan_to_dict(plan)))
 
 
 def load_plan(path: Path) -> Plan:
     """Read and validate a plan file; every problem is a :class:`MedleyInputError`."""
-    path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except OSError as err:
-        raise MedleyInputError(
-            f"{path}: cannot read the plan file ({err.strerror}); check the path."
-        ) from None
-    except UnicodeDecodeError:
-        raise MedleyInputError(f"{path}: not a UTF-8 text file; give a plan TOML file.") from None
-    except tomllib.TOMLDecodeError as err:
-        raise MedleyInputError(f"{path}: malformed TOML ({err}); fix the syntax there.") from None
-    return plan_from_dict(raw, source=str(path))
+    return plan_from_dict(read_toml(path, what="plan"), source=str(path))

@@ -8,13 +8,13 @@ whose group holds both, at the slowest bandwidth of the tiers up to and includin
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from medley.cli.errors import MedleyInputError
+from medley.fileio import read_toml
 from medley.spec.catalog import DeviceType, load_catalog
 from medley.spec.cluster_schema import ClusterFile, describe_validation_error
 
@@ -129,16 +129,7 @@ class Cluster:
 def load_cluster(path: Path, catalog: dict[str, DeviceType] | None = None) -> Cluster:
     """Read and validate a cluster TOML file; every problem is a :class:`MedleyInputError`."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except OSError as err:
-        raise MedleyInputError(
-            f"{path}: cannot read the cluster file ({err.strerror}); check the path."
-        ) from None
-    except UnicodeDecodeError:
-        raise MedleyInputError(f"{path}: not a UTF-8 text file; give a cluster TOML file.") from None
-    except tomllib.TOMLDecodeError as err:
-        raise MedleyInputError(f"{path}: malformed TOML ({err}); fix the syntax there.") from None
+    raw = read_toml(path, what="cluster")
     try:
         spec = ClusterFile.model_validate(raw)
     except ValidationError as err:
