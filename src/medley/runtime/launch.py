@@ -73,7 +73,8 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, m
     from the caller itself (``fork``) start fastest but can deadlock when the caller already runs
     other threads (a lock held at fork time, seen in the test suite); the fork server is a clean
     single-threaded process with torch and medley already imported, so ranks still start in
-    about a second after its first use.
+    about a second after its first use. Ranks forked either way compute with one thread, as
+    ``medley profile`` measures by default, so that profiles predict these runs.
     """
     if start_method is None:
         start_method = "spawn" if torch.cuda.is_available() else "forkserver"
@@ -90,7 +91,7 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, m
         monitor_interval=0.1, start_method=start_method)
     # Rank 0 hosts each attempt's own store: with the agent's shared store, the ranks of a
     # restarted attempt found the dead attempt's gloo addresses there (connection refused).
-    settings = {_SHARED_STORE_ENV: "1", _FORKED_ENV: "1" if start_method == "fork" else "0"}
+    settings = {_SHARED_STORE_ENV: "1", _FORKED_ENV: "0" if start_method == "spawn" else "1"}
     previous = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)
     try:
