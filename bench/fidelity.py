@@ -22,8 +22,8 @@ compute is stretched by Σ 1/slowdown / cores: a rank waiting on gloo still uses
 *fastest*: the fastest of the timed steps (other jobs on this shared machine can only add time);
 *median*: the median step.
 *loaded pred*: re-simulated with the background CPU load measured during the run (bg cores).
-Memory: peak live tensor bytes per rank from the runtime's MemTracker probe step, against the
-simulator's peak (fp32 weights 4 B, grads 4 B, AdamW 8 B per parameter, measured activations, the
+Memory: peak live tensor bytes per rank from the runtime's probe step (medley.runtime.memory),
+against the simulator's peak (fp32 weights 4 B, grads 4 B, AdamW 8 B per parameter, measured activations, the
 largest layer's backward workspace; with dp > 1 the buffers FSDP2 and the gradient reductions
 hold, see plan/compile.py `_fsdp_keeps_shards`).
 

@@ -7,7 +7,7 @@
    flat gradient all-reduce per stage, as medley's ZeRO-0 does), both in one launch, alternating
    rounds; ratio of median (and of fastest) step times. Goal: ratio <= 1.03.
 2. Peak memory per rank by ZeRO level (0-3, dp=2; and pp=2 x dp=2) measured by the runtime's
-   MemTracker probe, against the simulator's prediction from the CPU profile.
+   live-tensor probe (medley.runtime.memory), against the simulator's prediction from the CPU profile.
 
 Writes bench/results/runtime.json and bench/results/runtime.md.
 """
@@ -127,8 +127,8 @@ NOTES = (
     "Memory: fp32 training with AdamW (4 B weights, 4 B gradients, 8 B moments per parameter; ZeRO-1 "
     "shards the moments, ZeRO-2 also the gradients, ZeRO-3 also the weights, over dp=2), measured "
     "activations and backward workspace from the CPU profile; measured = peak live tensor bytes of the "
-    "runtime's MemTracker probe step. Step times on a shared 2-core machine: other jobs add noise to "
-    "both sides alike (alternating rounds)."
+    "runtime's probe step (medley.runtime.memory). Step times on a shared 2-core machine: other jobs "
+    "add noise to both sides alike (alternating rounds)."
 )
 
 

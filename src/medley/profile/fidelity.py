@@ -3,8 +3,8 @@
 For each :class:`FidelityCase` (a plan on an emulated CPU cluster, see :mod:`medley.profile.emulate`)
 the simulator predicts one step from the measured profile, then medley's runtime trains the same
 plan on this machine (gloo, one rank per device, emulation on) and reports step time (median over
-the steps after warm-up, max over ranks) and peak live tensor bytes per rank (torch's MemTracker
-probe step). Errors are (predicted - measured) / measured.
+the steps after warm-up, max over ranks) and peak live tensor bytes per rank (the runtime's
+live-tensor probe step, :mod:`medley.runtime.memory`). Errors are (predicted - measured) / measured.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def _split_run(layer: _Layer, x: torch.Tensor, targets: torch.Tensor, device: to
 
 def _backward_workspace(layer: _Layer, x: torch.Tensor, targets: torch.Tensor) -> float:
     """Peak live bytes during F and the fused backward beyond what F leaves alive (temporaries and
-    gradients of intermediates), as torch's MemTracker (the runtime's CPU probe) counts them."""
+    gradients of intermediates), the way the runtime's CPU probe (medley.runtime.memory) counts them."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
