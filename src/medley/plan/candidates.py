@@ -98,6 +98,9 @@ class Candidate:
             recompute=tuple(o.recompute for o in self.options),
             dtype=self.dtype,
             knobs=dict(self.knobs),
+            # Training clips by the global norm (medley train's default, as in Megatron and
+            # torchtitan): every plan is timed with the CLIP barrier before its optimizer steps.
+            clip_grad=True,
         )
 
     @property

@@ -14,7 +14,7 @@ is deterministic: fixed enumeration order, ties broken by the enumeration index.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from medley.cli.errors import MedleyInputError
 from medley.cost.estimator import CatalogCostSource
@@ -29,6 +29,7 @@ from medley.plan.ranking import (
     rank_plan,
     repair,
 )
+from medley.schedule.zero import Placement
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
@@ -215,6 +216,7 @@ def search(
     feasible = sorted(
         (p for p in ranked if p.fits), key=lambda p: (objective_key(p, objective), ranked.index(p))
     )
+    feasible = _best_placement(feasible, top, cluster, cost, constraints, objective)
     if not feasible:
         from medley.plan.explain import shortfall_error
 
@@ -247,6 +249,26 @@ def search(
 
         result.baselines = run_baselines(estimator, devices, sizes, constraints)
     return result
+
+
+def _best_placement(
+    feasible: list[RankedPlan], top: int, cluster: Cluster, cost: CostSource, constraints: Constraints,
+    objective: Objective,
+) -> list[RankedPlan]:
+    """ZeRO placement is a knob too: the shown plans are simulated once more with the naive policy
+    (reductions after the stage's last backward), which wins where the bubbles are too short for
+    the collectives or a clipping barrier ends the step anyway; each keeps the faster policy."""
+    out = []
+    for i, plan in enumerate(feasible):
+        layout = plan.plan.layout
+        if i < top and layout.dp > 1 and layout.placement is not Placement.NAIVE:
+            naive = rank_plan(plan.candidate, replace(layout, placement=Placement.NAIVE), cluster, cost,
+                              constraints.memory_headroom)
+            if naive.fits and objective_key(naive, objective) < objective_key(plan, objective):
+                plan = naive
+        out.append(plan)
+    order = {id(p): i for i, p in enumerate(out)}
+    return sorted(out, key=lambda p: (objective_key(p, objective), order[id(p)]))
 
 
 def _usable_sizes(estimator: Estimator, devices: Sequence[int], constraints: Constraints) -> tuple[int, ...]:
