@@ -28,9 +28,9 @@ import platform
 import time
 from pathlib import Path
 
-from medley.cli.errors import MedleyInputError
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.metis import MetisCostSource
+from medley.errors import MedleyInputError
 from medley.plan.candidates import MICRO_BATCH_SIZES, Estimator
 from medley.plan.search import (
     DEFAULT_FAMILIES,

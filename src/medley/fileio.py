@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 
 
 def read_toml(path: Path, *, what: str) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 import pytest
 
-from medley.cli.errors import MedleyInputError
 from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource, matmul_efficiency, stage_time
 from medley.cost.interfaces import CostSource, Pass, TimeEstimate
+from medley.errors import MedleyInputError
 from medley.spec.catalog import get_device_type
 from medley.spec.cluster import parse_cluster_arg
 from medley.spec.model import get_model

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from medley.cli.errors import MedleyInputError
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Pass
 from medley.cost.metis import MetisCostSource, ProfileRangeError, load_metis_profile
+from medley.errors import MedleyInputError
 from medley.plan.compile import compile_problem
 from medley.plan.search import search
 from medley.spec.cluster import parse_cluster_arg

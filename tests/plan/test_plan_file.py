@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from medley.cli.errors import MedleyInputError
 from medley.cost.estimator import CatalogCostSource
+from medley.errors import MedleyInputError
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, load_plan, save_plan
 from medley.plan.predict import predict

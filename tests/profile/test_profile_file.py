@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from medley.cli.errors import MedleyInputError
 from medley.cost.profiles import Profile, load_profile, save_profile
+from medley.errors import MedleyInputError
 
 
 def test_round_trip(tmp_path: Path, profile: Profile) -> None:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from medley.cli.errors import MedleyInputError
 from medley.cli.main import app
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Pass
 from medley.cost.profiles import Profile, ProfileCostSource, save_profile
+from medley.errors import MedleyInputError
 from medley.plan.compile import PlanLayout, compile_problem
 from medley.schedule.zero import StageZero
 from medley.spec.cluster import parse_cluster_arg

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from train_plans import config, tiny_plan
 from typer.testing import CliRunner
 
-from medley.cli.errors import MedleyInputError
 from medley.cli.main import app
+from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
 from medley.runtime.checkpoint import SafeReader
 from medley.runtime.data import decode, encode, load_source, replica_slice

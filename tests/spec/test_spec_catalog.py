@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 from medley.spec.catalog import get_device_type, load_catalog
 
 

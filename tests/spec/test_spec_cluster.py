@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 from medley.spec.cluster import load_cluster, parse_cluster_arg
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -6,7 +6,7 @@ import tomli_w
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 from medley.spec.cluster import load_cluster
 
 scalars = st.one_of(

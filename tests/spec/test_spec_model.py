@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from medley.cli.errors import MedleyInputError
 from medley.cost.formulas import total_params
+from medley.errors import MedleyInputError
 from medley.spec.model import PRESETS, ModelSpec, get_model
 
 REQUIRED_PRESETS = [

@@ -9,12 +9,14 @@ from typing import ParamSpec, TypeVar
 import typer
 from rich.console import Console
 
+from medley.errors import MedleyInputError
+
+__all__ = ["MedleyInputError", "exit_on_input_error"]
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class MedleyInputError(ValueError):
-    """Bad user input. The message names the file, the field and the fix."""
 
 
 def exit_on_input_error(fn: Callable[P, R]) -> Callable[P, R]:

@@ -100,7 +100,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Profile, simulate and train plans on this machine's CPU; predicted vs measured step time
         and peak memory per rank (JSON + Markdown in --out). bench/fidelity.py runs the same."""
-        from medley.cli.errors import MedleyInputError
+        from medley.errors import MedleyInputError
         from medley.profile.harness import default_cases, run_harness
 
         chosen = default_cases()

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from medley.cli.errors import MedleyInputError
 from medley.cost import formulas
 from medley.cost.interfaces import Pass, TimeEstimate
+from medley.errors import MedleyInputError
 from medley.spec.catalog import DeviceType, get_device_type, load_catalog
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec

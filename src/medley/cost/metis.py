@@ -32,9 +32,9 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
 
-from medley.cli.errors import MedleyInputError
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass, TimeEstimate
+from medley.errors import MedleyInputError
 from medley.spec.catalog import get_device_type, load_catalog
 from medley.spec.model import PRESETS, ModelSpec
 

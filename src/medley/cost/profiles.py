@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from medley.cli.errors import MedleyInputError
 from medley.cost.interfaces import CostSource, Pass, TimeEstimate
+from medley.errors import MedleyInputError
 from medley.fileio import write_atomically
 from medley.spec.cluster_schema import describe_validation_error
 from medley.spec.model import ModelSpec

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from medley.cli.errors import MedleyInputError
 from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import DTYPE_BYTES
 from medley.cost.interfaces import Collective, CostSource, Pass
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
+from medley.errors import MedleyInputError
 from medley.schedule.generators import generate
 from medley.schedule.ir import Action, Kind, PipelineSchedule
 from medley.schedule.zero import Placement, StageZero, place_collectives

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from medley.cli.errors import MedleyInputError
 from medley.cost import formulas
+from medley.errors import MedleyInputError
 from medley.plan.bounds import MemoryOption, stage_memory
 from medley.plan.candidates import PP_CHOICES, Candidate, Estimator, Structure
 from medley.plan.compile import PlanLayout

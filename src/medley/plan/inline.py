@@ -7,8 +7,8 @@ crosses the slower links between stages; layers are split in proportion to each 
 
 from __future__ import annotations
 
-from medley.cli.errors import MedleyInputError
 from medley.cost.interfaces import CostSource, Pass
+from medley.errors import MedleyInputError
 from medley.plan.compile import PlanLayout
 from medley.schedule.generators import generate
 from medley.schedule.zero import Placement, StageZero

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 from medley.fileio import read_toml, write_atomically
 from medley.plan.compile import PlanLayout
 from medley.schedule.zero import Placement, StageZero

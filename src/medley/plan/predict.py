@@ -5,9 +5,9 @@ Every figure a plan shows comes from here: the exact simulation of that plan, ne
 
 from __future__ import annotations
 
-from medley.cli.errors import MedleyInputError
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass
+from medley.errors import MedleyInputError
 from medley.plan.compile import PlanLayout, compile_problem
 from medley.plan.plan import Prediction
 from medley.schedule.validate import ScheduleError, validate

@@ -13,8 +13,8 @@ from typing import Literal
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from medley.cli.errors import MedleyInputError
 from medley.cost.interfaces import CostSource
+from medley.errors import MedleyInputError
 from medley.plan.bounds import memory_options
 from medley.plan.candidates import Candidate
 from medley.plan.compile import PlanLayout, compile_problem

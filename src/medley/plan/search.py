@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from medley.cli.errors import MedleyInputError
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
+from medley.errors import MedleyInputError
 from medley.plan.bounds import aggregate_bound
 from medley.plan.candidates import MICRO_BATCH_SIZES, Candidate, Estimator, Structure
 from medley.plan.ranking import (

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from medley.cli.errors import MedleyInputError
 from medley.cost.profiles import PROFILE_FORMAT, PROFILE_VERSION, Profile, model_dict
+from medley.errors import MedleyInputError
 from medley.profile.collectives import comm_profile, measure_collectives
 from medley.profile.layers import TORCH_DTYPES, profile_layers, profile_optimizer
 from medley.spec.model import ModelSpec

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 from medley.runtime.optim import ensure_state, local_optimizer
 from medley.runtime.sharding import ShardedStage
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 from medley.runtime.executor import MicroBatches
 
 VOCAB_SIZE = 256

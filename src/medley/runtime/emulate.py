@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
 
 

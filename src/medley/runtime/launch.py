@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
 from medley.runtime.train import StepRecord, TrainConfig, train
 

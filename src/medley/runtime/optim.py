@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 
 OPTIMIZERS = ("adamw", "sgd")
 ADAMW_BETAS = (0.9, 0.95)

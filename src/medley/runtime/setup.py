@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 from medley.plan.compile import build_schedules
 from medley.plan.plan import Plan
 from medley.runtime.executor import RankExecutor, with_default_collectives

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from medley.cli.errors import MedleyInputError
 from medley.cost import formulas
+from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
 from medley.runtime import checkpoint
 from medley.runtime.data import load_source, replica_slice

@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 
 BUILTIN_CATALOG = Path(__file__).with_name("devices.toml")
 Confidence = Literal["high", "medium", "low"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 from medley.fileio import read_toml
 from medley.spec.catalog import DeviceType, load_catalog
 from medley.spec.cluster_schema import ClusterFile, describe_validation_error

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import replace
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 from medley.spec.catalog import DeviceType, get_device_type
 from medley.spec.cluster import DEFAULT_LINK_LATENCY_US, Cluster, Device, Node, NodeLink, Tier
 from medley.spec.cluster_schema import ClusterFile, NodeSpec, TierSpec

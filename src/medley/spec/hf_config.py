@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 from medley.spec.model import ModelSpec
 
 # model_type -> HF key for each ModelSpec size field (first key present wins).

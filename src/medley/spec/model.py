@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from medley.cli.errors import MedleyInputError
+from medley.errors import MedleyInputError
 
 LayerKind = Literal["embedding", "block", "head"]
 
