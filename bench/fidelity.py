@@ -17,8 +17,10 @@ from pathlib import Path
 
 NOTES = """
 How to read this. *predicted*: the simulator on the emulated cluster (profile times x slowdown,
-gloo α-β link), assuming the cores serve only these ranks (with more ranks than cores, every
-compute is stretched by Σ 1/slowdown / cores: a rank waiting on gloo still uses its core).
+gloo α-β link; each case's layers are re-profiled right before its run, since this VM's CPU speed
+drifts 10-20% over minutes; the profile files listed are the initial ones), assuming the cores
+serve only these ranks (with more ranks than cores, every compute is stretched by
+Σ 1/slowdown / cores: a rank waiting on gloo still uses its core).
 *fastest*: the fastest of the timed steps (other jobs on this shared machine can only add time);
 *median*: the median step.
 *loaded pred*: re-simulated with the background CPU load measured during the run (bg cores).

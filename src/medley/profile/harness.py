@@ -81,8 +81,12 @@ def profiles_for(cases: Sequence[FidelityCase], directory: Path, *, comm_ranks: 
 
 def run_harness(cases: Sequence[FidelityCase], out_dir: Path, *, name: str = "fidelity", steps: int = 20,
                 reuse_profiles: bool = False, comm_sizes: Sequence[int] | None = None,
-                notes: str = "") -> list[FidelityResult]:
-    """Profile, predict and run ``cases``; writes ``<name>.json`` and ``<name>.md`` to ``out_dir``."""
+                notes: str = "", refresh_layers: bool = True) -> list[FidelityResult]:
+    """Profile, predict and run ``cases``; writes ``<name>.json`` and ``<name>.md`` to ``out_dir``.
+
+    ``refresh_layers`` re-measures the case's layers right before its run (the collectives are
+    measured once): on a shared machine the CPU's speed drifts 10-20% over minutes, which a
+    profile taken at the start of a long harness run cannot see."""
     out_dir.mkdir(parents=True, exist_ok=True)
     profiles = profiles_for(cases, out_dir, reuse=reuse_profiles, comm_sizes=comm_sizes,
                             comm_ranks=sorted({2, *(c.world for c in cases if c.world > 1)}))
@@ -90,6 +94,10 @@ def run_harness(cases: Sequence[FidelityCase], out_dir: Path, *, name: str = "fi
     with tempfile.TemporaryDirectory(prefix="medley-emulated-") as emulated:  # generated device catalogs
         for case in cases:
             profile, profile_name = profiles[case.model.name]
+            if refresh_layers:
+                fresh = run_profile(case.model, micro_batch_sizes=[case.micro_batch_size],
+                                    seq_lens=[case.seq_len], runs=9, comm_ranks=())
+                profile = fresh.model_copy(update={"comm": profile.comm})
             results.append(run_case(case, profile, profile_name=profile_name, directory=Path(emulated),
                                     steps=steps, warmup_steps=min(5, steps // 2)))
     meta = machine() | {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
