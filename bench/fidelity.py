@@ -43,7 +43,8 @@ Why the predictions miss (what the traces of single steps show):
   process to get a core, and gloo's collectives pay the same; the α-β fit at 4 ranks (all ops)
   and the ranks / cores stretch capture the average, not the queueing per message.
 - ZeRO-1 (dp2): the runtime's ZeroRedundancyOptimizer broadcasts every parameter tensor from its
-  owner after the step (one collective per tensor); the simulator books one all-gather.
+  owner after the step (one collective per tensor); the simulator charges one collective latency
+  per tensor for it, not the queueing of those messages on shared cores.
 - ZeRO-2/3: FSDP2's hook time is profiled per layer on a one-rank group; the runtime's units
   (a bucket of layers plus the root) and the real reduce-scatter/all-gather calls add more.
 - Emulated slow ranks sleep (factor-1) x each compute's measured time; a compute slowed by a
@@ -59,7 +60,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two plans only")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--reuse-profiles", action="store_true", help="use bench/results/profile-cpu-*.json")
+    parser.add_argument("--reuse-profiles", action="store_true",
+                        help="use bench/results/profile-cpu-*.json as they are (no re-profiling per case)")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--render-only", action="store_true",

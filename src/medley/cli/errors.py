@@ -17,8 +17,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-
-
 def exit_on_input_error(fn: Callable[P, R]) -> Callable[P, R]:
     """Turn :class:`MedleyInputError` into a red message and exit status 2."""
 

@@ -95,7 +95,8 @@ def register(app: typer.Typer) -> None:
             int, typer.Option(help="Training steps per plan (the first min(5, steps/2) untimed)")
         ] = 20,
         reuse_profiles: Annotated[
-            bool, typer.Option(help="Reuse profile-cpu-*.json found in --out instead of profiling")
+            bool,
+            typer.Option(help="Reuse profile-cpu-*.json in --out as they are (no profiling at all)"),
         ] = False,
     ) -> None:
         """Profile, simulate and train plans on this machine's CPU; predicted vs measured step time

@@ -36,7 +36,7 @@ from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass, TimeEstimate
 from medley.errors import MedleyInputError
 from medley.spec.catalog import get_device_type, load_catalog
-from medley.spec.model import PRESETS, ModelSpec
+from medley.spec.model import ModelSpec
 
 # Metis / Sailor GPU directory names -> medley catalog names. Names not listed keep their own
 # name (add them to a catalog file, or use them as aliases, to plan with them).
@@ -155,7 +155,7 @@ def load_metis_profile(directory: Path, model: ModelSpec, *, seq_len: int | None
     if not entries:
         raise MedleyInputError(f"--profiles {root}: no */mbs*_tmp1.json files (tensor-parallel degree 1).")
     inferred = set()
-    for device, by_mbs in entries.items():
+    for by_mbs in entries.values():
         for entry in by_mbs.values():
             if len(entry.layer_ms) != model.num_layers:
                 raise MedleyInputError(
@@ -165,7 +165,6 @@ def load_metis_profile(directory: Path, model: ModelSpec, *, seq_len: int | None
                 )
             per_token = entry.micro_batch_size * model.hidden_size * PROFILE_ACTIVATION_BYTES
             inferred.add(round(entry.boundary_bytes[1] / per_token))
-        del device
     if seq_len is None:
         if len(inferred) != 1:
             raise MedleyInputError(
@@ -208,11 +207,6 @@ class MetisCostSource:
         return cls(
             load_metis_profile(directory, model, seq_len=seq_len), model, fallback=fallback, dtype=dtype
         )
-
-    def covers(self, device_type: str, micro_batch_size: int, seq_len: int) -> bool:
-        """Whether the profile (not the fallback) answers for this device, size and length."""
-        sizes = self.profile.micro_batch_sizes(device_type)
-        return bool(sizes) and seq_len == self.profile.seq_len and sizes[0] <= micro_batch_size <= sizes[-1]
 
     def layer_time(
         self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
@@ -274,13 +268,3 @@ class MetisCostSource:
             for p in Pass
         }
         return times[kind] / sum(times.values())
-
-
-def model_for_profile_name(name: str) -> ModelSpec:
-    """The medley preset for a profile's model directory name (``OPT-350`` -> opt-350m)."""
-    preset = MODEL_NAMES.get(name.upper())
-    if preset is None:
-        raise MedleyInputError(
-            f"profile model '{name}': no medley preset for it; known: {', '.join(MODEL_NAMES)}."
-        )
-    return PRESETS[preset]

@@ -144,19 +144,17 @@ class Estimator:
         seq_len: int,
         global_batch: int,
         memory_headroom: float,
-        dtype_for: dict[frozenset[str], str] | None = None,
     ) -> None:
         self.cluster, self.model, self.cost = cluster, model, cost
         self.seq_len, self.global_batch = seq_len, global_batch
         self.headroom = memory_headroom
         self.comm = TopologyCommModel(cluster)
-        self._tables: dict[tuple[str, int], LayerTable] = {}
+        self._tables: dict[tuple[str, int, str], LayerTable] = {}
         self._memory_prefixes: dict[tuple, tuple[float, ...]] = {}
-        self.dtype_for = dtype_for or {}
 
     # --- building blocks -------------------------------------------------------------------
     def table(self, device_type: str, mbs: int, dtype: str = "bf16") -> LayerTable:
-        key = (device_type, mbs)
+        key = (device_type, mbs, dtype)
         if key not in self._tables:
             self._tables[key] = layer_table(
                 self.model,

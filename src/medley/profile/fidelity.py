@@ -118,18 +118,6 @@ def describe(case: FidelityCase) -> str:
     return ", ".join(parts)
 
 
-@dataclass(frozen=True)
-class PinToCore:
-    """A ``TrainConfig.on_step`` hook that pins each rank to core ``local rank % cores`` after its
-    first step (an experiment: measured here, pinned ranks ran slower, so it is off by default)."""
-
-    cores: int
-
-    def __call__(self, step: int) -> None:
-        if step == 0 and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", "0")) % self.cores})
-
-
 @dataclass(frozen=True, kw_only=True)
 class CpuUse:
     """CPU time over a run: the whole machine's, this process tree's, and the rest (other users).
@@ -201,7 +189,7 @@ def build_plan(case: FidelityCase, profile: Profile, *, profile_name: str, direc
 
 
 def run_case(case: FidelityCase, profile: Profile, *, profile_name: str, directory: Path, steps: int = 20,
-             warmup_steps: int = 5, cores: int | None = None, pin: bool = False) -> FidelityResult:
+             warmup_steps: int = 5, cores: int | None = None) -> FidelityResult:
     """Predict, then train ``steps`` steps for real; the first ``warmup_steps`` are not timed.
 
     The prediction assumes the machine's cores serve only these ranks; the run measures what
@@ -209,8 +197,8 @@ def run_case(case: FidelityCase, profile: Profile, *, profile_name: str, directo
     jobs can only add time, so the fastest step stands for the machine without them
     (``fastest_step_s``); the median is reported too. The first steps run slower while glibc's
     allocator adapts its mmap threshold to the step's large tensors (page faults), hence
-    ``warmup_steps``. ``pin`` (off by default) pins each rank to one core after its first step;
-    measured here, that made steps slower (the gloo threads then share the rank's core).
+    ``warmup_steps``. (Pinning each rank to one core was tried and made steps slower: the gloo
+    threads then share the rank's core.)
     """
     from medley.runtime.launch import train_local
     from medley.runtime.train import TrainConfig
@@ -219,8 +207,7 @@ def run_case(case: FidelityCase, profile: Profile, *, profile_name: str, directo
     plan, share = build_plan(case, profile, profile_name=profile_name, directory=directory, cores=cores)
     assert plan.prediction is not None
     config = TrainConfig(steps=steps, emulate=True, clip_norm=None, data="synthetic", measure_memory=True,
-                         progress=False, dtype=profile.dtype, warmup_steps=0,
-                         on_step=PinToCore(cores) if pin else None)
+                         progress=False, dtype=profile.dtype, warmup_steps=0)
     with cpu_meter() as use:
         records = train_local(plan, config)
     loaded, loaded_share = build_plan(case, profile, profile_name=profile_name, directory=directory,

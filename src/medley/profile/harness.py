@@ -24,6 +24,7 @@ SMALL = ModelSpec(name="small", vocab_size=256, hidden_size=256, num_blocks=4, n
                   ffn_hidden_size=688, mlp="swiglu", norm="rmsnorm", position="rope", max_seq_len=256,
                   tied_embeddings=False, bias=False)
 TINY = get_model("tiny")
+PROFILE_RUNS = 9  # timed runs per layer and shape (medians of the faster half)
 
 
 def default_cases() -> list[FidelityCase]:
@@ -55,7 +56,7 @@ def default_cases() -> list[FidelityCase]:
 
 
 def profiles_for(cases: Sequence[FidelityCase], directory: Path, *, comm_ranks: Sequence[int] = (2, 4),
-                 comm_sizes: Sequence[int] | None = None, runs: int = 9, reuse: bool = False,
+                 comm_sizes: Sequence[int] | None = None, runs: int = PROFILE_RUNS, reuse: bool = False,
                  ) -> dict[str, tuple[Profile, str]]:
     """One CPU profile per model of ``cases``, at the shapes they use (collectives measured once)."""
     out: dict[str, tuple[Profile, str]] = {}
@@ -81,12 +82,15 @@ def profiles_for(cases: Sequence[FidelityCase], directory: Path, *, comm_ranks: 
 
 def run_harness(cases: Sequence[FidelityCase], out_dir: Path, *, name: str = "fidelity", steps: int = 20,
                 reuse_profiles: bool = False, comm_sizes: Sequence[int] | None = None,
-                notes: str = "", refresh_layers: bool = True) -> list[FidelityResult]:
+                notes: str = "", refresh_layers: bool | None = None) -> list[FidelityResult]:
     """Profile, predict and run ``cases``; writes ``<name>.json`` and ``<name>.md`` to ``out_dir``.
 
     ``refresh_layers`` re-measures the case's layers right before its run (the collectives are
     measured once): on a shared machine the CPU's speed drifts 10-20% over minutes, which a
-    profile taken at the start of a long harness run cannot see."""
+    profile taken at the start of a long harness run cannot see. It defaults to on unless
+    ``reuse_profiles`` asks for the saved profiles as they are."""
+    if refresh_layers is None:
+        refresh_layers = not reuse_profiles
     out_dir.mkdir(parents=True, exist_ok=True)
     profiles = profiles_for(cases, out_dir, reuse=reuse_profiles, comm_sizes=comm_sizes,
                             comm_ranks=sorted({2, *(c.world for c in cases if c.world > 1)}))
@@ -96,7 +100,7 @@ def run_harness(cases: Sequence[FidelityCase], out_dir: Path, *, name: str = "fi
             profile, profile_name = profiles[case.model.name]
             if refresh_layers:
                 fresh = run_profile(case.model, micro_batch_sizes=[case.micro_batch_size],
-                                    seq_lens=[case.seq_len], runs=9, comm_ranks=())
+                                    seq_lens=[case.seq_len], runs=PROFILE_RUNS, comm_ranks=())
                 profile = fresh.model_copy(update={"comm": profile.comm})
             results.append(run_case(case, profile, profile_name=profile_name, directory=Path(emulated),
                                     steps=steps, warmup_steps=min(5, steps // 2)))
