@@ -31,7 +31,7 @@ from pathlib import Path
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.metis import MetisCostSource
 from medley.errors import MedleyInputError
-from medley.plan.candidates import MICRO_BATCH_SIZES, Estimator
+from medley.plan.candidates import Estimator
 from medley.plan.search import (
     DEFAULT_FAMILIES,
     Constraints,
@@ -40,6 +40,7 @@ from medley.plan.search import (
     rank_plan,
     search,
 )
+from medley.plan.space import MICRO_BATCH_SIZES
 from medley.spec.cluster import Cluster, cluster_from_dict, parse_cluster_arg
 from medley.spec.model import get_model
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from medley.plan.bounds import MemoryOption, pipeline_time, stage_memory
-from medley.plan.candidates import PP_CHOICES, Candidate, Estimator, Structure, distribute
+from medley.plan.candidates import Estimator
 from medley.plan.inline import balanced_split
 from medley.plan.ranking import RankedPlan, rank_plan
 from medley.plan.search import Constraints
+from medley.plan.space import PP_CHOICES, Candidate, Structure, distribute
 from medley.schedule.zero import Placement
 
 FINALISTS = 3

@@ -1,4 +1,6 @@
-"""The planner's candidate space and its analytic estimates (exact figures come from the simulator).
+"""Building the planner's candidates: structures over device pools, then split, memory options and an
+analytic estimate per schedule family (exact figures come from the simulator; the data types live
+in :mod:`medley.plan.space`).
 
 A *structure* fixes the devices and their roles: a pool of devices (all of them, one device type,
 or the k fastest types), pp x dp, an assignment strategy and the micro-batch size. Strategies:
@@ -18,10 +20,8 @@ device's memory, the cheapest memory option per stage that fits, and an estimate
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
@@ -29,107 +29,23 @@ from medley.cost.interfaces import CostSource
 from medley.plan.bounds import (
     Flight,
     LayerTable,
-    MemoryOption,
     bottleneck_split,
     layer_table,
     memory_options,
     memory_prefix,
     stage_memory,
 )
-from medley.plan.compile import PlanLayout
-from medley.schedule.zero import Placement, StageZero
+from medley.plan.space import (
+    LARGE_POOL,
+    PP_CHOICES,
+    PP_CHOICES_LARGE,
+    Candidate,
+    Structure,
+    distribute,
+)
+from medley.plan.step_estimate import interleaved_candidate, step_estimate
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
-
-PP_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128)
-# On large pools every candidate costs more; the odd depths rarely win there.
-PP_CHOICES_LARGE = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-LARGE_POOL = 128
-MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
-STRATEGIES = ("stage-major", "memory-first", "replica-major")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Structure:
-    """Devices and their roles, before the split and the schedule are chosen."""
-
-    pool: str
-    strategy: str
-    pp: int
-    dp: int
-    assignment: tuple[tuple[int, ...], ...]
-    micro_batch_size: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class Candidate:
-    """A complete plan choice with its analytic estimate (``estimate_s``: step seconds)."""
-
-    structure: Structure
-    family: str
-    knobs: dict = field(default_factory=dict)
-    micro_batches: tuple[int, ...]
-    stage_layers: tuple[int, ...]
-    options: tuple[MemoryOption, ...]
-    estimate_s: float
-    dtype: str
-
-    def layout(self, model: ModelSpec, seq_len: int) -> PlanLayout:
-        st = self.structure
-        return PlanLayout(
-            model=model,
-            pp=st.pp,
-            dp=st.dp,
-            assignment=st.assignment,
-            stage_layers=self.stage_layers,
-            schedule=self.family,
-            micro_batches=self.micro_batches,
-            micro_batch_size=st.micro_batch_size,
-            seq_len=seq_len,
-            zero=tuple(
-                StageZero(
-                    level=o.level,
-                    buckets=max(1, min(o.buckets, n)),
-                    gather_windows=0 if o.streams else 1,
-                )
-                for o, n in zip(self.options, self.stage_layers, strict=True)
-            ),
-            placement=Placement.BUBBLE,
-            recompute=tuple(o.recompute for o in self.options),
-            dtype=self.dtype,
-            knobs=dict(self.knobs),
-            # Training clips by the global norm (medley train's default, as in Megatron and
-            # torchtitan): every plan is timed with the CLIP barrier before its optimizer steps.
-            clip_grad=True,
-        )
-
-    @property
-    def key(self) -> tuple:
-        st = self.structure
-        return (
-            st.assignment,
-            st.micro_batch_size,
-            self.family,
-            tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(self.knobs.items())),
-            self.micro_batches,
-            self.stage_layers,
-            self.options,
-        )
-
-
-def distribute(total: int, weights: Sequence[float]) -> tuple[int, ...]:
-    """``total`` items over len(weights) parts in proportion to the weights, each at least one
-    (largest remainder; ties to the lower index)."""
-    parts = len(weights)
-    if total < parts:
-        raise ValueError(f"{total} items cannot give each of {parts} parts one")
-    scale = sum(weights)
-    ideal = [1 + (total - parts) * w / scale for w in weights]
-    counts = [int(math.floor(x)) for x in ideal]
-    order = sorted(range(parts), key=lambda i: (-(ideal[i] - counts[i]), i))
-    for i in order[: total - sum(counts)]:
-        counts[i] += 1
-    return tuple(counts)
 
 
 class Estimator:
@@ -455,11 +371,7 @@ class Estimator:
         self, st, family, split, options, micro_batches, signatures, virtual_stages: int = 1
     ) -> float:
         """Estimated step seconds (:func:`medley.plan.step_estimate.step_estimate`)."""
-        from medley.plan.step_estimate import step_estimate
-
         return step_estimate(self, st, family, split, options, micro_batches, signatures, virtual_stages)
 
     def _interleaved(self, st: Structure, v: int) -> Candidate | None:
-        from medley.plan.step_estimate import interleaved_candidate
-
         return interleaved_candidate(self, st, v)

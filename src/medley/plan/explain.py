@@ -15,10 +15,11 @@ from dataclasses import dataclass, replace
 from medley.cost import formulas
 from medley.errors import MedleyInputError
 from medley.plan.bounds import MemoryOption, stage_memory
-from medley.plan.candidates import PP_CHOICES, Candidate, Estimator, Structure
+from medley.plan.candidates import Estimator
 from medley.plan.compile import PlanLayout
 from medley.plan.inline import balanced_split
 from medley.plan.predict import predict
+from medley.plan.space import PP_CHOICES, Candidate, Structure
 from medley.schedule.zero import Placement, StageZero
 
 GB = 1e9

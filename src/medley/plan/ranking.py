@@ -16,10 +16,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from medley.cost.interfaces import CostSource
 from medley.errors import MedleyInputError
 from medley.plan.bounds import memory_options
-from medley.plan.candidates import Candidate
 from medley.plan.compile import PlanLayout, compile_problem
 from medley.plan.plan import Plan, Prediction
 from medley.plan.predict import cost_source_name, prediction_of
+from medley.plan.space import Candidate
 from medley.schedule.validate import ScheduleError, validate
 from medley.sim.engine import simulate as run_simulation
 from medley.sim.result import SimResult

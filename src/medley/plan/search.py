@@ -20,7 +20,7 @@ from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
 from medley.errors import MedleyInputError
 from medley.plan.bounds import aggregate_bound
-from medley.plan.candidates import MICRO_BATCH_SIZES, Candidate, Estimator, Structure
+from medley.plan.candidates import Estimator
 from medley.plan.ranking import (
     Objective,
     RankedPlan,
@@ -29,6 +29,7 @@ from medley.plan.ranking import (
     rank_plan,
     repair,
 )
+from medley.plan.space import MICRO_BATCH_SIZES, Candidate, Structure
 from medley.schedule.zero import Placement
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec

@@ -14,9 +14,10 @@ from medley.cost import formulas
 from medley.cost.interfaces import Collective
 from medley.plan.bounds import MemoryOption, bottleneck_split, memory_options, pipeline_time, stage_memory
 from medley.plan.compile import OPTIMIZER_STEP_BYTES_PER_PARAM
+from medley.plan.space import Candidate, Structure
 
 if TYPE_CHECKING:
-    from medley.plan.candidates import Candidate, Estimator, Structure
+    from medley.plan.candidates import Estimator
 
 
 def step_estimate(
@@ -110,8 +111,6 @@ def exposed_dp(est: Estimator, st, split, options, micro_batches, stage_time) ->
 
 def interleaved_candidate(est: Estimator, st: Structure, v: int) -> Candidate | None:
     """Megatron's interleaved 1F1B with ``v`` chunks per rank on ``st`` (None when it cannot fit)."""
-    from medley.plan.candidates import Candidate
-
     pp = st.pp
     stages = pp * v
     if pp < 2 or stages > est.model.num_layers:

@@ -1,0 +1,106 @@
+"""The planner's search space as data: structures (devices and their roles) and candidates (a
+complete plan choice with its analytic estimate), and the constants that bound the space.
+
+:mod:`medley.plan.candidates` builds candidates from structures; the ranking simulates them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from medley.plan.bounds import MemoryOption
+from medley.plan.compile import PlanLayout
+from medley.schedule.zero import Placement, StageZero
+from medley.spec.model import ModelSpec
+
+PP_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128)
+# On large pools every candidate costs more; the odd depths rarely win there.
+PP_CHOICES_LARGE = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+LARGE_POOL = 128
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+STRATEGIES = ("stage-major", "memory-first", "replica-major")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Structure:
+    """Devices and their roles, before the split and the schedule are chosen."""
+
+    pool: str
+    strategy: str
+    pp: int
+    dp: int
+    assignment: tuple[tuple[int, ...], ...]
+    micro_batch_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """A complete plan choice with its analytic estimate (``estimate_s``: step seconds)."""
+
+    structure: Structure
+    family: str
+    knobs: dict = field(default_factory=dict)
+    micro_batches: tuple[int, ...]
+    stage_layers: tuple[int, ...]
+    options: tuple[MemoryOption, ...]
+    estimate_s: float
+    dtype: str
+
+    def layout(self, model: ModelSpec, seq_len: int) -> PlanLayout:
+        st = self.structure
+        return PlanLayout(
+            model=model,
+            pp=st.pp,
+            dp=st.dp,
+            assignment=st.assignment,
+            stage_layers=self.stage_layers,
+            schedule=self.family,
+            micro_batches=self.micro_batches,
+            micro_batch_size=st.micro_batch_size,
+            seq_len=seq_len,
+            zero=tuple(
+                StageZero(
+                    level=o.level,
+                    buckets=max(1, min(o.buckets, n)),
+                    gather_windows=0 if o.streams else 1,
+                )
+                for o, n in zip(self.options, self.stage_layers, strict=True)
+            ),
+            placement=Placement.BUBBLE,
+            recompute=tuple(o.recompute for o in self.options),
+            dtype=self.dtype,
+            knobs=dict(self.knobs),
+            # Training clips by the global norm (medley train's default, as in Megatron and
+            # torchtitan): every plan is timed with the CLIP barrier before its optimizer steps.
+            clip_grad=True,
+        )
+
+    @property
+    def key(self) -> tuple:
+        st = self.structure
+        return (
+            st.assignment,
+            st.micro_batch_size,
+            self.family,
+            tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(self.knobs.items())),
+            self.micro_batches,
+            self.stage_layers,
+            self.options,
+        )
+
+
+def distribute(total: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """``total`` items over len(weights) parts in proportion to the weights, each at least one
+    (largest remainder; ties to the lower index)."""
+    parts = len(weights)
+    if total < parts:
+        raise ValueError(f"{total} items cannot give each of {parts} parts one")
+    scale = sum(weights)
+    ideal = [1 + (total - parts) * w / scale for w in weights]
+    counts = [int(math.floor(x)) for x in ideal]
+    order = sorted(range(parts), key=lambda i: (-(ideal[i] - counts[i]), i))
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return tuple(counts)
