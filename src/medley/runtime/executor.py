@@ -20,7 +20,15 @@ import torch.distributed as dist
 
 from medley.runtime.sharding import ShardedStage
 from medley.runtime.torch_adapter import backward_input, backward_weight
-from medley.schedule.ir import COLLECTIVE_KINDS, P2P_KINDS, Action, Kind, PipelineSchedule, add_send_recv
+from medley.schedule.ir import (
+    COLLECTIVE_KINDS,
+    P2P_KINDS,
+    Action,
+    Kind,
+    PipelineSchedule,
+    add_send_recv,
+    p2p_peer_stage,
+)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -205,13 +213,11 @@ class RankExecutor:
         return dist.get_global_rank(self.pp_group, self.schedule.stage_to_rank[stage])
 
     def _send(self, action: Action) -> None:
-        st, mb = self.state[action.stage], action.micro_batch
+        st, mb, peer_stage = self.state[action.stage], action.micro_batch, p2p_peer_stage(action)
         if action.kind is Kind.SEND_F:
-            tensor, peer_stage = st.outputs[mb].detach(), action.stage + 1
-            tag = self._tag(action.stage, mb, grad=False)
+            tensor, tag = st.outputs[mb].detach(), self._tag(action.stage, mb, grad=False)
         else:
-            tensor, peer_stage = st.input_grads.pop(mb), action.stage - 1
-            tag = self._tag(peer_stage, mb, grad=True)
+            tensor, tag = st.input_grads.pop(mb), self._tag(peer_stage, mb, grad=True)
         tensor = tensor.contiguous()
         work = dist.isend(tensor, dst=self._peer(peer_stage), group=self.pp_group, tag=tag)
         self.pending_sends.append(work)
@@ -219,10 +225,12 @@ class RankExecutor:
     def _recv(self, action: Action) -> None:
         st, mb = self.state[action.stage], action.micro_batch
         buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+        peer_stage = p2p_peer_stage(action)
+        # Tags name the (sending stage, direction) pair, so both ends compute the same one.
         if action.kind is Kind.RECV_F:
-            peer_stage, tag = action.stage - 1, self._tag(action.stage - 1, mb, grad=False)
+            tag = self._tag(peer_stage, mb, grad=False)
         else:
-            peer_stage, tag = action.stage + 1, self._tag(action.stage, mb, grad=True)
+            tag = self._tag(action.stage, mb, grad=True)
         dist.recv(buffer, src=self._peer(peer_stage), group=self.pp_group, tag=tag)
         if action.kind is Kind.RECV_F:
             st.inputs[mb] = buffer

@@ -178,9 +178,6 @@ class PipelineSchedule:
             micro_batch_stages=self.micro_batch_stages,
         )
 
-    def has_split_backward(self) -> bool:
-        return any(a.kind is Kind.W for row in self.actions for a in row)
-
     def to_text(self) -> str:
         """One line per rank, actions comma-separated (the torch CSV layout, medley's names)."""
         return "\n".join(",".join(str(a) for a in row) for row in self.actions) + "\n"
@@ -224,11 +221,14 @@ def add_send_recv(schedule: PipelineSchedule) -> PipelineSchedule:
     return schedule.with_actions(lowered)
 
 
-def p2p_peer(schedule: PipelineSchedule, action: Action) -> tuple[int, int]:
-    """(peer stage, peer rank) of a point-to-point action."""
-    offset = {Kind.SEND_F: 1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: 1}[action.kind]
-    peer_stage = action.stage + offset
-    return peer_stage, schedule.stage_to_rank[peer_stage]
+# Stage offset from a point-to-point action's stage to its peer's: activations flow to the next
+# stage, gradients to the previous one.
+P2P_PEER_OFFSET = {Kind.SEND_F: 1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: 1}
+
+
+def p2p_peer_stage(action: Action) -> int:
+    """The stage on the other end of a SEND or RECV."""
+    return action.stage + P2P_PEER_OFFSET[action.kind]
 
 
 def parse_rows(rows: Sequence[str]) -> list[list[Action]]:

@@ -23,6 +23,7 @@ from medley.schedule.ir import (
     Kind,
     PipelineSchedule,
     add_send_recv,
+    p2p_peer_stage,
 )
 
 
@@ -127,12 +128,9 @@ _PRODUCER = {Kind.SEND_F: (Kind.F,), Kind.SEND_B: (Kind.B, Kind.BW)}
 _MATCH = {
     Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B, Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B,
 }
-_OFFSET = {Kind.SEND_F: 1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: 1}
-
-
 def _peer(schedule: PipelineSchedule, rank: int, action: Action, pos: int) -> Action:
     """The action on the peer rank that must match this SEND or RECV."""
-    peer_stage = action.stage + _OFFSET[action.kind]
+    peer_stage = p2p_peer_stage(action)
     assert action.micro_batch is not None
     first, last = schedule.stage_span(action.micro_batch)
     if not first <= peer_stage <= last:
@@ -186,7 +184,7 @@ def _dependencies(schedule: PipelineSchedule, rank: int, action: Action) -> list
         return []
     assert mb is not None
     if kind in (Kind.RECV_F, Kind.RECV_B):
-        return [(Action(s + _OFFSET[kind], _MATCH[kind], mb),)]
+        return [(Action(p2p_peer_stage(action), _MATCH[kind], mb),)]
     if kind in _PRODUCER:
         return [tuple(Action(s, k, mb) for k in _PRODUCER[kind])]
     if kind is Kind.W:

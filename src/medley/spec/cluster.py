@@ -84,9 +84,6 @@ class Cluster:
     def node(self, name: str) -> Node:
         return self._node_by_name[name]
 
-    def node_of(self, device_id: int) -> Node:
-        return self._node_by_name[self.devices[device_id].node]
-
     def device_types(self) -> dict[str, DeviceType]:
         """Distinct device types present (override-renamed types included), name -> type."""
         return {device.type.name: device.type for device in self.devices}
