@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from medley.cli.simulate_cmd import simulate_layout
 from medley.cost.estimator import CatalogCostSource
 from medley.plan.inline import inline_layout
+from medley.plan.predict import simulate_layout
 from medley.spec.cluster import parse_cluster_arg
 from medley.spec.model import get_model
 

@@ -26,7 +26,13 @@ def simulate_layout(
     if cost is None:
         cost = CatalogCostSource.for_cluster(layout.model, cluster, dtype=layout.dtype)
     problem = compile_problem(layout, cluster, cost, comm=comm)
+    # Replicas with the same micro-batch count run the same program: check each distinct one once
+    # (a thousand replicas need not be validated a thousand times).
+    checked: set[int] = set()
     for replica, schedule in enumerate(problem.schedules):
+        if layout.micro_batches[replica] in checked:
+            continue
+        checked.add(layout.micro_batches[replica])
         try:
             validate(schedule)
         except ScheduleError as err:

@@ -1,8 +1,7 @@
 """Exact figures of planner candidates: simulate, check memory, price, and repair what overflows.
 
-:func:`exact_predict` is :func:`medley.plan.predict.predict` with each distinct schedule validated
-once (replicas with the same micro-batch count share one), so huge clusters are not re-checked a
-thousand times; the simulation and the figures are the same.
+Every figure comes from :func:`medley.plan.predict.predict`, the same simulation the other commands
+show.
 """
 
 from __future__ import annotations
@@ -14,14 +13,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from medley.cost.interfaces import CostSource
-from medley.errors import MedleyInputError
 from medley.plan.bounds import memory_options
-from medley.plan.compile import PlanLayout, compile_problem
+from medley.plan.compile import PlanLayout
 from medley.plan.plan import Plan, Prediction
-from medley.plan.predict import cost_source_name, prediction_of
+from medley.plan.predict import predict
 from medley.plan.space import Candidate
-from medley.schedule.validate import ScheduleError, validate
-from medley.sim.engine import simulate as run_simulation
 from medley.sim.result import SimResult
 from medley.spec.cluster import Cluster
 
@@ -49,30 +45,11 @@ class RankedPlan:
         return self.prediction.tokens_per_s
 
 
-def exact_predict(layout: PlanLayout, cluster: Cluster, cost: CostSource) -> tuple[Prediction, SimResult]:
-    """:func:`medley.plan.predict.predict`, validating each distinct schedule once: replicas with
-    the same micro-batch count run the same schedule (1,024 replicas need not be checked 1,024
-    times). The simulation and the figures are the same."""
-    problem = compile_problem(layout, cluster, cost)
-    checked: set[int] = set()
-    for replica, schedule in enumerate(problem.schedules):
-        count = layout.micro_batches[replica]
-        if count in checked:
-            continue
-        checked.add(count)
-        try:
-            validate(schedule)
-        except ScheduleError as err:
-            raise MedleyInputError(f"replica {replica}'s schedule is invalid: {err}") from None
-    result = run_simulation(problem)
-    return prediction_of(layout, result, cost_source=cost_source_name(layout, cost, cluster)), result
-
-
 def rank_plan(
     candidate: Candidate, layout: PlanLayout, cluster: Cluster, cost: CostSource, headroom: float
 ) -> RankedPlan:
     """Simulate ``layout`` exactly and attach the figures the planner ranks by."""
-    prediction, result = exact_predict(layout, cluster, cost)
+    prediction, _, result = predict(layout, cluster, cost=cost)
     headrooms = [
         cluster.devices[r.device].type.memory_bytes * (1.0 - headroom) - r.peak_memory_bytes
         for r in result.devices
