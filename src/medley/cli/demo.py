@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -81,7 +80,7 @@ def zero_placement_demo(*, model_name: str, console: Console) -> dict[str, float
 def emulated_run(*, out_dir: Path, steps: int, console: Console) -> dict:
     """Profile, plan and train on a 4-rank emulated mixed cluster; predicted vs measured."""
     from medley.cost.profiles import save_profile
-    from medley.profile.emulate import emulated_cluster
+    from medley.profile.emulate import core_share, emulated_cluster
     from medley.profile.run import run_profile
     from medley.runtime.launch import train_local
     from medley.runtime.train import TrainConfig
@@ -95,12 +94,10 @@ def emulated_run(*, out_dir: Path, steps: int, console: Console) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     profile_path = out_dir / "demo-profile-cpu.json"
     save_profile(profile, profile_path)
-    # Ranks are processes sharing this machine's cores: with more demand than cores every rank's
-    # compute stretches (see medley.profile.fidelity.build_plan).
-    cores = max(1, len(os.sched_getaffinity(0)))
-    share = max(1.0, sum(1.0 / f for f in EMULATED_SLOWDOWNS) / cores)
+    # Ranks are processes sharing this machine's cores: their compute stretches accordingly.
     emulated = emulated_cluster(profile, model, EMULATED_SLOWDOWNS, directory=out_dir,
-                                profile_name=profile_path.name, compute_share=share, name="demo-emulated")
+                                profile_name=profile_path.name, compute_share=core_share(EMULATED_SLOWDOWNS),
+                                name="demo-emulated")
     result = search(emulated.cluster, model, global_batch=RUN_GLOBAL_BATCH, seq_len=RUN_SEQ_LEN,
                     cost=emulated.cost, top=1, baselines=False,
                     constraints=Constraints(micro_batch_sizes=(RUN_MICRO_BATCH,)))

@@ -22,7 +22,7 @@ from medley.cost.profiles import Profile
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan
 from medley.plan.predict import predict
-from medley.profile.emulate import emulated_cluster
+from medley.profile.emulate import core_share, emulated_cluster
 from medley.spec.model import ModelSpec
 
 
@@ -165,17 +165,13 @@ def build_plan(case: FidelityCase, profile: Profile, *, profile_name: str, direc
                background_cores: float = 0.0) -> tuple[Plan, float]:
     """The case's plan on its emulated cluster, with the simulator's prediction.
 
-    Ranks are processes sharing ``cores`` with ``background_cores`` of other work. A rank
-    demands a core for the whole step except while it sleeps to emulate a slower device: waiting
-    is not free here (measured: four tiny-model pipeline ranks on two cores used 1.75 cores,
-    each about twice its profiled compute, the rest being gloo's loopback copies, wake-ups and
-    the executor). So with more demand than cores every rank's compute is stretched by
-    (Σ 1/slowdown + background) / cores. Returns the plan and that stretch.
+    Ranks are processes sharing ``cores`` with ``background_cores`` of other work; their compute
+    stretches by :func:`~medley.profile.emulate.core_share`. Returns the plan and that stretch.
     """
     slowdowns = case.slowdowns or (1.0,) * case.world
     if len(slowdowns) != case.world:
         raise ValueError(f"case {case.name}: {len(slowdowns)} slowdowns for {case.world} devices")
-    share = max(1.0, (sum(1.0 / f for f in slowdowns) + background_cores) / cores)
+    share = core_share(slowdowns, cores=cores, background_cores=background_cores)
     emulated = emulated_cluster(profile, case.model, slowdowns, directory=directory,
                                 profile_name=profile_name, compute_share=share, name=f"emu-{case.name}")
     layout = inline_layout(
