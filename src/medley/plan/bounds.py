@@ -24,7 +24,7 @@ from itertools import accumulate
 from medley.cost import formulas
 from medley.cost.estimator import DTYPE_BYTES
 from medley.cost.interfaces import CostSource, Pass
-from medley.cost.zero_memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
+from medley.cost.zero_memory import stage_state_bytes
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
@@ -149,17 +149,15 @@ def memory_options(dp: int) -> tuple[MemoryOption, ...]:
     )
 
 
-def state_bytes_per_param(option: MemoryOption, dp: int) -> float:
-    """Model-state bytes per parameter per device, with streamed ZeRO-3's live buckets counted at
-    their share for a stage of at least ``option.buckets`` layers."""
-    if option.level == 0:
-        return float(WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES)
-    if option.level in (1, 2):
-        return WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES / dp
-    live = min(1.0, 2.0 / option.buckets)
-    return (WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES) / dp + (1 - 1 / dp) * (
-        WEIGHT_BYTES + GRAD_BYTES
-    ) * live
+def option_bytes_per_param(option: MemoryOption, dp: int, *, layers: int | None = None) -> float:
+    """Peak model-state bytes per parameter per device (mixed-precision Adam), with streamed
+    ZeRO-3's two live buckets counted at their share of a stage of ``layers`` layers (default: at
+    least ``option.buckets``)."""
+    buckets = option.buckets if layers is None else min(option.buckets, max(1, layers))
+    live = min(1.0, 2.0 / buckets) if option.level == 3 else 1.0
+    return stage_state_bytes(
+        1.0, level=option.level, dp=dp, gathered_fraction=live, accumulation_fraction=live
+    ).peak
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,19 +177,14 @@ def stage_memory(
     params = table.params[j] - table.params[i]
     acts = table.act_rc if option.recompute else table.act
     act = acts[j] - acts[i]
-    if option.level == 3:
-        live = min(1.0, 2.0 / min(option.buckets, max(1, j - i)))
-        state = params * (WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES) / dp
-        state += (params - params / dp) * (WEIGHT_BYTES + GRAD_BYTES) * live
-    else:
-        state = params * state_bytes_per_param(option, dp)
+    state = params * option_bytes_per_param(option, dp, layers=j - i)
     return state + flight.full * act + flight.after_b * (table.after_b[j] - table.after_b[i])
 
 
 def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: Flight) -> tuple[float, ...]:
     """c[j] with c[j] - c[i] = :func:`stage_memory` for stages of at least ``option.buckets`` layers
     (shorter streamed stages hold more: check them exactly)."""
-    a = state_bytes_per_param(option, dp)
+    a = option_bytes_per_param(option, dp)
     acts = table.act_rc if option.recompute else table.act
     return tuple(
         a * p + flight.full * x + flight.after_b * y
