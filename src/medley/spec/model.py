@@ -165,21 +165,7 @@ def _gpt(
 # as full attention, which overstates its attention-score FLOPs at long sequences.
 # OPT uses ReLU; it costs the same as GELU here.
 PRESETS: dict[str, ModelSpec] = {
-    "tiny": ModelSpec(
-        name="tiny",
-        vocab_size=256,
-        hidden_size=64,
-        num_blocks=4,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=176,
-        mlp="swiglu",
-        norm="rmsnorm",
-        position="rope",
-        max_seq_len=128,
-        tied_embeddings=False,
-        bias=False,
-    ),
+    "tiny": _llama("tiny", 256, 64, 4, 4, 2, 176, 128, 10000.0),
     "opt-350m": _gpt("opt-350m", 50272, 1024, 24, 16, 2048, proj=512),
     "gpt-neo-2.7b": _gpt("gpt-neo-2.7b", 50257, 2560, 32, 20, 2048),
     "llama-2-7b": _llama("llama-2-7b", 32000, 4096, 32, 32, 32, 11008, 4096, 10000.0),
