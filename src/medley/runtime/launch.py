@@ -28,7 +28,7 @@ from medley.runtime.train import StepRecord, TrainConfig, train
 
 PROCESS_GROUP_TIMEOUT_S = 120
 _SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-_FORKED_ENV = "MEDLEY_FORKED_RANKS"
+_ONE_THREAD_ENV = "MEDLEY_ONE_THREAD_PER_RANK"
 
 
 def init_process_group() -> str:
@@ -51,8 +51,8 @@ class InputFailure:
 def rank_main(plan: Plan, config: TrainConfig) -> list[StepRecord] | InputFailure | None:
     """Body of one launched rank: records on rank 0, None elsewhere."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    forked = os.environ.get(_FORKED_ENV) == "1"
-    torch.set_num_threads(1 if forked else max(1, (os.cpu_count() or 1) // local_world))
+    one_thread = os.environ.get(_ONE_THREAD_ENV) == "1"
+    torch.set_num_threads(1 if one_thread else max(1, (os.cpu_count() or 1) // local_world))
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` shows where a rank waits
     init_process_group()
     try:
@@ -91,7 +91,7 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, m
         monitor_interval=0.1, start_method=start_method)
     # Rank 0 hosts each attempt's own store: with the agent's shared store, the ranks of a
     # restarted attempt found the dead attempt's gloo addresses there (connection refused).
-    settings = {_SHARED_STORE_ENV: "1", _FORKED_ENV: "0" if start_method == "spawn" else "1"}
+    settings = {_SHARED_STORE_ENV: "1", _ONE_THREAD_ENV: "0" if start_method == "spawn" else "1"}
     previous = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)
     try:
