@@ -12,11 +12,11 @@ from rich.table import Table
 
 from medley.cli.errors import exit_on_input_error
 from medley.cost.estimator import CatalogCostSource
-from medley.cost.interfaces import CostSource, Pass
+from medley.cost.interfaces import CostSource
 from medley.cost.profiles import ProfileCostSource, profile_cost_source
 from medley.plan.compile import PlanLayout
 from medley.plan.inline import inline_layout
-from medley.plan.predict import simulate_layout
+from medley.plan.predict import layer_sources, simulate_layout
 from medley.sim.problem import SimProblem
 from medley.sim.result import SimResult
 from medley.spec.cluster import Cluster, parse_cluster_arg
@@ -234,21 +234,6 @@ def profiled_cost(model: ModelSpec, cluster: Cluster, profile: Path | None, dtyp
     if profile is None:
         return catalog
     return profile_cost_source(profile, model, fallback=catalog)
-
-
-def layer_sources(layout: PlanLayout, cluster: Cluster, cost: CostSource) -> dict[str, dict[str, str]]:
-    """Where each layer kind's F/B/W times came from, per device type of the plan."""
-    out: dict[str, dict[str, str]] = {}
-    layers = {layout.model.layer_kind(i): i for i in (0, 1, layout.model.num_layers - 1)}
-    for row in layout.assignment:
-        for device in row:
-            name = cluster.devices[device].type.name
-            out[name] = {
-                kind: cost.layer_time(layer, Pass.F, micro_batch_size=layout.micro_batch_size,
-                                      seq_len=layout.seq_len, device_type=name).source
-                for kind, layer in layers.items()
-            }
-    return out
 
 
 def write_pictures(result: SimResult, *, trace: Path | None, gantt: Path | None) -> None:

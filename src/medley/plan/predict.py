@@ -40,18 +40,24 @@ def simulate_layout(
     return problem, simulate(problem)
 
 
+def layer_sources(layout: PlanLayout, cluster: Cluster, cost: CostSource) -> dict[str, dict[str, str]]:
+    """Where each layer kind's times came from (``catalog``, ``profile:FILE``, ...), per device
+    type of the plan."""
+    layers = {layout.model.layer_kind(i): i for i in (0, 1, layout.model.num_layers - 1)}
+    types = dict.fromkeys(cluster.devices[d].type.name for row in layout.assignment for d in row)
+    return {
+        name: {
+            kind: cost.layer_time(layer, Pass.F, micro_batch_size=layout.micro_batch_size,
+                                  seq_len=layout.seq_len, device_type=name).source
+            for kind, layer in layers.items()
+        }
+        for name in types
+    }
+
+
 def cost_source_name(layout: PlanLayout, cost: CostSource, cluster: Cluster) -> str:
-    """The sources the layout's per-layer times came from (``catalog``, ``profile:FILE``, ...)."""
-    names = set()
-    for row in layout.assignment:
-        for device in row:
-            device_type = cluster.devices[device].type.name
-            for layer in (0, 1, layout.model.num_layers - 1):
-                estimate = cost.layer_time(
-                    layer, Pass.F, micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len,
-                    device_type=device_type,
-                )
-                names.add(estimate.source)
+    """All the sources the layout's per-layer times came from, joined by '+'."""
+    names = {s for by_kind in layer_sources(layout, cluster, cost).values() for s in by_kind.values()}
     return "+".join(sorted(names))
 
 
