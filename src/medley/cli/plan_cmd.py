@@ -11,27 +11,15 @@ from rich.console import Console
 from rich.table import Table
 
 from medley.cli.errors import MedleyInputError, exit_on_input_error
-from medley.cli.simulate_cmd import print_summary, summary, write_pictures
-from medley.cost.estimator import CatalogCostSource
-from medley.cost.interfaces import CostSource
+from medley.cli.simulate_cmd import cost_source, print_summary, summary, write_pictures
 from medley.plan.inline import parse_int_list
 from medley.plan.plan import load_plan, save_plan
 from medley.plan.predict import predict
 from medley.plan.search import SEARCHED_FAMILIES, Constraints, RankedPlan, SearchResult, search
-from medley.spec.cluster import Cluster, parse_cluster_arg
-from medley.spec.model import ModelSpec, get_model
+from medley.spec.cluster import parse_cluster_arg
+from medley.spec.model import get_model
 
 GB = 1e9
-
-
-def cost_source(model: ModelSpec, cluster: Cluster, profiles: Path | None) -> CostSource:
-    """Measured Metis-format profiles where they cover a device, the catalog estimate elsewhere."""
-    catalog = CatalogCostSource.for_cluster(model, cluster)
-    if profiles is None:
-        return catalog
-    from medley.cost.metis import MetisCostSource
-
-    return MetisCostSource.from_directory(profiles, model, fallback=catalog)
 
 
 def _plan_row(plan: RankedPlan, result: SearchResult) -> dict:
@@ -242,7 +230,7 @@ def register(app: typer.Typer) -> None:
             model_spec,
             global_batch=global_batch,
             seq_len=seq_len,
-            cost=cost_source(model_spec, spec, profiles),
+            cost=cost_source(model_spec, spec, metis_profiles=profiles),
             objective=objective,
             top=top,
             constraints=constraints,
@@ -287,7 +275,7 @@ def register(app: typer.Typer) -> None:
         plan = load_plan(plan_file)
         layout, cluster = plan.layout, plan.cluster
         prediction, problem, result = predict(
-            layout, cluster, cost=cost_source(layout.model, cluster, profiles)
+            layout, cluster, cost=cost_source(layout.model, cluster, metis_profiles=profiles)
         )
         write_pictures(result, trace=trace, gantt=gantt)
         data = summary(layout, cluster, problem, result)

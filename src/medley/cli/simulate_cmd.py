@@ -196,7 +196,7 @@ def register(app: typer.Typer) -> None:
         """Simulate one training step of a plan and report time, bubbles and memory per device."""
         spec = parse_cluster_arg(cluster)
         model_spec = get_model(model)
-        cost = profiled_cost(model_spec, spec, profile, dtype)
+        cost = cost_source(model_spec, spec, profile=profile, dtype=dtype)
         if dtype is None and isinstance(cost, ProfileCostSource):
             dtype = cost.profile.dtype
         layout = inline_layout(
@@ -228,12 +228,20 @@ def register(app: typer.Typer) -> None:
             print_summary(data, Console())
 
 
-def profiled_cost(model: ModelSpec, cluster: Cluster, profile: Path | None, dtype: str | None) -> CostSource:
-    """The catalog, or a profile with the catalog answering what the profile lacks."""
+def cost_source(
+    model: ModelSpec, cluster: Cluster, *, profile: Path | None = None, metis_profiles: Path | None = None,
+    dtype: str | None = None,
+) -> CostSource:
+    """The catalog estimate, or measured costs (a `medley profile` file, or a directory of
+    Metis-format profiles) with the catalog answering what they lack."""
     catalog = CatalogCostSource.for_cluster(model, cluster, dtype=dtype or "bf16")
-    if profile is None:
-        return catalog
-    return profile_cost_source(profile, model, fallback=catalog)
+    if profile is not None:
+        return profile_cost_source(profile, model, fallback=catalog)
+    if metis_profiles is not None:
+        from medley.cost.metis import MetisCostSource
+
+        return MetisCostSource.from_directory(metis_profiles, model, fallback=catalog)
+    return catalog
 
 
 def write_pictures(result: SimResult, *, trace: Path | None, gantt: Path | None) -> None:
