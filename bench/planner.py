@@ -32,12 +32,12 @@ from medley.cost.estimator import CatalogCostSource
 from medley.cost.metis import MetisCostSource
 from medley.errors import MedleyInputError
 from medley.plan.candidates import Estimator
+from medley.plan.ranking import rank_plan
 from medley.plan.search import (
     DEFAULT_FAMILIES,
     Constraints,
     device_pools,
     family_variants,
-    rank_plan,
     search,
 )
 from medley.plan.space import MICRO_BATCH_SIZES

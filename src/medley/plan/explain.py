@@ -19,6 +19,7 @@ from medley.plan.candidates import Estimator
 from medley.plan.compile import PlanLayout
 from medley.plan.inline import balanced_split
 from medley.plan.predict import predict
+from medley.plan.ranking import rank_plan
 from medley.plan.space import PP_CHOICES, Candidate, Structure
 from medley.schedule.zero import Placement, StageZero
 
@@ -270,8 +271,6 @@ def shortfall_error(
     sizes: Sequence[int],
 ) -> MedleyInputError:
     """The error for "the model fits nowhere": the smallest shortfall, where, and what would close it."""
-    from medley.plan.search import rank_plan
-
     cluster, model = estimator.cluster, estimator.model
     tried = list(ranked)
     max_pp = constraints.max_pp or model.num_layers

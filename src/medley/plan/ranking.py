@@ -1,4 +1,5 @@
-"""Exact figures of planner candidates: simulate, check memory, price, and repair what overflows.
+"""Exact figures of planner candidates: which to simulate within the budget, the simulation,
+memory check, price and repair of what overflows, and the ZeRO placement knob.
 
 Every figure comes from :func:`medley.plan.predict.predict`, the same simulation the other commands
 show.
@@ -7,7 +8,7 @@ show.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -18,8 +19,13 @@ from medley.plan.compile import PlanLayout
 from medley.plan.plan import Plan, Prediction
 from medley.plan.predict import predict
 from medley.plan.space import Candidate
+from medley.schedule.zero import Placement
 from medley.sim.result import SimResult
 from medley.spec.cluster import Cluster
+from medley.spec.model import ModelSpec
+
+if TYPE_CHECKING:
+    from medley.plan.search import Constraints
 
 Objective = Literal["throughput", "cost"]
 
@@ -121,3 +127,93 @@ class progress_bar:
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.__exit__(*exc)
+
+
+SIMULATION_WORK = 60_000
+"""Most stage-micro-batches (micro-batches x pipeline stages, summed over replicas) simulated per
+search beyond the first candidate: the simulator runs a few thousand per second, so this keeps a
+search on a 1,024-device cluster to a few exact simulations and a small cluster to many."""
+
+
+def simulation_budget(num_devices: int, top: int) -> int:
+    """How many candidates at most get an exact simulation."""
+    return max(24, 3 * top) if num_devices <= 64 else max(12, 2 * top)
+
+
+def simulation_work(candidate: Candidate) -> int:
+    return sum(candidate.micro_batches) * len(candidate.stage_layers)
+
+
+def choose(candidates: list[tuple[float, int, Candidate]], budget: int) -> list[Candidate]:
+    """The best by estimate while the count and the simulation work allow (always at least one),
+    then the best of every device pool that still fits the work budget (so single-type plans are
+    simulated too), without duplicates."""
+    chosen: dict[tuple, Candidate] = {}
+    work = 0
+    for _, _, candidate in candidates:
+        cost = simulation_work(candidate)
+        if not chosen or (len(chosen) < budget and work + cost <= SIMULATION_WORK):
+            if candidate.key not in chosen:
+                chosen[candidate.key] = candidate
+                work += cost
+    pools_seen = {c.structure.pool for c in chosen.values()}
+    for _, _, candidate in candidates:
+        pool = candidate.structure.pool
+        cost = simulation_work(candidate)
+        if pool not in pools_seen and work + cost <= SIMULATION_WORK:
+            chosen.setdefault(candidate.key, candidate)
+            work += cost
+            pools_seen.add(pool)
+    return list(chosen.values())
+
+
+def simulate_all(
+    chosen: list[Candidate], model: ModelSpec, seq_len: int, cluster: Cluster, cost: CostSource,
+    constraints: Constraints, progress: bool,
+) -> list[RankedPlan]:
+    """Simulate each candidate; one that overflows memory gets its overflowing stages' memory
+    option raised one step (streamed ZeRO-3, then recomputation) and is simulated once more."""
+    ranked = []
+    with progress_bar(progress, "simulating candidates", len(chosen)) as advance:
+        for candidate in chosen:
+            advance()
+            try:
+                plan = rank_plan(
+                    candidate, candidate.layout(model, seq_len), cluster, cost, constraints.memory_headroom
+                )
+                ranked.append(plan)
+                if not plan.fits:
+                    repaired = repair(plan, constraints.memory_headroom)
+                    if repaired is not None:
+                        ranked.append(
+                            rank_plan(
+                                repaired,
+                                repaired.layout(model, seq_len),
+                                cluster,
+                                cost,
+                                constraints.memory_headroom,
+                            )
+                        )
+            except ValueError:  # MedleyInputError included: a layout the compiler rejects
+                continue
+    return ranked
+
+
+def best_placement(
+    feasible: list[RankedPlan], top: int, cluster: Cluster, cost: CostSource, constraints: Constraints,
+    objective: Objective,
+) -> list[RankedPlan]:
+    """ZeRO placement is a knob too: the shown plans are simulated once more with the naive policy
+    (reductions after the stage's last backward), which wins where the bubbles are too short for
+    the collectives or a clipping barrier ends the step anyway; each keeps the faster policy."""
+    out = []
+    for i, plan in enumerate(feasible):
+        layout = plan.plan.layout
+        if i < top and layout.dp > 1 and layout.placement is not Placement.NAIVE:
+            naive = rank_plan(plan.candidate, replace(layout, placement=Placement.NAIVE), cluster, cost,
+                              constraints.memory_headroom)
+            if naive.fits and objective_key(naive, objective) < objective_key(plan, objective):
+                plan = naive
+        out.append(plan)
+    order = {id(p): i for i, p in enumerate(out)}
+    return sorted(out, key=lambda p: (objective_key(p, objective), order[id(p)]))

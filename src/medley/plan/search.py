@@ -14,7 +14,7 @@ is deterministic: fixed enumeration order, ties broken by the enumeration index.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
@@ -24,13 +24,14 @@ from medley.plan.candidates import Estimator
 from medley.plan.ranking import (
     Objective,
     RankedPlan,
+    best_placement,
+    choose,
     objective_key,
     progress_bar,
-    rank_plan,
-    repair,
+    simulate_all,
+    simulation_budget,
 )
 from medley.plan.space import MICRO_BATCH_SIZES, Candidate, Structure
-from medley.schedule.zero import Placement
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
@@ -160,21 +161,6 @@ def device_pools(cluster: Cluster, devices: Sequence[int], estimator: Estimator)
     return pools
 
 
-SIMULATION_WORK = 60_000
-"""Most stage-micro-batches (micro-batches x pipeline stages, summed over replicas) simulated per
-search beyond the first candidate: the simulator runs a few thousand per second, so this keeps a
-search on a 1,024-device cluster to a few exact simulations and a small cluster to many."""
-
-
-def simulation_budget(num_devices: int, top: int) -> int:
-    """How many candidates at most get an exact simulation."""
-    return max(24, 3 * top) if num_devices <= 64 else max(12, 2 * top)
-
-
-def simulation_work(candidate: Candidate) -> int:
-    return sum(candidate.micro_batches) * len(candidate.stage_layers)
-
-
 def search(
     cluster: Cluster,
     model: ModelSpec,
@@ -212,12 +198,12 @@ def search(
     structures = list(estimator.structures(pools, max_pp=max_pp, micro_batch_sizes=sizes))
     candidates = _estimate(estimator, structures, constraints.schedules, progress)
     budget = simulate if simulate is not None else simulation_budget(len(devices), top)
-    chosen = _choose(candidates, budget)
-    ranked = _simulate_all(chosen, model, seq_len, cluster, cost, constraints, progress)
+    chosen = choose(candidates, budget)
+    ranked = simulate_all(chosen, model, seq_len, cluster, cost, constraints, progress)
     feasible = sorted(
         (p for p in ranked if p.fits), key=lambda p: (objective_key(p, objective), ranked.index(p))
     )
-    feasible = _best_placement(feasible, top, cluster, cost, constraints, objective)
+    feasible = best_placement(feasible, top, cluster, cost, constraints, objective)
     if not feasible:
         from medley.plan.explain import shortfall_error
 
@@ -250,26 +236,6 @@ def search(
 
         result.baselines = run_baselines(estimator, devices, sizes, constraints)
     return result
-
-
-def _best_placement(
-    feasible: list[RankedPlan], top: int, cluster: Cluster, cost: CostSource, constraints: Constraints,
-    objective: Objective,
-) -> list[RankedPlan]:
-    """ZeRO placement is a knob too: the shown plans are simulated once more with the naive policy
-    (reductions after the stage's last backward), which wins where the bubbles are too short for
-    the collectives or a clipping barrier ends the step anyway; each keeps the faster policy."""
-    out = []
-    for i, plan in enumerate(feasible):
-        layout = plan.plan.layout
-        if i < top and layout.dp > 1 and layout.placement is not Placement.NAIVE:
-            naive = rank_plan(plan.candidate, replace(layout, placement=Placement.NAIVE), cluster, cost,
-                              constraints.memory_headroom)
-            if naive.fits and objective_key(naive, objective) < objective_key(plan, objective):
-                plan = naive
-        out.append(plan)
-    order = {id(p): i for i, p in enumerate(out)}
-    return sorted(out, key=lambda p: (objective_key(p, objective), order[id(p)]))
 
 
 def _usable_sizes(estimator: Estimator, devices: Sequence[int], constraints: Constraints) -> tuple[int, ...]:
@@ -391,55 +357,3 @@ def _estimate(
                 out.append((expanded.estimate_s, index * len(variants) + f, expanded))
     out.sort(key=lambda x: (x[0], x[1]))
     return out
-
-
-def _choose(candidates: list[tuple[float, int, Candidate]], budget: int) -> list[Candidate]:
-    """The best by estimate while the count and the simulation work allow (always at least one),
-    then the best of every device pool that still fits the work budget (so single-type plans are
-    simulated too), without duplicates."""
-    chosen: dict[tuple, Candidate] = {}
-    work = 0
-    for _, _, candidate in candidates:
-        cost = simulation_work(candidate)
-        if not chosen or (len(chosen) < budget and work + cost <= SIMULATION_WORK):
-            if candidate.key not in chosen:
-                chosen[candidate.key] = candidate
-                work += cost
-    pools_seen = {c.structure.pool for c in chosen.values()}
-    for _, _, candidate in candidates:
-        pool = candidate.structure.pool
-        cost = simulation_work(candidate)
-        if pool not in pools_seen and work + cost <= SIMULATION_WORK:
-            chosen.setdefault(candidate.key, candidate)
-            work += cost
-            pools_seen.add(pool)
-    return list(chosen.values())
-
-
-def _simulate_all(chosen, model, seq_len, cluster, cost, constraints, progress) -> list[RankedPlan]:
-    """Simulate each candidate; one that overflows memory gets its overflowing stages' memory
-    option raised one step (streamed ZeRO-3, then recomputation) and is simulated once more."""
-    ranked = []
-    with progress_bar(progress, "simulating candidates", len(chosen)) as advance:
-        for candidate in chosen:
-            advance()
-            try:
-                plan = rank_plan(
-                    candidate, candidate.layout(model, seq_len), cluster, cost, constraints.memory_headroom
-                )
-                ranked.append(plan)
-                if not plan.fits:
-                    repaired = repair(plan, constraints.memory_headroom)
-                    if repaired is not None:
-                        ranked.append(
-                            rank_plan(
-                                repaired,
-                                repaired.layout(model, seq_len),
-                                cluster,
-                                cost,
-                                constraints.memory_headroom,
-                            )
-                        )
-            except ValueError:  # MedleyInputError included: a layout the compiler rejects
-                continue
-    return ranked
