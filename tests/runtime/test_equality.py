@@ -8,6 +8,7 @@ rank and pytest-timeout turn a hang into a failure.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import socket
 
 import pytest
@@ -47,9 +48,11 @@ def zb_h1(pp: int, micro_batches: int) -> PipelineSchedule:
 
 def launch(world: int, cases: list[Case], tmp_path) -> dict[str, dict]:
     out = tmp_path / f"results_{world}.json"
-    # Forked ranks start at once (no re-import of torch); each computes with one thread.
+    # Ranks come from the fork server (a clean process with torch imported), as `medley train`'s do:
+    # a fork of pytest itself, which has run torch ops, can deadlock on the inherited thread pool.
+    multiprocessing.set_forkserver_preload(["torch", "medley.runtime.launch", "equality_worker"])
     mp.start_processes(worker, args=(world, free_port(), cases, str(out)), nprocs=world, join=True,
-                       start_method="fork")
+                       start_method="forkserver")
     merged: dict[str, dict] = {}
     for rank_results in json.loads(out.read_text()):
         for name, figures in rank_results.items():
