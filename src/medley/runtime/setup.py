@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from medley.errors import MedleyInputError
-from medley.plan.compile import build_schedules
+from medley.plan.compile import PlanLayout, build_schedules
 from medley.plan.plan import Plan
 from medley.runtime.executor import RankExecutor, with_default_collectives
 from medley.runtime.model import token_loss_sum
@@ -62,9 +62,15 @@ def check_plan(plan: Plan, world_size: int) -> None:
     if model.word_embed_proj_dim is not None:
         raise MedleyInputError(f"model '{model.name}' projects its word embedding (word_embed_proj_dim), "
                                "which the runtime does not build; use another model")
-    if model.position == "learned" and layout.seq_len > model.max_seq_len:
+    if layout.seq_len > model.max_seq_len:
         raise MedleyInputError(
-            f"layout.seq_len {layout.seq_len} exceeds model.max_seq_len {model.max_seq_len}")
+            f"layout.seq_len {layout.seq_len} (--seq-len) exceeds the longest sequence of model "
+            f"'{model.name}', {model.max_seq_len} (max_seq_len); use --seq-len {model.max_seq_len} or less")
+
+
+def device_of_rank(layout: PlanLayout) -> list[int]:
+    """The plan's device id of every global rank (rank ``replica * pp + pipeline rank``)."""
+    return [layout.assignment[r][k] for r in range(layout.dp) for k in range(layout.pp)]
 
 
 def _device() -> torch.device:
@@ -101,7 +107,6 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
     stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers, zero=levels,
                                 mesh=mesh, seed=seed, optimizer_class=optimizer_class,
                                 optimizer_kwargs=optimizer_kwargs, recompute=layout.recompute)
-    device_of_rank = [layout.assignment[r][k] for r in range(layout.dp) for k in range(layout.pp)]
     n_tokens = layout.tokens_per_step
     factor = 1.0 if slowdown is None else slowdown[layout.assignment[place.replica][place.pipeline_rank]]
     executor = RankExecutor(
@@ -110,4 +115,4 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens, autocast_dtype=autocast_dtype,
         slowdown=factor, device=device)
     return RankSetup(replica=place.replica, pipeline_rank=place.pipeline_rank, device=device,
-                     device_of_rank=device_of_rank, mesh=mesh, stages=stages, executor=executor)
+                     device_of_rank=device_of_rank(layout), mesh=mesh, stages=stages, executor=executor)

@@ -1,0 +1,56 @@
+"""The pre-flight checks: a plan that cannot fit this machine's memory, or a sequence longer than the
+model's, is refused before any rank builds a model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from medley.cost.estimator import CatalogCostSource
+from medley.errors import MedleyInputError
+from medley.plan.inline import inline_layout
+from medley.plan.plan import Plan
+from medley.runtime.preflight import RANK_BASE_BYTES, check_cpu_memory, predicted_peaks, preflight
+from medley.spec.cluster import parse_cluster_arg
+from medley.spec.model import get_model
+
+
+def plan_for(model: str, *, pp: int = 1, dp: int = 1, seq_len: int = 64) -> Plan:
+    cluster = parse_cluster_arg(f"{pp * dp}xA100-80GB")
+    spec = get_model(model)
+    layout = inline_layout(cluster=cluster, model=spec, cost=CatalogCostSource.for_cluster(spec, cluster),
+                           pp=pp, dp=dp, schedule="1f1b", micro_batches="2", micro_batch_size=1,
+                           seq_len=seq_len)
+    return Plan(layout=layout, cluster=cluster)
+
+
+def test_a_model_larger_than_this_machine_is_refused_at_once() -> None:
+    started = time.perf_counter()
+    with pytest.raises(MedleyInputError, match=r"GiB of memory .* available") as err:
+        preflight(plan_for("llama-2-70b", seq_len=256), dtype="fp32", local_ranks=1, on_cuda=False)
+    assert time.perf_counter() - started < 10
+    assert "\n" not in str(err.value)
+
+
+def test_tiny_fits_and_the_check_counts_every_local_rank() -> None:
+    plan = plan_for("tiny", pp=2, dp=2)
+    preflight(plan, dtype="fp32", local_ranks=4, on_cuda=False)
+    peaks = predicted_peaks(plan, dtype="fp32")
+    assert sorted(peaks) == [0, 1, 2, 3] and all(p > 0 for p in peaks.values())
+    needed = sum(peaks.values()) + 4 * RANK_BASE_BYTES
+    check_cpu_memory(plan, dtype="fp32", local_ranks=4, available=int(needed) + 1)
+    with pytest.raises(MedleyInputError, match="4 rank"):
+        check_cpu_memory(plan, dtype="fp32", local_ranks=4, available=int(needed) - 1)
+
+
+def test_fp32_needs_more_than_bf16() -> None:
+    plan = plan_for("tiny", pp=2)
+    fp32, bf16 = predicted_peaks(plan, dtype="fp32"), predicted_peaks(plan, dtype="bf16")
+    assert all(fp32[d] > bf16[d] for d in fp32)
+
+
+def test_a_sequence_longer_than_the_model_is_refused() -> None:
+    limit = get_model("tiny").max_seq_len
+    with pytest.raises(MedleyInputError, match=rf"--seq-len {limit} or less"):
+        preflight(plan_for("tiny", seq_len=1000), dtype="fp32", local_ranks=1, on_cuda=False)
