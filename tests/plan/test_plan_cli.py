@@ -195,3 +195,16 @@ def test_profiles_at_another_sequence_length_are_named() -> None:
         PROFILES,
     )
     assert code == 2 and "--seq-len 2048" in out
+
+
+def test_explain_names_the_placement_the_written_plan_has(tmp_path: Path) -> None:
+    """Issue #11: --explain said bubble-aware while the written plan said placement = "naive"."""
+    demo = str(Path(__file__).parents[2] / "examples" / "demo.toml")
+    plan_file = tmp_path / "plan.toml"
+    code, out = _run("plan", "--cluster", demo, "--model", "llama-2-7b", "--global-batch", "96",
+                     "--seq-len", "2048", "--explain", "--out", str(plan_file), "--json")
+    assert code == 0, out
+    line = next(x for x in json.loads(out)["explain"] if x.startswith("ZeRO placement:"))
+    written = load_plan(plan_file).layout.placement.value
+    chosen = line.removeprefix("ZeRO placement: ").split(";")[0]
+    assert chosen == {"naive": "naive", "bubble": "bubble-aware"}[written], (line, written)

@@ -24,6 +24,8 @@ from medley.plan.space import PP_CHOICES, Candidate, Structure
 from medley.schedule.zero import Placement, StageZero
 
 GB = 1e9
+# How the explanation names each ZeRO placement policy (the plan file writes the enum value).
+PLACEMENT_NAMES = {Placement.NAIVE: "naive", Placement.BUBBLE: "bubble-aware"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +143,9 @@ def _variants(layout: PlanLayout, result) -> list[tuple[str, str, str, PlanLayou
             )
         )
     if layout.dp > 1:
-        out.append(("ZeRO placement", "bubble-aware", "naive", replace(layout, placement=Placement.NAIVE)))
+        other = Placement.BUBBLE if layout.placement is Placement.NAIVE else Placement.NAIVE
+        out.append(("ZeRO placement", PLACEMENT_NAMES[layout.placement], PLACEMENT_NAMES[other],
+                    replace(layout, placement=other)))
     del result
     return out
 
