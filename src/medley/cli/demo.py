@@ -23,11 +23,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from medley.cli.errors import exit_on_input_error
+from medley.cli.console import make_console, print_table
 from medley.cli.plan_cmd import print_result, result_data
 from medley.cli.simulate_cmd import write_pictures
 from medley.cli.spec_cmds import print_cluster, print_model_costs
 from medley.cost.estimator import CatalogCostSource
+from medley.fileio import check_output_dir
 from medley.plan.explain import explain
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, save_plan
@@ -120,7 +121,7 @@ def emulated_run(*, out_dir: Path, steps: int, console: Console) -> dict:
     for name, value in measured.items():
         error = (prediction.step_time_s - value) / value
         table.add_row(f"measured, {name} step", f"{value * 1e3:.1f} ms", f"{error:+.1%}")
-    console.print(table)
+    print_table(console, table)
     console.print(f"loss {records[0].loss:.3f} -> {records[-1].loss:.3f} over {steps} steps "
                   "(byte-level text of the shipped corpus); the machine is shared, so single steps "
                   "vary (bench/results/fidelity.md has the full fidelity study)")
@@ -138,7 +139,6 @@ def run_demo(*, out_dir: Path, model_name: str, console: Console, train_steps: i
 
 def register(app: typer.Typer) -> None:
     @app.command("demo")
-    @exit_on_input_error
     def demo(
         out: Annotated[Path, typer.Option(help="Where the plans, profile and pictures go")] = Path("out"),
         model: Annotated[str, typer.Option(help="Model preset to plan for the demo cluster")] = "llama-2-7b",
@@ -147,4 +147,5 @@ def register(app: typer.Typer) -> None:
         ] = 30,
     ) -> None:
         """Plan for the demo cluster, show ZIPPer's placement, then train a tiny model on 4 emulated ranks."""
-        run_demo(out_dir=out, model_name=model, console=Console(), train_steps=train_steps)
+        check_output_dir(out, flag="--out")
+        run_demo(out_dir=out, model_name=model, console=make_console(), train_steps=train_steps)

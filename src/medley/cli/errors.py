@@ -1,31 +1,86 @@
-"""One way to fail on bad input: a clear message, a non-zero exit, no traceback."""
+"""One way to fail: a single line on stderr and an exit status, never a traceback unless asked.
+
+* bad input (:class:`MedleyInputError`, or a file the OS cannot read or write): exit 2;
+* Ctrl-C (KeyboardInterrupt): exit 130;
+* anything else: exit 1, and the traceback only with ``--debug`` or ``MEDLEY_DEBUG=1``.
+
+:func:`guarded` applies these rules around the whole command line (``medley.cli.main`` uses it
+once, for every command); :func:`exit_on_input_error` applies the first one to a single function.
+Messages are printed literally: a path with ``[/]`` or ``[red]`` in it stays as it is.
+"""
 
 from __future__ import annotations
 
+import errno
 import functools
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import typer
-from rich.console import Console
 
-from medley.errors import MedleyInputError
+from medley.errors import MedleyInputError, debug_enabled
+from medley.fileio import os_error_message
 
-__all__ = ["MedleyInputError", "exit_on_input_error"]
+__all__ = ["MedleyInputError", "exit_on_input_error", "guarded", "print_error"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+INPUT_EXIT, INTERRUPT_EXIT, INTERNAL_EXIT = 2, 130, 1
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks folded into "; " (an error is one line)."""
+    return "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def print_error(message: str) -> None:
+    """``error: <message>`` on one line of stderr, as plain text (no markup is interpreted)."""
+    typer.echo(typer.style("error:", fg="red", bold=True) + " " + one_line(message), err=True)
+
+
+def _os_error_line(err: OSError) -> str | None:
+    if err.filename is None:
+        return None
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return os_error_message(err.filename, err)
+    return f"{err.filename}: {err.strerror or type(err).__name__}; check the path and its permissions."
+
+
+def guarded(call: Callable[[], R]) -> R:
+    """Run ``call`` under the exit rules of the module docstring. typer's own exits, aborts and
+    usage errors pass through untouched (click prints them, exit 2)."""
+    try:
+        return call()
+    except (typer.Exit, typer.Abort, typer.TyperException):
+        raise
+    except MedleyInputError as err:
+        print_error(str(err))
+        raise typer.Exit(code=INPUT_EXIT) from None
+    except KeyboardInterrupt:
+        print_error("interrupted (Ctrl-C)")
+        raise typer.Exit(code=INTERRUPT_EXIT) from None
+    except OSError as err:
+        line = _os_error_line(err)
+        if line is None or err.errno == errno.EPIPE or debug_enabled():
+            raise
+        print_error(line)
+        raise typer.Exit(code=INPUT_EXIT) from None
+    except Exception as err:
+        if debug_enabled():
+            raise
+        print_error(f"{type(err).__name__}: {one_line(str(err))}; rerun with --debug for the traceback")
+        raise typer.Exit(code=INTERNAL_EXIT) from None
 
 
 def exit_on_input_error(fn: Callable[P, R]) -> Callable[P, R]:
-    """Turn :class:`MedleyInputError` into a red message and exit status 2."""
+    """Turn :class:`MedleyInputError` raised by ``fn`` into one line on stderr and exit status 2."""
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
         except MedleyInputError as err:
-            Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
-            raise typer.Exit(code=2) from None
+            print_error(str(err))
+            raise typer.Exit(code=INPUT_EXIT) from None
 
     return wrapper

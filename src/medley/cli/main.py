@@ -1,18 +1,61 @@
-"""The `medley` command. Each group of commands lives in its own module and registers here."""
+"""The `medley` command line: the app, its global options and the exit rules every command shares."""
 
 from __future__ import annotations
 
+import os
+from typing import Annotated, Any
+
 import typer
+from typer.core import TyperGroup
 
 from medley.cli import demo, plan_cmd, profile_cmd, simulate_cmd, spec_cmds, train_cmd
+from medley.cli.errors import guarded
+from medley.errors import DEBUG_ENV
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+HELP = (
+    "medley plans, simulates and runs hybrid-parallel (pipeline x data x ZeRO) LLM training on "
+    "clusters of mixed accelerators.\n\n"
+    "In the order of use: look at the device catalog (devices), describe your cluster (cluster show), "
+    "see what a model costs on it (model show), search the best plans (plan), re-simulate a plan file "
+    "(show) or one described by flags (simulate), train it for real (train), measure this machine "
+    "(profile) and check how right the simulator is (fidelity). `medley demo` runs the whole story."
+)
+# The commands in the order a user meets them (`medley --help` lists them so).
+ORDER = ("devices", "cluster", "model", "plan", "show", "simulate", "train", "profile", "fidelity", "demo",
+         "version")
+
+
+class MedleyGroup(TyperGroup):
+    """The top-level group: commands listed in the order of use, every command run under
+    :func:`medley.cli.errors.guarded` (one line and an exit status instead of a traceback)."""
+
+    def list_commands(self, ctx: Any) -> list[str]:  # noqa: ANN401 - typer's click context
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
+
+    def invoke(self, ctx: Any) -> Any:  # noqa: ANN401 - typer's click context and any result
+        return guarded(lambda: super(MedleyGroup, self).invoke(ctx))
+
+
+app = typer.Typer(cls=MedleyGroup, no_args_is_help=True, add_completion=False, help=HELP,
+                  pretty_exceptions_show_locals=False)
+
+
+@app.callback()
+def options(
+    debug: Annotated[bool, typer.Option("--debug", help="Show Python tracebacks and the ranks' stack dumps "
+                                                        "(same as MEDLEY_DEBUG=1)")] = False,
+) -> None:
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # launched ranks inherit it
+
+
 spec_cmds.register(app)
-simulate_cmd.register(app)
-demo.register(app)
-train_cmd.register(app)
 plan_cmd.register(app)
+simulate_cmd.register(app)
+train_cmd.register(app)
 profile_cmd.register(app)
+demo.register(app)
 
 
 @app.command()
@@ -21,6 +64,7 @@ def version() -> None:
     from medley import __version__
 
     typer.echo(__version__)
+
 
 if __name__ == "__main__":
     app()

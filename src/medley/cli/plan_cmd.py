@@ -10,8 +10,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from medley.cli.errors import MedleyInputError, exit_on_input_error
-from medley.cli.simulate_cmd import cost_source, print_summary, summary, write_pictures
+from medley.cli.console import make_console, print_table
+from medley.cli.errors import MedleyInputError
+from medley.cli.simulate_cmd import check_pictures, cost_source, print_summary, summary, write_pictures
+from medley.fileio import check_output_dir, check_output_file
 from medley.plan.inline import parse_int_list
 from medley.plan.plan import load_plan, save_plan
 from medley.plan.predict import predict
@@ -87,8 +89,8 @@ def result_data(result: SearchResult) -> dict:
 
 
 def _short(values: list) -> str:
-    text = ",".join(map(str, values))
-    return text if len(text) <= 24 else text[:21] + "..."
+    """The values in full, comma-separated (a table never cuts a number)."""
+    return ",".join(map(str, values))
 
 
 def _ratio(value: float | None) -> str:
@@ -136,8 +138,8 @@ def print_result(data: dict, console: Console) -> None:
             _short(row["split"]),
             _short(zero),
         )
-    console.print(figures)
-    console.print(shapes)
+    print_table(console, figures)
+    print_table(console, shapes)
     for name, b in data["baselines"].items():
         text = (
             "no plan fits"
@@ -181,7 +183,6 @@ def _constraints(
 
 def register(app: typer.Typer) -> None:
     @app.command("plan")
-    @exit_on_input_error
     def plan_cmd(
         cluster: Annotated[
             str, typer.Option(help="Cluster TOML file, or a short form like 8xA100-40GB+8xV100-16GB")
@@ -220,6 +221,10 @@ def register(app: typer.Typer) -> None:
             )
         if top < 1:
             raise MedleyInputError(f"--top {top}: show at least one plan")
+        if out is not None:
+            check_output_file(out, flag="--out")
+        if export is not None:
+            check_output_dir(export[1], flag="--export torch")
         spec = parse_cluster_arg(cluster)
         model_spec = get_model(model)
         constraints = _constraints(
@@ -251,7 +256,7 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(data, indent=2))
             return
-        console = Console()
+        console = make_console()
         print_result(data, console)
         for line in data.get("explain", []):
             console.print(f"· {line}")
@@ -261,7 +266,6 @@ def register(app: typer.Typer) -> None:
             console.print(f"torch export: {len(data['exported'])} files in {export[1]}")
 
     @app.command("show")
-    @exit_on_input_error
     def show_cmd(
         plan_file: Annotated[Path, typer.Argument(help="A plan TOML written by `medley plan --out`")],
         gantt: Annotated[Path | None, typer.Option(help="Write a Gantt chart PNG here")] = None,
@@ -272,6 +276,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON")] = False,
     ) -> None:
         """Re-simulate a plan file and show its figures per device (and its Gantt chart)."""
+        check_pictures(trace=trace, gantt=gantt)
         plan = load_plan(plan_file)
         layout, cluster = plan.layout, plan.cluster
         prediction, problem, result = predict(
@@ -286,7 +291,7 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(data, indent=2))
             return
-        console = Console()
+        console = make_console()
         print_summary(data, console)
         if plan.prediction is not None:
             console.print(

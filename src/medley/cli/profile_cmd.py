@@ -10,8 +10,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from medley.cli.errors import exit_on_input_error
+from medley.cli.console import make_console, print_table, progress_steps
 from medley.cost.profiles import Profile, save_profile
+from medley.errors import MedleyInputError
+from medley.fileio import check_output_dir, check_output_file
 from medley.plan.inline import parse_int_list
 from medley.spec.model import get_model
 
@@ -34,7 +36,7 @@ def print_profile(profile: Profile, console: Console) -> None:
                       f"{m.backward_input_s * 1e3:.3f}", f"{m.backward_weight_s * 1e3:.3f}",
                       f"{m.backward_full_s * 1e3:.3f}", f"{m.activation_bytes / 1e6:.2f}",
                       f"{m.activation_after_b_bytes / 1e6:.2f}")
-    console.print(table)
+    print_table(console, table)
     if profile.comm is not None:
         fits = Table(title=f"α-β fits over {profile.comm.backend}")
         for col in ("op / group size", "α µs", "β GB/s", "median error"):
@@ -44,12 +46,11 @@ def print_profile(profile: Profile, console: Console) -> None:
         for name, fit in rows:
             fits.add_row(name, f"{fit.latency_s * 1e6:.1f}", f"{fit.bandwidth_bytes_per_s / 1e9:.2f}",
                          f"{fit.median_rel_error:.0%}")
-        console.print(fits)
+        print_table(console, fits)
 
 
 def register(app: typer.Typer) -> None:
     @app.command("profile")
-    @exit_on_input_error
     def profile_cmd(
         model: Annotated[str, typer.Option(help="Preset name or a Hugging Face config.json")],
         device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
@@ -67,24 +68,24 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON")] = False,
     ) -> None:
         """Measure F, B, W times and activation bytes per layer kind (and collectives) into a profile."""
-        from medley.profile.run import run_profile
+        check_output_file(out, flag="--out")
+        from medley.profile.run import profile_steps, run_profile
 
         ranks = () if comm_ranks.strip() == "0" else _ints(comm_ranks, "--comm-ranks")
-        profile = run_profile(
-            get_model(model), device=device,
-            micro_batch_sizes=_ints(micro_batch_sizes, "--micro-batch-sizes"),
-            seq_lens=_ints(seq_len, "--seq-len"), dtype=dtype, threads=max(1, threads), runs=max(1, runs),
-            comm_ranks=ranks,
-        )
+        spec = get_model(model)
+        sizes, lens = _ints(micro_batch_sizes, "--micro-batch-sizes"), _ints(seq_len, "--seq-len")
+        with progress_steps(profile_steps(ranks), enabled=not as_json) as step:
+            profile = run_profile(spec, device=device, micro_batch_sizes=sizes, seq_lens=lens, dtype=dtype,
+                                  threads=max(1, threads), runs=max(1, runs), comm_ranks=ranks, progress=step)
         save_profile(profile, out)
         if as_json:
             typer.echo(json.dumps(profile.model_dump(mode="json"), indent=1))
         else:
-            print_profile(profile, Console())
-            Console().print(f"wrote {out}")
+            console = make_console()
+            print_profile(profile, console)
+            console.print(f"wrote {out}")
 
     @app.command("fidelity")
-    @exit_on_input_error
     def fidelity_cmd(
         out: Annotated[Path, typer.Option(help="Directory for the profiles and the report")] = Path(
             "out/fidelity"
@@ -99,10 +100,12 @@ def register(app: typer.Typer) -> None:
             typer.Option(help="Reuse profile-cpu-*.json in --out as they are (no profiling at all)"),
         ] = False,
     ) -> None:
-        """Profile, simulate and train plans on this machine's CPU; predicted vs measured step time
-        and peak memory per rank (JSON + Markdown in --out). bench/fidelity.py runs the same."""
-        from medley.errors import MedleyInputError
-        from medley.profile.harness import default_cases, run_harness
+        """How right the simulator is here: predicted against measured step time and memory.
+
+        Profiles, simulates and trains plans on this machine's CPU and writes JSON + Markdown to
+        --out (bench/fidelity.py runs the same)."""
+        check_output_dir(out, flag="--out")
+        from medley.profile.harness import default_cases, harness_steps, run_harness
 
         chosen = default_cases()
         if quick:
@@ -116,7 +119,9 @@ def register(app: typer.Typer) -> None:
             chosen = [c for c in chosen if c.name in wanted]
         if steps < 2:
             raise MedleyInputError(f"--steps {steps}: run at least 2 steps (the first ones are untimed)")
-        results = run_harness(chosen, out, name="fidelity", steps=steps, reuse_profiles=reuse_profiles)
+        with progress_steps(harness_steps(chosen, reuse_profiles=reuse_profiles)) as step:
+            results = run_harness(chosen, out, name="fidelity", steps=steps, reuse_profiles=reuse_profiles,
+                                  progress=step)
         table = Table(title=f"fidelity on this machine ({out / 'fidelity.md'})")
         for col in ("case", "predicted ms", "fastest ms", "error", "median ms", "worst memory error"):
             table.add_column(col, justify="right")
@@ -124,4 +129,4 @@ def register(app: typer.Typer) -> None:
             table.add_row(r.case, f"{r.predicted_step_s * 1e3:.1f}", f"{r.fastest_step_s * 1e3:.1f}",
                           f"{r.fastest_step_error:+.1%}", f"{r.measured_step_s * 1e3:.1f}",
                           f"{r.worst_memory_error:+.1%}")
-        Console().print(table)
+        print_table(make_console(), table)

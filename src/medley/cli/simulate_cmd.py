@@ -9,11 +9,14 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from medley.cli.errors import exit_on_input_error
+from medley.cli.console import make_console, print_table, styled
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
 from medley.cost.profiles import ProfileCostSource, profile_cost_source
+from medley.errors import MedleyInputError
+from medley.fileio import check_output_file
 from medley.plan.compile import PlanLayout
 from medley.plan.inline import inline_layout
 from medley.plan.predict import layer_sources, simulate_layout
@@ -23,6 +26,7 @@ from medley.spec.cluster import Cluster, parse_cluster_arg
 from medley.spec.model import ModelSpec, get_model
 
 GB = 1e9
+GANTT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def summary(layout: PlanLayout, cluster: Cluster, problem: SimProblem, result: SimResult) -> dict:
@@ -108,7 +112,7 @@ def print_summary(data: dict, console: Console) -> None:
     ):
         table.add_column(col, justify="right")
     for d in data["devices"]:
-        headroom = f"{d['headroom_gb']:.1f} GB" + ("" if d["fits"] else " [red]OOM[/]")
+        headroom = f"{d['headroom_gb']:.1f} GB" + ("" if d["fits"] else " OOM")
         table.add_row(
             str(d["device"]),
             d["type"],
@@ -121,7 +125,7 @@ def print_summary(data: dict, console: Console) -> None:
             f"{d['peak_memory_gb']:.1f} GB",
             headroom,
         )
-    console.print(table)
+    print_table(console, table)
     if data["stages"]:
         zt = Table(title="ZeRO communication per stage (worst device of the stage)")
         for col in ("stage", "level", "layers", "collective time", "exposed"):
@@ -134,23 +138,22 @@ def print_summary(data: dict, console: Console) -> None:
                 f"{s['zero_comm_s'] * 1e3:.1f} ms",
                 f"{s['exposed_s'] * 1e3:.1f} ms",
             )
-        console.print(zt)
+        print_table(console, zt)
     if "cost_sources" in data:
         parts = [f"{device}: " + ", ".join(f"{kind} {src}" for kind, src in kinds.items())
                  for device, kinds in data["cost_sources"].items()]
         console.print("layer times from " + "; ".join(parts))
     verdict = (
-        "fits in memory on every device" if data["fits"] else "[red]does NOT fit in memory[/] (see OOM rows)"
+        styled("fits in memory on every device", "")
+        if data["fits"] else styled("does NOT fit in memory (see OOM rows)", "red")
     )
-    console.print(
+    console.print(Text.assemble(
         f"step {data['step_time_s']:.3f} s · {data['tokens_per_s']:,.0f} tokens/s · MFU {data['mfu']:.1%} · "
-        f"bubble {data['bubble_fraction']:.1%} · {verdict}"
-    )
+        f"bubble {data['bubble_fraction']:.1%} · ", verdict))
 
 
 def register(app: typer.Typer) -> None:
     @app.command("simulate")
-    @exit_on_input_error
     def simulate_cmd(
         cluster: Annotated[
             str, typer.Option(help="Cluster TOML file, or a catalog device with a count: 8xA100-80GB")
@@ -194,6 +197,7 @@ def register(app: typer.Typer) -> None:
         ] = None,
     ) -> None:
         """Simulate one training step of a plan and report time, bubbles and memory per device."""
+        check_pictures(trace=trace, gantt=gantt)
         spec = parse_cluster_arg(cluster)
         model_spec = get_model(model)
         cost = cost_source(model_spec, spec, profile=profile, dtype=dtype)
@@ -225,7 +229,7 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(data, indent=2))
         else:
-            print_summary(data, Console())
+            print_summary(data, make_console())
 
 
 def cost_source(
@@ -242,6 +246,18 @@ def cost_source(
 
         return MetisCostSource.from_directory(metis_profiles, model, fallback=catalog)
     return catalog
+
+
+def check_pictures(*, trace: Path | None, gantt: Path | None) -> None:
+    """Before any work: ``--trace`` and ``--gantt`` can be written (a file path in a writable place;
+    the chart a .png, .svg or .pdf, since matplotlib would otherwise append .png to the name)."""
+    if trace is not None:
+        check_output_file(trace, flag="--trace")
+    if gantt is not None:
+        check_output_file(gantt, flag="--gantt")
+        if gantt.suffix.lower() not in GANTT_SUFFIXES:
+            raise MedleyInputError(f"--gantt {gantt}: give a file name ending in .png (or .svg, .pdf), "
+                                   f"e.g. {gantt.with_name(gantt.name + '.png')}")
 
 
 def write_pictures(result: SimResult, *, trace: Path | None, gantt: Path | None) -> None:

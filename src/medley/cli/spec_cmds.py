@@ -13,7 +13,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from medley.cli.errors import MedleyInputError, exit_on_input_error
+from medley.cli.console import make_console, print_table
+from medley.cli.errors import MedleyInputError
 from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Pass
@@ -23,12 +24,6 @@ from medley.spec.model import ModelSpec, get_model
 
 DEFAULT_MODEL_CLUSTER = "4xA100-80GB+4xV100-32GB+4xT4-16GB"  # the demo cluster's device types
 ADAM_BYTES_PER_PARAM = 16  # bf16 weight + bf16 grad + fp32 master, m, v
-
-
-def make_console() -> Console:
-    """A console that keeps tables readable when output is piped (rich assumes 80 columns there)."""
-    console = Console()
-    return console if console.is_terminal else Console(width=140)
 
 
 def _gib(nbytes: float) -> str:
@@ -67,7 +62,7 @@ def print_devices(catalog: dict[str, DeviceType], console: Console) -> None:
             "yes" if d.supports_bf16 else "no",
             d.confidence,
         )
-    console.print(table)
+    print_table(console, table)
 
 
 def cluster_summary(cluster: Cluster) -> dict[str, Any]:
@@ -141,7 +136,7 @@ def print_cluster(cluster: Cluster, console: Console) -> None:
         )
     if len(shown) < len(rows):
         table.add_row("...", f"({len(rows) - len(shown)} more nodes)", "", "", "", "", "")
-    console.print(table)
+    print_table(console, table)
     tiers = Table(title="Network tiers (innermost first; bandwidth per node, per direction)")
     for col in ("tier", "bandwidth GB/s", "latency µs", "groups", "pair overrides"):
         tiers.add_column(col)
@@ -154,7 +149,7 @@ def print_cluster(cluster: Cluster, console: Console) -> None:
             str(len(t["pairs"])),
         )
     if summary["tiers"]:
-        console.print(tiers)
+        print_table(console, tiers)
 
 
 def model_summary(
@@ -242,7 +237,7 @@ def print_model_costs(
             _gib(row["activation_bytes_after_b"]),
             _gib(row["held_params"] * ADAM_BYTES_PER_PARAM),
         )
-    console.print(table)
+    print_table(console, table)
     times = Table(title="Estimated ms per layer and micro-batch (catalog peaks)")
     for col in ("device type", "pass", *(row["kind"] for row in s["layers"]), "whole model"):
         times.add_column(col, justify="left" if col in ("device type", "pass") else "right")
@@ -251,7 +246,7 @@ def print_model_costs(
             cells = [f"{row['seconds'][device_type][p.value] * 1e3:,.3f}" for row in s["layers"]]
             total = sum(row["count"] * row["seconds"][device_type][p.value] for row in s["layers"])
             times.add_row(device_type if p is Pass.F else "", p.value, *cells, f"{total * 1e3:,.1f}")
-    console.print(times)
+    print_table(console, times)
 
 
 def register(app: typer.Typer) -> None:
@@ -261,7 +256,6 @@ def register(app: typer.Typer) -> None:
     app.add_typer(model_app, name="model")
 
     @app.command()
-    @exit_on_input_error
     def devices(
         catalog: Annotated[Path | None, typer.Option(help="TOML file adding or overriding entries")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
@@ -278,7 +272,6 @@ def register(app: typer.Typer) -> None:
             print_devices(entries, make_console())
 
     @cluster_app.command("show")
-    @exit_on_input_error
     def cluster_show(
         cluster: Annotated[str, typer.Argument(help="cluster TOML file, or a short form like 8xA100-80GB")],
         as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
@@ -291,7 +284,6 @@ def register(app: typer.Typer) -> None:
             print_cluster(spec, make_console())
 
     @model_app.command("show")
-    @exit_on_input_error
     def model_show(
         model: Annotated[str, typer.Argument(help="preset name or path of a Hugging Face config.json")],
         cluster: Annotated[str, typer.Option(help="cluster file or short form: whose device types")] = (

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from medley.fileio import write_atomically
 from medley.plan.plan import Plan
 from medley.schedule.generators import generate
 from medley.schedule.torch_csv import write_torch_csv
@@ -60,7 +61,7 @@ def export_torch(plan: Plan, directory: Path) -> list[Path]:
     schedule = schedules[layout.micro_batches[0]]
     parts = [torchtitan_fqns(layout.model, layout.layer_range(s)) for s in range(layout.num_stages)]
     fqn_path = directory / "module_fqns_per_model_part.json"
-    fqn_path.write_text(json.dumps(parts, indent=1) + "\n")
+    write_atomically(fqn_path, json.dumps(parts, indent=1) + "\n")
     written.append(fqn_path)
     notes = [
         "ZeRO collectives: medley places them per layer bucket into pipeline bubbles; in torch use FSDP2 "
@@ -91,6 +92,6 @@ def export_torch(plan: Plan, directory: Path) -> list[Path]:
         "notes": notes,
     }
     meta_path = directory / "plan.json"
-    meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+    write_atomically(meta_path, json.dumps(meta, indent=1) + "\n")
     written.append(meta_path)
     return written

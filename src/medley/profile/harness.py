@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from medley.cost.profiles import Profile, load_profile, save_profile
@@ -55,9 +55,15 @@ def default_cases() -> list[FidelityCase]:
     ]
 
 
+def harness_steps(cases: Sequence[FidelityCase], *, reuse_profiles: bool = False) -> int:
+    """How many progress steps :func:`run_harness` reports at most (profiles it reuses are skipped)."""
+    per_case = 1 if reuse_profiles else 2
+    return len({c.model.name for c in cases}) + per_case * len(cases)
+
+
 def profiles_for(cases: Sequence[FidelityCase], directory: Path, *, comm_ranks: Sequence[int] = (2, 4),
                  comm_sizes: Sequence[int] | None = None, runs: int = PROFILE_RUNS, reuse: bool = False,
-                 ) -> dict[str, tuple[Profile, str]]:
+                 progress: Callable[[str], None] | None = None) -> dict[str, tuple[Profile, str]]:
     """One CPU profile per model of ``cases``, at the shapes they use (collectives measured once)."""
     out: dict[str, tuple[Profile, str]] = {}
     comm = None
@@ -68,6 +74,8 @@ def profiles_for(cases: Sequence[FidelityCase], directory: Path, *, comm_ranks: 
             out[model.name] = (load_profile(path), name)
             continue
         shapes = [c for c in cases if c.model.name == model.name]
+        if progress is not None:
+            progress(f"profiling {model.name} on this CPU")
         profile = run_profile(model, micro_batch_sizes=sorted({c.micro_batch_size for c in shapes}),
                               seq_lens=sorted({c.seq_len for c in shapes}), runs=runs,
                               comm_ranks=() if comm is not None else comm_ranks, comm_sizes=comm_sizes)
@@ -82,26 +90,31 @@ def profiles_for(cases: Sequence[FidelityCase], directory: Path, *, comm_ranks: 
 
 def run_harness(cases: Sequence[FidelityCase], out_dir: Path, *, name: str = "fidelity", steps: int = 20,
                 reuse_profiles: bool = False, comm_sizes: Sequence[int] | None = None,
-                notes: str = "", refresh_layers: bool | None = None) -> list[FidelityResult]:
+                notes: str = "", refresh_layers: bool | None = None,
+                progress: Callable[[str], None] | None = None) -> list[FidelityResult]:
     """Profile, predict and run ``cases``; writes ``<name>.json`` and ``<name>.md`` to ``out_dir``.
 
     ``refresh_layers`` re-measures the case's layers right before its run (the collectives are
     measured once): on a shared machine the CPU's speed drifts 10-20% over minutes, which a
     profile taken at the start of a long harness run cannot see. It defaults to on unless
-    ``reuse_profiles`` asks for the saved profiles as they are."""
+    ``reuse_profiles`` asks for the saved profiles as they are. ``progress(description)`` is called
+    as each of :func:`harness_steps` steps starts."""
     if refresh_layers is None:
         refresh_layers = not reuse_profiles
     out_dir.mkdir(parents=True, exist_ok=True)
-    profiles = profiles_for(cases, out_dir, reuse=reuse_profiles, comm_sizes=comm_sizes,
+    profiles = profiles_for(cases, out_dir, reuse=reuse_profiles, comm_sizes=comm_sizes, progress=progress,
                             comm_ranks=sorted({2, *(c.world for c in cases if c.world > 1)}))
+    step = progress or (lambda _description: None)
     results = []
     with tempfile.TemporaryDirectory(prefix="medley-emulated-") as emulated:  # generated device catalogs
         for case in cases:
             profile, profile_name = profiles[case.model.name]
             if refresh_layers:
+                step(f"{case.name}: re-profiling its layers")
                 fresh = run_profile(case.model, micro_batch_sizes=[case.micro_batch_size],
                                     seq_lens=[case.seq_len], runs=PROFILE_RUNS, comm_ranks=())
                 profile = fresh.model_copy(update={"comm": profile.comm})
+            step(f"{case.name}: simulating and training {steps} steps")
             results.append(run_case(case, profile, profile_name=profile_name, directory=Path(emulated),
                                     steps=steps, warmup_steps=min(5, steps // 2)))
     meta = machine() | {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

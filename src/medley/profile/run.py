@@ -6,7 +6,7 @@ import datetime
 import os
 import platform
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,6 +17,11 @@ from medley.profile.layers import TORCH_DTYPES, profile_layers, profile_optimize
 from medley.spec.model import ModelSpec
 
 CPU_DEVICE_TYPE = "CPU-8GB"  # the catalog's generic CPU core (medley runs one rank per core)
+
+
+def profile_steps(comm_ranks: Sequence[int]) -> int:
+    """How many progress steps :func:`run_profile` reports."""
+    return 3 if comm_ranks else 2
 
 
 def _device_detail(device: str) -> str:
@@ -42,9 +47,10 @@ def run_profile(
     model: ModelSpec, *, device: str = "cpu", device_type: str | None = None,
     micro_batch_sizes: Sequence[int] = (1, 2, 4), seq_lens: Sequence[int] = (128,), dtype: str = "fp32",
     threads: int = 1, warmup: int = 2, runs: int = 5, comm_ranks: Sequence[int] = (2, 4),
-    comm_sizes: Sequence[int] | None = None,
+    comm_sizes: Sequence[int] | None = None, progress: Callable[[str], None] | None = None,
 ) -> Profile:
-    """Measure ``model``'s layers on ``device`` (and gloo collectives when ``comm_ranks`` is given)."""
+    """Measure ``model``'s layers on ``device`` (and gloo collectives when ``comm_ranks`` is given).
+    ``progress(description)`` is called as each of :func:`profile_steps` steps starts."""
     if device not in ("cpu", "cuda"):
         raise MedleyInputError(f"--device '{device}' must be cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
@@ -56,12 +62,16 @@ def run_profile(
     if model.position == "learned" and max(seq_lens) > model.max_seq_len:
         raise MedleyInputError(f"--seq-len {max(seq_lens)} exceeds {model.name}'s max_seq_len "
                                f"{model.max_seq_len}; profile shorter sequences")
+    step = progress or (lambda _description: None)
+    step(f"{model.name}: measuring layers")
     layers = profile_layers(model, micro_batch_sizes=micro_batch_sizes, seq_lens=seq_lens, dtype=dtype,
                             device=device, threads=threads, warmup=warmup, runs=runs)
+    step(f"{model.name}: measuring the optimizer step")
     optimizer = profile_optimizer(model, dtype=dtype, device=device, threads=threads, warmup=warmup,
                                   runs=runs)
     comm = None
     if comm_ranks:
+        step(f"measuring gloo collectives over {', '.join(map(str, comm_ranks))} ranks")
         kwargs = {} if comm_sizes is None else {"sizes": comm_sizes}
         comm = comm_profile(measure_collectives(ranks=comm_ranks, **kwargs), backend="gloo")
     name = device_type or (CPU_DEVICE_TYPE if device == "cpu" else torch.cuda.get_device_name(0))

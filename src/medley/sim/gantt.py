@@ -80,6 +80,7 @@ def write_gantt(result: SimResult, path: str | Path, *, title: str | None = None
               bbox_to_anchor=(0.5, -0.12 if len(reports) > 4 else -0.3), ncol=len(_LEGEND), fontsize=8,
               frameon=False)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
     return path

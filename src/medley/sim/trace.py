@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from medley.fileio import write_atomically
 from medley.sim.result import SimResult
 
 COMPUTE_TID, SEND_TID, RECV_TID, COLLECTIVE_TID = 0, 1, 2, 3
@@ -70,5 +71,5 @@ def write_chrome_trace(result: SimResult, path: str | Path) -> Path:
     payload = {"traceEvents": chrome_trace_events(result), "displayTimeUnit": "ms",
                "otherData": {"step_time_s": result.step_time_s, "tokens_per_s": result.tokens_per_s,
                              "mfu": result.mfu}}
-    path.write_text(json.dumps(payload))
+    write_atomically(path, json.dumps(payload))
     return path
