@@ -1,0 +1,75 @@
+"""Issue #11: in an 80- or 100-column terminal the ranked-plan table cut the numbers that matter
+(`28,6…` tokens/s, `A100…`). Every table the CLI prints keeps every cell whole at any width."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rich.table import Table
+from typer.testing import CliRunner
+
+from medley.cli.console import make_console, print_table
+from medley.cli.main import app
+
+DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "demo.toml")
+PLAN = ["plan", "--cluster", DEMO, "--model", "llama-2-7b", "--global-batch", "96", "--seq-len", "2048",
+        "--top", "3"]
+
+
+def run(args: list[str], columns: int) -> str:
+    result = CliRunner().invoke(app, args, env={"COLUMNS": str(columns)})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+def test_the_ranked_plans_show_every_number_whole(columns: int) -> None:
+    data = json.loads(run([*PLAN, "--json"], 200))
+    out = run(PLAN, columns)
+    assert "…" not in out and "..." not in out
+    assert all(len(line) <= columns for line in out.splitlines())
+    for row in data["plans"]:
+        assert f"{row['tokens_per_s']:,.0f}" in out
+        assert f"{row['step_time_s']:.3f} s" in out
+        for device_type, gb in row["headroom_gb_by_type"].items():
+            assert f"{device_type}:{gb:.1f}" in out
+
+
+@pytest.mark.parametrize("args", [
+    ["devices"],
+    ["cluster", "show", DEMO],
+    ["model", "show", "llama-2-7b", "--cluster", DEMO],
+    ["simulate", "--cluster", DEMO, "--model", "llama-2-7b", "--pp", "3", "--dp", "4",
+     "--micro-batches", "16",
+     "--zero", "3,1,3"],
+])
+def test_every_table_fits_80_columns_without_cutting(args: list[str]) -> None:
+    out = run(args, 80)
+    assert "…" not in out
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    assert "A100-80GB" in out
+
+
+@settings(max_examples=40, deadline=None)
+@given(width=st.integers(20, 160), cells=st.lists(st.text("0123456789,.", min_size=1, max_size=14),
+                                                 min_size=1, max_size=24))
+def test_print_table_never_cuts_a_cell(width: int, cells: list[str]) -> None:
+    table = Table(title="t")
+    names = [f"column {i}" for i in range(len(cells))]
+    for name in names:
+        table.add_column(name)
+    table.add_row(*cells)
+    table.add_row(*reversed(cells))
+    console = make_console()
+    console.width = width
+    with console.capture() as capture:
+        print_table(console, table)
+    out = capture.get()
+    assert "…" not in out
+    text = out.replace("\n", "")
+    for cell in cells:
+        assert cell in text or len(cell) + 2 > width  # a cell wider than the screen folds, never cut
