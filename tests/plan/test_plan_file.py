@@ -102,7 +102,7 @@ def test_failed_save_leaves_old_file_and_no_temporary(
         raise OSError("disk full")
 
     monkeypatch.setattr("medley.fileio.os.replace", explode)
-    with pytest.raises(OSError):
+    with pytest.raises(MedleyInputError, match=r"plan.toml: cannot write \(disk full\)"):
         save_plan(plan, target)
     assert target.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["plan.toml"]
