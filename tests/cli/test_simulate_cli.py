@@ -103,3 +103,13 @@ def test_bad_flags_get_one_clear_message(flags: list[str], message: str) -> None
     code, out = _run("--cluster", DEMO, "--model", "llama-2-7b", "--pp", "3", *flags)
     assert code == 2
     assert message in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--buckets", "0"), ("--gather-windows", "-1"), ("--pp", "0"),
+                                             ("--seq-len", "0"), ("--micro-batch-size", "-2")])
+def test_out_of_range_numbers_are_usage_errors_not_tracebacks(flag: str, value: str) -> None:
+    """Issue #11: `simulate --buckets 0` and `--gather-windows -1` ended in a ValueError traceback."""
+    result = CliRunner().invoke(app, ["simulate", "--cluster", "2xA100-80GB", "--model", "tiny", flag, value],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"Invalid value for '{flag}'" in result.output

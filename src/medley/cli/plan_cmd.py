@@ -188,8 +188,8 @@ def register(app: typer.Typer) -> None:
             str, typer.Option(help="Cluster TOML file, or a short form like 8xA100-40GB+8xV100-16GB")
         ],
         model: Annotated[str, typer.Option(help="Preset name or a Hugging Face config.json")],
-        global_batch: Annotated[int, typer.Option(help="Sequences per optimizer step")] = 512,
-        seq_len: Annotated[int, typer.Option(help="Tokens per sequence")] = 2048,
+        global_batch: Annotated[int, typer.Option(min=1, help="Sequences per optimizer step")] = 512,
+        seq_len: Annotated[int, typer.Option(min=1, help="Tokens per sequence")] = 2048,
         objective: Annotated[
             str, typer.Option(help="throughput, or cost (needs price_per_hour)")
         ] = "throughput",
@@ -200,13 +200,13 @@ def register(app: typer.Typer) -> None:
             tuple[str, Path] | None, typer.Option(help="'torch DIR': torch CSVs and torchtitan module names")
         ] = None,
         profiles: Annotated[Path | None, typer.Option(help="Directory of Metis-format profiles")] = None,
-        max_pp: Annotated[int | None, typer.Option(help="Most pipeline stages")] = None,
+        max_pp: Annotated[int | None, typer.Option(min=1, help="Most pipeline stages")] = None,
         schedules: Annotated[
             str | None,
             typer.Option(help=f"Families to consider, comma-separated ({', '.join(SEARCHED_FAMILIES)})"),
         ] = None,
         memory_headroom: Annotated[
-            float, typer.Option(help="Fraction of each device's memory kept free")
+            float, typer.Option(min=0.0, max=0.95, help="Fraction of each device's memory kept free")
         ] = 0.05,
         exclude_devices: Annotated[str | None, typer.Option(help="Device ids to leave out, e.g. 0,3")] = None,
         micro_batch_sizes: Annotated[

@@ -59,8 +59,8 @@ def register(app: typer.Typer) -> None:
         ] = "1,2,4",
         seq_len: Annotated[str, typer.Option(help="Sequence lengths to measure, e.g. 128,512")] = "128",
         dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "fp32",
-        threads: Annotated[int, typer.Option(help="torch threads (CPU ranks run one each)")] = 1,
-        runs: Annotated[int, typer.Option(help="Timed repetitions per figure (the median is kept)")] = 5,
+        threads: Annotated[int, typer.Option(min=1, help="torch threads (CPU ranks run one each)")] = 1,
+        runs: Annotated[int, typer.Option(min=1, help="Timed repetitions per figure (median kept)")] = 5,
         comm_ranks: Annotated[
             str, typer.Option(help="Group sizes for the gloo collective benchmarks; 0 skips them")
         ] = "2,4",

@@ -159,26 +159,27 @@ def register(app: typer.Typer) -> None:
             str, typer.Option(help="Cluster TOML file, or a catalog device with a count: 8xA100-80GB")
         ],
         model: Annotated[str, typer.Option(help="Preset name or a Hugging Face config.json")],
-        pp: Annotated[int, typer.Option(help="Pipeline ranks per replica")] = 1,
-        dp: Annotated[int, typer.Option(help="Data-parallel replicas")] = 1,
+        pp: Annotated[int, typer.Option(min=1, help="Pipeline ranks per replica")] = 1,
+        dp: Annotated[int, typer.Option(min=1, help="Data-parallel replicas")] = 1,
         schedule: Annotated[
             str, typer.Option(help="Schedule family (gpipe, 1f1b, interleaved, zb-h1, ...)")
         ] = "1f1b",
         micro_batches: Annotated[
             str, typer.Option(help="Micro-batches per replica: one value, or one per replica")
         ] = "8",
-        micro_batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch")] = 1,
-        seq_len: Annotated[int, typer.Option(help="Tokens per sequence")] = 2048,
-        virtual_stages: Annotated[int, typer.Option(help="Chunks per rank (interleaved)")] = 2,
+        micro_batch_size: Annotated[int, typer.Option(min=1, help="Sequences per micro-batch")] = 1,
+        seq_len: Annotated[int, typer.Option(min=1, help="Tokens per sequence")] = 2048,
+        virtual_stages: Annotated[int, typer.Option(min=1, help="Chunks per rank (interleaved)")] = 2,
         split: Annotated[str | None, typer.Option(help="Blocks (or layers) per stage, e.g. 6,8,9,9")] = None,
         zero: Annotated[
             str | None, typer.Option(help="ZeRO level per stage, e.g. 3,3,1,1 (default 1)")
         ] = None,
         zero_placement: Annotated[str, typer.Option(help="naive or bubble")] = "bubble",
-        buckets: Annotated[int, typer.Option(help="Layer buckets per stage for ZeRO collectives")] = 4,
+        buckets: Annotated[int, typer.Option(min=1, help="Layer buckets per stage for ZeRO collectives")] = 4,
         gather_windows: Annotated[
             int,
-            typer.Option(help="ZeRO-3 gather rounds per step: 1 keeps weights gathered, 0 streams buckets"),
+            typer.Option(min=0, help="ZeRO-3 gather rounds per step: 1 keeps weights gathered, 0 streams "
+                         "buckets"),
         ] = 1,
         recompute: Annotated[bool, typer.Option(help="Recompute block activations in the backward")] = False,
         no_comm: Annotated[

@@ -289,8 +289,10 @@ def register(app: typer.Typer) -> None:
         cluster: Annotated[str, typer.Option(help="cluster file or short form: whose device types")] = (
             DEFAULT_MODEL_CLUSTER
         ),
-        micro_batch_size: Annotated[int, typer.Option(help="sequences per micro-batch")] = 1,
-        seq_len: Annotated[int | None, typer.Option(help="tokens per sequence [default: model max]")] = None,
+        micro_batch_size: Annotated[int, typer.Option(min=1, help="sequences per micro-batch")] = 1,
+        seq_len: Annotated[
+            int | None, typer.Option(min=1, help="tokens per sequence (default: the model's maximum)")
+        ] = None,
         dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
         as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     ) -> None:
