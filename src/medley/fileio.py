@@ -72,7 +72,7 @@ def _check_parent(path: Path, *, flag: str) -> None:
 
 def os_error_message(path: Path, err: OSError) -> str:
     """One line for a failed write: the path, the reason and, when the disk is full, its free space."""
-    reason = err.strerror or type(err).__name__
+    reason = err.strerror or str(err) or type(err).__name__
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         try:
             free = shutil.disk_usage(_existing_ancestor(Path(path)) if not Path(path).exists() else path).free

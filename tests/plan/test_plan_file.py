@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import tomllib
 from pathlib import Path
 
@@ -99,10 +100,11 @@ def test_failed_save_leaves_old_file_and_no_temporary(
     before = target.read_text()
 
     def explode(*_args, **_kwargs):
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr("medley.fileio.os.replace", explode)
-    with pytest.raises(MedleyInputError, match=r"plan.toml: cannot write \(disk full\)"):
+    full = r"plan.toml: cannot write \(No space left on device, [0-9.]+ MiB free\)"
+    with pytest.raises(MedleyInputError, match=full):
         save_plan(plan, target)
     assert target.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["plan.toml"]
