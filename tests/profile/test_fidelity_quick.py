@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from medley.profile.fidelity import FidelityCase
-from medley.profile.harness import TINY, run_harness
+from medley.profile.harness import TINY, harness_steps, run_harness
 
 
 @pytest.mark.timeout(150)
@@ -22,7 +22,10 @@ def test_two_plans_predicted_and_measured(tmp_path: Path) -> None:
         FidelityCase(name="pp2", model=TINY, pp=2, dp=1, split="2,2", zero="0,0", seq_len=32),
         FidelityCase(name="dp2-zero3", model=TINY, pp=1, dp=2, zero="3", seq_len=32, micro_batches="3"),
     ]
-    results = run_harness(cases, tmp_path, name="quick", steps=4, comm_sizes=(4096, 65536))
+    steps: list[str] = []
+    results = run_harness(cases, tmp_path, name="quick", steps=4, comm_sizes=(4096, 65536),
+                          progress=steps.append)
+    assert len(steps) == harness_steps(cases) and steps[-1].startswith("dp2-zero3")  # `fidelity` shows these
     assert [r.case for r in results] == ["pp2", "dp2-zero3"]
     for r in results:
         assert r.predicted_step_s > 0 and r.fastest_step_s > 0 and r.measured_step_s >= r.fastest_step_s
