@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from medley.cli import spec_cmds
 from medley.cli.main import ORDER, app
-from medley.errors import DEBUG_ENV
+from medley.errors import DEBUG_ENV, MedleyInputError
 
 MEDLEY = str(Path(sys.executable).with_name("medley"))
 runner = CliRunner()
@@ -41,14 +41,18 @@ def test_user_text_in_errors_is_printed_literally(path: str) -> None:
     assert path in one_line_error(["cluster", "show", path])
 
 
-def test_builtin_hints_keep_their_brackets(tmp_path: Path) -> None:
+def test_builtin_hints_keep_their_brackets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cluster = tmp_path / "two-nodes.toml"
     cluster.write_text('name = "c"\n[[nodes]]\nname = "a"\ndevice = "A100-80GB"\ncount = 1\n'
                        '[[nodes]]\nname = "b"\ndevice = "T4-16GB"\ncount = 1\n')
     assert "add [[tiers]] with name" in one_line_error(["cluster", "show", str(cluster)])
-    catalog = tmp_path / "catalog.toml"
-    catalog.write_text('[devices."X-1GB"]\nmemory_gb = "lots"\n')
-    assert 'table [devices."NAME"]' in one_line_error(["devices", "--catalog", str(catalog)])
+    hint = 'plan.toml: [model] needs a name; add it, or a table [devices."A100-80GB"] to the catalog'
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise MedleyInputError(hint)
+
+    monkeypatch.setattr(spec_cmds, "load_catalog", refuse)
+    assert one_line_error(["devices"]) == f"error: {hint}"
 
 
 @pytest.fixture()
