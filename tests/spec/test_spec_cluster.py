@@ -103,7 +103,10 @@ def test_short_forms():
 
 BAD_CASES = {
     "unknown device": ('[[nodes]]\nname="n"\ndevice="A100-80G"\ncount=4\n', r"nodes\[0\]\.device.*A100-80GB"),
-    "zero count": ('[[nodes]]\nname="n"\ndevice="T4"\ncount=0\n', r"nodes\[0\]\.count.*positive"),
+    "zero count": (
+        '[[nodes]]\nname="n"\ndevice="T4"\ncount=0\n',
+        r"nodes\[0\]\.count.*greater than 0; fix: use a number > 0",
+    ),
     "negative memory": (
         '[[nodes]]\nname="n"\ndevice="T4"\ncount=1\nmemory_gb=-4\n',
         r"nodes\[0\]\.memory_gb",

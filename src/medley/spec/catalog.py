@@ -14,9 +14,10 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from medley.errors import MedleyInputError
+from medley.spec.cluster_schema import STRICT, describe_validation_error, printable
 
 BUILTIN_CATALOG = Path(__file__).with_name("devices.toml")
 Confidence = Literal["high", "medium", "low"]
@@ -64,7 +65,7 @@ class DeviceType:
 class _Entry(BaseModel):
     """One catalog entry as written in TOML; every field optional so partial overrides validate."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     aliases: list[str] | None = None
     peak_tflops_half: float | None = Field(default=None, gt=0)
@@ -79,7 +80,7 @@ class _Entry(BaseModel):
 
 
 class _CatalogFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     devices: dict[str, _Entry]
 
@@ -91,18 +92,17 @@ def _read_catalog_file(path: Path) -> _CatalogFile:
     try:
         raw = tomllib.loads(path.read_text())
     except OSError as err:
-        raise MedleyInputError(f"{path}: cannot read the device catalog file ({err.strerror}).") from None
+        raise MedleyInputError(
+            f"{path}: cannot read the device catalog file ({err.strerror}); check the path."
+        ) from None
+    except UnicodeDecodeError:
+        raise MedleyInputError(f"{path}: not a UTF-8 text file; give a device catalog TOML file.") from None
     except tomllib.TOMLDecodeError as err:
         raise MedleyInputError(f"{path}: malformed TOML ({err}); fix the syntax at that line.") from None
     try:
         return _CatalogFile.model_validate(raw)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise MedleyInputError(
-            f"{path}: field '{where}': {first['msg']}. Each entry is a table [devices.\"NAME\"] with "
-            f"fields {', '.join(_REQUIRED)} (all positive numbers where numeric)."
-        ) from None
+        raise MedleyInputError(describe_validation_error(err, str(path))) from None
 
 
 def _merge(catalog: dict[str, DeviceType], path: Path, data: _CatalogFile) -> None:
@@ -117,8 +117,8 @@ def _merge(catalog: dict[str, DeviceType], path: Path, data: _CatalogFile) -> No
         missing = [f for f in _REQUIRED if f not in given]
         if missing:
             raise MedleyInputError(
-                f"{path}: field 'devices.{name}': new device type is missing {', '.join(missing)}; "
-                f"give them, or use an existing name to override only some fields."
+                f"{path}: field 'devices.{printable(name)}': new device type is missing "
+                f"{', '.join(missing)}; give them, or use an existing name to override only some fields."
             )
         catalog[name] = DeviceType(name=name, **given)
 
@@ -157,6 +157,6 @@ def get_device_type(name: str, catalog: dict[str, DeviceType] | None = None) -> 
     close = difflib.get_close_matches(name.strip().upper(), list(index), n=3, cutoff=0.5)
     hint = ", ".join(dict.fromkeys(index[c] for c in close)) if close else ", ".join(sorted(catalog))
     raise MedleyInputError(
-        f"unknown device type '{name}'. Did you mean: {hint}? (`medley devices` lists the catalog; "
-        f"add new types with a catalog file.)"
+        f"unknown device type '{printable(name)}'. Did you mean: {hint}? (`medley devices` lists the "
+        f"catalog; add new types with a catalog file.)"
     )

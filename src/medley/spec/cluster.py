@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from medley.errors import MedleyInputError
 from medley.fileio import read_toml
 from medley.spec.catalog import DeviceType, load_catalog
-from medley.spec.cluster_schema import ClusterFile, describe_validation_error
+from medley.spec.cluster_schema import ClusterFile, describe_validation_error, printable
+from medley.spec.limits import MAX_DEVICES
 
 DEFAULT_LINK_LATENCY_US = {"nvlink": 2.0, "pcie": 5.0}
 # Short-form clusters with several nodes ("4xA100-80GB+4xV100-32GB") use a 100 Gb/s network.
@@ -151,6 +152,12 @@ def cluster_from_dict(raw: dict, *, source: str) -> Cluster:
     return build_cluster(spec, source=source, catalog=catalog)
 
 
+def _short_count(digits: str) -> int:
+    """A short form's device count, checked against the limit before any device is built (a count
+    too long to convert stands for "over the limit")."""
+    return int(digits) if len(digits) <= len(str(MAX_DEVICES)) else MAX_DEVICES + 1
+
+
 _SHORT_FORM = re.compile(r"^\s*(\d+)\s*[xX*]\s*([A-Za-z0-9_.\-]+)\s*$")
 
 
@@ -160,15 +167,24 @@ def parse_cluster_arg(text: str, catalog: dict[str, DeviceType] | None = None) -
     path = Path(text)
     if path.suffix == ".toml" or path.exists():
         return load_cluster(path, catalog)
-    terms = [_SHORT_FORM.match(term) for term in text.split("+")]
-    if not all(terms):
+    terms = [m for m in (_SHORT_FORM.match(term) for term in text.split("+")) if m]
+    if len(terms) != len(text.split("+")):
         raise MedleyInputError(
-            f"cluster '{text}': not a file and not of the form COUNTxTYPE[+COUNTxTYPE...] "
+            f"cluster '{printable(text)}': not a file and not of the form COUNTxTYPE[+COUNTxTYPE...] "
             f"(e.g. 8xA100-80GB+4xT4-16GB); give a cluster TOML path or fix the form."
+        )
+    counts = [_short_count(m[1]) for m in terms]
+    if sum(counts) > MAX_DEVICES:
+        raise MedleyInputError(
+            f"cluster '{printable(text)}': {'+'.join(m[1] for m in terms)} devices; the limit is "
+            f"{MAX_DEVICES:,} devices per cluster: use fewer."
         )
     raw = {
         "name": text,
-        "nodes": [{"name": f"node{i}", "device": m[2], "count": int(m[1])} for i, m in enumerate(terms) if m],
+        "nodes": [
+            {"name": f"node{i}", "device": m[2], "count": n}
+            for i, (m, n) in enumerate(zip(terms, counts, strict=True))
+        ],
         "tiers": [
             {
                 "name": "network",
@@ -184,5 +200,5 @@ def parse_cluster_arg(text: str, catalog: dict[str, DeviceType] | None = None) -
     try:
         spec = ClusterFile.model_validate(raw)
     except ValidationError as err:
-        raise MedleyInputError(describe_validation_error(err, f"cluster '{text}'")) from None
-    return build_cluster(spec, source=f"cluster '{text}'", catalog=catalog or load_catalog())
+        raise MedleyInputError(describe_validation_error(err, f"cluster '{printable(text)}'")) from None
+    return build_cluster(spec, source=f"cluster '{printable(text)}'", catalog=catalog or load_catalog())

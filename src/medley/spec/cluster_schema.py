@@ -1,4 +1,8 @@
-"""The cluster TOML schema (pydantic) and its error messages. docs/cluster-format.md describes it."""
+"""The cluster TOML schema (pydantic) and its error messages. docs/cluster-format.md describes it.
+
+Types are strict: a boolean or a string is never read as a number, an integer field refuses 3.0,
+and floats must be finite. Sizes are bounded (:mod:`medley.spec.limits`) before anything is built.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from medley.spec.limits import MAX_DEVICES
+
 DEFAULT_TIER_LATENCY_US = 25.0
-_STRICT = ConfigDict(extra="forbid", strict=False)
+CLUSTER_DOC = "docs/cluster-format.md"
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+"""The configuration of every user-file schema: no unknown keys, no coercion, finite floats."""
 
 
 def _one_bandwidth(data: Any, where: str) -> Any:
@@ -28,7 +36,7 @@ def _one_bandwidth(data: Any, where: str) -> Any:
 class LinkSpec(BaseModel):
     """The link between devices inside a node; unset fields come from the device catalog."""
 
-    model_config = _STRICT
+    model_config = STRICT
     kind: Literal["nvlink", "pcie"] | None = None
     bandwidth_gbps: float | None = Field(default=None, gt=0)
     latency_us: float | None = Field(default=None, ge=0)
@@ -40,7 +48,7 @@ class LinkSpec(BaseModel):
 
 
 class DeviceOverride(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     local_rank: int = Field(ge=0)
     memory_gb: float | None = Field(default=None, gt=0)
     tflops: float | None = Field(default=None, gt=0)
@@ -48,11 +56,11 @@ class DeviceOverride(BaseModel):
 
 
 class NodeSpec(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     device: str = Field(min_length=1)
-    count: int = Field(gt=0)
-    repeat: int = Field(default=1, gt=0)
+    count: int = Field(gt=0, le=MAX_DEVICES)
+    repeat: int = Field(default=1, gt=0, le=MAX_DEVICES)
     link: LinkSpec = LinkSpec()
     memory_gb: float | None = Field(default=None, gt=0)
     tflops: float | None = Field(default=None, gt=0)
@@ -61,8 +69,8 @@ class NodeSpec(BaseModel):
 
 
 class PairSpec(BaseModel):
-    model_config = _STRICT
-    between: tuple[str, str]
+    model_config = STRICT
+    between: list[str] = Field(min_length=2, max_length=2)
     bandwidth_gbps: float = Field(gt=0)
     latency_us: float | None = Field(default=None, ge=0)
 
@@ -73,7 +81,7 @@ class PairSpec(BaseModel):
 
 
 class TierSpec(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     name: str = Field(min_length=1)
     bandwidth_gbps: float = Field(gt=0)
     latency_us: float = Field(default=DEFAULT_TIER_LATENCY_US, ge=0)
@@ -87,32 +95,67 @@ class TierSpec(BaseModel):
 
 
 class ClusterFile(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     name: str = Field(default="cluster", min_length=1)
     catalog: str | None = None
     nodes: list[NodeSpec] = Field(min_length=1)
     tiers: list[TierSpec] = []
 
-
-_FIXES = {
-    "missing": "add this field",
-    "extra_forbidden": "remove it or fix its spelling",
-    "greater_than": "use a positive number",
-    "greater_than_equal": "use a number >= 0",
-    "too_short": "give at least one entry (a non-empty value)",
-    "string_too_short": "give a non-empty name",
-    "string_pattern_mismatch": "use only letters, digits, '-', '_' and '.'",
-    "literal_error": "use one of the values listed",
-}
+    @model_validator(mode="after")
+    def _bounded(self) -> ClusterFile:
+        total = sum(node.count * node.repeat for node in self.nodes)
+        if total > MAX_DEVICES:
+            raise ValueError(
+                f"the nodes hold {total:,} devices; the limit is {MAX_DEVICES:,} devices per cluster: "
+                "use fewer nodes, devices or repeats"
+            )
+        return self
 
 
-def describe_validation_error(err: ValidationError, source: str) -> str:
-    """One line per problem (at most three): file, dotted field path, what is wrong, the fix."""
-    lines = []
-    for problem in err.errors()[:3]:
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in problem["loc"]).lstrip(".")
-        fix = _FIXES.get(problem["type"], "see docs/cluster-format.md")
-        msg = problem["msg"].removeprefix("Value error, ")
-        lines.append(f"{source}: field '{loc or '<top level>'}': {msg}; fix: {fix}.")
-    extra = len(err.errors()) - len(lines)
-    return "\n".join(lines) + (f"\n(and {extra} more)" if extra > 0 else "")
+def printable(text: object) -> str:
+    """``text`` on one line: control characters (newlines included) written as escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def _fix(problem: Any, doc: str) -> str:
+    """The fix for one pydantic problem, derived from the constraint that failed ("" when the
+    message, one of this schema's own checks, already says it)."""
+    ctx = problem.get("ctx") or {}
+    kind = problem["type"]
+    if kind == "value_error":
+        return ""
+    bounds = {"greater_than": "> {gt}", "greater_than_equal": ">= {ge}", "less_than": "< {lt}",
+              "less_than_equal": "<= {le}"}
+    if kind in bounds:
+        return "use a number " + bounds[kind].format(**ctx)
+    fixes = {
+        "missing": "add this field",
+        "extra_forbidden": "remove it or fix its spelling",
+        "int_type": "write a whole number without quotes (e.g. 4, not 4.0, \"4\" or true)",
+        "float_type": "write a number without quotes (e.g. 12.5)",
+        "finite_number": "write a finite number",
+        "bool_type": "write true or false without quotes",
+        "string_type": "write a quoted string",
+        "list_type": "write a list [ ... ]",
+        "dict_type": "write a table",
+        "model_type": "write a table",
+        "too_short": f"give at least {ctx.get('min_length', 1)} entries",
+        "too_long": f"give at most {ctx.get('max_length')} entries",
+        "string_too_short": "give a non-empty name",
+        "string_pattern_mismatch": "use only letters, digits, '-', '_' and '.'",
+        "literal_error": "use one of the values listed",
+    }
+    return fixes.get(kind, f"see {doc}")
+
+
+def describe_validation_error(err: ValidationError, source: str, *, doc: str = CLUSTER_DOC) -> str:
+    """One line: the file, the dotted field path of the first problem, what is wrong and the fix
+    (derived from the constraint; ``doc`` is where the format is described), and how many more."""
+    problems = err.errors()
+    problem = problems[0]
+    loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in problem["loc"]).lstrip(".")
+    msg = problem["msg"].removeprefix("Value error, ")
+    more = f" ({len(problems) - 1} more problems)" if len(problems) > 1 else ""
+    fix = _fix(problem, doc)
+    return printable(f"{source}: field '{loc or '<top level>'}': {msg}" + (f"; fix: {fix}" if fix else "")
+                     + f".{more}")

@@ -1,13 +1,29 @@
-"""Map a Hugging Face ``config.json`` onto :class:`ModelSpec` (no download, no transformers import)."""
+"""Map a Hugging Face ``config.json`` onto :class:`ModelSpec` (no download, no transformers import).
+
+Only the families medley models are read: LLaMA and Mistral (rotary positions, RMSNorm, a gated
+SiLU MLP) and GPT-2, OPT and GPT-Neo (learned positions, LayerNorm, a two-matrix MLP). An unknown
+``model_type``, a mixture-of-experts field, or any field that changes the maths in a way medley
+does not model is refused, naming the field. Optional fields take transformers' defaults for the
+``model_type`` (LLaMA's ``hidden_act`` is ``silu``, its ``rms_norm_eps`` 1e-6, ...); the shape
+fields (width, depth, heads, vocabulary, positions) must be given.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from medley.errors import MedleyInputError
+from medley.spec.cluster_schema import printable
 from medley.spec.model import ModelSpec
 
-# model_type -> HF key for each ModelSpec size field (first key present wins).
+_LLAMA_KEYS = {
+    "hidden_size": ("hidden_size",),
+    "num_blocks": ("num_hidden_layers",),
+    "num_heads": ("num_attention_heads",),
+    "ffn_hidden_size": ("intermediate_size",),
+    "max_seq_len": ("max_position_embeddings",),
+}
+# model_type -> HF key for each ModelSpec size field.
 _KEYS: dict[str, dict[str, tuple[str, ...]]] = {
     "gpt2": {
         "hidden_size": ("n_embd",),
@@ -16,71 +32,140 @@ _KEYS: dict[str, dict[str, tuple[str, ...]]] = {
         "ffn_hidden_size": ("n_inner",),
         "max_seq_len": ("n_positions",),
     },
-    "opt": {
-        "hidden_size": ("hidden_size",),
-        "num_blocks": ("num_hidden_layers",),
-        "num_heads": ("num_attention_heads",),
-        "ffn_hidden_size": ("ffn_dim",),
-        "max_seq_len": ("max_position_embeddings",),
-    },
-    "gpt_neo": {
-        "hidden_size": ("hidden_size",),
-        "num_blocks": ("num_layers",),
-        "num_heads": ("num_heads",),
-        "ffn_hidden_size": ("intermediate_size",),
-        "max_seq_len": ("max_position_embeddings",),
-    },
-    "llama": {
-        "hidden_size": ("hidden_size",),
-        "num_blocks": ("num_hidden_layers",),
-        "num_heads": ("num_attention_heads",),
-        "ffn_hidden_size": ("intermediate_size",),
-        "max_seq_len": ("max_position_embeddings",),
-    },
+    "opt": {**_LLAMA_KEYS, "ffn_hidden_size": ("ffn_dim",)},
+    "gpt_neo": {**_LLAMA_KEYS, "num_blocks": ("num_layers",), "num_heads": ("num_heads",)},
+    "llama": _LLAMA_KEYS,
+    "mistral": _LLAMA_KEYS,
 }
 _GPT_STYLE = {"gpt2", "opt", "gpt_neo"}
+# transformers' defaults (the *Config classes) for the optional fields medley reads.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+    },
+    "mistral": {
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "sliding_window": 4096,
+    },
+    "gpt2": {"layer_norm_epsilon": 1e-5, "tie_word_embeddings": True},
+    "opt": {"ffn_dim": 3072, "tie_word_embeddings": True, "layer_norm_epsilon": 1e-5},
+    "gpt_neo": {"layer_norm_epsilon": 1e-5, "tie_word_embeddings": True},
+}
+# Fields that make a model a mixture of experts: medley costs dense models only.
+_MOE_KEYS = (
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "n_routed_experts",
+    "n_shared_experts",
+    "moe_intermediate_size",
+    "moe_num_experts",
+    "expert_interval",
+)
 
 
-def _get(cfg: dict[str, Any], keys: tuple[str, ...], field: str, source: str) -> Any:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    raise MedleyInputError(
-        f"{source}: field '{keys[0]}' is missing; medley needs it for {field}. Add it to the config."
-    )
+def _fail(source: str, key: str, problem: str, fix: str) -> MedleyInputError:
+    return MedleyInputError(printable(f"{source}: field '{key}': {problem}; {fix}."))
+
+
+def _get(cfg: dict[str, Any], key: str, field: str, source: str) -> Any:
+    if cfg.get(key) is None:
+        raise _fail(source, key, f"is missing; medley needs it for {field}", "add it to the config")
+    return cfg[key]
 
 
 def _int(value: Any, key: str, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise MedleyInputError(f"{source}: field '{key}' must be an integer, got {value!r}.")
+        raise _fail(source, key, f"must be an integer, got {value!r}", "write a whole number")
     return value
 
 
+def _number(value: Any, key: str, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(source, key, f"must be a number, got {value!r}", "write a number")
+    return float(value)
+
+
+def _model_type(cfg: dict[str, Any], source: str) -> str:
+    for key in _MOE_KEYS:
+        if cfg.get(key) not in (None, 0, 1):
+            raise _fail(source, key, f"= {cfg[key]!r} makes a mixture-of-experts model, which medley does "
+                        "not cost", "plan a dense model (MoE support is not implemented)")
+    model_type = cfg.get("model_type")
+    if model_type not in _KEYS:
+        problem = "is missing" if model_type is None else f"{model_type!r} is not a family medley reads"
+        raise _fail(source, "model_type", problem,
+                    f"give one of {', '.join(_KEYS)} (or a preset name)")
+    return str(model_type)
+
+
+def _check_llama_maths(cfg: dict[str, Any], size: dict[str, int], source: str) -> bool:
+    """Refuse LLaMA-family fields medley does not model; return whether the linears carry biases."""
+    act = cfg["hidden_act"]
+    if act not in ("silu", "swish"):
+        raise _fail(source, "hidden_act", f"{act!r}: medley's LLaMA-style MLP is SwiGLU", "use silu")
+    if cfg.get("rope_scaling") is not None:
+        raise _fail(source, "rope_scaling", "scaled RoPE is not modelled",
+                    "remove it to plan with plain RoPE (the costs are the same)")
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if window is not None and _int(window, "sliding_window", source) < size["max_seq_len"]:
+        raise _fail(source, "sliding_window", f"{window} < max_position_embeddings {size['max_seq_len']}: "
+                    "medley models full attention", "set it to null (full attention)")
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and head_dim != size["hidden_size"] // size["num_heads"]:
+        raise _fail(source, "head_dim", f"{head_dim!r} is not hidden_size / num_attention_heads",
+                    "medley needs head_dim = hidden_size / num_attention_heads")
+    attention_bias = bool(cfg.get("attention_bias", False))
+    if attention_bias != bool(cfg.get("mlp_bias", False)):
+        raise _fail(source, "attention_bias", "differs from mlp_bias; medley gives every linear layer "
+                    "a bias or none", "make attention_bias and mlp_bias equal")
+    return attention_bias
+
+
 def spec_from_hf_dict(cfg: dict[str, Any], *, source: str) -> ModelSpec:
-    """Build a spec from config fields. Unknown model types are read with LLaMA's key names."""
-    model_type = str(cfg.get("model_type", "llama"))
-    family = model_type if model_type in _KEYS else "llama"
-    gpt_style = family in _GPT_STYLE
-    keys = _KEYS[family]
+    """Build a spec from config fields (see the module docstring for what is read and refused)."""
+    model_type = _model_type(cfg, source)
+    cfg = {**_DEFAULTS[model_type], **cfg}  # an explicit null (e.g. sliding_window) stays null
+    keys = _KEYS[model_type]
+    gpt_style = model_type in _GPT_STYLE
     size: dict[str, int] = {}
     for field in ("hidden_size", "num_blocks", "num_heads", "max_seq_len"):
-        size[field] = _int(_get(cfg, keys[field], field, source), keys[field][0], source)
-    ffn = cfg.get(keys["ffn_hidden_size"][0])
-    size["ffn_hidden_size"] = 4 * size["hidden_size"] if ffn is None else _int(ffn, "ffn", source)
-    size["vocab_size"] = _int(_get(cfg, ("vocab_size",), "vocab_size", source), "vocab_size", source)
+        size[field] = _int(_get(cfg, keys[field][0], field, source), keys[field][0], source)
+    ffn_key = keys["ffn_hidden_size"][0]
+    ffn = cfg.get(ffn_key) if gpt_style else _get(cfg, ffn_key, "ffn_hidden_size", source)
+    size["ffn_hidden_size"] = 4 * size["hidden_size"] if ffn is None else _int(ffn, ffn_key, source)
+    size["vocab_size"] = _int(_get(cfg, "vocab_size", "vocab_size", source), "vocab_size", source)
     kv = cfg.get("num_key_value_heads")
     size["num_kv_heads"] = size["num_heads"] if kv is None else _int(kv, "num_key_value_heads", source)
-    act = str(cfg.get("hidden_act", cfg.get("activation_function", "gelu")))
-    proj = cfg.get("word_embed_proj_dim") if family == "opt" else None
+    bias = True if gpt_style else _check_llama_maths(cfg, size, source)
+    proj = cfg.get("word_embed_proj_dim") if model_type == "opt" else None
+    eps_key = "layer_norm_epsilon" if gpt_style else "rms_norm_eps"
+    try:
+        return _spec(cfg, model_type, size, bias, proj, eps_key, source)
+    except MedleyInputError as err:
+        raise MedleyInputError(f"{printable(source)}: {err}") from None
+
+
+def _spec(
+    cfg: dict[str, Any], model_type: str, size: dict[str, int], bias: bool, proj: Any, eps_key: str,
+    source: str,
+) -> ModelSpec:
+    gpt_style = model_type in _GPT_STYLE
     return ModelSpec(
-        name=str(cfg.get("_name_or_path") or model_type),
-        mlp="gelu" if gpt_style or act not in ("silu", "swish") else "swiglu",
+        name=printable(cfg.get("_name_or_path") or model_type),
+        mlp="gelu" if gpt_style else "swiglu",
         norm="layernorm" if gpt_style else "rmsnorm",
         position="learned" if gpt_style else "rope",
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", gpt_style)),
-        bias=gpt_style or bool(cfg.get("attention_bias", False)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        norm_eps=float(cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-5))),
+        tied_embeddings=bool(cfg["tie_word_embeddings"]),
+        bias=bias,
+        rope_theta=_number(cfg.get("rope_theta", 10000.0), "rope_theta", source),
+        norm_eps=_number(cfg[eps_key], eps_key, source),
         word_embed_proj_dim=None
         if proj in (None, size["hidden_size"])
         else _int(proj, "word_embed_proj_dim", source),

@@ -6,12 +6,19 @@ last one the final norm + LM head + loss. Pipeline stages own contiguous ranges 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+from pydantic import BaseModel, ValidationError, create_model
 
 from medley.errors import MedleyInputError
+from medley.spec.cluster_schema import STRICT, describe_validation_error, printable
+from medley.spec.limits import MAX_BLOCKS, MAX_SIZE
 
 LayerKind = Literal["embedding", "block", "head"]
 
@@ -74,19 +81,30 @@ class ModelSpec:
             "max_seq_len",
         )
         for field_name in sizes:
-            if getattr(self, field_name) <= 0:
+            limit = MAX_BLOCKS if field_name == "num_blocks" else MAX_SIZE
+            if not 0 < getattr(self, field_name) <= limit:
                 raise MedleyInputError(
-                    f"model '{self.name}': field '{field_name}' must be a positive "
-                    f"integer, got {getattr(self, field_name)}."
+                    f"model '{printable(self.name)}': field '{field_name}' must be an integer in "
+                    f"1..{limit:,}, got {getattr(self, field_name)}."
                 )
+        if self.word_embed_proj_dim is not None and not 0 < self.word_embed_proj_dim <= MAX_SIZE:
+            raise MedleyInputError(
+                f"model '{printable(self.name)}': field 'word_embed_proj_dim' must be an integer in "
+                f"1..{MAX_SIZE:,} (or absent), got {self.word_embed_proj_dim}."
+            )
+        if not (0 < self.rope_theta < float("inf") and 0 < self.norm_eps < 1):
+            raise MedleyInputError(
+                f"model '{printable(self.name)}': rope_theta must be a positive number and norm_eps "
+                f"in (0, 1), got {self.rope_theta} and {self.norm_eps}."
+            )
         if self.hidden_size % self.num_heads:
             raise MedleyInputError(
-                f"model '{self.name}': hidden_size {self.hidden_size} must be divisible "
+                f"model '{printable(self.name)}': hidden_size {self.hidden_size} must be divisible "
                 f"by num_heads {self.num_heads}."
             )
         if self.num_heads % self.num_kv_heads:
             raise MedleyInputError(
-                f"model '{self.name}': num_heads {self.num_heads} must be a multiple "
+                f"model '{printable(self.name)}': num_heads {self.num_heads} must be a multiple "
                 f"of num_kv_heads {self.num_kv_heads}."
             )
 
@@ -175,6 +193,30 @@ PRESETS: dict[str, ModelSpec] = {
     "llama-3-70b": _llama("llama-3-70b", 128256, 8192, 80, 64, 8, 28672, 8192, 500000.0),
     "gpt-3-175b": _gpt("gpt-3-175b", 50257, 12288, 96, 96, 2048),
 }
+
+
+@functools.cache
+def _model_fields() -> type[BaseModel]:
+    """A strict pydantic schema with ModelSpec's fields (types and defaults), for model tables in files."""
+    hints = typing.get_type_hints(ModelSpec)
+    fields: dict[str, Any] = {
+        f.name: (hints[f.name], ... if f.default is dataclasses.MISSING else f.default)
+        for f in dataclasses.fields(ModelSpec)
+    }
+    return create_model("ModelFields", __config__=STRICT, **fields)
+
+
+def model_from_dict(raw: Any, *, source: str, doc: str) -> ModelSpec:
+    """A model from a file's table of ModelSpec fields (``source`` names the table, ``doc`` where its
+    format is described); strictly typed, every problem a one-line :class:`MedleyInputError`."""
+    try:
+        fields = _model_fields().model_validate(raw)
+    except ValidationError as err:
+        raise MedleyInputError(describe_validation_error(err, source, doc=doc)) from None
+    try:
+        return ModelSpec(**fields.model_dump())
+    except MedleyInputError as err:
+        raise MedleyInputError(f"{source}: {err}") from None
 
 
 def get_model(name_or_path: str) -> ModelSpec:

@@ -1,0 +1,53 @@
+"""Upper bounds on the sizes medley accepts, so that no input runs for minutes or exhausts memory.
+
+Each bound is checked where the size is read (cluster file or short form, plan file, flags, model
+config) before anything of that size is built; beyond it the input is refused with a
+:class:`MedleyInputError` that states the limit. The figures were measured on a 2-core CPU
+(docs/cluster-format.md and docs/plan-format.md list them for users):
+
+* a simulated replica costs about 0.2 ms per (pipeline stage x micro-batch) on the critical path
+  (pp 64 x 1,000 micro-batches: 12 s; pp 8 x 10,000: 11 s), so the simulated work of one plan
+  (stages x micro-batches, summed over the replicas) is bounded to keep a run within seconds;
+* the planner simulates every rank of its best candidates (256 A100s x LLaMA-2-70B: ~60 s,
+  1,024: ~150 s), so it plans clusters of at most :data:`MAX_PLAN_DEVICES` devices.
+"""
+
+from __future__ import annotations
+
+from medley.errors import MedleyInputError
+
+MAX_DEVICES = 65_536
+"""Devices in one cluster (all nodes, ``repeat`` expanded)."""
+
+MAX_MICRO_BATCHES = 10_000
+"""Micro-batches per replica in one step."""
+
+MAX_SIM_WORK = 50_000
+"""Pipeline stages (virtual stages included) x micro-batches, summed over the replicas: about
+10 s of simulation at most."""
+
+MAX_PLAN_DEVICES = 1_024
+"""Devices the planner searches over (``medley plan``); larger clusters: plan a part of them."""
+
+MAX_BLOCKS = 1_024
+"""Transformer blocks of a model (the largest public models have under 200)."""
+
+MAX_SIZE = 2**31 - 1
+"""Any other model dimension (width, heads, vocabulary, sequence length)."""
+
+
+def check_sim_work(*, stages: int, micro_batches: tuple[int, ...] | list[int], where: str) -> None:
+    """Refuse a plan whose simulation would run for more than seconds (``where`` names the input)."""
+    too_many = [m for m in micro_batches if m > MAX_MICRO_BATCHES]
+    if too_many:
+        raise MedleyInputError(
+            f"{where}: {too_many[0]:,} micro-batches in one replica; the limit is "
+            f"{MAX_MICRO_BATCHES:,} per replica: use fewer (or a larger micro-batch size)."
+        )
+    work = stages * sum(micro_batches)
+    if work > MAX_SIM_WORK:
+        raise MedleyInputError(
+            f"{where}: {stages} stages x {sum(micro_batches):,} micro-batches (all replicas) = {work:,} "
+            f"stage-micro-batches to simulate; the limit is {MAX_SIM_WORK:,} (about 10 s): use fewer "
+            "micro-batches, stages or replicas."
+        )
