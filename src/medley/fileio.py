@@ -42,7 +42,8 @@ def check_output_file(path: Path, *, flag: str) -> Path:
     be written."""
     path = Path(path)
     if path.is_dir():
-        raise MedleyInputError(f"{flag} {path}: is a directory; give a file path (e.g. {path / 'out'}).")
+        raise MedleyInputError(
+            f"{flag} {path}: is a directory; give the path of a file (inside it or elsewhere).")
     _check_parent(path, flag=flag)
     return path
 
