@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from train_plans import config, crash_rank_one_once, stop_after_step_3, tiny_plan
 
 from medley.runtime.checkpoint import SafeReader
-from medley.runtime.launch import train_local
+from medley.runtime.launch import RankFailure, train_local
 from medley.runtime.reference import reference_losses
 
 TOL = 1e-5
@@ -98,7 +97,7 @@ def test_resume_into_zero1_and_zero3_from_another_plan(tmp_path) -> None:
     job's time limit, its checkpoint saved); plan A (ZeRO-3 and ZeRO-1 stages) finishes the run,
     equal to the reference."""
     directory = tmp_path / "ckpt"
-    with pytest.raises(ChildFailedError, match="stopped after step 3"):
+    with pytest.raises(RankFailure, match="rank 0 failed .StopTraining: stopped after step 3"):
         train_local(tiny_plan(**PLAN_C), config(checkpoint_dir=directory, measure_memory=False,
                                                 on_step=stop_after_step_3))
     records = train_local(tiny_plan(**PLAN_A), config(checkpoint_dir=directory, measure_memory=False))

@@ -74,10 +74,54 @@ def run(plan: Plan, config, *, local_ranks: int | None):  # noqa: ANN001, ANN201
     return result
 
 
-def print_records(plan: Plan, records: list, console: Console) -> None:
+def split_label(plan: Plan, split: str | None) -> str:
+    """The split as the user gave it, labelled: ``--split 2,2`` is blocks per stage (the plan's
+    stage_layers count the embedding and the head too)."""
+    layers = ",".join(str(n) for n in plan.layout.stage_layers)
+    if split is None:
+        return f"split {layers} (layers per stage)"
+    given = [int(v) for v in split.split(",")]
+    unit = "layers" if sum(given) == plan.layout.model.num_layers else "blocks"
+    return f"split {','.join(map(str, given))} ({unit} per stage)"
+
+
+def step_time_line(records: list) -> str:
+    """The mean step time, saying which steps it covers (the first one includes warm-up)."""
+    if len(records) == 1:
+        return f"step time {records[0].step_time_s * 1e3:.1f} ms (a single step, warm-up included)"
+    steady = records[1:]
+    mean = sum(r.step_time_s for r in steady) / len(steady)
+    return f"mean step {mean * 1e3:.1f} ms over {len(steady)} steps (the first step excluded)"
+
+
+def run_stopping_cleanly(plan: Plan, config, *, local_ranks: int | None):  # noqa: ANN001, ANN201
+    """:func:`run`, with a failed rank (exit 1) and an interrupt (exit 130 for SIGINT, 128 + the
+    signal otherwise) as one line, the ranks stopped; tracebacks only with ``--debug``."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    from medley.errors import debug_enabled
+    from medley.runtime.launch import RankFailure
+
+    try:
+        return run(plan, config, local_ranks=local_ranks)
+    except RankFailure as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(code=1) from None
+    except (KeyboardInterrupt, SignalException) as err:
+        if debug_enabled():
+            raise
+        sig = err.sigval if isinstance(err, SignalException) else signal.SIGINT
+        typer.echo(f"interrupted ({signal.Signals(sig).name}): the ranks were stopped; run again to resume "
+                   "from the newest checkpoint", err=True)
+        raise typer.Exit(code=128 + int(sig)) from None
+
+
+def print_records(plan: Plan, records: list, console: Console, *, split: str | None = None) -> None:
     layout = plan.layout
-    table = Table(title=f"{layout.model.name} · {layout.schedule} · pp={layout.pp} dp={layout.dp} · split "
-                  f"{list(layout.stage_layers)} · ZeRO {[z.level for z in layout.zero]}")
+    table = Table(title=f"{layout.model.name} · {layout.schedule} · pp={layout.pp} dp={layout.dp} · "
+                  f"{split_label(plan, split)} · ZeRO {[z.level for z in layout.zero]}")
     for col in ("step", "loss", "lr", "grad norm", "step time", "tokens/s"):
         table.add_column(col, justify="right")
     for r in records:
@@ -87,9 +131,7 @@ def print_records(plan: Plan, records: list, console: Console) -> None:
     if not records:
         console.print("nothing to run: the checkpoint is already at --steps")
         return
-    steady = records[1:] or records
-    mean = sum(r.step_time_s for r in steady) / len(steady)
-    line = f"mean step {mean * 1e3:.1f} ms (first step excluded)"
+    line = step_time_line(records)
     if plan.prediction is not None:
         line += f" · predicted {plan.prediction.step_time_s * 1e3:.1f} ms"
     console.print(line)
@@ -137,11 +179,20 @@ def register(app: typer.Typer) -> None:
         zero_placement: Annotated[str, typer.Option(help="Inline plan: naive or bubble")] = "bubble",
         buckets: Annotated[int, typer.Option(help="Inline plan: layer buckets per stage")] = 1,
         gather_windows: Annotated[int, typer.Option(help="Inline plan: ZeRO-3 gather rounds")] = 1,
+        reset_data_order: Annotated[bool, typer.Option(
+            help="Resume although the seed, global batch or --data differ from the checkpoint's")] = False,
     ) -> None:
         """Train a plan on torch.distributed and report loss, step time and memory per step."""
         from medley.plan.plan import load_plan
-        from medley.runtime.train import TrainConfig
+        from medley.runtime.train import TrainConfig, check_config
 
+        config = TrainConfig(
+            steps=steps, seed=seed, optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, min_lr=min_lr,
+            weight_decay=weight_decay, clip_norm=clip_norm or None, data=data, checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every, log_jsonl=log_jsonl, emulate=emulate,
+            slowdown=parse_slowdown(slowdown), progress=not as_json, dtype=dtype,
+            step_timeout_s=step_timeout or None, reset_data_order=reset_data_order)
+        check_config(config)  # output paths and numbers, before any work
         if plan is not None:
             the_plan = load_plan(plan)
         else:
@@ -150,21 +201,12 @@ def register(app: typer.Typer) -> None:
                 micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
                 virtual_stages=virtual_stages, split=split, zero=zero, zero_placement=zero_placement,
                 buckets=buckets, gather_windows=gather_windows, clip_grad=bool(clip_norm))
-        config = TrainConfig(
-            steps=steps, seed=seed, optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, min_lr=min_lr,
-            weight_decay=weight_decay, clip_norm=clip_norm or None, data=data, checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every, log_jsonl=log_jsonl, emulate=emulate,
-            slowdown=parse_slowdown(slowdown), progress=not as_json, dtype=dtype,
-            step_timeout_s=step_timeout or None)
-        from medley.runtime.train import check_config
-
-        check_config(config)
         if local_ranks is not None and local_ranks != the_plan.world_size:
             layout = the_plan.layout
             raise MedleyInputError(
                 f"--local-ranks {local_ranks}: the plan needs pp {layout.pp} x dp {layout.dp} = "
                 f"{the_plan.world_size} ranks; pass --local-ranks {the_plan.world_size}")
-        records = run(the_plan, config, local_ranks=local_ranks)
+        records = run_stopping_cleanly(the_plan, config, local_ranks=local_ranks)
         if records is None:
             return
         if as_json:
@@ -173,4 +215,4 @@ def register(app: typer.Typer) -> None:
                 row["peak_memory_bytes"] = {str(k): v for k, v in row["peak_memory_bytes"].items()}
             typer.echo(json.dumps(rows, indent=1))
         else:
-            print_records(the_plan, records, Console())
+            print_records(the_plan, records, Console(), split=split if plan is None else None)

@@ -7,14 +7,17 @@ ZeRO-1 state by the rank that owns it, so DCP can load a checkpoint into any oth
 pp, dp, split or ZeRO levels. The data position is the step (batches are a function of it).
 
 Each save goes to ``.tmp-step-N`` and is renamed to ``step-N`` once complete, so a crash mid-save
-leaves the previous checkpoint intact. ``medley.json`` beside the DCP files records the model,
-data and optimizer, checked before any tensor is read. Loading never unpickles code: tensors are
-read by DCP's ``weights_only`` loads and the DCP metadata through an unpickler that only accepts
-the metadata classes.
+leaves the previous checkpoint intact; nothing is saved from non-finite tensors, and a failed
+write (disk full) removes the temporary directory. ``medley.json`` beside the DCP files records
+the model, optimizer, data order (seed, global batch, data) and a sha256 per file, all checked
+before any tensor is read. Loading never unpickles code: tensors are read by DCP's
+``weights_only`` loads and the DCP metadata through an unpickler that accepts only an exact list
+of (module, name) pairs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -30,32 +33,42 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from medley.errors import MedleyInputError
+from medley.fileio import os_error_message
 from medley.runtime.optim import ensure_state, local_optimizer
 from medley.runtime.sharding import ShardedStage
 
 PREFIX = "step-"
 META_FILE = "medley.json"
-FORMAT = 1
+FORMAT = 2  # 2: medley.json holds a sha256 per file of the checkpoint
 KEEP = 2  # newest checkpoints kept; older ones are deleted after each save
+_HASH_CHUNK = 1 << 20
 
-# Globals a DCP .metadata pickle may name: its own dataclasses and a few torch/builtin types.
-_SAFE_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
-_SAFE_GLOBALS = {
-    ("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"), ("builtins", "set"),
-    ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "getattr"),
-    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-}
-_TORCH_ATTRS = {"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-                "bool", "strided", "contiguous_format", "preserve_format", "channels_last"}
+# The exact globals a DCP ``.metadata`` pickle names (listed from checkpoints torch 2.13 writes, by
+# pickletools): its dataclasses, torch.Size, dtypes, the layout lookup and the checkpoint's path.
+# Pairs, never module prefixes: pickle protocol 4 resolves dotted names, so a prefix rule lets
+# ("torch.distributed.checkpoint.filesystem", "os.system") through.
+_DCP_METADATA_CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                         "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+                         "_MEM_FORMAT_ENCODING")
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+SAFE_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in _DCP_METADATA_CLASSES),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    *(("torch", name) for name in _DTYPES),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+})
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A ``.metadata`` pickle names a global outside :data:`SAFE_GLOBALS`."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_SAFE_MODULE_PREFIXES) or (module, name) in _SAFE_GLOBALS or (
-            module == "torch" and name in _TORCH_ATTRS
-        ):
+        if (module, name) in SAFE_GLOBALS:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which is not DCP metadata")
+        raise RefusedGlobal(f"checkpoint metadata names {module}.{name}, which is not DCP metadata")
 
 
 class SafeReader(FileSystemReader):
@@ -64,7 +77,12 @@ class SafeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
+            try:
+                metadata = _MetadataUnpickler(handle).load()
+            except RefusedGlobal:
+                raise
+            except Exception as err:  # truncated or garbled: UnpicklingError, EOFError, ValueError, ...
+                raise pickle.UnpicklingError(f"{path} is not readable DCP metadata ({err})") from None
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"{path} does not hold DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:
@@ -100,40 +118,142 @@ def checkpoint_path(directory: Path, next_step: int) -> Path:
 
 
 def latest_checkpoint(directory: Path | None) -> Path | None:
-    """The complete checkpoint with the highest step under ``directory`` (None if there is none)."""
+    """The checkpoint with the highest step under ``directory`` (None if there is none). A step
+    directory with files but no ``medley.json`` is an error: checkpoints only appear (by rename)
+    once complete, so it was damaged, and resuming from an older one would overwrite it."""
     if directory is None or not Path(directory).is_dir():
         return None
-    done = [p for p in Path(directory).glob(f"{PREFIX}*") if (p / META_FILE).is_file()]
-    return max(done, key=lambda p: p.name, default=None)
+    steps = sorted((p for p in Path(directory).glob(f"{PREFIX}*") if p.is_dir()), key=lambda p: p.name)
+    for path in steps:
+        if not (path / META_FILE).is_file() and any(path.iterdir()):
+            raise MedleyInputError(
+                f"checkpoint {path}: {META_FILE} is missing; restore it, or delete {path} to resume from "
+                "the checkpoint before it")
+    done = [p for p in steps if (p / META_FILE).is_file()]
+    return done[-1] if done else None
+
+
+def shared_error(error: str | None) -> str | None:
+    """Collective: the first rank's error message, on every rank (None when no rank has one)."""
+    gathered: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, error)
+    return next((e for e in gathered if e), None)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _hash_files(directory: Path, names: list[str]) -> dict[str, str]:
+    """Collective: sha256 of each named file; every rank hashes its share, all get every hash."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {name: sha256_of(directory / name) for name in sorted(names)[rank::world]}
+    gathered: list[dict[str, str] | None] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return {name: digest for part in gathered for name, digest in (part or {}).items()}
+
+
+def _checkpoint_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != META_FILE)
+
+
+def _non_finite(state: dict[str, torch.Tensor]) -> str | None:
+    for key, value in state.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return key
+    return None
+
+
+def _failures(err: BaseException) -> list[BaseException]:
+    """The exceptions behind ``err``: each rank's for DCP's gathered CheckpointException."""
+    if isinstance(err, CheckpointException):
+        return [exc for exc, _ in err.failures.values()]
+    return [err]
+
+
+def _write_failure(tmp: Path, err: BaseException) -> str:
+    """One line for a failed save: the OSError (disk full names the free space) or, for a writer
+    that failed without one (torch's zip writer says "unexpected pos"), its reason and the free space."""
+    failures = _failures(err)
+    os_error = next((e for e in failures if isinstance(e, OSError)), None)
+    if os_error is not None:
+        return "checkpoint " + os_error_message(tmp, os_error)
+    reason = str(failures[0]).strip().splitlines()[0][:200] if failures else type(err).__name__
+    try:
+        reason += f", {shutil.disk_usage(tmp.parent).free / 2**20:.1f} MiB free"
+    except OSError:
+        pass
+    return f"checkpoint {tmp}: cannot write ({reason}); free some space or choose another --checkpoint-dir."
+
+
+def _publish(directory: Path, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Rank 0: write medley.json, rename ``tmp`` to ``final`` and rotate out the oldest."""
+    with open(tmp / META_FILE, "w") as handle:
+        json.dump(meta, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    old = directory / f".old-{final.name}"
+    if final.exists():  # the same step saved again after a restart: replaced only once the new one is whole
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    for previous in sorted(directory.glob(f"{PREFIX}*"), key=lambda p: p.name)[:-KEEP]:
+        doomed = directory / f".old-{previous.name}"
+        os.rename(previous, doomed)  # out of sight at once: a half-deleted step-N would look damaged
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def save_checkpoint(directory: Path, *, next_step: int, stages: dict[int, ShardedStage],
                     meta: dict[str, Any]) -> Path:
-    """Collective: every rank writes its shards; rank 0 publishes the directory atomically."""
+    """Collective: every rank writes its shards; rank 0 publishes the directory atomically.
+
+    Nothing is written when a tensor is not finite; a failed write (disk full) removes the
+    temporary directory, keeps the previous checkpoints and is one :class:`MedleyInputError` on
+    every rank."""
     directory = Path(directory)
     final = checkpoint_path(directory, next_step)
     tmp = directory / f".tmp-{final.name}"
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
     state = checkpoint_state(stages, for_load=False)
     state["train.next_step"].fill_(next_step)
-    dcp.save(state, storage_writer=FileSystemWriter(tmp, thread_count=1))
-    if rank == 0:
-        meta_path = tmp / META_FILE
-        with open(meta_path, "w") as handle:
-            json.dump({**meta, "format": FORMAT, "next_step": next_step}, handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if final.exists():  # the same step saved again after a restart
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        for old in sorted(directory.glob(f"{PREFIX}*"), key=lambda p: p.name)[:-KEEP]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    bad = shared_error(_non_finite(state))
+    if bad is not None:
+        raise MedleyInputError(
+            f"step {next_step - 1}: {bad} holds non-finite values, so no checkpoint is written (the newest "
+            f"good one in {directory} is kept); lower --lr or --clip-norm and resume")
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as err:
+            error = "checkpoint " + os_error_message(tmp, err)
+    _raise_if(shared_error(error))
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(tmp, thread_count=1))
+        hashes = _hash_files(tmp, _checkpoint_files(tmp))
+    except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure
+        error = _write_failure(tmp, err)
+    _raise_if(shared_error(error), cleanup=tmp)
+    if dist.get_rank() == 0:
+        try:
+            _publish(directory, tmp, final,
+                     {**meta, "format": FORMAT, "next_step": next_step, "files": hashes})
+        except OSError as err:
+            error = "checkpoint " + os_error_message(tmp, err)
+    _raise_if(shared_error(error), cleanup=tmp)
     return final
+
+
+def _raise_if(error: str | None, *, cleanup: Path | None = None) -> None:
+    if error is None:
+        return
+    if cleanup is not None and dist.get_rank() == 0:
+        shutil.rmtree(cleanup, ignore_errors=True)
+    raise MedleyInputError(error)
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -143,36 +263,74 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise MedleyInputError(
             f"checkpoint {path}: {META_FILE} is missing or corrupt ({err}); delete the directory or point "
             "--checkpoint-dir elsewhere") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
         raise MedleyInputError(
-            f"checkpoint {path}: {META_FILE} is not a medley checkpoint of format {FORMAT}")
+            f"checkpoint {path}: {META_FILE} is not a medley checkpoint of format {FORMAT} (with a hash per "
+            "file); resume it with the medley that wrote it, or use another --checkpoint-dir")
     return meta
 
 
-def check_meta(path: Path, saved: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Name the setting that differs between the checkpoint and this run."""
-    settings = {"model": "--model / the plan's [model]", "data": "--data", "optimizer": "--optimizer",
-                "seq_len": "--seq-len / layout.seq_len"}
-    for key, setting in settings.items():
+# Settings that fix what the checkpoint's tensors mean: a resume with another value is refused.
+_FIXED = {"model": "--model / the plan's [model]", "optimizer": "--optimizer",
+          "seq_len": "--seq-len / layout.seq_len"}
+# Settings that fix which data each step sees: another value is refused unless the data order is reset.
+DATA_ORDER = {"seed": "--seed", "global_batch": "the global batch (micro-batches x micro-batch size)",
+              "data": "--data"}
+
+
+def check_meta(path: Path, saved: dict[str, Any], expected: dict[str, Any], *,
+               reset_data_order: bool = False) -> list[str]:
+    """Refuse a resume that changes the model, optimizer or sequence length; one that changes the
+    data order (seed, global batch, data) too unless ``reset_data_order``. Returns what differs."""
+    for key, setting in _FIXED.items():
         if saved.get(key) != expected.get(key):
             raise MedleyInputError(
                 f"checkpoint {path} was written with {key} = {saved.get(key)!r} but this run has "
                 f"{expected.get(key)!r}; change {setting} to match, or use another --checkpoint-dir")
+    changed = [f"{key} {saved.get(key)!r} -> {expected.get(key)!r}" for key in DATA_ORDER
+               if saved.get(key) != expected.get(key)]
+    if changed and not reset_data_order:
+        settings = ", ".join(DATA_ORDER[key] for key in DATA_ORDER if saved.get(key) != expected.get(key))
+        raise MedleyInputError(
+            f"checkpoint {path} was written with another data order ({'; '.join(changed)}); change "
+            f"{settings} back, or pass --reset-data-order to continue with the new one")
+    return changed
 
 
-def load_checkpoint(path: Path, *, stages: dict[int, ShardedStage], expected: dict[str, Any]) -> int:
-    """Collective: fill this rank's stages and optimizers from ``path``; returns the next step."""
-    check_meta(path, read_meta(path), expected)
+def verify_files(path: Path, saved: dict[str, Any]) -> None:
+    """Collective: every file the checkpoint lists is there with the sha256 written at save."""
+    listed: dict[str, str] = saved["files"]
+    missing = sorted(name for name in listed if not (Path(path) / name).is_file())
+    if missing:
+        raise MedleyInputError(
+            f"checkpoint {path}: {missing[0]} is missing; delete {path} to resume from the checkpoint "
+            "before it")
+    actual = _hash_files(Path(path), list(listed))
+    bad = next((name for name in sorted(listed) if actual.get(name) != listed[name]), None)
+    if bad is not None:
+        raise MedleyInputError(
+            f"checkpoint {Path(path) / bad}: its content changed since it was saved (sha256 mismatch); "
+            f"delete {path} to resume from the checkpoint before it")
+
+
+def load_checkpoint(path: Path, *, stages: dict[int, ShardedStage], expected: dict[str, Any],
+                    reset_data_order: bool = False) -> tuple[int, list[str]]:
+    """Collective: fill this rank's stages and optimizers from ``path``; returns the next step and
+    the data-order settings that changed (accepted with ``reset_data_order``)."""
+    saved = read_meta(path)
+    changed = check_meta(path, saved, expected, reset_data_order=reset_data_order)
+    verify_files(path, saved)
     state = checkpoint_state(stages, for_load=True)
     try:
+        SafeReader(path).read_metadata()  # its own error first (DCP's wraps it in two others)
         dcp.load(state, storage_reader=SafeReader(path))
     except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure (a BaseException)
-        first = str(err).strip().splitlines()
-        reason = next((line for line in first if "Error" in line), first[0] if first else type(err).__name__)
+        failures = _failures(err)
+        reason = f"{type(failures[0]).__name__}: {failures[0]}" if failures else type(err).__name__
         raise MedleyInputError(
-            f"checkpoint {path} is corrupt or does not match this model ({reason.strip()[:300]}); "
+            f"checkpoint {path} is corrupt or does not match this model ({reason.splitlines()[0][:300]}); "
             "delete it to resume from the one before, or use another --checkpoint-dir") from None
     for stage in stages.values():
         stage.refresh_gathered()
     torch.set_rng_state(state["train.rng"])
-    return int(state["train.next_step"])
+    return int(state["train.next_step"]), changed

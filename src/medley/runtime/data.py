@@ -26,7 +26,10 @@ SYNTHETIC = "synthetic"
 
 def encode(text: str) -> torch.Tensor:
     """UTF-8 bytes of ``text`` as token ids (vocabulary 256: one id per byte value)."""
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+    data = text.encode("utf-8")
+    if not data:  # torch.frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
 def decode(tokens: torch.Tensor) -> str:
@@ -82,8 +85,9 @@ def load_source(data: str | Path | None, *, seq_len: int) -> DataSource:
         name = str(data)
     tokens = encode(text)
     if len(tokens) < 2 * (seq_len + 1):
+        what = "is empty" if not len(tokens) else f"has {len(tokens)} bytes, too few"
         raise MedleyInputError(
-            f"--data {name}: {len(tokens)} bytes is too short for sequences of {seq_len} tokens; "
+            f"--data {name}: {what} for sequences of {seq_len} tokens (at least {2 * (seq_len + 1)} bytes); "
             "give a longer text or a shorter --seq-len")
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
     return DataSource(name=name, tokens=tokens, fingerprint=digest)

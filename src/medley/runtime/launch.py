@@ -5,30 +5,47 @@ rank) from the environment the launcher sets, runs :func:`medley.runtime.train.t
 returns its records; rank 0's come back to the caller. With ``max_restarts``, a failed rank makes
 the agent stop every rank and start them all again, and training resumes from the newest
 checkpoint (as under ``torchrun --max-restarts``).
+
+Ranks die with their launcher (:func:`medley.runtime.lifecycle.die_with_parent`) and leave SIGINT to
+it (the agent stops them). Without ``--debug`` (``MEDLEY_DEBUG``) a failure is one line: a rank's
+unexpected exception goes to torchelastic's error file, not to the terminal, torchelastic's logs
+are muted, and :func:`train_local` raises :class:`RankFailure` naming the first failed rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
+import logging
 import multiprocessing
 import os
 import signal
+import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from medley.errors import MedleyInputError
+from medley.errors import MedleyInputError, debug_enabled
 from medley.plan.plan import Plan
+from medley.runtime.lifecycle import die_with_parent
 from medley.runtime.train import StepRecord, TrainConfig, train
 
 PROCESS_GROUP_TIMEOUT_S = 120
 _SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _ONE_THREAD_ENV = "MEDLEY_ONE_THREAD_PER_RANK"
+LAUNCHER_PID_ENV = "MEDLEY_LAUNCHER_PID"  # ranks of train_local exit when this process dies
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+class RankFailure(RuntimeError):
+    """A launched rank failed (an exception, a signal, a step timeout): one line naming it."""
 
 
 def init_process_group() -> str:
@@ -47,19 +64,33 @@ class InputFailure:
     message: str
 
 
+def _exit_quietly(signum: int, _frame: object) -> None:
+    os._exit(128 + signum)
+
+
 @record
 def rank_main(plan: Plan, config: TrainConfig) -> list[StepRecord] | InputFailure | None:
     """Body of one launched rank: records on rank 0, None elsewhere."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    die_with_parent(int(launcher) if launcher else None)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # Ctrl-C reaches the agent too, which reports it once
+        signal.signal(signal.SIGINT, _exit_quietly)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     one_thread = os.environ.get(_ONE_THREAD_ENV) == "1"
     torch.set_num_threads(1 if one_thread else max(1, (os.cpu_count() or 1) // local_world))
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` shows where a rank waits
+    if debug_enabled():
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a rank waits
     init_process_group()
     try:
         records = train(plan, config)
     except MedleyInputError as err:
         # Bad input fails on every rank alike (plan, flags, checkpoint), so all return.
         return InputFailure(str(err))
+    except Exception as err:
+        if debug_enabled():
+            raise
+        get_error_handler().record_exception(err)  # the launcher's one line names it
+        raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
     return records if int(os.environ.get("RANK", "0")) == 0 else None
@@ -91,18 +122,64 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, m
         monitor_interval=0.1, start_method=start_method)
     # Rank 0 hosts each attempt's own store: with the agent's shared store, the ranks of a
     # restarted attempt found the dead attempt's gloo addresses there (connection refused).
-    settings = {_SHARED_STORE_ENV: "1", _ONE_THREAD_ENV: "0" if start_method == "spawn" else "1"}
+    settings = {_SHARED_STORE_ENV: "1", _ONE_THREAD_ENV: "0" if start_method == "spawn" else "1",
+                LAUNCHER_PID_ENV: str(os.getpid())}
+    with _environment(settings), _agent_quiet(not debug_enabled()):
+        try:
+            results = elastic_launch(launch, rank_main)(plan, config)
+        except ChildFailedError as err:
+            if debug_enabled():
+                raise
+            raise RankFailure(failure_line(err)) from None
+    failure = next((r for r in results.values() if isinstance(r, InputFailure)), None)
+    if failure is not None:
+        raise MedleyInputError(failure.message)
+    return results[0]
+
+
+def failure_line(err: ChildFailedError) -> str:
+    """One line for torchelastic's failure report: a rank killed by a signal (the others then fail
+    in their collectives, some of them sooner), else the first failed rank, and why."""
+    killed = sorted(rank for rank, f in err.failures.items() if f.exitcode < 0)
+    rank, failure = (killed[0], err.failures[killed[0]]) if killed else err.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):  # an error file written by record_exception
+        message = str(message.get("message", ""))
+    if failure.error_file_data.get("errorTraits") or not message:  # exited without saying why
+        message = f"exit code {failure.exitcode}"
+    return (f"rank {rank} failed ({message.strip().splitlines()[0][:300]}); the other ranks were stopped; "
+            "run again to resume from the newest checkpoint (--debug shows tracebacks and stacks)")
+
+
+@contextlib.contextmanager
+def _environment(settings: dict[str, str]) -> Iterator[None]:
     previous = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)
     try:
-        results = elastic_launch(launch, rank_main)(plan, config)
+        yield
     finally:
         for key, value in previous.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    failure = next((r for r in results.values() if isinstance(r, InputFailure)), None)
-    if failure is not None:
-        raise MedleyInputError(failure.message)
-    return results[0]
+
+
+@contextlib.contextmanager
+def _agent_quiet(quiet: bool) -> Iterator[None]:
+    """Mute torchelastic's logs (unless debugging) and give back the signal handlers its agent
+    installs (it turns SIGINT and SIGTERM into its SignalException for good)."""
+    handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
+    names = [name for name in logging.root.manager.loggerDict if name.startswith(_ELASTIC_LOGGERS)]
+    levels = {name: logging.getLogger(name).level for name in names}
+    if quiet:
+        for name in names:  # torchelastic sets a level on each of its loggers
+            logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+        for sig, handler in handlers.items():
+            if handler is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(sig, handler)

@@ -16,9 +16,9 @@ all ranks at the end of every step: no optimizer step overlaps another rank's ba
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,11 +29,13 @@ import torch.distributed as dist
 
 from medley.cost import formulas
 from medley.errors import MedleyInputError
+from medley.fileio import check_output_dir, check_output_file
 from medley.plan.plan import Plan
-from medley.runtime import checkpoint
+from medley.runtime import checkpoint, lock
 from medley.runtime.data import load_source, replica_slice
 from medley.runtime.emulate import slowdown_factors
 from medley.runtime.executor import MicroBatches
+from medley.runtime.lifecycle import StepWatchdog
 from medley.runtime.memory import cuda_peak_bytes, probe_peak_bytes, reset_cuda_peak
 from medley.runtime.optim import local_optimizer, lr_at, optimizer_class, set_lr
 from medley.runtime.setup import RankSetup, build_rank
@@ -67,9 +69,12 @@ class TrainConfig:
         dtype: ``fp32`` or ``bf16`` (bf16 compute, fp32 master weights and gradient reductions);
             None: fp32 on CPU; on CUDA bf16 for a bf16 plan, else fp32 (no fp16 loss scaling).
         on_step: called on every rank with the step index after each step (and its checkpoint).
-        step_timeout_s: a rank that spends longer than this in one step prints every thread's
-            stack and exits, so a hang (a mismatched collective never times out on gloo) fails the
-            run (and, under restarts, resumes it) instead of stalling it; None: no watchdog.
+        step_timeout_s: a rank that spends longer than this in one step exits with one line (and
+            every thread's stack under ``--debug``), so a hang (a mismatched collective never times
+            out on gloo) fails the run (and, under restarts, resumes it) instead of stalling it;
+            None: no watchdog.
+        reset_data_order: resume from a checkpoint written with another seed, global batch or
+            data source (each difference is printed); without it such a resume is refused.
     """
 
     steps: int = 20
@@ -91,6 +96,7 @@ class TrainConfig:
     dtype: str | None = None
     on_step: Callable[[int], None] | None = None
     step_timeout_s: float | None = 600.0
+    reset_data_order: bool = False
 
 
 @dataclass(kw_only=True)
@@ -120,17 +126,33 @@ class StepRecord:
     emulated_sleep_s: float = 0.0
 
 
+def _check_number(flag: str, value: float | None, *, positive: bool) -> None:
+    """A finite number, > 0 (``positive``) or >= 0."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise MedleyInputError(
+            f"{flag} {value}: must be a finite number {'> 0' if positive else '>= 0'}; e.g. {flag} "
+            f"{'3e-3' if flag == '--lr' else '1'}")
+
+
 def check_config(config: TrainConfig) -> None:
+    """Refuse bad settings with one line naming the flag (before any work)."""
     if config.steps < 1:
         raise MedleyInputError(f"--steps {config.steps}: train at least one step")
     if config.optimizer not in ("adamw", "sgd"):
         raise MedleyInputError(f"--optimizer '{config.optimizer}' must be adamw or sgd")
-    if config.lr <= 0 or config.min_lr < 0 or config.warmup_steps < 0 or config.weight_decay < 0:
-        raise MedleyInputError("--lr must be > 0; --min-lr, --warmup-steps and --weight-decay >= 0")
-    if config.clip_norm is not None and config.clip_norm <= 0:
-        raise MedleyInputError(f"--clip-norm {config.clip_norm} must be > 0 (or off)")
-    if config.step_timeout_s is not None and config.step_timeout_s <= 0:
-        raise MedleyInputError(f"--step-timeout {config.step_timeout_s} must be > 0")
+    for flag, value, positive in (("--lr", config.lr, True), ("--min-lr", config.min_lr, False),
+                                  ("--weight-decay", config.weight_decay, False),
+                                  ("--clip-norm", config.clip_norm, True),
+                                  ("--step-timeout", config.step_timeout_s, True)):
+        _check_number(flag, value, positive=positive)
+    if config.warmup_steps < 0:
+        raise MedleyInputError(f"--warmup-steps {config.warmup_steps} must be >= 0")
+    if config.checkpoint_dir is not None:
+        check_output_dir(config.checkpoint_dir, flag="--checkpoint-dir")
+    if config.log_jsonl is not None:
+        check_output_file(config.log_jsonl, flag="--log-jsonl")
     if config.checkpoint_every < 0:
         raise MedleyInputError(f"--checkpoint-every {config.checkpoint_every} must be >= 0")
     if config.dtype not in (None, *DTYPES):
@@ -179,6 +201,7 @@ class _Loop:
             setup.executor.on_clip = lambda: self._clip(config.clip_norm)
         self.meta = {"model": dataclasses.asdict(layout.model), "data": self.source.fingerprint,
                      "optimizer": config.optimizer, "seq_len": layout.seq_len, "seed": config.seed,
+                     "global_batch": self.sequences,
                      "plan": {"pp": layout.pp, "dp": layout.dp, "split": list(layout.stage_layers),
                               "zero": [z.level for z in layout.zero]}}
         flops = formulas.megatron_flops_per_step(layout.model, batch_size=self.sequences,
@@ -191,17 +214,43 @@ class _Loop:
         self.sq_norm += self.setup.stages[stage].grad_sq_norm(bucket, replica=self.setup.replica)
 
     def run(self) -> list[StepRecord]:
+        held = self._lock()
+        try:
+            return self._run()
+        finally:
+            if held is not None:
+                held.release()
+
+    def _lock(self) -> lock.DirectoryLock | None:
+        """Collective: rank 0 locks the checkpoint directory for this run, or every rank fails."""
+        if self.config.checkpoint_dir is None:
+            return None
+        held, error = None, None
+        if self.rank == 0:
+            try:
+                held = lock.acquire(self.config.checkpoint_dir)
+            except MedleyInputError as err:
+                error = str(err)
+        error = checkpoint.shared_error(error)
+        if error is not None:
+            raise MedleyInputError(error)
+        return held
+
+    def _run(self) -> list[StepRecord]:
         start = self._resume()
         records: list[StepRecord] = []
         progress = _Progress(self.config.steps, start) if self.config.progress and self.rank == 0 else None
+        timeout = self.config.step_timeout_s
+        watchdog = StepWatchdog(timeout, rank=self.rank) if timeout is not None else None
         dist.barrier()
         try:
             for step in range(start, self.config.steps):
-                if self.config.step_timeout_s is not None:
-                    faulthandler.dump_traceback_later(self.config.step_timeout_s, exit=True)
+                if watchdog is not None:
+                    watchdog.arm(step)
                 local = self._step(step)
                 record = self._record(step, local)
-                faulthandler.cancel_dump_traceback_later()
+                if watchdog is not None:
+                    watchdog.disarm()
                 if record is not None:
                     records.append(record)
                     self._log(record)
@@ -211,7 +260,8 @@ class _Loop:
                 if self.config.on_step is not None:
                     self.config.on_step(step)
         finally:
-            faulthandler.cancel_dump_traceback_later()
+            if watchdog is not None:
+                watchdog.close()
             if progress is not None:
                 progress.close()
         if self.config.measure_memory and self.setup.device.type == "cpu" and start < self.config.steps:
@@ -222,7 +272,12 @@ class _Loop:
         latest = checkpoint.latest_checkpoint(self.config.checkpoint_dir)
         if latest is None:
             return 0
-        return checkpoint.load_checkpoint(latest, stages=self.setup.stages, expected=self.meta)
+        start, changed = checkpoint.load_checkpoint(latest, stages=self.setup.stages, expected=self.meta,
+                                                    reset_data_order=self.config.reset_data_order)
+        if changed and self.rank == 0:
+            print(f"resuming {latest} with a new data order (--reset-data-order): {'; '.join(changed)}",
+                  file=sys.stderr, flush=True)
+        return start
 
     def _maybe_save(self, next_step: int) -> None:
         every, directory = self.config.checkpoint_every, self.config.checkpoint_dir
@@ -277,9 +332,12 @@ class _Loop:
     def _record(self, step: int, local: torch.Tensor) -> StepRecord | None:
         gathered = torch.zeros(self.world * local.numel(), dtype=torch.float64, device=self.setup.device)
         dist.all_gather_single(gathered, local.to(self.setup.device))
+        stats = gathered.cpu().view(self.world, local.numel())
+        loss, grad_norm = float(stats[:, 0].sum()), math.sqrt(float(stats[:, 1].sum()))
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank sees it: all stop
+            raise self._diverged(step, loss, grad_norm)
         if self.rank != 0:
             return None
-        stats = gathered.cpu().view(self.world, local.numel())
         layout = self.plan.layout
         step_time = float(stats[:, 2].max())
         memory = {}
@@ -289,10 +347,17 @@ class _Loop:
         lr = lr_at(step, lr=self.config.lr, min_lr=self.config.min_lr,
                    warmup_steps=self.config.warmup_steps, total_steps=self.config.steps)
         return StepRecord(
-            step=step, loss=float(stats[:, 0].sum()), lr=lr, grad_norm=math.sqrt(float(stats[:, 1].sum())),
+            step=step, loss=loss, lr=lr, grad_norm=grad_norm,
             step_time_s=step_time, tokens_per_s=layout.tokens_per_step / step_time,
             mfu=None if self.flops_per_peak is None else self.flops_per_peak / step_time,
             peak_memory_bytes=memory, emulated_sleep_s=float(stats[:, 3].max()))
+
+    def _diverged(self, step: int, loss: float, grad_norm: float) -> MedleyInputError:
+        kept = (f"; the checkpoints in {self.config.checkpoint_dir} are from before it"
+                if self.config.checkpoint_dir is not None else "")
+        return MedleyInputError(
+            f"step {step}: loss {loss:g}, gradient norm {grad_norm:g}: training diverged, so the run stops "
+            f"before saving this state{kept}; lower --lr (now {self.config.lr:g}) and rerun")
 
     def _log(self, record: StepRecord) -> None:
         if self.config.log_jsonl is None:

@@ -1,0 +1,146 @@
+"""How a rank ends: with its launcher, or when a step hangs.
+
+A rank's parent is the process that started it: torchrun's agent, ``medley train --local-ranks``
+(spawn) or the fork server of ``medley train`` (which lives on while its ranks do).
+:func:`die_with_parent` asks Linux to kill the rank when its parent dies (``PR_SET_PDEATHSIG``;
+elsewhere a thread watches the parent pid) and watches the launcher's pid too, so a ``kill -9``
+of the launcher does not leave ranks training and waiting forever.
+
+:class:`StepWatchdog` ends a rank whose step outlives ``--step-timeout`` with one line (and, with
+``--debug``, every thread's stack): a mismatched collective never times out on gloo.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from typing import IO
+
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+from medley.errors import debug_enabled
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+_PR_SET_PDEATHSIG = 1
+_PARENT_POLL_S = 0.5
+# The C-level faulthandler timer ends a rank the Python watchdog cannot reach (a thread holding
+# the GIL in a hang) this long after the timeout.
+_BACKSTOP_S = 10.0
+
+
+def die_with_parent(launcher_pid: int | None = None) -> None:
+    """Kill this process when its parent dies (Linux: ``PR_SET_PDEATHSIG``; elsewhere a thread
+    watches the parent pid) and, when ``launcher_pid`` is another process (ranks forked by the
+    fork server, whose parent outlives the launcher while they hold its pipe), when that one dies."""
+    parent = os.getppid()
+    watched = {launcher_pid} if launcher_pid not in (None, parent) else set()
+    if not _parent_death_signal(parent):
+        watched.add(parent)
+    for pid in watched:
+        threading.Thread(target=_watch_pid, args=(pid,), name=f"medley-watch-{pid}", daemon=True).start()
+
+
+def _parent_death_signal(parent: int) -> bool:
+    """Ask Linux to SIGKILL this process when its parent dies; False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent died before the request
+        os._exit(1)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _watch_pid(pid: int) -> None:
+    """Exit this process once ``pid`` has ended: a pidfd wait where there is one, else a poll."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        select.select([fd], [], [])  # readable once the process has ended
+        os._exit(1)
+    while _alive(pid):
+        time.sleep(_PARENT_POLL_S)
+    os._exit(1)
+
+
+class StepWatchdog:
+    """Ends the process when a step runs longer than ``timeout_s`` (armed per step)."""
+
+    def __init__(self, timeout_s: float, *, rank: int) -> None:
+        self.timeout_s, self.rank = timeout_s, rank
+        self.step: int | None = None
+        self.deadline: float | None = None
+        self.cond = threading.Condition()
+        self.closed = False
+        self.debug = debug_enabled()
+        self.sink: IO[str] = sys.stderr if self.debug else open(os.devnull, "w")  # noqa: SIM115
+        threading.Thread(target=self._watch, name="medley-step-watchdog", daemon=True).start()
+
+    def arm(self, step: int) -> None:
+        with self.cond:
+            self.step, self.deadline = step, time.monotonic() + self.timeout_s
+            self.cond.notify()
+        faulthandler.dump_traceback_later(self.timeout_s + (0 if self.debug else _BACKSTOP_S), exit=True,
+                                          file=self.sink)
+
+    def disarm(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
+        with self.cond:
+            self.deadline = None
+            self.cond.notify()
+
+    def close(self) -> None:
+        """Disarm and end the watching thread."""
+        self.disarm()
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        if self.sink is not sys.stderr:
+            self.sink.close()
+
+    def _watch(self) -> None:
+        with self.cond:
+            while not self.closed:
+                if self.deadline is None:
+                    self.cond.wait()
+                    continue
+                left = self.deadline - time.monotonic()
+                if left > 0:
+                    self.cond.wait(left)
+                    continue
+                self._fire()
+                return
+
+    def _fire(self) -> None:
+        message = (f"rank {self.rank}: step {self.step} ran longer than --step-timeout {self.timeout_s:g} s "
+                   "(a rank stopped or waits in another collective)")
+        if self.debug:  # faulthandler prints every thread's stack and exits
+            print(f"error: {message}; the stacks follow", file=sys.stderr, flush=True)
+            return
+        if os.environ.get(ERROR_FILE_ENV):  # the launcher reports it in its one line
+            get_error_handler().record_exception(TimeoutError(message))
+        else:
+            print(f"error: {message}; rerun with --debug for the stacks", file=sys.stderr, flush=True)
+        os._exit(1)

@@ -1,0 +1,97 @@
+"""One run per checkpoint directory: a lock file that names its holder.
+
+Rank 0 of a run holds an exclusive ``flock`` on ``<checkpoint dir>/.medley.lock`` for the whole
+run and writes its host and pid into it. The kernel drops the lock when the holder exits, however
+it ends (``kill -9`` included), so a lock left by a dead run is simply taken over; while the
+holder lives, a second run is refused with a message that names it. On a file system without
+``flock`` the pid written in the file decides (a holder on this host is alive while its pid is).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from medley.errors import MedleyInputError
+
+LOCK_FILE = ".medley.lock"
+
+
+@dataclass(kw_only=True)
+class DirectoryLock:
+    """A held lock.
+
+    Attributes:
+        path: the lock file.
+        handle: the open lock file; closing it releases the lock.
+    """
+
+    path: Path
+    handle: IO[str]
+
+    def release(self) -> None:
+        if not self.handle.closed:
+            self.handle.close()
+
+
+def _holder(path: Path) -> dict[str, object]:
+    try:
+        holder = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _pid_alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _refuse(directory: Path, path: Path, holder: dict[str, object]) -> MedleyInputError:
+    who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
+    return MedleyInputError(
+        f"--checkpoint-dir {directory}: another run ({who}) is using it ({path}); wait for that run to "
+        "end, stop it, or choose another --checkpoint-dir")
+
+
+def acquire(directory: Path) -> DirectoryLock:
+    """Lock ``directory`` (created if needed) for this process, or raise :class:`MedleyInputError`
+    naming the live holder."""
+    directory = Path(directory)
+    path = directory / LOCK_FILE
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+")
+    except OSError as err:
+        raise MedleyInputError(
+            f"--checkpoint-dir {directory}: cannot create {path} ({err.strerror}); choose another "
+            "--checkpoint-dir") from None
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            handle.close()
+            raise _refuse(directory, path, _holder(path)) from None
+        holder = _holder(path)  # no flock here: the pid decides
+        if holder.get("host") == socket.gethostname() and holder.get("pid") != os.getpid() and _pid_alive(
+                holder.get("pid")):
+            handle.close()
+            raise _refuse(directory, path, holder) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}) + "\n")
+    handle.flush()
+    return DirectoryLock(path=path, handle=handle)
