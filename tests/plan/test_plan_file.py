@@ -116,3 +116,45 @@ def test_documented_example_loads(tmp_path: Path) -> None:
     (tmp_path / "plan.toml").write_text(example)
     plan = load_plan(tmp_path / "plan.toml")
     assert plan.layout.micro_batches == (5, 3) and plan.world_size == 4
+
+
+def _set_layout(**fields):
+    return lambda r: r["layout"].update(**fields)
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [  # issue #11: a plan file with micro_batches = [1000000000, ...] ran until killed
+        (_set_layout(micro_batches=[1000000000, 3]), ["layout.micro_batches[0]", "<= 10000"]),
+        (_set_layout(micro_batches=[3, 10001]), ["layout.micro_batches[1]", "<= 10000"]),
+        (lambda r: r["layout"]["zero"][0].update(gather_windows=10**9), ["gather_windows", "<= 256"]),
+        (_set_layout(knobs={"virtual_stages": 10**9}), ["layout.knobs.virtual_stages", "out of range"]),
+        # no coercion: pp = 3.0 and seq_len = "2048" were read as integers
+        (_set_layout(pp=2.0), ["layout.pp", "valid integer", "whole number"]),
+        (_set_layout(seq_len="16"), ["layout.seq_len", "valid integer"]),
+        (_set_layout(clip_grad=1), ["layout.clip_grad", "valid boolean"]),
+        (lambda r: r["model"].update(hidden_size="64"), ["[model]", "hidden_size", "valid integer"]),
+        (lambda r: r["model"].update(num_blocks=10**6), ["[model]", "num_blocks", "1..1,024"]),
+        (lambda r: r["prediction"].update(step_time_s=float("inf")), ["prediction.step_time_s", "finite"]),
+        (lambda r: r["prediction"].update(peak_memory_gb={"x": 1.0}), ["prediction.peak_memory_gb"]),
+        (lambda r: r["cluster"]["nodes"][0].update(count=True), ["[cluster]", "count", "valid integer"]),
+    ],
+)
+def test_plan_sizes_and_types_are_refused_in_one_line(tmp_path: Path, edit, words: list[str]) -> None:
+    path = _edited(tmp_path, edit)
+    with pytest.raises(MedleyInputError) as err:
+        load_plan(path)
+    message = str(err.value)
+    assert str(path) in message and "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_plan_type_errors_point_to_the_plan_format(tmp_path: Path) -> None:
+    path = _edited(tmp_path, lambda r: r["layout"].update(knobs={"virtual_stages": "two"}))
+    with pytest.raises(MedleyInputError) as err:
+        load_plan(path)
+    assert "cluster-format" not in str(err.value)
+    path = _edited(tmp_path, lambda r: r["layout"].update(assignment="all"))
+    with pytest.raises(MedleyInputError, match="layout.assignment"):
+        load_plan(path)

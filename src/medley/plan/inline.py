@@ -13,24 +13,55 @@ from medley.plan.compile import PlanLayout
 from medley.schedule.generators import generate
 from medley.schedule.zero import Placement, StageZero
 from medley.spec.cluster import Cluster
+from medley.spec.cluster_schema import printable
+from medley.spec.limits import MAX_BLOCKS, MAX_MICRO_BATCHES, MAX_WINDOWS, check_sim_work
 from medley.spec.model import ModelSpec
 
 
-def parse_int_list(text: str | None, *, flag: str, count: int, minimum: int = 0) -> tuple[int, ...] | None:
+def parse_int_list(
+    text: str | None, *, flag: str, count: int, minimum: int = 0, maximum: int | None = None
+) -> tuple[int, ...] | None:
     """``"3,3,1,1"`` (or one value for all) as ``count`` integers, or None when not given."""
     if text is None or text == "":
         return None
+    parts = str(text).split(",")
+    if any(len(v.strip()) > 12 for v in parts) or len(parts) > MAX_MICRO_BATCHES:
+        raise MedleyInputError(f"{flag}: '{printable(text[:40])}...' is too long; give small integers")
     try:
-        values = tuple(int(v) for v in str(text).split(","))
+        values = tuple(int(v) for v in parts)
     except ValueError:
-        raise MedleyInputError(f"{flag} '{text}' must be comma-separated integers, like '3,1'") from None
+        raise MedleyInputError(
+            f"{flag} '{printable(text)}' must be comma-separated integers, like '3,1'"
+        ) from None
     if len(values) == 1 and count > 1:
         values = values * count
     if len(values) != count:
         raise MedleyInputError(f"{flag} '{text}' gives {len(values)} values; give {count} (or one for all)")
     if any(v < minimum for v in values):
         raise MedleyInputError(f"{flag} '{text}': every value must be >= {minimum}")
+    if maximum is not None and any(v > maximum for v in values):
+        raise MedleyInputError(f"{flag} '{text}': every value must be <= {maximum:,} (the limit)")
     return values
+
+
+def _check_flags(
+    *, pp: int, dp: int, micro_batch_size: int, seq_len: int, virtual_stages: int, buckets: int,
+    gather_windows: int
+) -> None:
+    """Each size flag within its range, before anything is built."""
+    ranges = {
+        "--pp": (pp, 1, MAX_BLOCKS + 2),
+        "--dp": (dp, 1, None),
+        "--micro-batch-size": (micro_batch_size, 1, None),
+        "--seq-len": (seq_len, 1, None),
+        "--virtual-stages": (virtual_stages, 1, MAX_BLOCKS + 2),
+        "--buckets": (buckets, 1, MAX_BLOCKS),
+        "--gather-windows": (gather_windows, 0, MAX_WINDOWS),
+    }
+    for flag, (value, low, high) in ranges.items():
+        if value < low or (high is not None and value > high):
+            bound = f"in {low}..{high:,}" if high is not None else f">= {low}"
+            raise MedleyInputError(f"{flag} {value}: must be {bound}; give a value in that range")
 
 
 def default_assignment(cluster: Cluster, *, pp: int, dp: int) -> tuple[tuple[int, ...], ...]:
@@ -97,11 +128,15 @@ def inline_layout(
     clip_grad: bool = False,
 ) -> PlanLayout:
     """A :class:`PlanLayout` from the flags of ``medley simulate`` (and ``medley train``)."""
-    if pp < 1 or dp < 1 or micro_batch_size < 1 or seq_len < 1:
-        raise MedleyInputError("--pp, --dp, --micro-batch-size and --seq-len must be >= 1")
-    counts = parse_int_list(micro_batches, flag="--micro-batches", count=dp, minimum=1)
+    _check_flags(pp=pp, dp=dp, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                 virtual_stages=virtual_stages, buckets=buckets, gather_windows=gather_windows)
+    default_assignment(cluster, pp=pp, dp=dp)
+    counts = parse_int_list(micro_batches, flag="--micro-batches", count=dp, minimum=1,
+                            maximum=MAX_MICRO_BATCHES)
     assert counts is not None
     knobs = {"virtual_stages": virtual_stages} if schedule == "interleaved" else {}
+    check_sim_work(stages=pp * (virtual_stages if knobs else 1), micro_batches=counts,
+                   where=f"--pp {pp} --micro-batches {micro_batches}")
     try:
         probe = generate(schedule, pp=pp, micro_batches=counts[0], **knobs)
     except ValueError as err:

@@ -12,21 +12,23 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from medley.errors import MedleyInputError
 from medley.fileio import read_toml, write_atomically
 from medley.plan.compile import PlanLayout
 from medley.schedule.zero import Placement, StageZero
 from medley.spec.cluster import Cluster, cluster_from_dict
-from medley.spec.cluster_schema import describe_validation_error
-from medley.spec.model import PRESETS, ModelSpec
+from medley.spec.cluster_schema import STRICT, describe_validation_error, printable
+from medley.spec.limits import MAX_BLOCKS, MAX_MICRO_BATCHES, MAX_SIZE, MAX_WINDOWS, check_sim_work
+from medley.spec.model import PRESETS, ModelSpec, model_from_dict
 
 PLAN_VERSION = 1
-_STRICT = ConfigDict(extra="forbid")
+PLAN_DOC = "docs/plan-format.md"
+_Knob = int | list[int]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,24 +68,24 @@ class Plan:
 
 
 class _ZeroSpec(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     level: int = Field(ge=0, le=3)
-    buckets: int = Field(default=1, ge=1)
-    gather_windows: int = Field(default=1, ge=0)
-    grad_windows: int = Field(default=1, ge=1)
+    buckets: int = Field(default=1, ge=1, le=MAX_BLOCKS)
+    gather_windows: int = Field(default=1, ge=0, le=MAX_WINDOWS)
+    grad_windows: int = Field(default=1, ge=1, le=MAX_WINDOWS)
 
 
 class _LayoutSpec(BaseModel):
-    model_config = _STRICT
-    pp: int = Field(ge=1)
+    model_config = STRICT
+    pp: int = Field(ge=1, le=MAX_BLOCKS + 2)
     dp: int = Field(ge=1)
     assignment: list[list[int]] = Field(min_length=1)
     stage_layers: list[int] = Field(min_length=1)
     schedule: str
-    knobs: dict[str, Any] = {}
-    micro_batches: list[int] = Field(min_length=1)
-    micro_batch_size: int = Field(ge=1)
-    seq_len: int = Field(ge=1)
+    knobs: dict[str, _Knob] = {}
+    micro_batches: list[Annotated[int, Field(ge=1, le=MAX_MICRO_BATCHES)]] = Field(min_length=1)
+    micro_batch_size: int = Field(ge=1, le=MAX_SIZE)
+    seq_len: int = Field(ge=1, le=MAX_SIZE)
     zero: list[_ZeroSpec] = Field(min_length=1)
     placement: Literal["naive", "bubble"] = "bubble"
     recompute: list[bool] = []
@@ -92,18 +94,18 @@ class _LayoutSpec(BaseModel):
 
 
 class _PredictionSpec(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     step_time_s: float = Field(gt=0)
     tokens_per_s: float = Field(ge=0)
     mfu: float = Field(ge=0)
     bubble_fraction: float = Field(ge=0)
     exposed_comm_s: float = Field(ge=0)
-    peak_memory_gb: dict[str, float] = {}
+    peak_memory_gb: dict[Annotated[str, Field(pattern=r"^[0-9]{1,5}$")], float] = {}
     cost_source: str = "catalog"
 
 
 class _PlanFile(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     version: int
     model: dict[str, Any]
     cluster: dict[str, Any]
@@ -150,13 +152,14 @@ def plan_from_dict(raw: dict[str, Any], *, source: str) -> Plan:
     version = raw.get("version") if isinstance(raw, dict) else None
     if version != PLAN_VERSION:
         raise MedleyInputError(
-            f"{source}: field 'version' is {version!r}; this medley reads plan version {PLAN_VERSION}. "
+            f"{source}: field 'version' is {printable(repr(version))}; this medley reads plan version "
+            f"{PLAN_VERSION}. "
             "Re-create the plan with `medley plan` (or set version = 1 in a hand-written plan)."
         )
     try:
         spec = _PlanFile.model_validate(raw)
     except ValidationError as err:
-        raise MedleyInputError(describe_validation_error(err, source)) from None
+        raise MedleyInputError(describe_validation_error(err, source, doc=PLAN_DOC)) from None
     model = _model_from_dict(spec.model, source)
     cluster = cluster_from_dict(spec.cluster, source=f"{source} [cluster]")
     layout = _layout_from_spec(spec.layout, model, cluster, source)
@@ -172,24 +175,12 @@ def _model_from_dict(raw: dict[str, Any], source: str) -> ModelSpec:
     if set(raw) == {"name"}:  # a hand-written plan may name a preset only
         preset = PRESETS.get(str(raw["name"]).lower())
         if preset is None:
-            raise MedleyInputError(
+            raise MedleyInputError(printable(
                 f"{source}: field 'model.name' = {raw['name']!r} is not a preset ({', '.join(PRESETS)}); "
                 "name a preset or give every model field"
-            )
+            ))
         return preset
-    names = {f.name for f in dataclasses.fields(ModelSpec)}
-    unknown = sorted(set(raw) - names)
-    missing = sorted(f.name for f in dataclasses.fields(ModelSpec) if f.default is dataclasses.MISSING
-                     and f.name not in raw)
-    if unknown or missing:
-        problem = f"unknown fields {unknown}" if unknown else f"missing fields {missing}"
-        raise MedleyInputError(
-            f"{source}: table 'model' has {problem}; fix them or give only 'name' of a preset"
-        )
-    try:
-        return ModelSpec(**raw)
-    except TypeError as err:
-        raise MedleyInputError(f"{source}: table 'model': {err}") from None
+    return model_from_dict(raw, source=f"{source} [model]", doc=PLAN_DOC)
 
 
 def _layout_from_spec(spec: _LayoutSpec, model: ModelSpec, cluster: Cluster, source: str) -> PlanLayout:
@@ -216,6 +207,7 @@ def _layout_from_spec(spec: _LayoutSpec, model: ModelSpec, cluster: Cluster, sou
     if held != model.num_layers:
         raise fail("stage_layers", f"sums to {held} layers but {model.name} has {model.num_layers} "
                    "(embedding and head count as layers)", "make the split cover every layer once")
+    _check_size(spec, source)
     layout = PlanLayout(
         model=model,
         pp=spec.pp,
@@ -240,6 +232,20 @@ def _layout_from_spec(spec: _LayoutSpec, model: ModelSpec, cluster: Cluster, sou
     except MedleyInputError as err:
         raise MedleyInputError(f"{source}: table 'layout': {err}") from None
     return layout
+
+
+def _check_size(spec: _LayoutSpec, source: str) -> None:
+    """Refuse knobs and sizes whose schedule would take more than seconds to build and simulate."""
+    for name, value in spec.knobs.items():
+        values = value if isinstance(value, list) else [value]
+        if len(values) > MAX_BLOCKS + 2 or any(not 0 <= v <= MAX_MICRO_BATCHES for v in values):
+            raise MedleyInputError(printable(
+                f"{source}: field 'layout.knobs.{name}': {value!r} is out of range; use integers in "
+                f"0..{MAX_MICRO_BATCHES:,} (at most {MAX_BLOCKS + 2} of them)"
+            ))
+    virtual = spec.knobs.get("virtual_stages", 1)
+    stages = max(len(spec.stage_layers), spec.pp * (virtual if isinstance(virtual, int) else 1))
+    check_sim_work(stages=stages, micro_batches=spec.micro_batches, where=f"{source}: field 'layout'")
 
 
 def save_plan(plan: Plan, path: Path) -> None:

@@ -33,6 +33,7 @@ from medley.plan.ranking import (
 )
 from medley.plan.space import MICRO_BATCH_SIZES, Candidate, Structure
 from medley.spec.cluster import Cluster
+from medley.spec.limits import MAX_MICRO_BATCHES, MAX_PLAN_DEVICES
 from medley.spec.model import ModelSpec
 
 SEARCHED_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b", "gpipe")
@@ -92,9 +93,15 @@ def _check_inputs(
     constraints: Constraints,
     objective: str,
 ) -> list[int]:
-    if global_batch < 1:
+    if not 1 <= global_batch <= MAX_MICRO_BATCHES:
         raise MedleyInputError(
-            f"--global-batch {global_batch}: give a positive number of sequences per step."
+            f"--global-batch {global_batch}: give 1..{MAX_MICRO_BATCHES:,} sequences per step (the limit: "
+            "one replica of micro-batch size 1 runs at most that many micro-batches)."
+        )
+    if cluster.num_devices > MAX_PLAN_DEVICES:
+        raise MedleyInputError(
+            f"--cluster: {cluster.num_devices:,} devices; the planner searches at most {MAX_PLAN_DEVICES:,} "
+            "(it simulates every rank of its best plans): plan a part of the cluster."
         )
     if seq_len < 1:
         raise MedleyInputError(f"--seq-len {seq_len}: give a positive number of tokens per sequence.")

@@ -26,6 +26,9 @@ MAX_SIM_WORK = 50_000
 """Pipeline stages (virtual stages included) x micro-batches, summed over the replicas: about
 10 s of simulation at most."""
 
+MAX_WINDOWS = 256
+"""ZeRO gather or gradient rounds per stage and step (each round is a set of collectives)."""
+
 MAX_PLAN_DEVICES = 1_024
 """Devices the planner searches over (``medley plan``); larger clusters: plan a part of them."""
 
