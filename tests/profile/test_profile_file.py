@@ -38,7 +38,7 @@ def test_unknown_version_is_refused(tmp_path: Path, profile: Profile) -> None:
         (lambda d: d | {"layers": [d["layers"][0] | {"forward_s": -1.0}]}, r"layers\[0\]\.forward_s"),
         (lambda d: d | {"layers": [d["layers"][0] | {"kind": "mlp"}]}, r"layers\[0\]\.kind"),
         (lambda d: d | {"dtype": "int8"}, r"field 'dtype'"),
-        (lambda d: d | {"model": {"name": "x"}}, r"profile table 'model'"),
+        (lambda d: d | {"model": {"name": "x"}}, r"p\.json \[model\]: field 'vocab_size'.*add this field"),
     ],
     ids=["format", "missing-layers", "negative-time", "bad-kind", "dtype", "model"],
 )
@@ -54,3 +54,31 @@ def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
     bad.write_text("{not json")
     with pytest.raises(MedleyInputError, match="not a JSON profile file"):
         load_profile(bad)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "words"),
+    [  # issue #11: no coercion, finite numbers, one line, and the hint names the profile's format
+        (lambda d: d | {"threads": "4"}, ["field 'threads'", "valid integer"]),
+        (lambda d: d | {"threads": True}, ["field 'threads'", "valid integer"]),
+        (lambda d: d | {"layers": [d["layers"][0] | {"seq_len": 64.0}]}, ["layers[0].seq_len", "integer"]),
+        (lambda d: d | {"layers": [d["layers"][0] | {"forward_s": 1e999}]}, ["forward_s", "finite"]),
+        (lambda d: d | {"model": d["model"] | {"hidden_size": "64"}}, ["[model]", "hidden_size"]),
+        (lambda d: d | {"comm": d["comm"] | {"link_by_ranks": {"two": d["comm"]["link"]}}},
+         ["comm.link_by_ranks"]),
+        (lambda d: d | {"layers": [d["layers"][0] | {"kind": 1, "runs": 0}]}, ["(1 more problems)"]),
+    ],
+)
+def test_bad_types_are_one_line_without_coercion(tmp_path: Path, profile: Profile, mutate, words) -> None:
+    with pytest.raises(MedleyInputError) as info:
+        load_profile(_write(tmp_path, mutate(profile.model_dump(mode="json"))))
+    message = str(info.value)
+    assert "\n" not in message and "cluster-format" not in message
+    for word in words:
+        assert word in message
+
+
+def test_optimizer_measurements_read_back_from_json(tmp_path: Path, profile: Profile) -> None:
+    data = profile.model_dump(mode="json")
+    data["optimizer"]["measurements"] = [[1000, 0.5], [2000, 1]]
+    assert load_profile(_write(tmp_path, data)).optimizer.measurements == [(1000, 0.5), (2000, 1.0)]

@@ -22,20 +22,21 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, Strict, StrictFloat, StrictInt, ValidationError
 
 from medley.cost.interfaces import CostSource, Pass, TimeEstimate
 from medley.errors import MedleyInputError
 from medley.fileio import write_atomically
-from medley.spec.cluster_schema import describe_validation_error
-from medley.spec.model import ModelSpec
+from medley.spec.cluster_schema import STRICT, describe_validation_error, printable
+from medley.spec.limits import MAX_SIZE
+from medley.spec.model import ModelSpec, model_from_dict
 
 PROFILE_FORMAT = "medley-profile"
 PROFILE_VERSION = 1
+PROFILE_DOC = "the module docstring of medley/cost/profiles.py (re-create the file with `medley profile`)"
 LayerKindName = Literal["embedding", "block", "head"]
-_STRICT = ConfigDict(extra="forbid")
 
 
 class LayerMeasurement(BaseModel):
@@ -49,10 +50,10 @@ class LayerMeasurement(BaseModel):
     wrapped by FSDP2 as ZeRO-2/3 stages are (hooks and bookkeeping, no communication).
     """
 
-    model_config = _STRICT
+    model_config = STRICT
     kind: LayerKindName
-    micro_batch_size: int = Field(ge=1)
-    seq_len: int = Field(ge=1)
+    micro_batch_size: int = Field(ge=1, le=MAX_SIZE)
+    seq_len: int = Field(ge=1, le=MAX_SIZE)
     forward_s: float = Field(ge=0)
     backward_input_s: float = Field(ge=0)
     backward_weight_s: float = Field(ge=0)
@@ -70,7 +71,7 @@ class CommMeasurement(BaseModel):
 
     ``nbytes`` is the full (unsharded) buffer, as :class:`CommModel` counts it."""
 
-    model_config = _STRICT
+    model_config = STRICT
     op: Literal["send_recv", "all_gather", "reduce_scatter", "all_reduce"]
     ranks: int = Field(ge=2)
     nbytes: float = Field(gt=0)
@@ -80,19 +81,20 @@ class CommMeasurement(BaseModel):
 class AlphaBeta(BaseModel):
     """Latency per message step (s) and bandwidth (bytes/s) of the ring/α-β model."""
 
-    model_config = _STRICT
+    model_config = STRICT
     latency_s: float = Field(ge=0)
     bandwidth_bytes_per_s: float = Field(gt=0)
     median_rel_error: float = Field(ge=0)
 
 
 class CommProfile(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     backend: str
     measurements: list[CommMeasurement]
     fits: dict[str, AlphaBeta]  # per op, over every group size
     link: AlphaBeta  # one fit over every op and group size
-    link_by_ranks: dict[str, AlphaBeta] = {}  # one fit over every op, per group size ("2", "4")
+    # one fit over every op, per group size ("2", "4")
+    link_by_ranks: dict[Annotated[str, Field(pattern=r"^[0-9]{1,6}$")], AlphaBeta] = {}
 
     def link_for(self, ranks: int) -> AlphaBeta:
         """The fit for a cluster link of ``ranks`` devices: that group size's, else the nearest
@@ -106,17 +108,18 @@ class CommProfile(BaseModel):
 class OptimizerProfile(BaseModel):
     """One optimizer step's time, fitted as ``fixed_s + per_param_s * params`` over the layer kinds."""
 
-    model_config = _STRICT
+    model_config = STRICT
     name: str
     fixed_s: float = Field(ge=0)
     per_param_s: float = Field(ge=0)
-    measurements: list[tuple[int, float]] = []  # (parameters, median seconds)
+    # (parameters, median seconds); JSON writes the pairs as lists
+    measurements: list[Annotated[tuple[StrictInt, StrictFloat], Strict(False)]] = []
 
 
 class Profile(BaseModel):
     """A profile file's contents (see the module docstring)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     format: Literal["medley-profile"]
     version: int
     created: str
@@ -134,12 +137,7 @@ class Profile(BaseModel):
     notes: str = ""
 
     def model_spec(self) -> ModelSpec:
-        try:
-            return ModelSpec(**self.model)
-        except TypeError as err:
-            raise MedleyInputError(
-                f"profile table 'model': {err}; re-create it with `medley profile`"
-            ) from None
+        return model_from_dict(self.model, source="profile table 'model'", doc=PROFILE_DOC)
 
 
 def model_dict(model: ModelSpec) -> dict[str, Any]:
@@ -161,21 +159,21 @@ def load_profile(path: Path) -> Profile:
             f"{path}: cannot read the profile file ({err.strerror}); check --profile."
         ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise MedleyInputError(f"{path}: not a JSON profile file ({err}); give a file written by "
+        raise MedleyInputError(f"{path}: not a JSON profile file ({printable(err)}); give a file written by "
                                "`medley profile`.") from None
     if not isinstance(raw, dict) or raw.get("format") != PROFILE_FORMAT:
         raise MedleyInputError(f"{path}: field 'format' must be '{PROFILE_FORMAT}'; give a file written by "
                                "`medley profile`.")
     if raw.get("version") != PROFILE_VERSION:
         raise MedleyInputError(
-            f"{path}: field 'version' is {raw.get('version')!r}; this medley reads profile version "
-            f"{PROFILE_VERSION}. Re-create the profile with `medley profile`."
+            f"{path}: field 'version' is {printable(repr(raw.get('version')))}; this medley reads profile "
+            f"version {PROFILE_VERSION}. Re-create the profile with `medley profile`."
         )
     try:
         profile = Profile.model_validate(raw)
     except ValidationError as err:
-        raise MedleyInputError(describe_validation_error(err, str(path))) from None
-    profile.model_spec()
+        raise MedleyInputError(describe_validation_error(err, str(path), doc=PROFILE_DOC)) from None
+    model_from_dict(profile.model, source=f"{path} [model]", doc=PROFILE_DOC)
     return profile
 
 
