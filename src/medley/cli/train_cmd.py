@@ -206,6 +206,9 @@ def register(app: typer.Typer) -> None:
             raise MedleyInputError(
                 f"--local-ranks {local_ranks}: the plan needs pp {layout.pp} x dp {layout.dp} = "
                 f"{the_plan.world_size} ranks; pass --local-ranks {the_plan.world_size}")
+        from medley.runtime.data import load_source
+
+        load_source(config.data, seq_len=the_plan.layout.seq_len)  # a bad --data fails once, before launch
         records = run_stopping_cleanly(the_plan, config, local_ranks=local_ranks)
         if records is None:
             return

@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,8 +41,19 @@ PROCESS_GROUP_TIMEOUT_S = 120
 _SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _ONE_THREAD_ENV = "MEDLEY_ONE_THREAD_PER_RANK"
 LAUNCHER_PID_ENV = "MEDLEY_LAUNCHER_PID"  # ranks of train_local exit when this process dies
-_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+# A rank whose collective failed because a peer vanished waits this long before it fails itself,
+# so the agent (polling every 0.1 s) reports the peer, the cause, rather than this symptom.
+PEER_GRACE_S = 3.0
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    """True for the errors a collective raises when another rank died."""
+    return any(text in str(err) for text in _PEER_LOST)
 
 
 class RankFailure(RuntimeError):
@@ -87,6 +99,8 @@ def rank_main(plan: Plan, config: TrainConfig) -> list[StepRecord] | InputFailur
         # Bad input fails on every rank alike (plan, flags, checkpoint), so all return.
         return InputFailure(str(err))
     except Exception as err:
+        if lost_a_peer(err):  # let the agent see the rank that died first: it reports that one
+            time.sleep(PEER_GRACE_S)
         if debug_enabled():
             raise
         get_error_handler().record_exception(err)  # the launcher's one line names it
