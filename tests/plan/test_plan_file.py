@@ -133,6 +133,8 @@ def _set_layout(**fields):
         (_set_layout(pp=2.0), ["layout.pp", "valid integer", "whole number"]),
         (_set_layout(seq_len="16"), ["layout.seq_len", "valid integer"]),
         (_set_layout(clip_grad=1), ["layout.clip_grad", "valid boolean"]),
+        # the hint said "greater than or equal to 1; fix: use a number >= 0"
+        (_set_layout(micro_batch_size=0), ["greater than or equal to 1; fix: use a number >= 1."]),
         (lambda r: r["model"].update(hidden_size="64"), ["[model]", "hidden_size", "valid integer"]),
         (lambda r: r["model"].update(num_blocks=10**6), ["[model]", "num_blocks", "1..1,024"]),
         (lambda r: r["prediction"].update(step_time_s=float("inf")), ["prediction.step_time_s", "finite"]),
