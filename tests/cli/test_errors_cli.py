@@ -139,3 +139,22 @@ def test_help_says_what_medley_does_and_lists_commands_in_order_of_use() -> None
     listed = [line.split()[1] for line in result.output.splitlines()
               if line.startswith("│ ") and len(line.split()) > 1 and line.split()[1] in ORDER]
     assert listed == list(ORDER)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["simulate", "--model", "tiny", "--buckets", "0"], "medley simulate: Invalid value for '--buckets'"),
+    (["simulate", "--bogus", "1"], "medley simulate: No such option: --bogus"),
+    (["--bogus"], "medley: No such option: --bogus"),
+    (["plan", "--global-batch", "x"], "medley plan: Invalid value for '--global-batch'"),
+])
+def test_usage_errors_are_one_line(args: list[str], expected: str) -> None:
+    result = runner.invoke(app, args, env={"COLUMNS": "80"}, prog_name="medley")
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0] and "--help" in lines[0], result.stderr
+
+
+def test_a_bare_medley_still_shows_the_help() -> None:
+    result = runner.invoke(app, [], prog_name="medley")
+    shown = result.stdout + result.stderr
+    assert "Usage: medley" in shown and "error:" not in shown

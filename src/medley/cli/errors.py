@@ -1,6 +1,7 @@
 """One way to fail: a single line on stderr and an exit status, never a traceback unless asked.
 
-* bad input (:class:`MedleyInputError`, or a file the OS cannot read or write): exit 2;
+* bad input (:class:`MedleyInputError`, a usage error such as an unknown flag or a value out of
+  range, or a file the OS cannot read or write): exit 2;
 * Ctrl-C (KeyboardInterrupt): exit 130;
 * anything else: exit 1, and the traceback only with ``--debug`` or ``MEDLEY_DEBUG=1``.
 
@@ -46,13 +47,29 @@ def _os_error_line(err: OSError) -> str | None:
     return f"{err.filename}: {err.strerror or type(err).__name__}; check the path and its permissions."
 
 
+def usage_line(err: typer.TyperException) -> str | None:
+    """One line for a command-line usage error (unknown option, bad value: typer's vendored click
+    ``UsageError``); None for anything else, such as the help shown for a bare ``medley``."""
+    if type(err).__name__ == "NoArgsIsHelpError" or not hasattr(err, "format_message"):
+        return None
+    ctx = getattr(err, "ctx", None)
+    command = ctx.command_path if ctx is not None else "medley"
+    return f"{command}: {one_line(err.format_message())}; see '{command} --help'"
+
+
 def guarded(call: Callable[[], R]) -> R:
-    """Run ``call`` under the exit rules of the module docstring. typer's own exits, aborts and
-    usage errors pass through untouched (click prints them, exit 2)."""
+    """Run ``call`` under the exit rules of the module docstring. typer's own exits and aborts
+    pass through; a usage error becomes one line and exit 2."""
     try:
         return call()
-    except (typer.Exit, typer.Abort, typer.TyperException):
+    except (typer.Exit, typer.Abort):
         raise
+    except typer.TyperException as err:
+        line = usage_line(err)
+        if line is None:
+            raise
+        print_error(line)
+        raise typer.Exit(code=INPUT_EXIT) from None
     except MedleyInputError as err:
         print_error(str(err))
         raise typer.Exit(code=INPUT_EXIT) from None

@@ -33,6 +33,10 @@ class MedleyGroup(TyperGroup):
         names = super().list_commands(ctx)
         return sorted(names, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
 
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None,  # noqa: ANN401
+                     **extra: Any) -> Any:  # noqa: ANN401 - typer's click context
+        return guarded(lambda: super(MedleyGroup, self).make_context(info_name, args, parent, **extra))
+
     def invoke(self, ctx: Any) -> Any:  # noqa: ANN401 - typer's click context and any result
         return guarded(lambda: super(MedleyGroup, self).invoke(ctx))
 
