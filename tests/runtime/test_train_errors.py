@@ -235,3 +235,20 @@ def load_all(path: Path) -> dict[str, torch.Tensor]:
              for key, meta in metadata.state_dict_metadata.items()}
     dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
     return state
+
+
+@pytest.mark.parametrize("debug", ["0", "1"])
+def test_a_step_timeout_is_one_line_and_stacks_only_with_debug(debug: str) -> None:
+    script = ("import time; from medley.runtime.lifecycle import StepWatchdog; "
+              "StepWatchdog(0.5, rank=1).arm(7); time.sleep(30)")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_ERROR_FILE"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**env, "MEDLEY_DEBUG": debug})
+    assert done.returncode == 1
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("error: rank 1: step 7 ran longer than --step-timeout 0.5 s (a rank stopped"), (
+        done.stderr)
+    if debug == "0":
+        assert done.stderr.splitlines() == [first]
+    else:
+        assert "most recent call first" in done.stderr  # every thread's stack

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import functools
 import logging
 import multiprocessing
 import os
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler, record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from medley.errors import MedleyInputError, debug_enabled
@@ -76,11 +77,22 @@ class InputFailure:
     message: str
 
 
+class _QuietErrorHandler(ErrorHandler):
+    """torchelastic's error file, without its crash stack dumps (faulthandler) unless --debug."""
+
+    def initialize(self) -> None:
+        if debug_enabled():
+            super().initialize()
+
+
+_ERRORS = _QuietErrorHandler()
+
+
 def _exit_quietly(signum: int, _frame: object) -> None:
     os._exit(128 + signum)
 
 
-@record
+@functools.partial(record, error_handler=_ERRORS)
 def rank_main(plan: Plan, config: TrainConfig) -> list[StepRecord] | InputFailure | None:
     """Body of one launched rank: records on rank 0, None elsewhere."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
@@ -103,7 +115,7 @@ def rank_main(plan: Plan, config: TrainConfig) -> list[StepRecord] | InputFailur
             time.sleep(PEER_GRACE_S)
         if debug_enabled():
             raise
-        get_error_handler().record_exception(err)  # the launcher's one line names it
+        _ERRORS.record_exception(err)  # the launcher's one line names it
         raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()

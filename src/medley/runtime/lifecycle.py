@@ -32,6 +32,7 @@ _PARENT_POLL_S = 0.5
 # The C-level faulthandler timer ends a rank the Python watchdog cannot reach (a thread holding
 # the GIL in a hang) this long after the timeout.
 _BACKSTOP_S = 10.0
+_DEBUG_DELAY_S = 0.5  # with --debug the stacks follow the one line
 
 
 def die_with_parent(launcher_pid: int | None = None) -> None:
@@ -102,8 +103,8 @@ class StepWatchdog:
         with self.cond:
             self.step, self.deadline = step, time.monotonic() + self.timeout_s
             self.cond.notify()
-        faulthandler.dump_traceback_later(self.timeout_s + (0 if self.debug else _BACKSTOP_S), exit=True,
-                                          file=self.sink)
+        delay = _DEBUG_DELAY_S if self.debug else _BACKSTOP_S
+        faulthandler.dump_traceback_later(self.timeout_s + delay, exit=True, file=self.sink)
 
     def disarm(self) -> None:
         faulthandler.cancel_dump_traceback_later()

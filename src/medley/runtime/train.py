@@ -38,6 +38,7 @@ from medley.runtime.executor import MicroBatches
 from medley.runtime.lifecycle import StepWatchdog
 from medley.runtime.memory import cuda_peak_bytes, probe_peak_bytes, reset_cuda_peak
 from medley.runtime.optim import local_optimizer, lr_at, optimizer_class, set_lr
+from medley.runtime.progress import TrainProgress
 from medley.runtime.setup import RankSetup, build_rank
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -239,7 +240,8 @@ class _Loop:
     def _run(self) -> list[StepRecord]:
         start = self._resume()
         records: list[StepRecord] = []
-        progress = _Progress(self.config.steps, start) if self.config.progress and self.rank == 0 else None
+        shown = self.config.progress and self.rank == 0
+        progress = TrainProgress(self.config.steps, start) if shown else None
         timeout = self.config.step_timeout_s
         watchdog = StepWatchdog(timeout, rank=self.rank) if timeout is not None else None
         dist.barrier()
@@ -400,23 +402,3 @@ class _Loop:
         if self.rank == 0 and self.config.log_jsonl is not None:
             with open(self.config.log_jsonl, "a") as handle:
                 handle.write(json.dumps({"memory_probe": {str(k): v for k, v in memory.items()}}) + "\n")
-
-
-class _Progress:
-    """A rich progress bar with the latest loss and throughput."""
-
-    def __init__(self, steps: int, start: int) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.description}"), TimeRemainingColumn())
-        self.task = self.bar.add_task("", total=steps, completed=start)
-        self.bar.start()
-
-    def update(self, record: StepRecord) -> None:
-        self.bar.update(self.task, advance=1, description=(
-            f"loss {record.loss:.4f} · {record.tokens_per_s:,.0f} tok/s · "
-            f"{record.step_time_s * 1e3:.0f} ms/step"))
-
-    def close(self) -> None:
-        self.bar.stop()
