@@ -56,3 +56,33 @@ def test_incomplete_new_entry_names_missing_fields(tmp_path: Path):
     extra.write_text('[devices."X1-8GB"]\npeak_tflops_half = 10\n')
     with pytest.raises(MedleyInputError, match="missing.*memory_gb"):
         load_catalog(extra)
+
+
+def test_cuda_names_find_their_catalog_entry() -> None:
+    from medley.spec.catalog import device_type_for_cuda
+
+    assert device_type_for_cuda("NVIDIA A100-SXM4-80GB").name == "A100-80GB"
+    assert device_type_for_cuda("NVIDIA A100 80GB PCIe").name == "A100-PCIE-80GB"
+    assert device_type_for_cuda("Tesla T4").name == "T4-16GB"
+    assert device_type_for_cuda("tesla v100-sxm2-32gb").name == "V100-32GB"
+    assert device_type_for_cuda("NVIDIA H200").name == "H200-SXM-141GB"
+
+
+def test_an_unknown_gpu_names_close_entries_and_the_fix() -> None:
+    import pytest
+
+    from medley.errors import MedleyInputError
+    from medley.spec.catalog import device_type_for_cuda
+
+    with pytest.raises(MedleyInputError, match=r"closest entries: .*A100.*--device-type"):
+        device_type_for_cuda("NVIDIA A100-SXM4-64GB")
+
+
+def test_cuda_mismatch_checks_name_and_memory() -> None:
+    from medley.spec.catalog import cuda_mismatch, get_device_type
+
+    a100 = get_device_type("A100-80GB")
+    assert cuda_mismatch(a100, "NVIDIA A100-SXM4-80GB", 85_100_000_000) is None
+    assert "is not a A100-80GB" in cuda_mismatch(a100, "Tesla T4", 85_100_000_000)
+    assert "42.0 GB of memory" in cuda_mismatch(a100, "NVIDIA A100-SXM4-80GB", 42_000_000_000)
+    assert cuda_mismatch(get_device_type("T4"), "Tesla T4", 15_800_000_000) is None

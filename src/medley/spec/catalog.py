@@ -39,6 +39,7 @@ class DeviceType:
         confidence: ``high`` (datasheet), ``medium`` or ``low`` (unofficial: override when measured).
         intra_node_fabric: the fabric's vendor name (NVLink3, xGMI, ...), for display.
         aliases: other accepted names.
+        cuda_names: what ``torch.cuda.get_device_name()`` reports for this part.
     """
 
     name: str
@@ -52,6 +53,7 @@ class DeviceType:
     confidence: str
     intra_node_fabric: str = ""
     aliases: tuple[str, ...] = ()
+    cuda_names: tuple[str, ...] = ()
 
     @property
     def memory_bytes(self) -> int:
@@ -68,6 +70,7 @@ class _Entry(BaseModel):
     model_config = STRICT
 
     aliases: list[str] | None = None
+    cuda_names: list[str] | None = None
     peak_tflops_half: float | None = Field(default=None, gt=0)
     peak_tflops_fp32: float | None = Field(default=None, gt=0)
     memory_gb: float | None = Field(default=None, gt=0)
@@ -85,7 +88,8 @@ class _CatalogFile(BaseModel):
     devices: dict[str, _Entry]
 
 
-_REQUIRED = [f.name for f in fields(DeviceType) if f.name not in ("name", "intra_node_fabric", "aliases")]
+_OPTIONAL = ("name", "intra_node_fabric", "aliases", "cuda_names")
+_REQUIRED = [f.name for f in fields(DeviceType) if f.name not in _OPTIONAL]
 
 
 def _read_catalog_file(path: Path) -> _CatalogFile:
@@ -108,8 +112,9 @@ def _read_catalog_file(path: Path) -> _CatalogFile:
 def _merge(catalog: dict[str, DeviceType], path: Path, data: _CatalogFile) -> None:
     for name, entry in data.devices.items():
         given = entry.model_dump(exclude_none=True)
-        if "aliases" in given:
-            given["aliases"] = tuple(given["aliases"])
+        for key in ("aliases", "cuda_names"):
+            if key in given:
+                given[key] = tuple(given[key])
         key = _index(catalog).get(name.upper())
         if key is not None:
             catalog[key] = replace(catalog[key], **given)
@@ -160,3 +165,38 @@ def get_device_type(name: str, catalog: dict[str, DeviceType] | None = None) -> 
         f"unknown device type '{printable(name)}'. Did you mean: {hint}? (`medley devices` lists the "
         f"catalog; add new types with a catalog file.)"
     )
+
+
+# A GPU's reported memory (MiB-based, minus what the driver reserves) may differ from the catalog's
+# marketing GB by this fraction and still be that part: A100-80GB reports 85.1e9, T4 15.8e9 bytes.
+CUDA_MEMORY_TOLERANCE = 0.15
+
+
+def device_type_for_cuda(name: str, catalog: dict[str, DeviceType] | None = None) -> DeviceType:
+    """The catalog entry whose ``cuda_names`` (or name or alias) is ``name``, as
+    ``torch.cuda.get_device_name()`` reports it; an unknown GPU names the closest entries and the
+    fix (``--device-type``, or a catalog file with ``cuda_names``)."""
+    catalog = load_catalog() if catalog is None else catalog
+    wanted = name.strip().upper()
+    for device in catalog.values():
+        if wanted in {n.upper() for n in (*device.cuda_names, device.name, *device.aliases)}:
+            return device
+    keys = {n.upper(): d.name for d in catalog.values() for n in (*d.cuda_names, d.name, *d.aliases)}
+    close = difflib.get_close_matches(wanted, list(keys), n=3, cutoff=0.4)
+    hint = ", ".join(dict.fromkeys(keys[c] for c in close)) or "none"
+    raise MedleyInputError(
+        f"GPU '{printable(name)}' is not in the device catalog (closest entries: {hint}); name its type "
+        "with --device-type, or add it with cuda_names to a catalog file")
+
+
+def cuda_mismatch(device: DeviceType, name: str, total_memory_bytes: int) -> str | None:
+    """Why a GPU reporting ``name`` and ``total_memory_bytes`` is not ``device`` (None if it is).
+    A type without ``cuda_names`` matches any name; memory must agree within
+    :data:`CUDA_MEMORY_TOLERANCE`."""
+    names = {n.upper() for n in (*device.cuda_names, device.name, *device.aliases)}
+    if device.cuda_names and name.strip().upper() not in names:
+        return f"'{printable(name)}' is not a {device.name} ({', '.join(device.cuda_names)})"
+    if abs(total_memory_bytes - device.memory_bytes) > CUDA_MEMORY_TOLERANCE * device.memory_bytes:
+        return (f"it has {total_memory_bytes / 1e9:.1f} GB of memory, a {device.name} has "
+                f"{device.memory_gb:g} GB")
+    return None
