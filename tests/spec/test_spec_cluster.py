@@ -163,3 +163,30 @@ def test_bad_cluster_files_name_file_field_and_fix(tmp_path: Path, case: str):
 def test_missing_file_is_an_input_error(tmp_path: Path):
     with pytest.raises(MedleyInputError, match="cannot read"):
         load_cluster(tmp_path / "nope.toml")
+
+
+def test_nodes_carry_their_hosts(tmp_path) -> None:  # noqa: ANN001 - pytest's tmp_path
+    from medley.spec.cluster import load_cluster
+
+    path = tmp_path / "c.toml"
+    path.write_text('[[nodes]]\nname = "a"\ndevice = "A100-80GB"\ncount = 2\nhost = "10.0.0.1"\n'
+                    '[[nodes]]\nname = "v"\ndevice = "V100-32GB"\ncount = 1\nrepeat = 2\n'
+                    'hosts = ["v0", "v1"]\n'
+                    '[[tiers]]\nname = "eth"\nbandwidth_gbps = 3\n')
+    cluster = load_cluster(path)
+    assert [(n.name, n.host) for n in cluster.nodes] == [("a", "10.0.0.1"), ("v-0", "v0"), ("v-1", "v1")]
+
+
+@pytest.mark.parametrize(("node", "expected"), [
+    ('repeat = 2\nhost = "h"', "give `hosts`"),
+    ('repeat = 2\nhosts = ["h"]', "`hosts` has 1 entries but `repeat` is 2"),
+    ('hosts = ["h x"]', "not a host name"),
+])
+def test_bad_hosts_are_one_line_errors(tmp_path, node: str, expected: str) -> None:  # noqa: ANN001
+    from medley.spec.cluster import load_cluster
+
+    path = tmp_path / "c.toml"
+    path.write_text(f'[[nodes]]\nname = "a"\ndevice = "A100-80GB"\ncount = 2\n{node}\n')
+    with pytest.raises(MedleyInputError, match=expected) as err:
+        load_cluster(path)
+    assert "\n" not in str(err.value)

@@ -45,12 +45,14 @@ class NodeLink:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Node:
-    """A machine. ``groups[j]`` is the group of tier j it belongs to."""
+    """A machine. ``groups[j]`` is the group of tier j it belongs to; ``host`` its host name or
+    address where the cluster file gives one (``medley launch`` uses it for the rendezvous)."""
 
     name: str
     device_ids: tuple[int, ...]
     link: NodeLink
     groups: tuple[str, ...]
+    host: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

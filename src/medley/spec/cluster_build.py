@@ -200,7 +200,7 @@ def _build_tiers(
 def build_cluster(spec: ClusterFile, *, source: str, catalog: dict[str, DeviceType]) -> Cluster:
     """Expand repeated nodes, resolve device types and overrides, and check tiers, groups and pairs."""
     devices: list[Device] = []
-    node_rows: list[tuple[str, tuple[int, ...], NodeLink]] = []
+    node_rows: list[tuple[str, tuple[int, ...], NodeLink, str | None]] = []
     seen: dict[str, str] = {}
     for i, node_spec in enumerate(spec.nodes):
         where = f"nodes[{i}]"
@@ -213,7 +213,7 @@ def build_cluster(spec: ClusterFile, *, source: str, catalog: dict[str, DeviceTy
             if node_spec.repeat == 1
             else [f"{node_spec.name}-{r}" for r in range(node_spec.repeat)]
         )
-        for name in names:
+        for copy, name in enumerate(names):
             if name in seen:
                 raise _fail(
                     source,
@@ -224,10 +224,12 @@ def build_cluster(spec: ClusterFile, *, source: str, catalog: dict[str, DeviceTy
             seen[name] = where
             node_devices = _node_devices(node_spec, name, base, len(devices), source, where)
             devices += node_devices
-            node_rows.append((name, tuple(d.id for d in node_devices), _link(node_spec, base, source, where)))
+            node_rows.append((name, tuple(d.id for d in node_devices), _link(node_spec, base, source, where),
+                              node_spec.host_of(copy)))
     tiers, paths = _build_tiers(spec.tiers, [row[0] for row in node_rows], source)
     nodes = [
-        Node(name=name, device_ids=ids, link=link, groups=tuple(paths[name])) for name, ids, link in node_rows
+        Node(name=name, device_ids=ids, link=link, groups=tuple(paths[name]), host=host)
+        for name, ids, link, host in node_rows
     ]
     return Cluster(
         name=spec.name,

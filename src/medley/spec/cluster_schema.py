@@ -6,6 +6,7 @@ and floats must be finite. Sizes are bounded (:mod:`medley.spec.limits`) before 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from medley.spec.limits import MAX_DEVICES
 
 DEFAULT_TIER_LATENCY_US = 25.0
+_HOST = r"^[A-Za-z0-9_.:\-\[\]]+$"  # a host name, IPv4 or [IPv6] address
 CLUSTER_DOC = "docs/cluster-format.md"
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 """The configuration of every user-file schema: no unknown keys, no coercion, finite floats."""
@@ -66,6 +68,25 @@ class NodeSpec(BaseModel):
     tflops: float | None = Field(default=None, gt=0)
     price_per_hour: float | None = Field(default=None, ge=0)
     devices: list[DeviceOverride] = []
+    host: str | None = Field(default=None, min_length=1, pattern=_HOST)
+    hosts: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _hosts(self) -> NodeSpec:
+        if self.host is not None and (self.hosts is not None or self.repeat > 1):
+            raise ValueError("`host` names one machine: with `repeat` > 1 give `hosts`, one per copy")
+        if self.hosts is not None:
+            if len(self.hosts) != self.repeat:
+                raise ValueError(f"`hosts` has {len(self.hosts)} entries but `repeat` is {self.repeat}; "
+                                 "give one host per copy")
+            bad = [h for h in self.hosts if not re.fullmatch(_HOST, h)]
+            if bad:
+                raise ValueError(f"`hosts` entry '{printable(bad[0])}' is not a host name or address")
+        return self
+
+    def host_of(self, copy: int) -> str | None:
+        """The host of copy ``copy`` (0-based) of this node, if the file gives one."""
+        return self.hosts[copy] if self.hosts is not None else self.host
 
 
 class PairSpec(BaseModel):
