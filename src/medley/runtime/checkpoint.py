@@ -227,7 +227,8 @@ def save_checkpoint(directory: Path, *, next_step: int, stages: dict[int, Sharde
     error = None
     if dist.get_rank() == 0:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
+            for leftover in [tmp, *directory.glob(".old-*")]:  # a save or rotation cut short earlier
+                shutil.rmtree(leftover, ignore_errors=True)
             tmp.mkdir(parents=True)
         except OSError as err:
             error = "checkpoint " + os_error_message(tmp, err)
