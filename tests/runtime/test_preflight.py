@@ -54,3 +54,21 @@ def test_a_sequence_longer_than_the_model_is_refused() -> None:
     limit = get_model("tiny").max_seq_len
     with pytest.raises(MedleyInputError, match=rf"--seq-len {limit} or less"):
         preflight(plan_for("tiny", seq_len=1000), dtype="fp32", local_ranks=1, on_cuda=False)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--model", "llama-2-70b", "--seq-len", "256"], "GiB of memory"),
+    (["--model", "tiny", "--seq-len", "1000"], "use --seq-len 128 or less"),
+])
+def test_train_refuses_before_any_rank_starts(args: list[str], expected: str) -> None:
+    from typer.testing import CliRunner
+
+    from medley.cli.main import app
+
+    started = time.perf_counter()
+    result = CliRunner().invoke(app, ["train", "--local-ranks", "1", "--steps", "1", *args],
+                                env={"COLUMNS": "1000"})
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0]
+    assert time.perf_counter() - started < 20

@@ -94,6 +94,19 @@ def step_time_line(records: list) -> str:
     return f"mean step {mean * 1e3:.1f} ms over {len(steady)} steps (the first step excluded)"
 
 
+def check_fits(plan: Plan, config, *, local_ranks: int | None) -> None:  # noqa: ANN001 - lazy import
+    """Refuse, before any rank starts, a plan the runtime cannot run or this machine cannot hold
+    (:func:`medley.runtime.preflight.preflight`): ``--local-ranks`` ranks here, or under torchrun
+    the LOCAL_WORLD_SIZE ranks of this node."""
+    from medley.runtime.launch import uses_cuda
+    from medley.runtime.preflight import preflight
+    from medley.runtime.train import run_dtype
+
+    local_world = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    on_cuda = uses_cuda(local_world)
+    preflight(plan, dtype=run_dtype(plan, config, on_cuda=on_cuda), local_ranks=local_world, on_cuda=on_cuda)
+
+
 def run_stopping_cleanly(plan: Plan, config, *, local_ranks: int | None):  # noqa: ANN001, ANN201
     """:func:`run`, with a failed rank (exit 1) and an interrupt (exit 130 for SIGINT, 128 + the
     signal otherwise) as one line, the ranks stopped; tracebacks only with ``--debug``."""
@@ -209,6 +222,7 @@ def register(app: typer.Typer) -> None:
         from medley.runtime.data import load_source
 
         load_source(config.data, seq_len=the_plan.layout.seq_len)  # a bad --data fails once, before launch
+        check_fits(the_plan, config, local_ranks=local_ranks)
         records = run_stopping_cleanly(the_plan, config, local_ranks=local_ranks)
         if records is None:
             return

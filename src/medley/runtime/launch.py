@@ -61,10 +61,14 @@ class RankFailure(RuntimeError):
     """A launched rank failed (an exception, a signal, a step timeout): one line naming it."""
 
 
+def uses_cuda(local_world: int) -> bool:
+    """Whether ``local_world`` ranks on this machine each get a GPU (nccl), else gloo on CPU."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+
+
 def init_process_group() -> str:
     """The default process group from torchrun's environment; nccl only with a GPU per local rank."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "gloo"
+    backend = "nccl" if uses_cuda(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
     return backend

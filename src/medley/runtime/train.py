@@ -172,11 +172,15 @@ def train(plan: Plan, config: TrainConfig) -> list[StepRecord]:
 
 
 def resolve_dtype(plan: Plan, config: TrainConfig) -> str:
+    """The precision this process group trains ``plan`` in (see :func:`run_dtype`)."""
+    return run_dtype(plan, config, on_cuda=dist.get_backend() == "nccl")
+
+
+def run_dtype(plan: Plan, config: TrainConfig, *, on_cuda: bool) -> str:
     """fp32 on CPU unless asked; on CUDA the plan's bf16, or fp32 for an fp16 plan (fp16 would
     need loss scaling, which the runtime does not do)."""
     if config.dtype is not None:
         return config.dtype
-    on_cuda = dist.get_backend() == "nccl"
     return "bf16" if on_cuda and plan.layout.dtype == "bf16" else "fp32"
 
 
