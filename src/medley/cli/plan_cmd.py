@@ -12,11 +12,19 @@ from rich.table import Table
 
 from medley.cli.console import make_console, print_table
 from medley.cli.errors import MedleyInputError
-from medley.cli.simulate_cmd import check_pictures, cost_source, print_summary, summary, write_pictures
+from medley.cli.simulate_cmd import (
+    PROFILE_HELP,
+    PROFILES_HELP,
+    check_pictures,
+    cost_source,
+    print_summary,
+    summary,
+    write_pictures,
+)
 from medley.fileio import check_output_dir, check_output_file
 from medley.plan.inline import parse_int_list
 from medley.plan.plan import load_plan, save_plan
-from medley.plan.predict import predict
+from medley.plan.predict import layer_sources, predict
 from medley.plan.search import SEARCHED_FAMILIES, Constraints, RankedPlan, SearchResult, search
 from medley.spec.cluster import parse_cluster_arg
 from medley.spec.model import get_model
@@ -57,6 +65,7 @@ def _plan_row(plan: RankedPlan, result: SearchResult) -> dict:
         "streamed": [z.streams for z in layout.zero],
         "recompute": list(layout.recompute),
         "cost_source": pred.cost_source,
+        "cost_sources": layer_sources(layout, cluster, result.cost),  # per device type and layer kind
     }
 
 
@@ -199,7 +208,8 @@ def register(app: typer.Typer) -> None:
         export: Annotated[
             tuple[str, Path] | None, typer.Option(help="'torch DIR': torch CSVs and torchtitan module names")
         ] = None,
-        profiles: Annotated[Path | None, typer.Option(help="Directory of Metis-format profiles")] = None,
+        profile: Annotated[list[Path] | None, typer.Option(help=PROFILE_HELP)] = None,
+        profiles: Annotated[Path | None, typer.Option(help=PROFILES_HELP)] = None,
         max_pp: Annotated[int | None, typer.Option(min=1, help="Most pipeline stages")] = None,
         schedules: Annotated[
             str | None,
@@ -230,12 +240,13 @@ def register(app: typer.Typer) -> None:
         constraints = _constraints(
             max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, spec
         )
+        cost = cost_source(model_spec, spec, profiles=profile or (), profiles_dir=profiles, seq_len=seq_len)
         result = search(
             spec,
             model_spec,
             global_batch=global_batch,
             seq_len=seq_len,
-            cost=cost_source(model_spec, spec, metis_profiles=profiles),
+            cost=cost,
             objective=objective,
             top=top,
             constraints=constraints,
@@ -270,21 +281,21 @@ def register(app: typer.Typer) -> None:
         plan_file: Annotated[Path, typer.Argument(help="A plan TOML written by `medley plan --out`")],
         gantt: Annotated[Path | None, typer.Option(help="Write a Gantt chart PNG here")] = None,
         trace: Annotated[Path | None, typer.Option(help="Write a Chrome trace (Perfetto) here")] = None,
-        profiles: Annotated[
-            Path | None, typer.Option(help="The Metis-format profiles the plan was made with")
-        ] = None,
+        profile: Annotated[list[Path] | None, typer.Option(help=PROFILE_HELP)] = None,
+        profiles: Annotated[Path | None, typer.Option(help=PROFILES_HELP)] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON")] = False,
     ) -> None:
         """Re-simulate a plan file and show its figures per device (and its Gantt chart)."""
         check_pictures(trace=trace, gantt=gantt)
         plan = load_plan(plan_file)
         layout, cluster = plan.layout, plan.cluster
-        prediction, problem, result = predict(
-            layout, cluster, cost=cost_source(layout.model, cluster, metis_profiles=profiles)
-        )
+        cost = cost_source(layout.model, cluster, profiles=profile or (), profiles_dir=profiles,
+                           seq_len=layout.seq_len)
+        prediction, problem, result = predict(layout, cluster, cost=cost)
         write_pictures(result, trace=trace, gantt=gantt)
         data = summary(layout, cluster, problem, result)
         data["cost_source"] = prediction.cost_source
+        data["cost_sources"] = layer_sources(layout, cluster, cost)
         if plan.prediction is not None:
             data["saved_step_time_s"] = plan.prediction.step_time_s
             data["saved_cost_source"] = plan.prediction.cost_source

@@ -54,6 +54,11 @@ def register(app: typer.Typer) -> None:
     def profile_cmd(
         model: Annotated[str, typer.Option(help="Preset name or a Hugging Face config.json")],
         device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+        device_type: Annotated[
+            str | None,
+            typer.Option(help="Catalog device type to label the profile with (default: the GPU's entry, "
+                         "CPU-8GB on a CPU)"),
+        ] = None,
         micro_batch_sizes: Annotated[
             str, typer.Option(help="Micro-batch sizes to measure, e.g. 1,2,4")
         ] = "1,2,4",
@@ -75,8 +80,9 @@ def register(app: typer.Typer) -> None:
         spec = get_model(model)
         sizes, lens = _ints(micro_batch_sizes, "--micro-batch-sizes"), _ints(seq_len, "--seq-len")
         with progress_steps(profile_steps(ranks), enabled=not as_json) as step:
-            profile = run_profile(spec, device=device, micro_batch_sizes=sizes, seq_lens=lens, dtype=dtype,
-                                  threads=max(1, threads), runs=max(1, runs), comm_ranks=ranks, progress=step)
+            profile = run_profile(spec, device=device, device_type=device_type, micro_batch_sizes=sizes,
+                                  seq_lens=lens, dtype=dtype, threads=max(1, threads), runs=max(1, runs),
+                                  comm_ranks=ranks, progress=step)
         save_profile(profile, out)
         if as_json:
             typer.echo(json.dumps(profile.model_dump(mode="json"), indent=1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +15,7 @@ from rich.text import Text
 from medley.cli.console import make_console, print_table, styled
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
-from medley.cost.profiles import ProfileCostSource, profile_cost_source
+from medley.cost.user_profiles import PerDeviceCostSource, measured_cost_source
 from medley.errors import MedleyInputError
 from medley.fileio import check_output_file
 from medley.plan.compile import PlanLayout
@@ -26,6 +27,8 @@ from medley.spec.cluster import Cluster, parse_cluster_arg
 from medley.spec.model import ModelSpec, get_model
 
 GB = 1e9
+PROFILE_HELP = "A `medley profile` file; repeat it, one per device type (the catalog answers the others)"
+PROFILES_HELP = "Directory of Metis-format profiles (DeviceType.A100_tp1_bs1.json, or A100-40/mbs1_tmp1.json)"
 GANTT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
@@ -188,22 +191,21 @@ def register(app: typer.Typer) -> None:
         trace: Annotated[Path | None, typer.Option(help="Write a Chrome trace (Perfetto) here")] = None,
         gantt: Annotated[Path | None, typer.Option(help="Write a Gantt chart PNG here")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON")] = False,
-        profile: Annotated[
-            Path | None,
-            typer.Option(help="Measured profile (from `medley profile`); the catalog answers what it lacks"),
-        ] = None,
+        profile: Annotated[list[Path] | None, typer.Option(help=PROFILE_HELP)] = None,
+        profiles: Annotated[Path | None, typer.Option(help=PROFILES_HELP)] = None,
         dtype: Annotated[
             str | None,
-            typer.Option(help="bf16, fp16 or fp32 (default: the profile's, else bf16 where supported)"),
+            typer.Option(help="bf16, fp16 or fp32 (default: the profiles', else bf16 where supported)"),
         ] = None,
     ) -> None:
         """Simulate one training step of a plan and report time, bubbles and memory per device."""
         check_pictures(trace=trace, gantt=gantt)
         spec = parse_cluster_arg(cluster)
         model_spec = get_model(model)
-        cost = cost_source(model_spec, spec, profile=profile, dtype=dtype)
-        if dtype is None and isinstance(cost, ProfileCostSource):
-            dtype = cost.profile.dtype
+        cost = cost_source(model_spec, spec, profiles=profile or (), profiles_dir=profiles, dtype=dtype,
+                           seq_len=seq_len)
+        if dtype is None and isinstance(cost, PerDeviceCostSource):
+            dtype = cost.profile_dtype
         layout = inline_layout(
             cluster=spec,
             model=model_spec,
@@ -234,19 +236,16 @@ def register(app: typer.Typer) -> None:
 
 
 def cost_source(
-    model: ModelSpec, cluster: Cluster, *, profile: Path | None = None, metis_profiles: Path | None = None,
-    dtype: str | None = None,
+    model: ModelSpec, cluster: Cluster, *, profiles: Sequence[Path] = (), profiles_dir: Path | None = None,
+    dtype: str | None = None, seq_len: int | None = None,
 ) -> CostSource:
-    """The catalog estimate, or measured costs (a `medley profile` file, or a directory of
-    Metis-format profiles) with the catalog answering what they lack."""
+    """The catalog estimate, with the device types that ``--profile`` files (one per type) or a
+    ``--profiles`` directory of Metis-format files measured answered from them (every profile must
+    match a type of ``cluster``: medley.cost.user_profiles). ``seq_len`` is assumed for Metis
+    files that do not record theirs."""
     catalog = CatalogCostSource.for_cluster(model, cluster, dtype=dtype or "bf16")
-    if profile is not None:
-        return profile_cost_source(profile, model, fallback=catalog)
-    if metis_profiles is not None:
-        from medley.cost.metis import MetisCostSource
-
-        return MetisCostSource.from_directory(metis_profiles, model, fallback=catalog)
-    return catalog
+    return measured_cost_source(catalog, cluster, profiles=profiles, profiles_dir=profiles_dir,
+                                seq_len=seq_len)
 
 
 def check_pictures(*, trace: Path | None, gantt: Path | None) -> None:

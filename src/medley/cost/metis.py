@@ -1,10 +1,17 @@
 """Per-layer costs measured on real GPUs, read from the Metis planner's profile format.
 
-Layout on disk: ``DIR/<GPU>/mbs{B}_tmp{T}.json`` for one model (or ``DIR/<MODEL>/<GPU>/...``, then
-the model is picked by name). Each file holds, for one GPU type, micro-batch size B and
-tensor-parallel degree T: per-layer parameter bytes, per-layer forward+backward milliseconds,
-the whole forward+backward and optimizer times, and per-layer memory. medley has no tensor
-parallelism, so only ``tmp1`` files are read.
+Two layouts on disk, both for one model (or one subdirectory per model, ``DIR/<MODEL>/...``,
+then the model is picked by name):
+
+* Metis's own (github.com/SamsungLabs/Metis, ``profile_data_samples/``): flat files
+  ``DIR/DeviceType.{GPU}_tp{T}_bs{B}.json``, GPU as Metis names it (``A100``, ``V100``, ``T4``);
+* the repackaged one of the public Sailor data: ``DIR/<GPU>/mbs{B}_tmp{T}.json`` (``A100-40``).
+
+Each file holds, for one GPU type, micro-batch size B and tensor-parallel degree T: per-layer
+parameter bytes, per-layer forward+backward milliseconds, the whole forward+backward and
+optimizer times, and per-layer memory. medley has no tensor parallelism, so only T = 1 is read.
+A GPU name is matched to the catalog by name or alias (``A100`` is A100-40GB, ``A100-80`` is
+A100-80GB); :func:`medley.cost.user_profiles.measured_cost_source` matches it to a cluster's types.
 
 How the numbers are used:
 
@@ -17,7 +24,10 @@ How the numbers are used:
   :class:`ProfileRangeError` (no extrapolation).
 * The files do not record the sequence length. It is inferred from the boundary bytes
   (``activation_parameters_bytes`` = B x seq x hidden x 4 bytes, fp32 as measured) and can be
-  given explicitly; asking for another length raises :class:`ProfileRangeError`.
+  given explicitly; asking for another length raises :class:`ProfileRangeError`. Metis's own
+  files may lack those bytes (its samples do); when no file has them the length must be given
+  (``assumed_seq_len``: the plan's ``--seq-len``). ``forward_backward_time_ms`` may be missing
+  too (then the sum of the layers).
 * Device types the directory lacks are answered by ``fallback`` (for instance the catalog
   estimate) when one is given, else they raise :class:`ProfileRangeError` as well.
 * The file's optimizer time and per-layer memory are kept (:meth:`MetisProfile.optimizer_s`,
@@ -28,14 +38,16 @@ How the numbers are used:
 from __future__ import annotations
 
 import json
+import re
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass, TimeEstimate
 from medley.errors import MedleyInputError
 from medley.spec.catalog import get_device_type, load_catalog
+from medley.spec.cluster_schema import printable
 from medley.spec.model import ModelSpec
 
 # Metis / Sailor GPU directory names -> medley catalog names. Names not listed keep their own
@@ -61,9 +73,13 @@ class ProfileRangeError(MedleyInputError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MetisEntry:
-    """One profile file: a GPU type at one micro-batch size (tensor-parallel degree 1)."""
+    """One profile file: a GPU type at one micro-batch size (tensor-parallel degree 1).
+
+    ``boundary_bytes`` is empty when the file does not record them (Metis's own samples);
+    ``label`` names the file in answers' sources (``metis:A100-40/mbs1_tmp1.json``)."""
 
     path: Path
+    label: str
     micro_batch_size: int
     layer_ms: tuple[float, ...]
     param_bytes: tuple[float, ...]
@@ -73,28 +89,36 @@ class MetisEntry:
     optimizer_ms: float
 
 
-def _read_entry(path: Path, micro_batch_size: int) -> MetisEntry:
+def _floats(values: object) -> tuple[float, ...]:
+    if not isinstance(values, list):
+        raise TypeError(f"expected a list of numbers, got {type(values).__name__}")
+    return tuple(float(x) for x in values)
+
+
+def _read_entry(path: Path, micro_batch_size: int, label: str) -> MetisEntry:
     try:
         raw = json.loads(path.read_text())
         params = raw["model"]["parameters"]
         times = raw["execution_time"]
+        layer_ms = _floats(times["layer_compute_total_ms"])
         return MetisEntry(
             path=path,
+            label=label,
             micro_batch_size=micro_batch_size,
-            layer_ms=tuple(float(x) for x in times["layer_compute_total_ms"]),
-            param_bytes=tuple(float(x) for x in params["parameters_per_layer_bytes"]),
-            boundary_bytes=tuple(float(x) for x in params["activation_parameters_bytes"]),
-            layer_memory_mb=tuple(float(x) for x in raw["execution_memory"]["layer_memory_total_mb"]),
-            forward_backward_ms=float(times["forward_backward_time_ms"]),
+            layer_ms=layer_ms,
+            param_bytes=_floats(params["parameters_per_layer_bytes"]),
+            boundary_bytes=_floats(params.get("activation_parameters_bytes", [])),
+            layer_memory_mb=_floats(raw["execution_memory"]["layer_memory_total_mb"]),
+            forward_backward_ms=float(times.get("forward_backward_time_ms", sum(layer_ms))),
             optimizer_ms=float(times["optimizer_time_ms"]),
         )
     except OSError as err:
         raise MedleyInputError(f"{path}: cannot read the profile ({err.strerror}).") from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
         raise MedleyInputError(
-            f"{path}: not a Metis-format profile ({type(err).__name__}: {err}); it needs "
-            "model.parameters.parameters_per_layer_bytes, execution_time.layer_compute_total_ms and "
-            "execution_memory.layer_memory_total_mb."
+            f"{path}: not a Metis-format profile ({type(err).__name__}: {printable(str(err))}); it needs "
+            "model.parameters.parameters_per_layer_bytes, execution_time.layer_compute_total_ms, "
+            "execution_time.optimizer_time_ms and execution_memory.layer_memory_total_mb."
         ) from None
 
 
@@ -109,12 +133,15 @@ def catalog_device_name(gpu_dir: str) -> str:
 
 @dataclass(kw_only=True)
 class MetisProfile:
-    """All tmp1 files of one model under a directory, by catalog device name and micro-batch size."""
+    """All tmp1 files of one model under a directory, by catalog device name and micro-batch size.
+
+    ``gpu_names``: catalog device name -> the GPU name the files use (``A100``, ``V100-16``)."""
 
     directory: Path
     entries: dict[str, dict[int, MetisEntry]]
     num_layers: int
     seq_len: int
+    gpu_names: dict[str, str] = field(default_factory=dict)
 
     def micro_batch_sizes(self, device_type: str) -> tuple[int, ...]:
         return tuple(sorted(self.entries.get(device_type, {})))
@@ -127,33 +154,75 @@ class MetisProfile:
         return self.entries[device_type][micro_batch_size].optimizer_ms / 1e3
 
 
+# Metis's own file names: DeviceType.{GPU}_tp{T}_bs{B}.json; the repackaged ones: GPU/mbs{B}_tmp{T}.json
+METIS_FILE = re.compile(r"^DeviceType\.(?P<gpu>.+)_tp(?P<tp>[0-9]+)_bs(?P<bs>[0-9]+)\.json$")
+REPACKAGED_FILE = re.compile(r"^mbs(?P<bs>[0-9]+)_tmp(?P<tp>[0-9]+)\.json$")
+
+
+def profile_files(directory: Path) -> list[tuple[str, int, Path, str]]:
+    """(GPU name, micro-batch size, path, label) of every tensor-parallel-1 file directly in
+    ``directory`` (Metis's layout) or one level down (the repackaged layout)."""
+    found = []
+    for path in sorted(directory.glob("DeviceType.*.json")):
+        match = METIS_FILE.match(path.name)
+        if match and match["tp"] == "1":
+            found.append((match["gpu"], int(match["bs"]), path, path.name))
+    for path in sorted(directory.glob("*/mbs*_tmp*.json")):
+        match = REPACKAGED_FILE.match(path.name)
+        if match and match["tp"] == "1":
+            found.append((path.parent.name, int(match["bs"]), path, f"{path.parent.name}/{path.name}"))
+    return found
+
+
 def _model_directory(directory: Path, model: ModelSpec) -> Path:
     """``directory`` itself, or its subdirectory named for ``model`` (``OPT-350`` for opt-350m)."""
-    if any(directory.glob("*/mbs*_tmp*.json")):
+    if profile_files(directory):
         return directory
     for sub in sorted(p for p in directory.iterdir() if p.is_dir()):
         if MODEL_NAMES.get(sub.name.upper()) == model.name or sub.name.lower() == model.name:
             return sub
     raise MedleyInputError(
-        f"--profiles {directory}: no GPU/mbs*_tmp1.json files there nor in a subdirectory for model "
-        f"'{model.name}' (known names: {', '.join(MODEL_NAMES)}); point --profiles at the model's directory."
+        f"--profiles {directory}: no DeviceType.GPU_tp1_bsN.json (Metis) nor GPU/mbsN_tmp1.json files there "
+        f"nor in a subdirectory for model '{model.name}' (known names: {', '.join(MODEL_NAMES)}); point "
+        "--profiles at the model's directory."
     )
 
 
-def load_metis_profile(directory: Path, model: ModelSpec, *, seq_len: int | None = None) -> MetisProfile:
-    """Read every ``GPU/mbs{B}_tmp1.json`` for ``model`` and check it against the model's layers."""
+def _read_entries(root: Path) -> tuple[dict[str, dict[int, MetisEntry]], dict[str, str]]:
+    entries: dict[str, dict[int, MetisEntry]] = {}
+    gpu_names: dict[str, str] = {}
+    for gpu, mbs, path, label in profile_files(root):
+        name = catalog_device_name(gpu)
+        if gpu_names.setdefault(name, gpu) != gpu:
+            raise MedleyInputError(
+                f"--profiles {root}: GPU names '{gpu_names[name]}' and '{gpu}' both stand for {name}; keep "
+                "the files of one of them."
+            )
+        if mbs in entries.get(name, {}):
+            raise MedleyInputError(
+                f"--profiles {root}: two files for {gpu} at micro-batch size {mbs} "
+                f"({entries[name][mbs].label}, {label}); keep one."
+            )
+        entries.setdefault(name, {})[mbs] = _read_entry(path, mbs, label)
+    if not entries:
+        raise MedleyInputError(f"--profiles {root}: no tensor-parallel-1 files (DeviceType.GPU_tp1_bsN.json "
+                               "or GPU/mbsN_tmp1.json).")
+    return entries, gpu_names
+
+
+def load_metis_profile(
+    directory: Path, model: ModelSpec, *, seq_len: int | None = None, assumed_seq_len: int | None = None
+) -> MetisProfile:
+    """Read every tensor-parallel-1 file for ``model`` and check it against the model's layers.
+    The sequence length is ``seq_len``, else inferred from the files' boundary bytes, else
+    ``assumed_seq_len`` (for files that do not record them)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise MedleyInputError(
             f"--profiles {directory}: not a directory; give a Metis-format profile directory."
         )
     root = _model_directory(directory, model)
-    entries: dict[str, dict[int, MetisEntry]] = {}
-    for path in sorted(root.glob("*/mbs*_tmp1.json")):
-        mbs = int(path.name.removeprefix("mbs").split("_")[0])
-        entries.setdefault(catalog_device_name(path.parent.name), {})[mbs] = _read_entry(path, mbs)
-    if not entries:
-        raise MedleyInputError(f"--profiles {root}: no */mbs*_tmp1.json files (tensor-parallel degree 1).")
+    entries, gpu_names = _read_entries(root)
     inferred = set()
     for by_mbs in entries.values():
         for entry in by_mbs.values():
@@ -163,16 +232,21 @@ def load_metis_profile(directory: Path, model: ModelSpec, *, seq_len: int | None
                     f"{model.num_layers} (embedding, {model.num_blocks} blocks, head); use the profile "
                     "of this model."
                 )
-            per_token = entry.micro_batch_size * model.hidden_size * PROFILE_ACTIVATION_BYTES
-            inferred.add(round(entry.boundary_bytes[1] / per_token))
+            if len(entry.boundary_bytes) > 1:
+                per_token = entry.micro_batch_size * model.hidden_size * PROFILE_ACTIVATION_BYTES
+                inferred.add(round(entry.boundary_bytes[1] / per_token))
     if seq_len is None:
-        if len(inferred) != 1:
+        if len(inferred) > 1:
             raise MedleyInputError(
                 f"--profiles {root}: files disagree on the sequence length ({sorted(inferred)}); "
                 "give the measured length explicitly."
             )
-        seq_len = inferred.pop()
-    return MetisProfile(directory=root, entries=entries, num_layers=model.num_layers, seq_len=seq_len)
+        seq_len = inferred.pop() if inferred else assumed_seq_len
+        if seq_len is None:
+            raise MedleyInputError(f"--profiles {root}: the files do not record the sequence length "
+                                   "(no activation_parameters_bytes); give it with --seq-len.")
+    return MetisProfile(directory=root, entries=entries, num_layers=model.num_layers, seq_len=seq_len,
+                        gpu_names=gpu_names)
 
 
 class MetisCostSource:
@@ -202,11 +276,11 @@ class MetisCostSource:
         *,
         fallback: CostSource | None = None,
         seq_len: int | None = None,
+        assumed_seq_len: int | None = None,
         dtype: str = "bf16",
     ) -> MetisCostSource:
-        return cls(
-            load_metis_profile(directory, model, seq_len=seq_len), model, fallback=fallback, dtype=dtype
-        )
+        profile = load_metis_profile(directory, model, seq_len=seq_len, assumed_seq_len=assumed_seq_len)
+        return cls(profile, model, fallback=fallback, dtype=dtype)
 
     def layer_time(
         self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
@@ -244,7 +318,7 @@ class MetisCostSource:
         sizes = sorted(by_mbs)
         if mbs in by_mbs:
             entry = by_mbs[mbs]
-            return entry.layer_ms[layer] / 1e3, f"metis:{entry.path.parent.name}/{entry.path.name}"
+            return entry.layer_ms[layer] / 1e3, f"metis:{entry.label}"
         if not sizes[0] < mbs < sizes[-1]:
             raise ProfileRangeError(
                 f"micro-batch size {mbs}: the profiles for {device_type} in {self.profile.directory} cover "
@@ -255,7 +329,7 @@ class MetisCostSource:
         a, b = by_mbs[lo], by_mbs[hi]
         w = (mbs - lo) / (hi - lo)
         per_seq = (1 - w) * a.layer_ms[layer] / lo + w * b.layer_ms[layer] / hi
-        name = f"metis:{a.path.parent.name}/{a.path.name}~{b.path.name}"
+        name = f"metis:{a.label}~{b.path.name}"
         return per_seq * mbs / 1e3, name
 
     def _share(self, layer: int, kind: Pass, mbs: int, seq: int, device_type: str) -> float:

@@ -14,6 +14,8 @@ from medley.cost.profiles import PROFILE_FORMAT, PROFILE_VERSION, Profile, model
 from medley.errors import MedleyInputError
 from medley.profile.collectives import comm_profile, measure_collectives
 from medley.profile.layers import TORCH_DTYPES, profile_layers, profile_optimizer
+from medley.spec.catalog import device_type_for_cuda, get_device_type
+from medley.spec.cluster_schema import printable
 from medley.spec.model import ModelSpec
 
 CPU_DEVICE_TYPE = "CPU-8GB"  # the catalog's generic CPU core (medley runs one rank per core)
@@ -34,6 +36,19 @@ def _device_detail(device: str) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def profile_device_type(device: str, device_type: str | None) -> str:
+    """The catalog name a profile of ``device`` is labelled with: ``device_type`` (``--device-type``)
+    when given, else the CUDA GPU's catalog entry, else the generic CPU core."""
+    if device_type is not None:
+        try:
+            return get_device_type(device_type).name
+        except MedleyInputError as err:
+            raise MedleyInputError(f"--device-type {printable(device_type)}: {err}") from None
+    if device == "cuda":
+        return device_type_for_cuda(torch.cuda.get_device_name(0)).name
+    return CPU_DEVICE_TYPE
 
 
 def _loadavg() -> str:
@@ -62,6 +77,7 @@ def run_profile(
     if model.position == "learned" and max(seq_lens) > model.max_seq_len:
         raise MedleyInputError(f"--seq-len {max(seq_lens)} exceeds {model.name}'s max_seq_len "
                                f"{model.max_seq_len}; profile shorter sequences")
+    name = profile_device_type(device, device_type)
     step = progress or (lambda _description: None)
     step(f"{model.name}: measuring layers")
     layers = profile_layers(model, micro_batch_sizes=micro_batch_sizes, seq_lens=seq_lens, dtype=dtype,
@@ -74,7 +90,6 @@ def run_profile(
         step(f"measuring gloo collectives over {', '.join(map(str, comm_ranks))} ranks")
         kwargs = {} if comm_sizes is None else {"sizes": comm_sizes}
         comm = comm_profile(measure_collectives(ranks=comm_ranks, **kwargs), backend="gloo")
-    name = device_type or (CPU_DEVICE_TYPE if device == "cpu" else torch.cuda.get_device_name(0))
     return Profile(
         format=PROFILE_FORMAT, version=PROFILE_VERSION,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
