@@ -74,6 +74,27 @@ def default_assignment(cluster: Cluster, *, pp: int, dp: int) -> tuple[tuple[int
     return tuple(tuple(k * dp + r for k in range(pp)) for r in range(dp))
 
 
+def parse_assignment(text: str, cluster: Cluster, *, pp: int, dp: int) -> tuple[tuple[int, ...], ...]:
+    """``--assignment "3,0;1,2"``: replica rows separated by ``;``, one device id per pipeline rank."""
+    rows = str(text).split(";")
+    shown = printable(str(text)[:80])
+    example = ";".join(",".join(map(str, row)) for row in default_assignment(cluster, pp=pp, dp=dp))
+    if len(rows) != dp or any(len(row.split(",")) != pp for row in rows):
+        raise MedleyInputError(
+            f"--assignment '{shown}': give {dp} replica row(s) (--dp) separated by ';', each with {pp} "
+            f"device id(s) (--pp) separated by ',', like '{example}'")
+    table = tuple(parse_int_list(row, flag="--assignment", count=pp, minimum=0) or () for row in rows)
+    used = [d for row in table for d in row]
+    if max(used) >= cluster.num_devices:
+        raise MedleyInputError(f"--assignment '{shown}': device {max(used)} is not in cluster "
+                               f"'{cluster.name}' (device ids 0..{cluster.num_devices - 1})")
+    if len(set(used)) != len(used):
+        twice = sorted({d for d in used if used.count(d) > 1})
+        raise MedleyInputError(f"--assignment '{shown}' uses device {twice[0]} twice; give each pipeline "
+                               "rank its own device")
+    return table
+
+
 def _expand_split(model: ModelSpec, split: tuple[int, ...]) -> tuple[int, ...]:
     """Per-stage layers; a split over the blocks only gets the embedding and head added."""
     total = sum(split)
@@ -126,8 +147,11 @@ def inline_layout(
     recompute: bool = False,
     dtype: str | None = None,
     clip_grad: bool = False,
+    assignment: str | None = None,
 ) -> PlanLayout:
-    """A :class:`PlanLayout` from the flags of ``medley simulate`` (and ``medley train``)."""
+    """A :class:`PlanLayout` from the flags of ``medley simulate`` (and ``medley train``);
+    ``assignment`` (``--assignment "3,0;1,2"``) puts replica r's pipeline rank k on the k-th id of
+    row r instead of :func:`default_assignment`."""
     _check_flags(pp=pp, dp=dp, micro_batch_size=micro_batch_size, seq_len=seq_len,
                  virtual_stages=virtual_stages, buckets=buckets, gather_windows=gather_windows)
     default_assignment(cluster, pp=pp, dp=dp)
@@ -146,12 +170,13 @@ def inline_layout(
     # has the same layers as the down pipeline's k-th, so the split names the down stages only.
     mirrored = schedule == "bidirectional"
     chain = pp if mirrored else stages
-    assignment = default_assignment(cluster, pp=pp, dp=dp)
+    devices = (default_assignment(cluster, pp=pp, dp=dp) if assignment is None
+               else parse_assignment(assignment, cluster, pp=pp, dp=dp))
     layers = parse_int_list(split, flag="--split", count=chain, minimum=0)
     if layers is None:
         speeds = []
         for stage in range(chain):
-            types = {cluster.devices[assignment[r][probe.stage_to_rank[stage]]].type.name for r in range(dp)}
+            types = {cluster.devices[devices[r][probe.stage_to_rank[stage]]].type.name for r in range(dp)}
             block_time = max(
                 sum(
                     cost.layer_time(
@@ -170,7 +195,7 @@ def inline_layout(
     levels = parse_int_list(zero, flag="--zero", count=stages, minimum=0) or (1,) * stages
     if any(level > 3 for level in levels):
         raise MedleyInputError(f"--zero '{zero}': ZeRO levels are 0, 1, 2 or 3")
-    used = {cluster.devices[d].type for row in assignment for d in row}
+    used = {cluster.devices[d].type for row in devices for d in row}
     if dtype is None:
         dtype = "bf16" if all(t.supports_bf16 for t in used) else "fp16"
     try:
@@ -181,7 +206,7 @@ def inline_layout(
         model=model,
         pp=pp,
         dp=dp,
-        assignment=assignment,
+        assignment=devices,
         stage_layers=layers,
         schedule=schedule,
         micro_batches=counts,
