@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from medley.cli import demo, plan_cmd, profile_cmd, simulate_cmd, spec_cmds, train_cmd
+from medley.cli import demo, launch_cmd, plan_cmd, profile_cmd, simulate_cmd, spec_cmds, train_cmd
 from medley.cli.errors import guarded
 from medley.errors import DEBUG_ENV
 
@@ -21,8 +21,8 @@ HELP = (
     "(profile) and check how right the simulator is (fidelity). `medley demo` runs the whole story."
 )
 # The commands in the order a user meets them (`medley --help` lists them so).
-ORDER = ("devices", "cluster", "model", "plan", "show", "simulate", "train", "profile", "fidelity", "demo",
-         "version")
+ORDER = ("devices", "cluster", "model", "plan", "show", "simulate", "train", "launch", "profile", "fidelity",
+         "demo", "version")
 
 
 class MedleyGroup(TyperGroup):
@@ -58,6 +58,7 @@ spec_cmds.register(app)
 plan_cmd.register(app)
 simulate_cmd.register(app)
 train_cmd.register(app)
+launch_cmd.register(app)
 profile_cmd.register(app)
 demo.register(app)
 

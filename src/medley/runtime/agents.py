@@ -1,0 +1,157 @@
+"""Run every node's torchrun agent on this machine (``medley launch --local``) and report one outcome.
+
+Each agent is a subprocess (fork + exec of ``python -m torch.distributed.run``) with its node's
+environment. Their output is passed through line by line: the ranks' stdout as it is (rank 0's
+``--json`` records, whichever agent holds rank 0), their stderr without torchelastic's own logs and
+failure reports (all shown with ``--debug``), each ``error:`` line once however many ranks print it.
+When an agent fails, the others get a short grace to report their own cause, then are stopped; a
+failure without an ``error:`` line of the ranks becomes one line naming the node and the rank.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+from medley.runtime.nodes import NodeLaunch
+
+GRACE_S = 3.0  # how long the other agents may still report after the first one failed
+STOP_S = 10.0  # how long a stopped agent may take before it is killed
+_POLL_S = 0.1
+_ELASTIC_LOG = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d")  # torch's log prefix: W1201 00:08:51.342000
+_ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+@dataclass(kw_only=True)
+class _Agent:
+    """One running agent and what its stderr said.
+
+    Attributes:
+        launch: the node it runs.
+        process: the torchrun subprocess.
+        report: torchelastic's failure report (from its traceback on), kept for the summary line.
+    """
+
+    launch: NodeLaunch
+    process: subprocess.Popen[str]
+    report: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class _Output:
+    """Where the agents' lines go; the ``error:`` lines already shown (each once)."""
+
+    debug: bool
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    errors: set[str] = field(default_factory=set)
+
+    def write(self, stream: IO[str], line: str) -> None:
+        with self.lock:
+            stream.write(line)
+            stream.flush()
+
+    def stderr_line(self, agent: _Agent, line: str) -> None:
+        if self.debug:
+            self.write(sys.stderr, line)
+            return
+        if agent.report or line.startswith("Traceback (most recent call last)"):
+            agent.report.append(line)
+            return
+        if _ELASTIC_LOG.match(line):
+            return
+        if line.startswith("error:"):
+            with self.lock:
+                if line in self.errors:
+                    return
+                self.errors.add(line)
+        self.write(sys.stderr, line)
+
+
+def _pump(source: IO[str], sink: Callable[[str], None]) -> None:
+    for line in iter(source.readline, ""):
+        sink(line)
+    source.close()
+
+
+def _start(launch: NodeLaunch, output: _Output) -> tuple[_Agent, list[threading.Thread]]:
+    env = {**os.environ, **launch.env}
+    process = subprocess.Popen(launch.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, bufsize=1)
+    agent = _Agent(launch=launch, process=process)
+    assert process.stdout is not None and process.stderr is not None
+    threads = [threading.Thread(target=_pump, args=(process.stdout, lambda ln: output.write(sys.stdout, ln)),
+                                daemon=True),
+               threading.Thread(target=_pump, args=(process.stderr, lambda ln: output.stderr_line(agent, ln)),
+                                daemon=True)]
+    for thread in threads:
+        thread.start()
+    return agent, threads
+
+
+def _stop(agents: list[_Agent]) -> None:
+    """SIGTERM to every agent still running (torchrun stops its ranks), SIGKILL after STOP_S."""
+    for agent in agents:
+        if agent.process.poll() is None:
+            agent.process.terminate()
+    deadline = time.monotonic() + STOP_S
+    for agent in agents:
+        try:
+            agent.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            agent.process.kill()
+            agent.process.wait()
+
+
+def _wait(agents: list[_Agent]) -> None:
+    """Until every agent ended, or one failed and the others had GRACE_S to end too."""
+    failed_at: float | None = None
+    while any(a.process.poll() is None for a in agents):
+        if failed_at is None and any(a.process.poll() not in (None, 0) for a in agents):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+            break
+        time.sleep(_POLL_S)
+
+
+def run_agents(launches: list[NodeLaunch], *, debug: bool) -> tuple[int, str | None]:
+    """Start every agent, wait for all; (exit status, one line to print or None). Status 0 when all
+    succeeded, 2 when a rank refused its input (its ``error:`` line was shown), else 1. Ctrl-C
+    stops every agent and re-raises."""
+    output = _Output(debug=debug)
+    agents: list[_Agent] = []
+    threads: list[threading.Thread] = []
+    try:
+        for launch in launches:
+            agent, pumps = _start(launch, output)
+            agents.append(agent)
+            threads += pumps
+        _wait(agents)
+    except BaseException:
+        _stop(agents)
+        raise
+    _stop(agents)
+    for thread in threads:
+        thread.join(timeout=STOP_S)
+    return _outcome(agents, shown_error=bool(output.errors))
+
+
+def _outcome(agents: list[_Agent], *, shown_error: bool) -> tuple[int, str | None]:
+    failed = [a for a in agents if a.process.returncode != 0]
+    if not failed:
+        return 0, None
+    causes = [(a, _ROOT_CAUSE.search("".join(a.report).partition("Root Cause")[2])) for a in failed]
+    codes = {int(m[2]) for _, m in causes if m}
+    if shown_error:
+        return (2 if 2 in codes else 1), None
+    agent, match = next(((a, m) for a, m in causes if m and int(m[2]) > 0), causes[0])
+    what = (f"rank {match[1]} failed (exit code {match[2]})" if match
+            else f"its torchrun agent failed (exit code {agent.process.returncode})")
+    return 1, (f"node {agent.launch.node}: {what}; the other nodes were stopped "
+               "(--debug shows torchrun's report)")

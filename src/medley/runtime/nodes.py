@@ -1,0 +1,188 @@
+"""What each node of a plan runs: one torchrun agent per node the plan uses (``medley launch``).
+
+A node's agent starts one rank per plan device on it (``--nproc-per-node``: nodes differ), joins
+the others at a c10d rendezvous (the first used node's ``host`` on port 29500, or an endpoint the
+user gives) and runs ``medley train --plan PLAN`` plus the user's training flags. Its environment
+names the node (``MEDLEY_NODE``, how a rank learns which cluster node it is on) and lists the
+node's plan devices, by their index on the node, in ascending device id (``CUDA_VISIBLE_DEVICES``:
+LOCAL_RANK i is the i-th of them). Devices the plan does not use start no rank, and a node without
+plan devices starts no agent. Pure text: nothing here imports torch or starts a process.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+
+from medley.errors import MedleyInputError
+from medley.plan.plan import Plan
+from medley.spec.cluster import Node
+from medley.spec.cluster_schema import printable
+
+NODE_ENV = "MEDLEY_NODE"
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+RDZV_PORT = 29500
+ENDPOINT_VAR = "${MEDLEY_RDZV_ENDPOINT}"  # the SLURM script sets it (from the plan or SLURM's node list)
+TORCHRUN = ("torchrun",)
+MEDLEY = ("--no-python", "medley")
+_ENDPOINT = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>[0-9]{1,5}))?$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSettings:
+    """How every node's agent is started.
+
+    Attributes:
+        plan_path: the plan file as the nodes see it (passed to ``medley train --plan``).
+        train_args: training flags appended to ``medley train --plan PLAN``.
+        rdzv_endpoint: ``HOST:PORT`` of the c10d rendezvous; None: the first used node's host.
+        rdzv_id: the rendezvous (job) id, the same on every node.
+        launcher: the torchrun command (``python -m torch.distributed.run`` for ``--local``).
+        program: what torchrun runs, before ``train`` (``--no-python medley``).
+        extra_env: more variables for every agent (``--local``: CPU only, one thread per rank).
+    """
+
+    plan_path: str
+    train_args: tuple[str, ...] = ()
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "medley"
+    launcher: tuple[str, ...] = TORCHRUN
+    program: tuple[str, ...] = MEDLEY
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeLaunch:
+    """What one node runs.
+
+    Attributes:
+        node: the cluster node's name (``MEDLEY_NODE``).
+        host: its host name or address from the cluster file; None where the file gives none.
+        devices: global ids of the plan's devices on the node, ascending (one rank each).
+        local_indices: the same devices' indices on the node (``CUDA_VISIBLE_DEVICES``).
+        env: the variables the agent runs with (node name and visible devices).
+        argv: the torchrun command line, without the environment.
+    """
+
+    node: str
+    host: str | None
+    devices: tuple[int, ...]
+    local_indices: tuple[int, ...]
+    env: dict[str, str]
+    argv: tuple[str, ...]
+
+    @property
+    def nproc(self) -> int:
+        return len(self.devices)
+
+    @property
+    def command(self) -> str:
+        """The shell line: ``NAME=value ... torchrun ...``."""
+        assignments = [f"{key}={shlex.quote(value)}" for key, value in self.env.items()]
+        return " ".join([*assignments, *(_quote(arg) for arg in self.argv)])
+
+
+def _quote(arg: str) -> str:
+    """``arg`` for a shell line; the SLURM script's endpoint variable stays a variable."""
+    return f'"{arg}"' if arg == ENDPOINT_VAR else shlex.quote(arg)
+
+
+def used_nodes(plan: Plan) -> list[tuple[Node, tuple[int, ...]]]:
+    """The nodes holding plan devices, in cluster order, each with its plan devices (ascending)."""
+    used = {device for row in plan.layout.assignment for device in row}
+    out = []
+    for node in plan.cluster.nodes:
+        devices = tuple(sorted(d for d in node.device_ids if d in used))
+        if devices:
+            out.append((node, devices))
+    return out
+
+
+def parse_endpoint(text: str, *, flag: str = "--rdzv-endpoint") -> str:
+    """``HOST[:PORT]`` as ``HOST:PORT`` (port 29500 by default); anything else is an input error."""
+    match = _ENDPOINT.match(text.strip())
+    if match is None or not 1 <= int(match["port"] or RDZV_PORT) <= 65535:
+        raise MedleyInputError(
+            f"{flag} '{printable(text)}': not HOST:PORT; give a host name or address and a port "
+            f"1-65535, e.g. gpu-a100-1:{RDZV_PORT}")
+    return f"{match['host']}:{int(match['port'] or RDZV_PORT)}"
+
+
+def rendezvous_endpoint(plan_path: str, nodes: list[tuple[Node, tuple[int, ...]]], given: str | None) -> str:
+    """The endpoint every agent meets at: ``given``, else the first used node's host on port 29500."""
+    if given is not None:
+        return parse_endpoint(given)
+    first = nodes[0][0]
+    if first.host is None:
+        raise MedleyInputError(
+            f"{plan_path}: node '{first.name}' (the first node the plan uses, which hosts the rendezvous) "
+            f"has no host; add host = \"...\" to its [[nodes]] entry of the cluster file and re-make the "
+            f"plan, or pass --rdzv-endpoint HOST:{RDZV_PORT}")
+    return parse_endpoint(first.host, flag=f"{plan_path}: node '{first.name}' host")
+
+
+def node_launches(plan: Plan, settings: LaunchSettings, *, endpoint: str | None = None) -> list[NodeLaunch]:
+    """One :class:`NodeLaunch` per node the plan uses, in cluster order. ``endpoint`` (taken as
+    it is) replaces the rendezvous endpoint of ``settings``."""
+    nodes = used_nodes(plan)
+    if endpoint is None:
+        endpoint = rendezvous_endpoint(settings.plan_path, nodes, settings.rdzv_endpoint)
+    launches = []
+    for node, devices in nodes:
+        local = tuple(plan.cluster.devices[d].local_rank for d in devices)
+        argv = (*settings.launcher, "--nnodes", str(len(nodes)), "--nproc-per-node", str(len(devices)),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", settings.rdzv_id,
+                *settings.program, "train", "--plan", settings.plan_path, *settings.train_args)
+        env = {NODE_ENV: node.name, VISIBLE_ENV: ",".join(map(str, local)), **settings.extra_env}
+        launches.append(NodeLaunch(node=node.name, host=node.host, devices=devices, local_indices=local,
+                                   env=env, argv=argv))
+    return launches
+
+
+def launches_json(launches: list[NodeLaunch]) -> dict[str, list[dict[str, object]]]:
+    """``{"nodes": [{"node", "host", "devices", "command"}, ...]}`` (``medley launch --json``)."""
+    return {"nodes": [{"node": n.node, "host": n.host, "devices": list(n.devices), "command": n.command}
+                      for n in launches]}
+
+
+def slurm_script(plan: Plan, settings: LaunchSettings, *, job_name: str) -> str:
+    """An sbatch script that runs every node's agent as one SLURM task (``srun``) on its host: the
+    cluster file's hosts where every used node has one, else the allocation's hosts in plan order.
+    The rendezvous is ``settings.rdzv_endpoint``, else the first node's host on port 29500."""
+    nodes = used_nodes(plan)
+    launches = node_launches(plan, settings, endpoint=ENDPOINT_VAR)
+    hosts = [n.host for n in launches]
+    known = all(h is not None for h in hosts)
+    if settings.rdzv_endpoint is not None:
+        endpoint = shlex.quote(parse_endpoint(settings.rdzv_endpoint))
+    elif known:
+        endpoint = shlex.quote(rendezvous_endpoint(settings.plan_path, nodes, None))
+    else:
+        endpoint = f'"${{hosts[0]}}:{RDZV_PORT}"'
+    lines = ["#!/bin/bash",
+             f"# medley launch --slurm: {settings.plan_path} on {len(launches)} nodes, "
+             f"{sum(n.nproc for n in launches)} ranks. Submit with sbatch; add your partition, account,",
+             "# time, --cpus-per-task and GPU (--gres) lines as your site needs.",
+             f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={len(launches)}",
+             "#SBATCH --ntasks-per-node=1"]
+    if known:
+        lines.append(f"#SBATCH --nodelist={','.join(str(h) for h in hosts)}")
+    lines += ["set -u", 'hosts=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))']
+    if not known:
+        lines.append("# node i of the plan runs on the allocation's i-th host: make sure these are the right "
+                     "machines (--nodelist or constraints)")
+    lines += [f"MEDLEY_RDZV_ENDPOINT={endpoint}", "pids=()"]
+    for i, launch in enumerate(launches):
+        host = shlex.quote(str(launch.host)) if known else f'"${{hosts[{i}]}}"'
+        lines += [f"# node {launch.node}: devices {','.join(map(str, launch.devices))}",
+                  f"srun --nodes=1 --ntasks=1 --nodelist={host} env {launch.command} &", "pids+=($!)"]
+    lines += ['for _ in "${pids[@]}"; do',
+              "  if ! wait -n; then",
+              '    echo "medley: a node failed; stopping the others" >&2',
+              '    kill "${pids[@]}" 2>/dev/null',
+              "    wait",
+              "    exit 1",
+              "  fi",
+              "done", ""]
+    return "\n".join(lines)
