@@ -13,12 +13,14 @@ from rich.table import Table
 from medley.cli.console import make_console, print_table
 from medley.cli.errors import MedleyInputError
 from medley.cli.simulate_cmd import (
+    COMM_PROFILE_HELP,
     PROFILE_HELP,
     PROFILES_HELP,
     check_pictures,
     cost_source,
     print_summary,
     summary,
+    with_comm_profile,
     write_pictures,
 )
 from medley.fileio import check_output_dir, check_output_file
@@ -210,6 +212,7 @@ def register(app: typer.Typer) -> None:
         ] = None,
         profile: Annotated[list[Path] | None, typer.Option(help=PROFILE_HELP)] = None,
         profiles: Annotated[Path | None, typer.Option(help=PROFILES_HELP)] = None,
+        comm_profile: Annotated[Path | None, typer.Option(help=COMM_PROFILE_HELP)] = None,
         max_pp: Annotated[int | None, typer.Option(min=1, help="Most pipeline stages")] = None,
         schedules: Annotated[
             str | None,
@@ -235,7 +238,7 @@ def register(app: typer.Typer) -> None:
             check_output_file(out, flag="--out")
         if export is not None:
             check_output_dir(export[1], flag="--export torch")
-        spec = parse_cluster_arg(cluster)
+        spec = with_comm_profile(parse_cluster_arg(cluster), comm_profile)
         model_spec = get_model(model)
         constraints = _constraints(
             max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, spec
@@ -283,12 +286,13 @@ def register(app: typer.Typer) -> None:
         trace: Annotated[Path | None, typer.Option(help="Write a Chrome trace (Perfetto) here")] = None,
         profile: Annotated[list[Path] | None, typer.Option(help=PROFILE_HELP)] = None,
         profiles: Annotated[Path | None, typer.Option(help=PROFILES_HELP)] = None,
+        comm_profile: Annotated[Path | None, typer.Option(help=COMM_PROFILE_HELP)] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON")] = False,
     ) -> None:
         """Re-simulate a plan file and show its figures per device (and its Gantt chart)."""
         check_pictures(trace=trace, gantt=gantt)
         plan = load_plan(plan_file)
-        layout, cluster = plan.layout, plan.cluster
+        layout, cluster = plan.layout, with_comm_profile(plan.cluster, comm_profile)
         cost = cost_source(layout.model, cluster, profiles=profile or (), profiles_dir=profiles,
                            seq_len=layout.seq_len)
         prediction, problem, result = predict(layout, cluster, cost=cost)

@@ -49,10 +49,34 @@ def print_profile(profile: Profile, console: Console) -> None:
         print_table(console, fits)
 
 
+def _comm_profile(out: Path, *, sizes: tuple[int, ...] | None, runs: int, as_json: bool) -> None:
+    from medley.cost.comm_profile import save_comm_profile
+    from medley.profile.comm_tiers import measure_tiers
+
+    profile = measure_tiers(runs=runs, **({} if sizes is None else {"sizes": sizes}))
+    if profile is None:  # not rank 0
+        return
+    save_comm_profile(profile, out)
+    if as_json:
+        typer.echo(json.dumps(profile.model_dump(mode="json"), indent=1))
+        return
+    table = Table(title=f"α-β per network tier over {profile.backend} ({profile.world_size} ranks)")
+    for col in ("tier", "nodes", "ranks", "α µs", "β GB/s", "median error"):
+        table.add_column(col, justify="right")
+    for link in profile.links:
+        table.add_row(link.tier, ", ".join(link.nodes), str(link.ranks), f"{link.fit.latency_s * 1e6:.1f}",
+                      f"{link.fit.bandwidth_bytes_per_s / 1e9:.2f}", f"{link.fit.median_rel_error:.0%}")
+    console = make_console()
+    print_table(console, table)
+    console.print(f"wrote {out} (`medley plan ... --comm-profile {out}` uses it)")
+
+
 def register(app: typer.Typer) -> None:
     @app.command("profile")
     def profile_cmd(
-        model: Annotated[str, typer.Option(help="Preset name or a Hugging Face config.json")],
+        model: Annotated[
+            str | None, typer.Option(help="Preset name or a Hugging Face config.json (not with --comm)")
+        ] = None,
         device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
         device_type: Annotated[
             str | None,
@@ -69,11 +93,24 @@ def register(app: typer.Typer) -> None:
         comm_ranks: Annotated[
             str, typer.Option(help="Group sizes for the gloo collective benchmarks; 0 skips them")
         ] = "2,4",
+        comm: Annotated[
+            bool, typer.Option("--comm", help="Under torchrun: measure the links per network tier (no model)")
+        ] = False,
+        comm_sizes: Annotated[
+            str | None, typer.Option(help="Message bytes for --comm, e.g. 4096,1048576")
+        ] = None,
         out: Annotated[Path, typer.Option(help="Profile file to write (JSON)")] = Path("profile.json"),
         as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON")] = False,
     ) -> None:
-        """Measure F, B, W times and activation bytes per layer kind (and collectives) into a profile."""
+        """Measure F, B, W times and activation bytes per layer kind (and collectives) into a profile;
+        with --comm, under torchrun, the α-β figures of each network tier (`--comm-profile` of plan)."""
         check_output_file(out, flag="--out")
+        if comm:
+            _comm_profile(out, sizes=None if comm_sizes is None else _ints(comm_sizes, "--comm-sizes"),
+                          runs=runs, as_json=as_json)
+            return
+        if model is None:
+            raise MedleyInputError("medley profile: give --model (or --comm, under torchrun, for the links)")
         from medley.profile.run import profile_steps, run_profile
 
         ranks = () if comm_ranks.strip() == "0" else _ints(comm_ranks, "--comm-ranks")

@@ -28,6 +28,7 @@ from medley.spec.model import ModelSpec, get_model
 
 GB = 1e9
 PROFILE_HELP = "A `medley profile` file; repeat it, one per device type (the catalog answers the others)"
+COMM_PROFILE_HELP = "Measured links (`medley profile --comm`) in place of the cluster file's nominal ones"
 PROFILES_HELP = "Directory of Metis-format profiles (DeviceType.A100_tp1_bs1.json, or A100-40/mbs1_tmp1.json)"
 GANTT_SUFFIXES = (".png", ".svg", ".pdf")
 
@@ -193,6 +194,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON")] = False,
         profile: Annotated[list[Path] | None, typer.Option(help=PROFILE_HELP)] = None,
         profiles: Annotated[Path | None, typer.Option(help=PROFILES_HELP)] = None,
+        comm_profile: Annotated[Path | None, typer.Option(help=COMM_PROFILE_HELP)] = None,
         dtype: Annotated[
             str | None,
             typer.Option(help="bf16, fp16 or fp32 (default: the profiles', else bf16 where supported)"),
@@ -200,7 +202,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Simulate one training step of a plan and report time, bubbles and memory per device."""
         check_pictures(trace=trace, gantt=gantt)
-        spec = parse_cluster_arg(cluster)
+        spec = with_comm_profile(parse_cluster_arg(cluster), comm_profile)
         model_spec = get_model(model)
         cost = cost_source(model_spec, spec, profiles=profile or (), profiles_dir=profiles, dtype=dtype,
                            seq_len=seq_len)
@@ -246,6 +248,15 @@ def cost_source(
     catalog = CatalogCostSource.for_cluster(model, cluster, dtype=dtype or "bf16")
     return measured_cost_source(catalog, cluster, profiles=profiles, profiles_dir=profiles_dir,
                                 seq_len=seq_len)
+
+
+def with_comm_profile(cluster: Cluster, path: Path | None) -> Cluster:
+    """``cluster`` with the links a ``--comm-profile`` file measured (medley.cost.comm_profile)."""
+    if path is None:
+        return cluster
+    from medley.cost.comm_profile import apply_comm_profile, load_comm_profile
+
+    return apply_comm_profile(cluster, load_comm_profile(path), path=path)
 
 
 def check_pictures(*, trace: Path | None, gantt: Path | None) -> None:
