@@ -40,7 +40,8 @@ def parse_slowdown(text: str | None) -> dict[int, float]:
 
 def inline_plan(*, cluster: str | None, model: str, pp: int, dp: int, schedule: str, micro_batches: str,
                 micro_batch_size: int, seq_len: int, virtual_stages: int, split: str | None, zero: str | None,
-                zero_placement: str, buckets: int, gather_windows: int, clip_grad: bool) -> Plan:
+                zero_placement: str, buckets: int, gather_windows: int, clip_grad: bool,
+                assignment: str | None = None) -> Plan:
     from medley.cost.estimator import CatalogCostSource
     from medley.plan.inline import inline_layout
     from medley.spec.cluster import parse_cluster_arg
@@ -52,7 +53,7 @@ def inline_plan(*, cluster: str | None, model: str, pp: int, dp: int, schedule: 
         cluster=spec, model=model_spec, cost=CatalogCostSource.for_cluster(model_spec, spec), pp=pp, dp=dp,
         schedule=schedule, micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
         virtual_stages=virtual_stages, split=split, zero=zero, placement=zero_placement, buckets=buckets,
-        gather_windows=gather_windows, clip_grad=clip_grad)
+        gather_windows=gather_windows, clip_grad=clip_grad, assignment=assignment)
     return Plan(layout=layout, cluster=spec)
 
 
@@ -131,6 +132,15 @@ def run_stopping_cleanly(plan: Plan, config, *, local_ranks: int | None):  # noq
         raise typer.Exit(code=128 + int(sig)) from None
 
 
+def run_json(records) -> dict[str, list[dict]]:  # noqa: ANN001 - a launch.TrainRun (lazy torch import)
+    """``{"records": [step records], "placement": [{"rank", "node", "device", "replica",
+    "pipeline_rank", "stages"}, ...]}``: the placement as the ranks measured it, by global rank."""
+    rows = [dataclasses.asdict(r) for r in records]
+    for row in rows:
+        row["peak_memory_bytes"] = {str(k): v for k, v in row["peak_memory_bytes"].items()}
+    return {"records": rows, "placement": [entry.as_json() for entry in getattr(records, "placement", [])]}
+
+
 def print_records(plan: Plan, records: list, console: Console, *, split: str | None = None) -> None:
     layout = plan.layout
     table = Table(title=f"{layout.model.name} · {layout.schedule} · pp={layout.pp} dp={layout.dp} · "
@@ -165,7 +175,7 @@ def register(app: typer.Typer) -> None:
         checkpoint_dir: Annotated[Path | None, typer.Option(help="Save here; resume from the newest")] = None,
         checkpoint_every: Annotated[int, typer.Option(help="Save every K steps (0: at the end)")] = 0,
         local_ranks: Annotated[int | None, typer.Option(help="Start N ranks on this machine")] = None,
-        as_json: Annotated[bool, typer.Option("--json", help="Print the per-step records as JSON")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Step records and placement as JSON")] = False,
         emulate: Annotated[bool, typer.Option(help="Stretch compute per the plan's device speeds")] = False,
         slowdown: Annotated[str | None, typer.Option(help="Emulated slowdown by device: 0=2,3=1.5")] = None,
         seed: Annotated[int, typer.Option(help="Seed of weights and data order")] = 0,
@@ -192,6 +202,8 @@ def register(app: typer.Typer) -> None:
         zero_placement: Annotated[str, typer.Option(help="Inline plan: naive or bubble")] = "bubble",
         buckets: Annotated[int, typer.Option(help="Inline plan: layer buckets per stage")] = 1,
         gather_windows: Annotated[int, typer.Option(help="Inline plan: ZeRO-3 gather rounds")] = 1,
+        assignment: Annotated[str | None, typer.Option(
+            help="Inline plan: device id per pipeline rank, replicas separated by ';' (3,0;1,2)")] = None,
         reset_data_order: Annotated[bool, typer.Option(
             help="Resume although the seed, global batch or --data differ from the checkpoint's")] = False,
     ) -> None:
@@ -213,7 +225,8 @@ def register(app: typer.Typer) -> None:
                 cluster=cluster, model=model, pp=pp, dp=dp, schedule=schedule,
                 micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
                 virtual_stages=virtual_stages, split=split, zero=zero, zero_placement=zero_placement,
-                buckets=buckets, gather_windows=gather_windows, clip_grad=bool(clip_norm))
+                buckets=buckets, gather_windows=gather_windows, clip_grad=bool(clip_norm),
+                assignment=assignment)
         if local_ranks is not None and local_ranks != the_plan.world_size:
             layout = the_plan.layout
             raise MedleyInputError(
@@ -227,9 +240,6 @@ def register(app: typer.Typer) -> None:
         if records is None:
             return
         if as_json:
-            rows = [dataclasses.asdict(r) for r in records]
-            for row in rows:
-                row["peak_memory_bytes"] = {str(k): v for k, v in row["peak_memory_bytes"].items()}
-            typer.echo(json.dumps(rows, indent=1))
+            typer.echo(json.dumps(run_json(records), indent=1))
         else:
             print_records(the_plan, records, Console(), split=split if plan is None else None)

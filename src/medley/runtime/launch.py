@@ -35,7 +35,9 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from medley.errors import MedleyInputError, debug_enabled
 from medley.plan.plan import Plan
+from medley.runtime import placement
 from medley.runtime.lifecycle import die_with_parent
+from medley.runtime.placement import PlacementEntry
 from medley.runtime.train import StepRecord, TrainConfig, train
 
 PROCESS_GROUP_TIMEOUT_S = 120
@@ -74,6 +76,17 @@ def init_process_group() -> str:
     return backend
 
 
+class TrainRun(list):
+    """Rank 0's step records (a list, as :func:`~medley.runtime.train.train` returns them) and,
+    as ``placement``, where every rank ran as the ranks measured it (by global rank)."""
+
+    placement: list[PlacementEntry]
+
+    def __init__(self, records: list[StepRecord], placement: list[PlacementEntry]) -> None:
+        super().__init__(records)
+        self.placement = list(placement)
+
+
 @dataclass(frozen=True)
 class InputFailure:
     """A rank's :class:`MedleyInputError`, returned (not raised) so the caller can re-raise it."""
@@ -97,8 +110,8 @@ def _exit_quietly(signum: int, _frame: object) -> None:
 
 
 @functools.partial(record, error_handler=_ERRORS)
-def rank_main(plan: Plan, config: TrainConfig) -> list[StepRecord] | InputFailure | None:
-    """Body of one launched rank: records on rank 0, None elsewhere."""
+def rank_main(plan: Plan, config: TrainConfig) -> TrainRun | InputFailure | None:
+    """Body of one launched rank: records and placement on rank 0, None elsewhere."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     die_with_parent(int(launcher) if launcher else None)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # Ctrl-C reaches the agent too, which reports it once
@@ -123,12 +136,15 @@ def rank_main(plan: Plan, config: TrainConfig) -> list[StepRecord] | InputFailur
         raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
-    return records if int(os.environ.get("RANK", "0")) == 0 else None
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    return TrainRun(records, placement.reported())
 
 
 def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, max_restarts: int = 0,
-                start_method: str | None = None) -> list[StepRecord]:
-    """Train ``plan`` with ``nprocs`` ranks on this machine (default: the plan's world size).
+                start_method: str | None = None) -> TrainRun:
+    """Train ``plan`` with ``nprocs`` ranks on this machine (default: the plan's world size), which
+    plays every node of the plan's cluster (rank i on the plan's i-th device in ascending id).
 
     ``start_method`` defaults to ``forkserver`` without CUDA and ``spawn`` with CUDA. Ranks forked
     from the caller itself (``fork``) start fastest but can deadlock when the caller already runs

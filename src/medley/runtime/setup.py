@@ -15,10 +15,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from medley.errors import MedleyInputError
 from medley.plan.compile import PlanLayout, build_schedules
 from medley.plan.plan import Plan
+from medley.runtime import placement
 from medley.runtime.executor import RankExecutor, with_default_collectives
 from medley.runtime.model import token_loss_sum
+from medley.runtime.placement import PlacementEntry
 from medley.runtime.sharding import ShardedStage
-from medley.runtime.stages import build_local_stages, make_mesh, rank_place
+from medley.runtime.stages import RankPlace, RankTable, build_local_stages, make_mesh, rank_place
 from medley.schedule.zero import CollectiveMismatchError, check_zero_placement
 
 
@@ -27,11 +29,14 @@ class RankSetup:
     """This rank's share of the plan.
 
     Attributes:
-        replica: data-parallel replica index; pipeline_rank: rank inside the replica.
+        replica: data-parallel replica index; pipeline_rank: rank inside the replica (both from
+            the plan's assignment and this rank's device, not from the launcher's rank order).
         device: where this rank computes (cuda:LOCAL_RANK under nccl, else cpu).
         device_of_rank: the plan's device id of every global rank.
+        mesh: the (dp, pp) mesh over the rank table (each group in the plan's order).
         stages: this rank's stages by global stage index.
         executor: runs this rank's program of its replica's schedule.
+        placement: where every rank runs, as each one measured it (by global rank).
     """
 
     replica: int
@@ -41,6 +46,7 @@ class RankSetup:
     mesh: DeviceMesh
     stages: dict[int, ShardedStage]
     executor: RankExecutor
+    placement: list[PlacementEntry]
 
 
 def check_plan(plan: Plan, world_size: int) -> None:
@@ -69,7 +75,8 @@ def check_plan(plan: Plan, world_size: int) -> None:
 
 
 def device_of_rank(layout: PlanLayout) -> list[int]:
-    """The plan's device id of every global rank (rank ``replica * pp + pipeline rank``)."""
+    """The plan's device id of every global rank when ranks are row-major (rank ``replica * pp +
+    pipeline rank``); a launched run's ranks learn theirs from :mod:`medley.runtime.placement`."""
     return [layout.assignment[r][k] for r in range(layout.dp) for k in range(layout.pp)]
 
 
@@ -81,6 +88,23 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def _placement(plan: Plan, device: torch.device) -> tuple[RankTable, list[int]]:
+    """The rank table and every rank's plan device, from the identities the ranks exchange
+    (collective, before any model is built); a rank off the plan fails every rank alike."""
+    identities = placement.exchange_identities(plan.cluster, on_cuda=device.type == "cuda")
+    return placement.rank_table(plan, identities), placement.device_table(plan, identities)
+
+
+def _report(plan: Plan, place: RankPlace, *, device_id: int, stages: list[int]) -> list[PlacementEntry]:
+    """Every rank's placement as it built it (collective), kept for the launcher to return."""
+    entry = PlacementEntry(rank=dist.get_rank(), node=plan.cluster.devices[device_id].node, device=device_id,
+                           replica=place.replica, pipeline_rank=place.pipeline_rank,
+                           stages=tuple(stages))
+    entries = placement.gather_entries(entry)
+    placement.report(entries)
+    return entries
+
+
 def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optimizer],
                optimizer_kwargs: dict[str, Any], autocast_dtype: torch.dtype | None = None,
                clip_grad: bool = False, slowdown: Mapping[int, float] | None = None) -> RankSetup:
@@ -90,11 +114,12 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
     setting wins over ``layout.clip_grad``, which only says what the plan's prediction assumed);
     the caller sets ``executor.on_clip``.
     """
+    device = _device()
+    table, devices = _placement(plan, device)
     check_plan(plan, dist.get_world_size())
     layout = dataclasses.replace(plan.layout, clip_grad=clip_grad)
-    device = _device()
     schedules = build_schedules(layout)
-    mesh = make_mesh(layout.pp, layout.dp, device.type)
+    mesh = make_mesh(table, device.type)
     place = rank_place(mesh)
     schedule = with_default_collectives(schedules[place.replica])
     levels = [z.level for z in layout.zero]
@@ -108,11 +133,13 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
                                 mesh=mesh, seed=seed, optimizer_class=optimizer_class,
                                 optimizer_kwargs=optimizer_kwargs, recompute=layout.recompute)
     n_tokens = layout.tokens_per_step
-    factor = 1.0 if slowdown is None else slowdown[layout.assignment[place.replica][place.pipeline_rank]]
+    me = devices[dist.get_rank()]
+    factor = 1.0 if slowdown is None else slowdown[me]
     executor = RankExecutor(
         schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pp_group=mesh["pp"].get_group(),
         activation_shape=(layout.micro_batch_size, layout.seq_len, layout.model.hidden_size),
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens, autocast_dtype=autocast_dtype,
         slowdown=factor, device=device)
+    entries = _report(plan, place, device_id=me, stages=sorted(stages))
     return RankSetup(replica=place.replica, pipeline_rank=place.pipeline_rank, device=device,
-                     device_of_rank=device_of_rank(layout), mesh=mesh, stages=stages, executor=executor)
+                     device_of_rank=devices, mesh=mesh, stages=stages, executor=executor, placement=entries)

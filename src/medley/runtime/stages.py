@@ -1,7 +1,8 @@
 """A rank's share of a plan: its pipeline stages, built alone, on a (dp x pp) device mesh.
 
-Ranks are laid out replica-major: global rank ``r * pp + p`` runs pipeline rank ``p`` of replica
-``r``, so one replica's ranks are neighbours (one node per replica on a real cluster).
+Which global rank runs pipeline rank ``p`` of replica ``r`` is a rank table (from the plan's
+assignment and the ranks' devices, :mod:`medley.runtime.placement`; ``row_major_table`` without
+one): the mesh, the P2P peers and the ZeRO groups all follow it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from medley.runtime.model import Decoder
 from medley.runtime.sharding import ShardedStage, shard_stage
@@ -43,15 +44,43 @@ class RankPlace:
     pipeline_rank: int
 
 
-def make_mesh(pp: int, dp: int, device_type: str = "cpu") -> DeviceMesh:
-    """The (dp, pp) mesh over the initialised default process group."""
-    if dist.get_world_size() != pp * dp:
-        raise ValueError(f"world size {dist.get_world_size()} != pp {pp} x dp {dp}")
-    return init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"))
+RankTable = tuple[tuple[int, ...], ...]
+
+
+def row_major_table(pp: int, dp: int) -> RankTable:
+    """Global rank ``r * pp + p`` on pipeline rank ``p`` of replica ``r``."""
+    return tuple(tuple(r * pp + p for p in range(pp)) for r in range(dp))
+
+
+def make_mesh(table: RankTable, device_type: str = "cpu") -> DeviceMesh:
+    """The (dp, pp) mesh of ``table`` over the initialised default process group (collective).
+
+    torch's ``new_group`` sorts a group's ranks by default (and ``init_device_mesh`` builds its
+    groups that way), which would make a replica's group order differ from its pipeline order
+    for a placed table such as ``((3, 0), (1, 2))``. Every group here keeps the table's order
+    (``sort_ranks=False``), so in each group the group rank, the mesh coordinate, the P2P peer
+    and the ZeRO shard index all equal the plan's position."""
+    dp, pp = len(table), len(table[0])
+    world = dist.get_world_size()
+    if sorted(r for row in table for r in row) != list(range(world)) or any(len(row) != pp for row in table):
+        raise ValueError(f"rank table {table} must hold each of the {world} ranks once, {pp} per replica")
+    place = _place_in(table, dist.get_rank())
+    rows = [dist.new_group(list(row), sort_ranks=False) for row in table]
+    columns = [dist.new_group([table[r][p] for r in range(dp)], sort_ranks=False) for p in range(pp)]
+    return DeviceMesh.from_group([columns[place.pipeline_rank], rows[place.replica]], device_type,
+                                 mesh=torch.tensor(table), mesh_dim_names=("dp", "pp"))
+
+
+def _place_in(table: RankTable, rank: int) -> RankPlace:
+    return next(RankPlace(replica=r, pipeline_rank=p)
+                for r, row in enumerate(table) for p, member in enumerate(row) if member == rank)
 
 
 def rank_place(mesh: DeviceMesh) -> RankPlace:
-    return RankPlace(replica=mesh["dp"].get_local_rank(), pipeline_rank=mesh["pp"].get_local_rank())
+    """This rank's place: its coordinate in the mesh (which :func:`make_mesh`'s groups share)."""
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "this rank is not in the mesh"
+    return RankPlace(replica=coordinate[0], pipeline_rank=coordinate[1])
 
 
 def build_local_stages(
