@@ -1,0 +1,169 @@
+"""The per-node commands of ``medley launch`` (pure text: nothing starts): one torchrun agent per node
+the plan uses, its own --nproc-per-node, the node's plan devices only, the rendezvous, the SLURM script."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from launch_plans import cluster_file, node_toml, plan_file, tiny_plan
+
+from medley.errors import MedleyInputError
+from medley.plan.plan import Plan, load_plan
+from medley.runtime.nodes import LaunchSettings, node_launches, parse_endpoint, slurm_script, used_nodes
+
+ONE_AND_THREE = (node_toml("one", 1, host="host-a"), node_toml("three", 3, host="host-b"))
+
+
+def one_and_three(directory: Path) -> Plan:
+    """pp 2 x dp 2 on nodes of 1 and 3 devices, not row-major: replica 0 on devices 3 and 0."""
+    cluster = cluster_file(directory, *ONE_AND_THREE)
+    return tiny_plan(cluster, pp=2, dp=2, assignment=((3, 0), (1, 2)), split="2,2")
+
+
+def flag(argv: tuple[str, ...], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_two_nodes_of_one_and_three_devices(tmp_path: Path) -> None:
+    plan = one_and_three(tmp_path)
+    settings = LaunchSettings(plan_path="plan.toml", train_args=("--steps", "5", "--json"), rdzv_id="job-1")
+    one, three = node_launches(plan, settings)
+    assert (one.node, one.host, one.devices, one.local_indices) == ("one", "host-a", (0,), (0,))
+    assert (three.node, three.host, three.devices) == ("three", "host-b", (1, 2, 3))
+    assert three.local_indices == (0, 1, 2)
+    assert one.env == {"MEDLEY_NODE": "one", "CUDA_VISIBLE_DEVICES": "0"}
+    assert three.env == {"MEDLEY_NODE": "three", "CUDA_VISIBLE_DEVICES": "0,1,2"}
+    for launch, nproc in ((one, "1"), (three, "3")):
+        assert launch.argv[0] == "torchrun"
+        assert flag(launch.argv, "--nnodes") == "2" and flag(launch.argv, "--nproc-per-node") == nproc
+        assert flag(launch.argv, "--rdzv-backend") == "c10d"
+        assert flag(launch.argv, "--rdzv-endpoint") == "host-a:29500"  # the first used node's host
+        assert flag(launch.argv, "--rdzv-id") == "job-1"
+        assert launch.argv[-7:] == ("medley", "train", "--plan", "plan.toml", "--steps", "5", "--json")
+    assert shlex.split(three.command) == [
+        "MEDLEY_NODE=three", "CUDA_VISIBLE_DEVICES=0,1,2", *three.argv]
+
+
+def test_unused_devices_and_nodes_start_nothing(tmp_path: Path) -> None:
+    """A plan on devices 1 and 3 of a 4-device node (and none of another node): one agent, two
+    ranks, CUDA_VISIBLE_DEVICES lists those two in ascending id order."""
+    cluster = cluster_file(tmp_path, node_toml("big", 4, host="h0"), node_toml("idle", 2, host="h1"))
+    plan = tiny_plan(cluster, pp=2, dp=1, assignment=((3, 1),), split="2,2")
+    (only,) = node_launches(plan, LaunchSettings(plan_path="p.toml"))
+    assert (only.node, only.devices, only.env["CUDA_VISIBLE_DEVICES"]) == ("big", (1, 3), "1,3")
+    assert flag(only.argv, "--nnodes") == "1" and flag(only.argv, "--nproc-per-node") == "2"
+
+
+def test_repeated_nodes_take_their_hosts_in_order(tmp_path: Path) -> None:
+    cluster = cluster_file(tmp_path, node_toml("gpu", 2, hosts=["g0", "g1"]))
+    plan = tiny_plan(cluster, pp=2, dp=2, assignment=((2, 0), (3, 1)), split="2,2")
+    launches = node_launches(plan, LaunchSettings(plan_path="p.toml"))
+    want = [("gpu-0", "g0", (0, 1)), ("gpu-1", "g1", (2, 3))]
+    assert [(n.node, n.host, n.devices) for n in launches] == want
+    assert {flag(n.argv, "--rdzv-endpoint") for n in launches} == {"g0:29500"}
+
+
+def test_no_host_for_the_rendezvous_names_the_node_and_the_fix(tmp_path: Path) -> None:
+    cluster = cluster_file(tmp_path, node_toml("one", 1), node_toml("three", 3, host="host-b"))
+    plan = tiny_plan(cluster, pp=2, dp=2, assignment=((3, 0), (1, 2)), split="2,2")
+    with pytest.raises(MedleyInputError, match=r"node 'one' .* has no host; add host = .* --rdzv-endpoint"):
+        node_launches(plan, LaunchSettings(plan_path="plan.toml"))
+    launches = node_launches(plan, LaunchSettings(plan_path="plan.toml", rdzv_endpoint="10.0.0.7"))
+    assert {flag(n.argv, "--rdzv-endpoint") for n in launches} == {"10.0.0.7:29500"}
+    assert [n.host for n in launches] == [None, "host-b"]
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("h", "h:29500"), ("h.example.org:1234", "h.example.org:1234"), ("10.1.2.3:29400", "10.1.2.3:29400"),
+    ("[fe80::1]:5", "[fe80::1]:5")])
+def test_endpoints(text: str, want: str) -> None:
+    assert parse_endpoint(text) == want
+
+
+@given(st.text(max_size=30))
+def test_an_endpoint_is_host_port_or_one_line_error(text: str) -> None:
+    try:
+        endpoint = parse_endpoint(text)
+    except MedleyInputError as err:
+        assert "\n" not in str(err).replace(text, "") and "--rdzv-endpoint" in str(err)
+        return
+    host, _, port = endpoint.rpartition(":")
+    assert host and 1 <= int(port) <= 65535 and not any(c.isspace() or c in "$;'\"`" for c in endpoint)
+
+
+def fake_tools(directory: Path) -> Path:
+    """scontrol (two allocated hosts), srun (records its options, runs the rest) and torchrun (records
+    its environment and arguments): the script runs here without SLURM."""
+    bin_dir = directory / "bin"
+    bin_dir.mkdir()
+    tools = {
+        "scontrol": 'echo alloc-0; echo alloc-1\n',
+        "srun": 'while [[ "$1" == --* ]]; do echo "srun $1" >> "$LOG"; shift; done\nexec "$@"\n',
+        "torchrun": 'echo "torchrun MEDLEY_NODE=$MEDLEY_NODE CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES $*" '
+                    '>> "$LOG"\n',
+    }
+    for name, body in tools.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def tool_env(bin_dir: Path, log: Path) -> dict[str, str]:
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log),
+            "SLURM_JOB_NODELIST": "x"}
+
+
+def run_script(tmp_path: Path, script: str) -> list[str]:
+    path, log = tmp_path / "job.sbatch", tmp_path / "log.txt"
+    path.write_text(script)
+    bin_dir = fake_tools(tmp_path)
+    subprocess.run(["bash", str(path)], env=tool_env(bin_dir, log), check=True, timeout=30)
+    return sorted(log.read_text().splitlines())
+
+
+def test_slurm_script_runs_one_task_per_node_on_its_host(tmp_path: Path) -> None:
+    plan = one_and_three(tmp_path)
+    script = slurm_script(plan, LaunchSettings(plan_path="plan.toml", rdzv_id="j"), job_name="j")
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --nodelist=host-a,host-b" in script
+    common = ("--rdzv-backend c10d --rdzv-endpoint host-a:29500 --rdzv-id j --no-python medley train "
+              "--plan plan.toml")
+    assert run_script(tmp_path, script) == sorted([
+        "srun --nodes=1", "srun --ntasks=1", "srun --nodelist=host-a", "srun --nodes=1", "srun --ntasks=1",
+        "srun --nodelist=host-b",
+        f"torchrun MEDLEY_NODE=one CUDA_VISIBLE_DEVICES=0 --nnodes 2 --nproc-per-node 1 {common}",
+        f"torchrun MEDLEY_NODE=three CUDA_VISIBLE_DEVICES=0,1,2 --nnodes 2 --nproc-per-node 3 {common}"])
+
+
+def test_slurm_script_without_hosts_uses_the_allocation(tmp_path: Path) -> None:
+    cluster = cluster_file(tmp_path, node_toml("one", 1), node_toml("three", 3))
+    plan = tiny_plan(cluster, pp=2, dp=2, assignment=((3, 0), (1, 2)), split="2,2")
+    script = slurm_script(plan, LaunchSettings(plan_path="plan.toml", rdzv_id="j"), job_name="j")
+    assert "--nodelist=" not in script.split("set -u")[0]
+    lines = run_script(tmp_path, script)
+    assert "srun --nodelist=alloc-0" in lines and "srun --nodelist=alloc-1" in lines
+    assert all("--rdzv-endpoint alloc-0:29500" in line for line in lines if line.startswith("torchrun"))
+
+
+def test_slurm_script_stops_the_other_nodes_when_one_fails(tmp_path: Path) -> None:
+    plan = one_and_three(tmp_path)
+    script = slurm_script(plan, LaunchSettings(plan_path="plan.toml"), job_name="j")
+    bin_dir = fake_tools(tmp_path)
+    (bin_dir / "torchrun").write_text('#!/bin/bash\n[ "$MEDLEY_NODE" = one ] && exit 3\nexec sleep 60\n')
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    done = subprocess.run(["bash", str(path)], env=tool_env(bin_dir, tmp_path / "log"), timeout=30,
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "a node failed; stopping the others" in done.stderr
+
+
+def test_a_plan_file_round_trip_keeps_the_nodes(tmp_path: Path) -> None:
+    plan = one_and_three(tmp_path)
+    loaded = load_plan(plan_file(tmp_path, plan))
+    assert [(n.name, n.host, d) for n, d in used_nodes(loaded)] == [("one", "host-a", (0,)),
+                                                                    ("three", "host-b", (1, 2, 3))]
