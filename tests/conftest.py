@@ -1,4 +1,5 @@
-"""Suite-wide guard: no test may fork the pytest process once torch is imported.
+"""Suite-wide guards: no test may fork the pytest process once torch is imported, and no test
+sees a debug switch another test left on.
 
 A forked child inherits torch's intra-op thread pool without its threads and can block forever on
 it (the equality tests hung this way at random on clean clones). Ranks come from a fork server or
@@ -32,3 +33,12 @@ def _no_fork_after_torch() -> Iterator[None]:
         yield
     finally:
         os.fork = _real_fork
+
+
+@pytest.fixture(autouse=True)
+def _debug_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`medley --debug` sets MEDLEY_DEBUG in the process it runs in (so that ranks inherit it); a
+    CliRunner test that passes --debug would otherwise leave it on for every later test."""
+    from medley.errors import DEBUG_ENV
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)

@@ -96,7 +96,7 @@ class StepWatchdog:
         self.cond = threading.Condition()
         self.closed = False
         self.debug = debug_enabled()
-        self.sink: IO[str] = sys.stderr if self.debug else open(os.devnull, "w")  # noqa: SIM115
+        self.sink: IO[str] = _stderr_with_fd() if self.debug else open(os.devnull, "w")  # noqa: SIM115
         threading.Thread(target=self._watch, name="medley-step-watchdog", daemon=True).start()
 
     def arm(self, step: int) -> None:
@@ -118,7 +118,7 @@ class StepWatchdog:
         with self.cond:
             self.closed = True
             self.cond.notify()
-        if self.sink is not sys.stderr:
+        if not self.debug:
             self.sink.close()
 
     def _watch(self) -> None:
@@ -145,3 +145,13 @@ class StepWatchdog:
         else:
             print(f"error: {message}; rerun with --debug for the stacks", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+def _stderr_with_fd() -> IO[str]:
+    """sys.stderr when it is a real file (faulthandler writes to a descriptor), else the process's
+    original stderr (a captured or redirected sys.stderr has no descriptor)."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):
+        return sys.__stderr__
