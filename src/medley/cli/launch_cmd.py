@@ -35,7 +35,7 @@ def check_train_args(ctx: typer.Context, args: list[str]) -> None:
     root = ctx.find_root()
     train = root.command.get_command(root, "train")  # type: ignore[attr-defined]
     try:
-        params = train.make_context("train", list(args), parent=root).params
+        params = train.make_context("medley train", list(args)).params
     except typer.TyperException as err:
         line = usage_line(err) or str(err)
         raise MedleyInputError(f"the training flags after --: {line}") from None
