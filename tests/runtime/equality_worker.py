@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from medley.runtime.executor import MicroBatches, RankExecutor, with_default_collectives
 from medley.runtime.model import Decoder, token_loss_sum
-from medley.runtime.stages import build_local_stages, make_mesh, rank_place
+from medley.runtime.stages import RankTable, build_local_stages, make_mesh, rank_place, row_major_table
 from medley.schedule.ir import Kind, PipelineSchedule
 from medley.spec.model import get_model
 
@@ -25,7 +25,9 @@ SEQ, MBS, SEED, LR = 16, 2, 7, 0.1
 
 @dataclass(kw_only=True)
 class Case:
-    """One plan: ``schedules[r]`` is replica r's program (micro-batch counts may differ)."""
+    """One plan: ``schedules[r]`` is replica r's program (micro-batch counts may differ);
+    ``table[r][p]`` the global rank on pipeline rank p of replica r (None: row-major). On one
+    machine playing every node rank i is device i, so the table is the plan's assignment."""
 
     name: str
     pp: int
@@ -33,6 +35,7 @@ class Case:
     split: tuple[int, ...]
     zero: tuple[int, ...]
     schedules: list[PipelineSchedule] = field(default_factory=list)
+    table: RankTable | None = None
 
     @property
     def world(self) -> int:
@@ -70,7 +73,7 @@ def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
 
 def run_case(case: Case) -> dict:
     spec = get_model("tiny")
-    mesh = make_mesh(case.pp, case.dp)
+    mesh = make_mesh(case.table or row_major_table(case.pp, case.dp))
     place = rank_place(mesh)
     micro_batches = [s.num_micro_batches for s in case.schedules]
     schedule = with_default_collectives(case.schedules[place.replica])

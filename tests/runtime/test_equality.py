@@ -114,6 +114,28 @@ def test_four_ranks(tmp_path) -> None:
     check(launch(4, cases, tmp_path), cases)
 
 
+def placed_cases() -> list[Case]:
+    """The issue's assignments that are not row-major (#12): the pipeline position and replica
+    come from the table, so sends, receives and ZeRO shards must address the plan's peers."""
+    gen = generate
+    return [
+        Case(name="pp2xdp2-1f1b-zero3,1-assignment-3,0;1,2", pp=2, dp=2, split=(3, 3), zero=(3, 1),
+             schedules=[gen("1f1b", pp=2, micro_batches=4), gen("1f1b", pp=2, micro_batches=2)],
+             table=((3, 0), (1, 2))),
+        Case(name="pp2xdp2-interleaved-zero2,3,0,1-assignment-1,0;3,2", pp=2, dp=2, split=(1, 2, 2, 1),
+             zero=(2, 3, 0, 1), schedules=[gen("interleaved", pp=2, micro_batches=4)] * 2,
+             table=((1, 0), (3, 2))),
+        Case(name="pp4-zbh1-zero0-assignment-2,0,3,1", pp=4, dp=1, split=(1, 2, 2, 1), zero=(0, 0, 0, 0),
+             schedules=[zb_h1(4, 5)], table=((2, 0, 3, 1),)),
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_placed_assignments(tmp_path) -> None:
+    cases = placed_cases()
+    check(launch(4, cases, tmp_path), cases)
+
+
 def zipper_cases() -> list[Case]:
     """Plans whose collectives come from medley's placement pass (buckets, windows, padding)."""
     from medley.schedule.zero import StageZero, place_collectives
