@@ -3,9 +3,13 @@ the plan uses, its own --nproc-per-node, the node's plan devices only, the rende
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,8 @@ from launch_plans import cluster_file, node_toml, plan_file, tiny_plan
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan, load_plan
 from medley.runtime.nodes import LaunchSettings, node_launches, parse_endpoint, slurm_script, used_nodes
+from medley.runtime.reference import reference_losses
+from medley.runtime.train import TrainConfig
 
 ONE_AND_THREE = (node_toml("one", 1, host="host-a"), node_toml("three", 3, host="host-b"))
 
@@ -167,3 +173,76 @@ def test_a_plan_file_round_trip_keeps_the_nodes(tmp_path: Path) -> None:
     loaded = load_plan(plan_file(tmp_path, plan))
     assert [(n.name, n.host, d) for n, d in used_nodes(loaded)] == [("one", "host-a", (0,)),
                                                                     ("three", "host-b", (1, 2, 3))]
+
+
+# `medley launch --local`: every node's torchrun agent on this machine (gloo, CPU), rank 0's JSON on stdout.
+MEDLEY = str(Path(sys.executable).with_name("medley"))
+TRAIN = ("--steps", "3", "--seed", "3", "--warmup-steps", "2", "--lr", "3e-3", "--min-lr", "3e-4",
+         "--clip-norm", "1.0", "--weight-decay", "0.1", "--dtype", "fp32", "--json")
+TOL = 1e-5
+
+
+def launch_local(plan: Path, *train: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([MEDLEY, "launch", str(plan), "--local", "--", *train], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("nodes", [("one", "three"), ("three", "one")])
+def test_local_launch_of_unlike_nodes_equals_the_reference(tmp_path: Path, nodes: tuple[str, str]) -> None:
+    """Nodes of 1 and 3 devices (agents with --nproc-per-node 1 and 3), in both orders; replica 0 on
+    devices 3 and 0, replica 1 on 1 and 2: the losses equal the single-process reference and every
+    rank reports the device, node, replica and pipeline rank the plan gives it."""
+    counts = {"one": 1, "three": 3}
+    cluster = cluster_file(tmp_path, *(node_toml(name, counts[name]) for name in nodes))
+    plan = tiny_plan(cluster, pp=2, dp=2, assignment=((3, 0), (1, 2)), split="2,2")
+    done = launch_local(plan_file(tmp_path, plan), *TRAIN)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    want = reference_losses(plan.layout, TrainConfig(steps=3, seed=3, warmup_steps=2, lr=3e-3, min_lr=3e-4,
+                                                     clip_norm=1.0, weight_decay=0.1))
+    losses = [r["loss"] for r in out["records"]]
+    assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, want, strict=True)) <= TOL
+    placement = out["placement"]
+    assert sorted(p["rank"] for p in placement) == [0, 1, 2, 3]
+    for p in placement:
+        assert p["device"] == plan.layout.assignment[p["replica"]][p["pipeline_rank"]], p
+        assert p["node"] == plan.cluster.devices[p["device"]].node, p
+
+
+@pytest.mark.timeout(300)
+def test_local_launch_a_ranks_input_error_is_one_line(tmp_path: Path) -> None:
+    """Every rank refuses --data; the launcher shows the error once, exit 2, no torchrun report."""
+    cluster = cluster_file(tmp_path, node_toml("one", 1), node_toml("three", 3))
+    plan = plan_file(tmp_path, tiny_plan(cluster, pp=2, dp=2, assignment=((3, 0), (1, 2)), split="2,2"))
+    done = launch_local(plan, "--steps", "1", "--data", str(tmp_path / "missing.txt"))
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "missing.txt" in lines[0], done.stderr
+
+
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+@pytest.mark.timeout(120)
+def test_local_launch_ctrl_c_stops_every_agent_and_rank(tmp_path: Path) -> None:
+    cluster = cluster_file(tmp_path, node_toml("one", 1), node_toml("three", 3))
+    plan = plan_file(tmp_path, tiny_plan(cluster, pp=2, dp=2, assignment=((3, 0), (1, 2)), split="2,2"))
+    process = subprocess.Popen([MEDLEY, "launch", str(plan), "--local", "--", "--steps", "1000"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        agents = children(process.pid)
+        ranks = [r for a in agents for r in children(a)]
+        if len(agents) == 2 and len(ranks) == 4:
+            break
+        time.sleep(0.2)
+    assert len(agents) == 2 and len(ranks) == 4
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "error: interrupted (Ctrl-C)"
+    time.sleep(1)
+    assert not [pid for pid in agents + ranks if Path(f"/proc/{pid}").exists()]
