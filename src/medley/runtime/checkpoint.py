@@ -1,7 +1,10 @@
 """Checkpoints with torch.distributed.checkpoint (DCP), in a form no plan owns.
 
 Keys are global: ``model.<parameter>`` (names such as ``blocks.2.attn.wq.weight`` do not depend
-on the split), ``optim.<parameter>.<state>`` and ``train.next_step`` / ``train.rng``. Sharded
+on the split), ``optim.<parameter>.<state>`` and ``train.next_step`` / ``train.rng``, plus the
+loop's own ``train.<name>`` scalars (``train_state``: the skipped-step count, fp16's loss
+scale), each restored when the checkpoint has it (an older one, or one of a bf16 run resumed in
+fp16, keeps the run's starting values). Sharded
 (ZeRO-2/3) tensors are saved as DTensors, replicated ones once (DCP drops the duplicates), and
 ZeRO-1 state by the rank that owns it, so DCP can load a checkpoint into any other plan: other
 pp, dp, split or ZeRO levels. The data position is the step (batches are a function of it).
@@ -208,7 +211,7 @@ def _publish(directory: Path, tmp: Path, final: Path, meta: dict[str, Any]) -> N
 
 
 def save_checkpoint(directory: Path, *, next_step: int, stages: dict[int, ShardedStage],
-                    meta: dict[str, Any]) -> Path:
+                    meta: dict[str, Any], train_state: dict[str, torch.Tensor] | None = None) -> Path:
     """Collective: every rank writes its shards; rank 0 publishes the directory atomically.
 
     Nothing is written when a tensor is not finite; a failed write (disk full) removes the
@@ -219,6 +222,7 @@ def save_checkpoint(directory: Path, *, next_step: int, stages: dict[int, Sharde
     tmp = directory / f".tmp-{final.name}"
     state = checkpoint_state(stages, for_load=False)
     state["train.next_step"].fill_(next_step)
+    state.update({f"train.{name}": value for name, value in (train_state or {}).items()})
     bad = shared_error(_non_finite(state))
     if bad is not None:
         raise MedleyInputError(
@@ -315,15 +319,20 @@ def verify_files(path: Path, saved: dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: Path, *, stages: dict[int, ShardedStage], expected: dict[str, Any],
-                    reset_data_order: bool = False) -> tuple[int, list[str]]:
-    """Collective: fill this rank's stages and optimizers from ``path``; returns the next step and
-    the data-order settings that changed (accepted with ``reset_data_order``)."""
+                    reset_data_order: bool = False,
+                    train_state: dict[str, torch.Tensor] | None = None) -> tuple[int, list[str]]:
+    """Collective: fill this rank's stages and optimizers from ``path``, and in place those
+    ``train_state`` tensors the checkpoint has; returns the next step and the data-order settings
+    that changed (accepted with ``reset_data_order``)."""
     saved = read_meta(path)
     changed = check_meta(path, saved, expected, reset_data_order=reset_data_order)
     verify_files(path, saved)
     state = checkpoint_state(stages, for_load=True)
     try:
-        SafeReader(path).read_metadata()  # its own error first (DCP's wraps it in two others)
+        # The metadata's own error first (DCP's wraps it in two others); the keys the checkpoint has.
+        saved_keys = SafeReader(path).read_metadata().state_dict_metadata
+        state.update({f"train.{name}": value for name, value in (train_state or {}).items()
+                      if f"train.{name}" in saved_keys})
         dcp.load(state, storage_reader=SafeReader(path))
     except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure (a BaseException)
         failures = _failures(err)

@@ -72,6 +72,11 @@ class RankExecutor:
             the clip); the schedule puts every OPTIM of the rank behind it.
         before_optim: called with (stage, bucket) right before each optimizer step runs.
         device: where activations live (receive buffers are allocated there).
+
+    Two attributes steer fp16 runs (:mod:`medley.runtime.precision`): ``loss_scale`` multiplies
+    each loss before its backward (the reported losses stay unscaled), and ``skip_optim``, set
+    during a step (by ``on_clip``, once the world found a non-finite gradient), turns the step's
+    OPTIM actions into dropping the gradients. ``skip_optim`` is reset at the start of each step.
     """
 
     def __init__(self, *, schedule: PipelineSchedule, pipeline_rank: int, stages: dict[int, ShardedStage],
@@ -93,6 +98,8 @@ class RankExecutor:
         self.before_optim = before_optim
         self.device = device or torch.device("cpu")
         self.emulated_sleep_s = 0.0
+        self.loss_scale = 1.0
+        self.skip_optim = False
         self.state: dict[int, StageState] = {}
         self.pending_sends: list[dist.Work] = []
 
@@ -103,6 +110,7 @@ class RankExecutor:
     def run_step(self, batch: MicroBatches) -> list[torch.Tensor]:
         """Run the program once; returns the last stage's per-micro-batch losses (if held here)."""
         self.state = {stage: StageState() for stage in self.stages}
+        self.skip_optim = False
         for action in self.program:
             self._run(action, batch)
         for work in self.pending_sends:
@@ -113,6 +121,9 @@ class RankExecutor:
         return [losses[mb].detach() for mb in sorted(losses)]
 
     def _optim(self, action: Action) -> None:
+        if self.skip_optim:
+            self.stages[action.stage].drop_grads(action.bucket)
+            return
         if self.before_optim is not None:
             self.before_optim(action.stage, action.bucket)
         self.stages[action.stage].optim_step(action.bucket)
@@ -179,7 +190,7 @@ class RankExecutor:
     def _backward_input(self, stage: int, mb: int, *, full: bool) -> None:
         st = self.state[stage]
         last = stage == self.schedule.num_stages - 1
-        outputs = [st.losses[mb]] if last else [st.outputs.pop(mb)]
+        outputs = [self._scaled(st.losses[mb])] if last else [st.outputs.pop(mb)]
         grads = None if last else [st.output_grads.pop(mb)]
         inputs = [st.inputs.pop(mb)] if stage > 0 else []
         if full:
@@ -197,6 +208,9 @@ class RankExecutor:
             st.input_grads[mb] = input_grad
             if stage - 1 in self.stages:
                 self.state[stage - 1].output_grads[mb] = input_grad
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.loss_scale == 1.0 else loss * self.loss_scale
 
     def _backward_weight(self, stage: int, mb: int) -> None:
         saved = self.state[stage].weight_state.pop(mb)

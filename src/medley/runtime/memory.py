@@ -18,6 +18,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from medley.runtime.optim import local_optimizer
+from medley.runtime.sharding import ShardedStage
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
@@ -63,6 +66,20 @@ def probe_peak_bytes(run_step: Callable[[], None], *, existing: Iterable[torch.T
     with mode:
         run_step()
     return mode.peak
+
+
+def resident_tensors(stages: Iterable[ShardedStage]) -> list[torch.Tensor]:
+    """Tensors alive between steps: weights (and FSDP's gathered copies), gradients, reduced
+    gradients, buffers and optimizer state."""
+    out: list[torch.Tensor] = []
+    for stage in stages:
+        params = [*stage.module.parameters(), *stage.weights()]
+        out += params + [p.grad for p in params if p.grad is not None] + list(stage.reduced.values())
+        out += list(stage.module.buffers())
+        for optimizer in stage.optimizers:
+            for state in local_optimizer(optimizer).state.values():
+                out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
 
 
 def reset_cuda_peak(device: torch.device) -> None:

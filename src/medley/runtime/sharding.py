@@ -116,6 +116,13 @@ class ShardedStage:
                 self.fsdp_units[index].reshard()
                 self.fsdp_units[index].unshard()
 
+    def drop_grads(self, bucket: int | None) -> None:
+        """OPTIM of a skipped step: the gradients go, weights and optimizer state stay as they are."""
+        for index in self._indices(bucket):
+            for param in self.buckets[index]:
+                self.reduced.pop(param, None)
+            self.optimizers[index].zero_grad(set_to_none=True)
+
     def final_grads(self, bucket: int | None = None) -> list[torch.Tensor]:
         """The reduced gradients OPTIM will apply: local shards (DTensors) at levels 2-3, the
         all-reduced full gradients at levels 0-1."""
@@ -137,6 +144,15 @@ class ShardedStage:
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             total += local.double().square().sum()
         return total
+
+    def grads_finite(self) -> bool:
+        """Whether every gradient this rank holds is finite (each replica checks its own copy:
+        the norm counts only replica 0's at levels 0-1)."""
+        for grad in self.final_grads():
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            if not bool(torch.isfinite(local).all()):
+                return False
+        return True
 
     def scale_grads(self, factor: float) -> None:
         for grad in self.final_grads():

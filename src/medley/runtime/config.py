@@ -1,0 +1,168 @@
+"""How to train a plan (:class:`TrainConfig`, checked by :func:`check_config` before any work) and
+what rank 0 reports per step (:class:`StepRecord`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from medley.errors import MedleyInputError
+from medley.fileio import check_output_dir, check_output_file
+from medley.runtime.precision import DTYPES
+from medley.runtime.sharding import ShardedStage
+
+GradHook = Callable[[int, dict[int, ShardedStage], float | None], None]
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """How to train a plan.
+
+    Attributes:
+        steps: steps in total, skipped fp16 steps included (a resumed run continues up to this step).
+        seed: seed of the model initialisation and of the data order.
+        optimizer: ``adamw`` or ``sgd``.
+        lr: peak learning rate, reached after ``warmup_steps`` linear warm-up steps, then cosine
+            decay to ``min_lr`` at step ``steps``.
+        warmup_steps: linear warm-up steps.
+        min_lr: learning rate at the end of the cosine decay.
+        weight_decay: decoupled weight decay (AdamW) or L2 (SGD).
+        clip_norm: clip gradients to this global L2 norm (across stages and shards); None: off.
+        data: a UTF-8 text file, None for the shipped corpus, or ``"synthetic"``.
+        checkpoint_dir: where checkpoints go; a run resumes from the newest one found there.
+        checkpoint_every: save every this many steps (and after the last step); 0: only at the end.
+        log_jsonl: rank 0 appends one JSON line per step here.
+        emulate: stretch each rank's compute by its device's slowdown (see ``medley.runtime.emulate``).
+        slowdown: factor per device id, overriding the plan-derived one (implies ``emulate``).
+        progress: show a progress bar on rank 0.
+        measure_memory: peak memory per rank: CUDA's counter every step; on CPU one untimed probe
+            step after the last one, reported in every record.
+        dtype: ``fp32``, ``bf16`` or ``fp16`` (half-precision compute under autocast, fp32 master
+            weights, gradient reductions and optimizer; fp16 with dynamic loss scaling); None: the
+            plan's precision on CUDA, fp32 on CPU. Rank 0 says so when it is not the plan's.
+        loss_scale_init: fp16: the loss scale of the first step (torch GradScaler's 2**16).
+        loss_scale_backoff: fp16: the scale is multiplied by this after a step whose gradients
+            overflowed somewhere in the world (that step is skipped on every rank).
+        loss_scale_growth: fp16: the scale is multiplied by this after
+            ``loss_scale_growth_interval`` steps in a row without overflow.
+        loss_scale_growth_interval: see ``loss_scale_growth``.
+        on_step: called on every rank with the step index after each step (and its checkpoint).
+        step_timeout_s: a rank that spends longer than this in one step exits with one line (and
+            every thread's stack under ``--debug``), so a hang (a mismatched collective never times
+            out on gloo) fails the run (and, under restarts, resumes it) instead of stalling it;
+            None: no watchdog.
+        reset_data_order: resume from a checkpoint written with another seed, global batch or
+            data source (each difference is printed); without it such a resume is refused.
+        grad_hook: a test hook: called on every rank with (step, this rank's stages, the step's
+            loss scale or None) right before the step's global gradient check (the CLIP action:
+            clipping on, or fp16), after the gradient reductions; tests inject overflows and watch
+            every rank with it. Must be picklable (a module-level function or a partial of one).
+    """
+
+    steps: int = 20
+    seed: int = 0
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    clip_norm: float | None = 1.0
+    data: str | None = None
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0
+    log_jsonl: Path | None = None
+    emulate: bool = False
+    slowdown: dict[int, float] = field(default_factory=dict)
+    progress: bool = False
+    measure_memory: bool = True
+    dtype: str | None = None
+    on_step: Callable[[int], None] | None = None
+    step_timeout_s: float | None = 600.0
+    reset_data_order: bool = False
+    loss_scale_init: float = 2.0**16
+    loss_scale_backoff: float = 0.5
+    loss_scale_growth: float = 2.0
+    loss_scale_growth_interval: int = 2000
+    grad_hook: GradHook | None = None
+
+
+@dataclass(kw_only=True)
+class StepRecord:
+    """What rank 0 reports for one step.
+
+    Attributes:
+        step: step index (0-based).
+        loss: mean token loss of the global batch, before the update.
+        lr: learning rate of the step.
+        grad_norm: global gradient L2 norm before clipping.
+        step_time_s: wall time of the step, max over ranks (statistics and checkpoints excluded).
+        tokens_per_s: tokens of the global batch per second of ``step_time_s``.
+        mfu: model FLOPs utilisation against the peaks of the plan's devices; None on CPU.
+        peak_memory_bytes: measured peak memory per device id of the plan.
+        emulated_sleep_s: most time any rank slept this step to emulate a slower device.
+        loss_scale: fp16: the scale this step's backward used (None in other precisions).
+        skipped_steps: fp16: steps skipped so far for non-finite gradients, this one included (a
+            skipped step has an infinite ``grad_norm`` and changed nothing).
+    """
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float | None
+    peak_memory_bytes: dict[int, int] = field(default_factory=dict)
+    emulated_sleep_s: float = 0.0
+    loss_scale: float | None = None
+    skipped_steps: int = 0
+
+
+def _check_number(flag: str, value: float | None, *, positive: bool) -> None:
+    """A finite number, > 0 (``positive``) or >= 0."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise MedleyInputError(
+            f"{flag} {value}: must be a finite number {'> 0' if positive else '>= 0'}; e.g. {flag} "
+            f"{'3e-3' if flag == '--lr' else '1'}")
+
+
+def check_config(config: TrainConfig) -> None:
+    """Refuse bad settings with one line naming the flag (before any work)."""
+    if config.steps < 1:
+        raise MedleyInputError(f"--steps {config.steps}: train at least one step")
+    if config.optimizer not in ("adamw", "sgd"):
+        raise MedleyInputError(f"--optimizer '{config.optimizer}' must be adamw or sgd")
+    for flag, value, positive in (("--lr", config.lr, True), ("--min-lr", config.min_lr, False),
+                                  ("--weight-decay", config.weight_decay, False),
+                                  ("--clip-norm", config.clip_norm, True),
+                                  ("--step-timeout", config.step_timeout_s, True)):
+        _check_number(flag, value, positive=positive)
+    if config.warmup_steps < 0:
+        raise MedleyInputError(f"--warmup-steps {config.warmup_steps} must be >= 0")
+    if config.checkpoint_dir is not None:
+        check_output_dir(config.checkpoint_dir, flag="--checkpoint-dir")
+    if config.log_jsonl is not None:
+        check_output_file(config.log_jsonl, flag="--log-jsonl")
+    if config.checkpoint_every < 0:
+        raise MedleyInputError(f"--checkpoint-every {config.checkpoint_every} must be >= 0")
+    if config.dtype not in (None, *DTYPES):
+        raise MedleyInputError(f"--dtype '{config.dtype}' must be fp32, bf16 or fp16")
+    _check_loss_scale(config)
+
+
+def _check_loss_scale(config: TrainConfig) -> None:
+    """The fp16 loss-scale policy: a positive finite start, backoff in (0, 1), growth >= 1."""
+    init, backoff, growth = config.loss_scale_init, config.loss_scale_backoff, config.loss_scale_growth
+    if not (math.isfinite(init) and init > 0):
+        raise MedleyInputError(f"TrainConfig.loss_scale_init {init} must be a finite number > 0; e.g. 65536")
+    if not 0 < backoff < 1:
+        raise MedleyInputError(f"TrainConfig.loss_scale_backoff {backoff} must be in (0, 1); e.g. 0.5")
+    if not (math.isfinite(growth) and growth >= 1):
+        raise MedleyInputError(f"TrainConfig.loss_scale_growth {growth} must be a finite number >= 1; e.g. 2")
+    if config.loss_scale_growth_interval < 1:
+        raise MedleyInputError(
+            f"TrainConfig.loss_scale_growth_interval {config.loss_scale_growth_interval} must be >= 1")

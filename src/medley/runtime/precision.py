@@ -1,0 +1,141 @@
+"""The precision a run computes in, and fp16's dynamic loss scale.
+
+bf16 and fp16 runs compute under ``torch.autocast`` on fp32 master weights; gradients,
+their reductions and the optimizer stay fp32. fp16 has a narrow range, so its runs scale the loss
+before backward (:class:`LossScaler`, torch ``GradScaler``'s policy: start at 2**16, halve on an
+overflow, double after ``growth_interval`` finite steps in a row).
+
+The overflow check is global: every rank's squared gradient norm share and its count of
+non-finite gradients go into one fp64 all-reduce over the world (the schedule's ``CLIP`` action,
+which fp16 runs always carry), so all ranks take the same decision: apply the step (gradients
+unscaled, then clipped, in one multiplication) or skip it on every rank, and move the scale the
+same way. Gradients are checked after their reductions, where an overflow on any replica has
+reached every replica's copy.
+
+A skipped step changes no weight and no optimizer state (AdamW's step count stays) and, as in
+Megatron-LM, does not advance the learning-rate schedule: the schedule's position is the number of
+applied updates. The data still advances (batches are a function of the step index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from medley.plan.plan import Plan
+from medley.plan.predict import predict
+from medley.runtime.sharding import ShardedStage
+
+DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# An overflow at this scale (gradients that overflow unscaled) is divergence, not a bad scale.
+MIN_LOSS_SCALE = 1.0
+
+
+def choose_dtype(plan: Plan, dtype: str | None, *, on_cuda: bool) -> str:
+    """The precision a run computes in: ``dtype`` (``--dtype``) when given; else the plan's on
+    CUDA, fp32 on CPU (a CPU run emulates the plan's devices)."""
+    if dtype is not None:
+        return dtype
+    return plan.layout.dtype if on_cuda else "fp32"
+
+
+def precision_note(plan: Plan, dtype: str, *, chosen: bool) -> str | None:
+    """One line when the run computes in another precision than the plan's, with the step time the
+    simulator predicts for each (catalog costs); None when they agree."""
+    planned = plan.layout.dtype
+    if dtype == planned:
+        return None
+    why = f"--dtype {dtype}" if chosen else "the default on CPU; --dtype sets it"
+    times = {}
+    for name in (dtype, planned):
+        prediction, _, _ = predict(dataclasses.replace(plan.layout, dtype=name), plan.cluster)
+        times[name] = prediction.step_time_s
+    return (f"precision: the plan trains in {planned} but this run computes in {dtype} ({why}); predicted "
+            f"step time {_seconds(times[dtype])} in {dtype} against {_seconds(times[planned])} in {planned}")
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"
+
+
+@dataclass(kw_only=True)
+class LossScaler:
+    """fp16's dynamic loss scale (torch ``GradScaler``'s policy), the same on every rank.
+
+    Attributes:
+        scale: the loss is multiplied by this before backward.
+        backoff: the scale is multiplied by this after a step whose gradients overflowed.
+        growth: the scale is multiplied by this after ``growth_interval`` finite steps in a row.
+        growth_interval: finite steps in a row before the scale grows.
+        good_steps: finite steps since the last overflow or growth.
+        skipped_steps: steps skipped (gradients not finite) in the whole run, resumes included.
+        skipped_now: whether the current step is skipped.
+    """
+
+    scale: float
+    backoff: float = 0.5
+    growth: float = 2.0
+    growth_interval: int = 2000
+    good_steps: int = 0
+    skipped_steps: int = 0
+    skipped_now: bool = False
+
+    def update(self, *, finite: bool) -> None:
+        """After a step's global gradient check: back off and count a skip, or count a good step."""
+        self.skipped_now = not finite
+        if not finite:
+            self.scale *= self.backoff
+            self.good_steps = 0
+            self.skipped_steps += 1
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth
+            self.good_steps = 0
+
+    @property
+    def exhausted(self) -> bool:
+        """Gradients overflowed at scale ``MIN_LOSS_SCALE``: no scale helps, training diverged."""
+        return self.scale < MIN_LOSS_SCALE
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The checkpoint's ``train.*`` tensors of the scale (loaded in place, then :meth:`load`)."""
+        return {"loss_scale": torch.tensor(self.scale, dtype=torch.float64),
+                "loss_scale_good_steps": torch.tensor(self.good_steps, dtype=torch.int64)}
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        self.scale = float(state["loss_scale"])
+        self.good_steps = int(state["loss_scale_good_steps"])
+
+
+def unscale_and_clip(stages: dict[int, ShardedStage], *, replica: int, device: torch.device,
+                     clip_norm: float | None, scaler: LossScaler | None = None) -> torch.Tensor:
+    """The ``CLIP`` action: one fp64 all-reduce of the squared gradient norm over the world, then
+    every gradient multiplied by ``coef / scale`` with torch ``clip_grad_norm_``'s
+    ``coef = min(1, clip / (norm + 1e-6))`` of the unscaled norm (1 without clipping).
+
+    With a ``scaler`` (fp16), a non-finite gradient on any rank (or a non-finite norm) skips the
+    step on every rank: no gradient is touched and the scaler backs off. Returns this rank's
+    share of the unscaled squared norm."""
+    scale = 1.0 if scaler is None else scaler.scale
+    local = sum((s.grad_sq_norm(None, replica=replica) for s in stages.values()),
+                torch.zeros((), dtype=torch.float64))
+    bad = 0.0 if scaler is None else float(sum(not s.grads_finite() for s in stages.values()))
+    total = torch.tensor([float(local), bad], dtype=torch.float64, device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    finite = math.isfinite(float(total[0])) and float(total[1]) == 0
+    total = total[0]
+    if scaler is not None:
+        scaler.update(finite=finite)
+        if not finite:
+            return local / scale**2
+    coef = 1.0
+    if clip_norm is not None:
+        coef = min(1.0, clip_norm / (math.sqrt(float(total)) / scale + 1e-6))
+    for stage in stages.values():
+        stage.scale_grads(coef / scale)
+    return local / scale**2
