@@ -186,6 +186,8 @@ def register(app: typer.Typer) -> None:
                          "buckets"),
         ] = 1,
         recompute: Annotated[bool, typer.Option(help="Recompute block activations in the backward")] = False,
+        assignment: Annotated[str | None, typer.Option(
+            help="Device id per pipeline rank, replicas separated by ';' (3,0;1,2)")] = None,
         no_comm: Annotated[
             bool, typer.Option("--no-comm", help="Transfers and collectives take no time")
         ] = False,
@@ -226,6 +228,7 @@ def register(app: typer.Typer) -> None:
             gather_windows=gather_windows,
             recompute=recompute,
             dtype=dtype,
+            assignment=assignment,
         )
         problem, result = simulate_layout(layout, spec, cost=cost, comm=not no_comm)
         write_pictures(result, trace=trace, gantt=gantt)
