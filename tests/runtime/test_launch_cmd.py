@@ -19,7 +19,15 @@ from launch_plans import cluster_file, node_toml, plan_file, tiny_plan
 
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan, load_plan
-from medley.runtime.nodes import LaunchSettings, node_launches, parse_endpoint, slurm_script, used_nodes
+from medley.runtime.agents import GRACE_S, run_agents
+from medley.runtime.nodes import (
+    LaunchSettings,
+    NodeLaunch,
+    node_launches,
+    parse_endpoint,
+    slurm_script,
+    used_nodes,
+)
 from medley.runtime.reference import reference_losses
 from medley.runtime.train import TrainConfig
 
@@ -246,3 +254,49 @@ def test_local_launch_ctrl_c_stops_every_agent_and_rank(tmp_path: Path) -> None:
     assert stderr.strip().splitlines()[-1] == "error: interrupted (Ctrl-C)"
     time.sleep(1)
     assert not [pid for pid in agents + ranks if Path(f"/proc/{pid}").exists()]
+
+
+def stand_in(node: str, script: str) -> NodeLaunch:
+    """An 'agent' that is a bash script (what run_agents sees of torchrun: output and an exit status)."""
+    return NodeLaunch(node=node, host=None, devices=(0,), local_indices=(0,), env={"MEDLEY_NODE": node},
+                      argv=("bash", "-c", script))
+
+
+CPP_WARNING = ("echo '[W1201 00:16:21.800928595 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed' >&2; "
+               "echo 'Exception raised from recvBytes at Utils.hpp:787 (most recent call first):' >&2; "
+               "echo 'frame #0: c10::Error::Error() + 0x9d (0x7f in libc10.so)' >&2; "
+               "echo '<omitting python frames>' >&2; echo >&2; "
+               "echo 'E1201 00:08:51.436000 21892 torch/distributed/elastic/api.py:1002] failed' >&2; ")
+REPORT = ("echo 'Traceback (most recent call last):' >&2; echo '  File run.py' >&2; "
+          "echo 'Root Cause (first observed failure):' >&2; echo '  rank      : {rank} (local_rank: 1)' >&2; "
+          "echo '  exitcode  : {code} (pid: 5)' >&2; exit 1")
+
+
+def test_a_killed_rank_is_one_line_naming_its_node(capsys: pytest.CaptureFixture[str]) -> None:
+    """torch's C++ warnings and torchrun's report stay hidden; the line names the node of the rank
+    that was killed, not the node whose agent lost the rendezvous store first."""
+    launches = [stand_in("one", CPP_WARNING + "exit 1"), stand_in("three", "sleep 0.3; " + REPORT.format(
+        rank=2, code=-9))]
+    want = ("node three: rank 2 was killed by signal 9; the other nodes were stopped "
+            "(--debug shows torchrun's report)")
+    assert run_agents(launches, debug=False) == (1, want)
+    assert capsys.readouterr().err == ""
+
+
+def test_rank_output_passes_through_and_an_error_line_shows_once(capsys: pytest.CaptureFixture[str]) -> None:
+    rank = "echo '[{\"step\": 0}]'; echo 'error: --data x.txt: no such file' >&2; echo 'note: kept' >&2; "
+    other = "echo 'error: --data x.txt: no such file' >&2; "
+    launches = [stand_in("one", rank + REPORT.format(rank=0, code=2)),
+                stand_in("three", other + REPORT.format(rank=1, code=2))]
+    assert run_agents(launches, debug=False) == (2, None)
+    out = capsys.readouterr()
+    assert out.out == '[{"step": 0}]\n'
+    assert sorted(out.err.splitlines()) == ["error: --data x.txt: no such file", "note: kept"]
+
+
+def test_the_others_are_stopped_after_a_grace(capsys: pytest.CaptureFixture[str]) -> None:
+    started = time.monotonic()
+    code, line = run_agents([stand_in("one", "exit 1"), stand_in("three", "exec sleep 60")], debug=False)
+    assert (code, line) == (1, "node one: its torchrun agent failed (exit code 1); the other nodes were "
+                               "stopped (--debug shows torchrun's report)")
+    assert time.monotonic() - started < GRACE_S + 5

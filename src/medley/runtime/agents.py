@@ -25,7 +25,10 @@ from medley.runtime.nodes import NodeLaunch
 GRACE_S = 3.0  # how long the other agents may still report after the first one failed
 STOP_S = 10.0  # how long a stopped agent may take before it is killed
 _POLL_S = 0.1
-_ELASTIC_LOG = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d")  # torch's log prefix: W1201 00:08:51.342000
+# torch's own lines: its Python logs (W1201 00:08:51.342000 ...), its C++ warnings ([W1201 00:16:21.80 ...])
+# with their stack frames, and the blank lines between them.
+_TORCH_NOISE = re.compile(r"^(\[?[DIWEF]\d{4} \d\d:\d\d:\d\d|Exception raised from |frame #\d+: |"
+                          r"<omitting python frames>|\s*$)")
 _ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 
 
@@ -64,7 +67,7 @@ class _Output:
         if agent.report or line.startswith("Traceback (most recent call last)"):
             agent.report.append(line)
             return
-        if _ELASTIC_LOG.match(line):
+        if _TORCH_NOISE.match(line):
             return
         if line.startswith("error:"):
             with self.lock:
@@ -142,16 +145,27 @@ def run_agents(launches: list[NodeLaunch], *, debug: bool) -> tuple[int, str | N
     return _outcome(agents, shown_error=bool(output.errors))
 
 
+def _root_cause(agent: _Agent) -> tuple[int, int] | None:
+    """(rank, exit code) of the root cause in the agent's torchelastic report; negative: a signal."""
+    match = _ROOT_CAUSE.search("".join(agent.report).partition("Root Cause")[2])
+    return (int(match[1]), int(match[2])) if match else None
+
+
 def _outcome(agents: list[_Agent], *, shown_error: bool) -> tuple[int, str | None]:
     failed = [a for a in agents if a.process.returncode != 0]
     if not failed:
         return 0, None
-    causes = [(a, _ROOT_CAUSE.search("".join(a.report).partition("Root Cause")[2])) for a in failed]
-    codes = {int(m[2]) for _, m in causes if m}
+    causes = [(a, cause) for a in failed if (cause := _root_cause(a)) is not None]
     if shown_error:
-        return (2 if 2 in codes else 1), None
-    agent, match = next(((a, m) for a, m in causes if m and int(m[2]) > 0), causes[0])
-    what = (f"rank {match[1]} failed (exit code {match[2]})" if match
-            else f"its torchrun agent failed (exit code {agent.process.returncode})")
+        return (2 if any(code == 2 for _, (_, code) in causes) else 1), None
+    # A rank killed by a signal first (the others then fail in their collectives), else a rank's exit.
+    causes.sort(key=lambda item: item[1][1] >= 0)
+    if not causes:
+        agent = failed[0]
+        what = f"its torchrun agent failed (exit code {agent.process.returncode})"
+    else:
+        agent, (rank, code) = causes[0]
+        how = f"was killed by signal {-code}" if code < 0 else f"failed (exit code {code})"
+        what = f"rank {rank} {how}"
     return 1, (f"node {agent.launch.node}: {what}; the other nodes were stopped "
                "(--debug shows torchrun's report)")
