@@ -206,3 +206,30 @@ def test_medley_train_exits_2_with_one_line(tmp_path: Path, ranks: list, line: s
     assert [d.returncode for d in done] == [2] * len(ranks), [d.stderr for d in done]
     assert done[0].stderr.strip().splitlines() == [line]
     assert all(not d.stderr.strip() for d in done[1:]), [d.stderr for d in done[1:]]
+
+
+def test_simulate_follows_the_assignment() -> None:
+    """The same pp3 plan on the demo cluster: T4 -> V100 -> A100 instead of A100 -> V100 -> T4; the
+    split follows the devices (the slowest stage gets the fewest layers)."""
+    def simulate(assignment: str) -> dict:
+        result = CliRunner().invoke(app, ["simulate", "--cluster", "examples/demo.toml", "--model",
+                                          "llama-2-7b", "--pp", "3", "--micro-batches", "4", "--assignment",
+                                          assignment, "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    forward, backward = simulate("0,4,8"), simulate("8,4,0")
+    assert forward["split"] == list(reversed(backward["split"]))
+    assert forward["split"][0] > forward["split"][2]
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("3,0;0,2", "--assignment '3,0;0,2' uses device 0 twice"),
+    ("3,0;1,4", "--assignment '3,0;1,4': device 4 is not in cluster"),
+    ("3,0", "--assignment '3,0': give 2 replica row(s) (--dp)"),
+])
+def test_a_bad_assignment_is_one_line(text: str, says: str) -> None:
+    result = CliRunner().invoke(app, ["train", "--local-ranks", "4", "--pp", "2", "--dp", "2", "--cluster",
+                                      "4xA100-80GB", "--assignment", text])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and says in lines[0], result.output
