@@ -17,7 +17,8 @@ HELP = (
     "clusters of mixed accelerators.\n\n"
     "In the order of use: look at the device catalog (devices), describe your cluster (cluster show), "
     "see what a model costs on it (model show), search the best plans (plan), re-simulate a plan file "
-    "(show) or one described by flags (simulate), train it for real (train), measure this machine "
+    "(show) or one described by flags (simulate), train it for real (train) or write the per-node "
+    "commands that train it on the cluster (launch), measure this machine "
     "(profile) and check how right the simulator is (fidelity). `medley demo` runs the whole story."
 )
 # The commands in the order a user meets them (`medley --help` lists them so).
