@@ -14,6 +14,8 @@ import functools
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -217,3 +219,28 @@ def test_bad_precision_settings_are_one_line(field: str, value: object, message:
         check_config(TrainConfig(**{field: value}))
     assert message in str(caught.value) and "\n" not in str(caught.value)
     check_config(TrainConfig(dtype="fp16"))
+
+
+MEDLEY = str(Path(sys.executable).with_name("medley"))
+V100_RUN = ["train", "--local-ranks", "1", "--cluster", "1xV100-32GB", "--split", "4", "--micro-batches", "2",
+            "--seq-len", "32", "--steps", "2", "--json"]
+
+
+@pytest.mark.timeout(240)
+def test_medley_train_says_when_it_changes_the_plans_precision() -> None:
+    """An fp16 plan (V100) trained on CPU: rank 0 prints one line (fp32 here, the plan fp16, both
+    step times); with --dtype fp16 it trains in fp16 and says nothing; every record has the scale."""
+    default = subprocess.run([MEDLEY, *V100_RUN], capture_output=True, text=True, timeout=200)
+    assert default.returncode == 0, default.stderr
+    lines = [line for line in default.stderr.splitlines() if line.strip()]
+    note = "precision: the plan trains in fp16 but this run computes in fp32 (the default on CPU"
+    assert len(lines) == 1 and lines[0].startswith(note), default.stderr
+    assert all(r["loss_scale"] is None and r["skipped_steps"] == 0 for r in run_records(default.stdout))
+    fp16 = subprocess.run([MEDLEY, *V100_RUN, "--dtype", "fp16"], capture_output=True, text=True, timeout=200)
+    assert fp16.returncode == 0 and not fp16.stderr.strip(), fp16.stderr
+    assert [r["loss_scale"] for r in run_records(fp16.stdout)] == [INIT, INIT]
+
+
+def run_records(stdout: str) -> list[dict]:
+    out = json.loads(stdout)
+    return out["records"] if isinstance(out, dict) else out

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
 from medley.plan.predict import predict
 from medley.runtime.sharding import ShardedStage
@@ -50,12 +51,14 @@ def precision_note(plan: Plan, dtype: str, *, chosen: bool) -> str | None:
     if dtype == planned:
         return None
     why = f"--dtype {dtype}" if chosen else "the default on CPU; --dtype sets it"
-    times = {}
-    for name in (dtype, planned):
-        prediction, _, _ = predict(dataclasses.replace(plan.layout, dtype=name), plan.cluster)
-        times[name] = prediction.step_time_s
-    return (f"precision: the plan trains in {planned} but this run computes in {dtype} ({why}); predicted "
-            f"step time {_seconds(times[dtype])} in {dtype} against {_seconds(times[planned])} in {planned}")
+    line = f"precision: the plan trains in {planned} but this run computes in {dtype} ({why})"
+    try:
+        times = {name: predict(dataclasses.replace(plan.layout, dtype=name), plan.cluster)[0].step_time_s
+                 for name in (dtype, planned)}
+    except MedleyInputError as err:  # one rank prints this: it must not fail alone
+        return f"{line}; no step time predicted ({err})"
+    return (f"{line}; predicted step time {_seconds(times[dtype])} in {dtype} against "
+            f"{_seconds(times[planned])} in {planned}")
 
 
 def _seconds(value: float) -> str:

@@ -51,14 +51,14 @@ def train(plan: Plan, config: TrainConfig) -> list[StepRecord]:
     check_config(config)
     opt_class, opt_kwargs = optimizer_class(config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
     dtype = resolve_dtype(plan, config)
-    if dist.get_rank() == 0:
-        note = precision_note(plan, dtype, chosen=config.dtype is not None)
-        if note is not None:
-            print(note, file=sys.stderr, flush=True)
     # fp16 checks its gradients in the CLIP action's all-reduce: its schedules always have one.
     clip_grad = config.clip_norm is not None or dtype == "fp16"
     setup = build_rank(plan, seed=config.seed, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
                        autocast_dtype=DTYPES[dtype], clip_grad=clip_grad, slowdown=_slowdown(plan, config))
+    if dist.get_rank() == 0:  # once the ranks sit where the plan says (build_rank checks that)
+        note = precision_note(plan, dtype, chosen=config.dtype is not None)
+        if note is not None:
+            print(note, file=sys.stderr, flush=True)
     scaler = None
     if dtype == "fp16":
         scaler = LossScaler(scale=config.loss_scale_init, backoff=config.loss_scale_backoff,
