@@ -28,7 +28,7 @@ from train_plans import config, stop_after_step_3, tiny_plan
 from medley.cost.estimator import CatalogCostSource
 from medley.errors import MedleyInputError
 from medley.plan.inline import inline_layout
-from medley.plan.plan import Plan
+from medley.plan.plan import Plan, save_plan
 from medley.runtime.config import TrainConfig, check_config
 from medley.runtime.launch import RankFailure, train_local
 from medley.runtime.optim import local_optimizer, lr_at
@@ -222,23 +222,40 @@ def test_bad_precision_settings_are_one_line(field: str, value: object, message:
 
 
 MEDLEY = str(Path(sys.executable).with_name("medley"))
-V100_RUN = ["train", "--local-ranks", "1", "--cluster", "1xV100-32GB", "--split", "4", "--micro-batches", "2",
-            "--seq-len", "32", "--steps", "2", "--json"]
+RUN = ["train", "--local-ranks", "1", "--steps", "2", "--json"]
 
 
-@pytest.mark.timeout(240)
-def test_medley_train_says_when_it_changes_the_plans_precision() -> None:
-    """An fp16 plan (V100) trained on CPU: rank 0 prints one line (fp32 here, the plan fp16, both
-    step times); with --dtype fp16 it trains in fp16 and says nothing; every record has the scale."""
-    default = subprocess.run([MEDLEY, *V100_RUN], capture_output=True, text=True, timeout=200)
+def v100_plan_file(directory: Path) -> Path:
+    """A one-rank fp16 plan (V100 has no bf16) of the tiny model, saved as `medley plan` saves one."""
+    cluster, model = parse_cluster_arg("1xV100-32GB"), get_model("tiny")
+    layout = inline_layout(cluster=cluster, model=model, cost=CatalogCostSource.for_cluster(model, cluster),
+                           pp=1, dp=1, schedule="1f1b", micro_batches="2", micro_batch_size=2, seq_len=32,
+                           split="4", zero="0")
+    path = directory / "v100.json"
+    save_plan(Plan(layout=layout, cluster=cluster), path)
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_medley_train_says_when_it_changes_the_plans_precision(tmp_path: Path) -> None:
+    """An fp16 plan file (V100) trained on CPU: rank 0 prints one line (fp32 here, the plan fp16, both
+    step times); with --dtype fp16 it trains in fp16 and says nothing; every record has the scale.
+    An inline plan is made in the precision the run computes in, so it never gets the line."""
+    plan = str(v100_plan_file(tmp_path))
+    default = subprocess.run([MEDLEY, *RUN, "--plan", plan], capture_output=True, text=True, timeout=200)
     assert default.returncode == 0, default.stderr
     lines = [line for line in default.stderr.splitlines() if line.strip()]
     note = "precision: the plan trains in fp16 but this run computes in fp32 (the default on CPU"
     assert len(lines) == 1 and lines[0].startswith(note), default.stderr
     assert all(r["loss_scale"] is None and r["skipped_steps"] == 0 for r in run_records(default.stdout))
-    fp16 = subprocess.run([MEDLEY, *V100_RUN, "--dtype", "fp16"], capture_output=True, text=True, timeout=200)
+    fp16 = subprocess.run([MEDLEY, *RUN, "--plan", plan, "--dtype", "fp16"], capture_output=True, text=True,
+                          timeout=200)
     assert fp16.returncode == 0 and not fp16.stderr.strip(), fp16.stderr
     assert [r["loss_scale"] for r in run_records(fp16.stdout)] == [INIT, INIT]
+    inline = subprocess.run([MEDLEY, *RUN, "--cluster", "1xV100-32GB", "--split", "4", "--micro-batches", "2",
+                             "--seq-len", "32"], capture_output=True, text=True, timeout=200)
+    assert inline.returncode == 0 and not inline.stderr.strip(), inline.stderr
+    assert all(r["loss_scale"] is None for r in run_records(inline.stdout))
 
 
 def run_records(stdout: str) -> list[dict]:

@@ -7,7 +7,6 @@ CPU, nccl on CUDA) or let it start the ranks itself with ``--local-ranks N``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -41,7 +40,9 @@ def parse_slowdown(text: str | None) -> dict[int, float]:
 def inline_plan(*, cluster: str | None, model: str, pp: int, dp: int, schedule: str, micro_batches: str,
                 micro_batch_size: int, seq_len: int, virtual_stages: int, split: str | None, zero: str | None,
                 zero_placement: str, buckets: int, gather_windows: int, clip_grad: bool,
-                assignment: str | None = None) -> Plan:
+                assignment: str | None = None, dtype: str | None = None) -> Plan:
+    """The plan ``medley train`` runs without ``--plan``; ``dtype`` None lets the devices choose
+    (bf16 where all have it, else fp16)."""
     from medley.cost.estimator import CatalogCostSource
     from medley.plan.inline import inline_layout
     from medley.spec.cluster import parse_cluster_arg
@@ -53,7 +54,7 @@ def inline_plan(*, cluster: str | None, model: str, pp: int, dp: int, schedule: 
         cluster=spec, model=model_spec, cost=CatalogCostSource.for_cluster(model_spec, spec), pp=pp, dp=dp,
         schedule=schedule, micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
         virtual_stages=virtual_stages, split=split, zero=zero, placement=zero_placement, buckets=buckets,
-        gather_windows=gather_windows, clip_grad=clip_grad, assignment=assignment)
+        gather_windows=gather_windows, clip_grad=clip_grad, assignment=assignment, dtype=dtype)
     return Plan(layout=layout, cluster=spec)
 
 
@@ -95,6 +96,21 @@ def step_time_line(records: list) -> str:
     return f"mean step {mean * 1e3:.1f} ms over {len(steady)} steps (the first step excluded)"
 
 
+def inline_dtype(dtype: str | None, *, local_ranks: int | None) -> str | None:
+    """``--dtype`` when given, else fp32 on CPU (what the run computes in there) and, on CUDA, None
+    for the devices' choice."""
+    from medley.runtime.launch import uses_cuda
+
+    if dtype is not None:
+        return dtype
+    return None if uses_cuda(local_world_size(local_ranks)) else "fp32"
+
+
+def local_world_size(local_ranks: int | None) -> int:
+    """The ranks of this node: ``--local-ranks``, or torchrun's LOCAL_WORLD_SIZE."""
+    return local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def check_fits(plan: Plan, config, *, local_ranks: int | None) -> None:  # noqa: ANN001 - lazy import
     """Refuse, before any rank starts, a plan the runtime cannot run or this machine cannot hold
     (:func:`medley.runtime.preflight.preflight`): ``--local-ranks`` ranks here, or under torchrun
@@ -103,7 +119,7 @@ def check_fits(plan: Plan, config, *, local_ranks: int | None) -> None:  # noqa:
     from medley.runtime.preflight import preflight
     from medley.runtime.train import run_dtype
 
-    local_world = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_world = local_world_size(local_ranks)
     on_cuda = uses_cuda(local_world)
     preflight(plan, dtype=run_dtype(plan, config, on_cuda=on_cuda), local_ranks=local_world, on_cuda=on_cuda)
 
@@ -135,9 +151,7 @@ def run_stopping_cleanly(plan: Plan, config, *, local_ranks: int | None):  # noq
 def run_json(records) -> dict[str, list[dict]]:  # noqa: ANN001 - a launch.TrainRun (lazy torch import)
     """``{"records": [step records], "placement": [{"rank", "node", "device", "replica",
     "pipeline_rank", "stages"}, ...]}``: the placement as the ranks measured it, by global rank."""
-    rows = [dataclasses.asdict(r) for r in records]
-    for row in rows:
-        row["peak_memory_bytes"] = {str(k): v for k, v in row["peak_memory_bytes"].items()}
+    rows = [r.as_json() for r in records]
     return {"records": rows, "placement": [entry.as_json() for entry in getattr(records, "placement", [])]}
 
 
@@ -185,7 +199,8 @@ def register(app: typer.Typer) -> None:
         warmup_steps: Annotated[int, typer.Option(help="Linear warm-up steps")] = 5,
         weight_decay: Annotated[float, typer.Option(help="Weight decay")] = 0.1,
         clip_norm: Annotated[float, typer.Option(help="Global gradient-norm clip (0: off)")] = 1.0,
-        dtype: Annotated[str | None, typer.Option(help="fp32 or bf16 (default: fp32 on CPU)")] = None,
+        dtype: Annotated[str | None, typer.Option(
+            help="fp32, bf16 or fp16 (default: the plan's on CUDA, fp32 on CPU)")] = None,
         log_jsonl: Annotated[Path | None, typer.Option(help="Append one JSON line per step here")] = None,
         step_timeout: Annotated[float, typer.Option(help="Seconds until a stuck step fails (0: off)")] = 600,
         cluster: Annotated[str | None, typer.Option(help="Inline plan: cluster (NxA100-80GB)")] = None,
@@ -220,13 +235,13 @@ def register(app: typer.Typer) -> None:
         check_config(config)  # output paths and numbers, before any work
         if plan is not None:
             the_plan = load_plan(plan)
-        else:
+        else:  # an inline plan is made in the precision the run computes in: no precision note
             the_plan = inline_plan(
                 cluster=cluster, model=model, pp=pp, dp=dp, schedule=schedule,
                 micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
                 virtual_stages=virtual_stages, split=split, zero=zero, zero_placement=zero_placement,
                 buckets=buckets, gather_windows=gather_windows, clip_grad=bool(clip_norm),
-                assignment=assignment)
+                assignment=assignment, dtype=inline_dtype(dtype, local_ranks=local_ranks))
         if local_ranks is not None and local_ranks != the_plan.world_size:
             layout = the_plan.layout
             raise MedleyInputError(
@@ -240,6 +255,6 @@ def register(app: typer.Typer) -> None:
         if records is None:
             return
         if as_json:
-            typer.echo(json.dumps(run_json(records), indent=1))
+            typer.echo(json.dumps(run_json(records), indent=1, allow_nan=False))
         else:
             print_records(the_plan, records, Console(), split=split if plan is None else None)

@@ -3,6 +3,7 @@ what rank 0 reports per step (:class:`StepRecord`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,6 +119,15 @@ class StepRecord:
     emulated_sleep_s: float = 0.0
     loss_scale: float | None = None
     skipped_steps: int = 0
+
+    def as_json(self) -> dict:
+        """The record as strict JSON: device ids as strings, a skipped step's infinite
+        ``grad_norm`` as null."""
+        row = dataclasses.asdict(self)
+        row["peak_memory_bytes"] = {str(k): v for k, v in self.peak_memory_bytes.items()}
+        if not math.isfinite(self.grad_norm):
+            row["grad_norm"] = None
+        return row
 
 
 def _check_number(flag: str, value: float | None, *, positive: bool) -> None:

@@ -296,12 +296,8 @@ class _Loop:
             return
         path = Path(self.config.log_jsonl)
         path.parent.mkdir(parents=True, exist_ok=True)
-        line = dataclasses.asdict(record)
-        line["peak_memory_bytes"] = {str(k): v for k, v in record.peak_memory_bytes.items()}
-        if not math.isfinite(record.grad_norm):  # a skipped fp16 step: null, as strict JSON has no inf
-            line["grad_norm"] = None
         with open(path, "a") as handle:
-            handle.write(json.dumps(line) + "\n")
+            handle.write(json.dumps(record.as_json(), allow_nan=False) + "\n")
 
     def _probe_memory(self, records: list[StepRecord]) -> None:
         """One more step under the memory tracker (after the last checkpoint: it changes nothing
