@@ -72,3 +72,29 @@ def test_train_refuses_before_any_rank_starts(args: list[str], expected: str) ->
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0]
     assert time.perf_counter() - started < 20
+
+
+def test_on_cuda_each_rank_checks_the_plan_device_it_is_placed_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun a rank's device comes from the placement (LOCAL_RANK i: the i-th plan device
+    here), not from the row-major order: with assignment 1,0, rank 0 on local rank 0 is plan device 0,
+    which runs pipeline rank 1 (row-major would say device 1). The GPU's size is the one stand-in (this machine has none)."""
+    import types
+
+    import torch
+
+    cluster, spec = parse_cluster_arg("2xA100-80GB"), get_model("tiny")
+    layout = inline_layout(cluster=cluster, model=spec, cost=CatalogCostSource.for_cluster(spec, cluster),
+                           pp=2, dp=1, schedule="1f1b", micro_batches="2", micro_batch_size=1, seq_len=64,
+                           assignment="1,0")
+    plan = Plan(layout=layout, cluster=cluster)
+    monkeypatch.delenv("MEDLEY_NODE", raising=False)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(total_memory=1))
+    with pytest.raises(MedleyInputError) as err:
+        preflight(plan, dtype="fp32", local_ranks=2, on_cuda=True)
+    assert "rank 0 runs plan device 0 " in str(err.value) and "cuda:0 has 0.0 GiB" in str(err.value)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(total_memory=80 * 2**30))
+    preflight(plan, dtype="fp32", local_ranks=2, on_cuda=True)

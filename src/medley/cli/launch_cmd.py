@@ -22,9 +22,17 @@ import typer
 
 from medley.cli.errors import MedleyInputError, exit_on_input_error, usage_line
 from medley.plan.plan import Plan
-from medley.runtime.nodes import LaunchSettings, NodeLaunch, launches_json, node_launches, slurm_script
+from medley.runtime.nodes import (
+    ONE_THREAD_ENV,
+    VISIBLE_ENV,
+    LaunchSettings,
+    NodeLaunch,
+    launches_json,
+    node_launches,
+    slurm_script,
+)
 
-LOCAL_ENV = {"CUDA_VISIBLE_DEVICES": "", "MEDLEY_ONE_THREAD_PER_RANK": "1"}  # gloo on CPU, a core per rank
+LOCAL_ENV = {VISIBLE_ENV: "", ONE_THREAD_ENV: "1"}  # gloo on CPU, a core per rank
 _RDZV_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _OWN_FLAGS = {"plan": "--plan", "local_ranks": "--local-ranks"}
 

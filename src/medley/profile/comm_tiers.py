@@ -25,6 +25,7 @@ from medley.cost.profiles import CommMeasurement
 from medley.errors import MedleyInputError
 from medley.profile.collectives import DEFAULT_SIZES, fit_alpha_beta
 from medley.profile.memory import quiet_median
+from medley.runtime.placement import NODE_ENV
 
 
 def _sync(device: torch.device) -> None:
@@ -109,7 +110,7 @@ def measure_tiers(
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         names: list[str] = [""] * world
-        dist.all_gather_object(names, os.environ.get("MEDLEY_NODE") or socket.gethostname())
+        dist.all_gather_object(names, os.environ.get(NODE_ENV) or socket.gethostname())
         links = []
         for tier, nodes, ranks in _tier_groups(names):
             group = dist.new_group(ranks)

@@ -37,12 +37,12 @@ from medley.errors import MedleyInputError, debug_enabled
 from medley.plan.plan import Plan
 from medley.runtime import placement
 from medley.runtime.lifecycle import die_with_parent
+from medley.runtime.nodes import ONE_THREAD_ENV
 from medley.runtime.placement import PlacementEntry
 from medley.runtime.train import StepRecord, TrainConfig, train
 
 PROCESS_GROUP_TIMEOUT_S = 120
 _SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-_ONE_THREAD_ENV = "MEDLEY_ONE_THREAD_PER_RANK"
 LAUNCHER_PID_ENV = "MEDLEY_LAUNCHER_PID"  # ranks of train_local exit when this process dies
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -117,7 +117,7 @@ def rank_main(plan: Plan, config: TrainConfig) -> TrainRun | InputFailure | None
     if "TORCHELASTIC_RUN_ID" in os.environ:  # Ctrl-C reaches the agent too, which reports it once
         signal.signal(signal.SIGINT, _exit_quietly)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    one_thread = os.environ.get(_ONE_THREAD_ENV) == "1"
+    one_thread = os.environ.get(ONE_THREAD_ENV) == "1"
     torch.set_num_threads(1 if one_thread else max(1, (os.cpu_count() or 1) // local_world))
     if debug_enabled():
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a rank waits
@@ -168,7 +168,7 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, m
         monitor_interval=0.1, start_method=start_method)
     # Rank 0 hosts each attempt's own store: with the agent's shared store, the ranks of a
     # restarted attempt found the dead attempt's gloo addresses there (connection refused).
-    settings = {_SHARED_STORE_ENV: "1", _ONE_THREAD_ENV: "0" if start_method == "spawn" else "1",
+    settings = {_SHARED_STORE_ENV: "1", ONE_THREAD_ENV: "0" if start_method == "spawn" else "1",
                 LAUNCHER_PID_ENV: str(os.getpid())}
     with _environment(settings), _agent_quiet(not debug_enabled()):
         try:

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
+from medley.runtime.placement import NODE_ENV, plan_devices_by_node
 from medley.spec.cluster import Node
 from medley.spec.cluster_schema import printable
 
-NODE_ENV = "MEDLEY_NODE"
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+ONE_THREAD_ENV = "MEDLEY_ONE_THREAD_PER_RANK"  # "1": each rank computes on one thread (CPU ranks)
 RDZV_PORT = 29500
 ENDPOINT_VAR = "${MEDLEY_RDZV_ENDPOINT}"  # the SLURM script sets it (from the plan or SLURM's node list)
 TORCHRUN = ("torchrun",)
@@ -90,13 +91,8 @@ def _quote(arg: str) -> str:
 
 def used_nodes(plan: Plan) -> list[tuple[Node, tuple[int, ...]]]:
     """The nodes holding plan devices, in cluster order, each with its plan devices (ascending)."""
-    used = {device for row in plan.layout.assignment for device in row}
-    out = []
-    for node in plan.cluster.nodes:
-        devices = tuple(sorted(d for d in node.device_ids if d in used))
-        if devices:
-            out.append((node, devices))
-    return out
+    by_node = plan_devices_by_node(plan)
+    return [(node, tuple(by_node[node.name])) for node in plan.cluster.nodes if node.name in by_node]
 
 
 def parse_endpoint(text: str, *, flag: str = "--rdzv-endpoint") -> str:

@@ -138,6 +138,16 @@ def _device_of(plan: Plan, identity: RankIdentity, by_node: Mapping[str, list[in
         f"there; start {len(devices)} (torchrun --nproc-per-node {len(devices)}, or medley launch)")
 
 
+def planned_device(plan: Plan, identity: RankIdentity) -> int | None:
+    """The plan device ``identity`` is; None when it is none (:func:`rank_table` says why)."""
+    if identity.error is not None:
+        return None
+    try:
+        return _device_of(plan, identity, plan_devices_by_node(plan))
+    except MedleyInputError:
+        return None
+
+
 def _position(plan: Plan) -> dict[int, tuple[int, int]]:
     """(replica, pipeline rank) of each plan device."""
     return {device: (r, p) for r, row in enumerate(plan.layout.assignment) for p, device in enumerate(row)}

@@ -14,7 +14,8 @@ import os
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
 from medley.plan.predict import simulate_layout
-from medley.runtime.setup import check_plan, device_of_rank
+from medley.runtime.placement import my_identity, planned_device
+from medley.runtime.setup import check_plan
 
 GIB = 2**30
 # Anonymous memory of a rank before its model exists: torch, gloo and medley imported (measured
@@ -55,12 +56,17 @@ def check_cpu_memory(plan: Plan, *, dtype: str, local_ranks: int, available: int
             "recomputation, or run it on devices with more memory")
 
 
-def check_cuda_memory(plan: Plan, *, dtype: str, rank: int, local_rank: int) -> None:
-    """This rank's predicted peak against its GPU's total memory."""
+def check_cuda_memory(plan: Plan, *, dtype: str, rank: int, world: int) -> None:
+    """This rank's predicted peak against its GPU's total memory; the rank's plan device is the
+    one :mod:`medley.runtime.placement` gives it (no device: the placement check says why)."""
     import torch
 
-    device = device_of_rank(plan.layout)[rank]
+    identity = my_identity(plan.cluster, rank=rank, world=world, on_cuda=False)
+    device = planned_device(plan, identity)
+    if device is None:
+        return
     peak = predicted_peaks(plan, dtype=dtype)[device]
+    local_rank = identity.local_rank
     total = torch.cuda.get_device_properties(local_rank).total_memory
     if peak > total:
         raise MedleyInputError(
@@ -78,4 +84,4 @@ def preflight(plan: Plan, *, dtype: str, local_ranks: int, on_cuda: bool) -> Non
         check_cpu_memory(plan, dtype=dtype, local_ranks=local_ranks)
     elif "RANK" in os.environ:
         check_cuda_memory(plan, dtype=dtype, rank=int(os.environ["RANK"]),
-                          local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+                          world=int(os.environ.get("WORLD_SIZE", str(plan.world_size))))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from medley.errors import MedleyInputError
-from medley.plan.compile import PlanLayout, build_schedules
+from medley.plan.compile import build_schedules
 from medley.plan.plan import Plan
 from medley.runtime import placement
 from medley.runtime.executor import RankExecutor, with_default_collectives
@@ -72,12 +72,6 @@ def check_plan(plan: Plan, world_size: int) -> None:
         raise MedleyInputError(
             f"layout.seq_len {layout.seq_len} (--seq-len) exceeds the longest sequence of model "
             f"'{model.name}', {model.max_seq_len} (max_seq_len); use --seq-len {model.max_seq_len} or less")
-
-
-def device_of_rank(layout: PlanLayout) -> list[int]:
-    """The plan's device id of every global rank when ranks are row-major (rank ``replica * pp +
-    pipeline rank``); a launched run's ranks learn theirs from :mod:`medley.runtime.placement`."""
-    return [layout.assignment[r][k] for r in range(layout.dp) for k in range(layout.pp)]
 
 
 def _device() -> torch.device:

@@ -1,10 +1,10 @@
 """Train a plan for real: the step loop around :class:`~medley.runtime.executor.RankExecutor`.
 
-Run :func:`train` on every rank of an initialised process group of ``pp x dp`` ranks (global
-rank ``replica * pp + pipeline rank``), or :func:`medley.runtime.launch.train_local` to start the
-ranks on this machine. Each step: the global batch of the step (the same sequences whatever the
-plan), this replica's slice of it, the rank's program of the plan's schedule, then per-step
-statistics gathered on rank 0.
+Run :func:`train` on every rank of an initialised process group of ``pp x dp`` ranks (each rank
+finds its plan device and so its replica and pipeline rank, :mod:`medley.runtime.placement`), or
+:func:`medley.runtime.launch.train_local` to start the ranks on this machine. Each step: the
+global batch of the step (the same sequences whatever the plan), this replica's slice of it, the
+rank's program of the plan's schedule, then per-step statistics gathered on rank 0.
 
 Gradient clipping needs the global norm before any optimizer step. With ``clip_norm`` set, the
 schedules are built with ``clip_grad`` (``medley.schedule.zero``): each rank's program ends with
