@@ -77,7 +77,8 @@ def test_train_refuses_before_any_rank_starts(args: list[str], expected: str) ->
 def test_on_cuda_each_rank_checks_the_plan_device_it_is_placed_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun a rank's device comes from the placement (LOCAL_RANK i: the i-th plan device
     here), not from the row-major order: with assignment 1,0, rank 0 on local rank 0 is plan device 0,
-    which runs pipeline rank 1 (row-major would say device 1). The GPU's size is the one stand-in (this machine has none)."""
+    which runs pipeline rank 1 (row-major would say device 1). The GPU's size is the one stand-in
+    (this machine has none)."""
     import types
 
     import torch
