@@ -26,7 +26,7 @@ def _write(tmp_path: Path, data: object) -> Path:
 
 def test_unknown_version_is_refused(tmp_path: Path, profile: Profile) -> None:
     data = profile.model_dump(mode="json") | {"version": 99}
-    with pytest.raises(MedleyInputError, match=r"'version' is 99.*reads profile version 1.*medley profile"):
+    with pytest.raises(MedleyInputError, match=r"'version' is 99.*reads version 1.*medley profile"):
         load_profile(_write(tmp_path, data))
 
 

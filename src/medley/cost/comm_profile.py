@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from medley.cost.profiles import AlphaBeta, CommMeasurement
+from medley.cost.profiles import AlphaBeta, CommMeasurement, read_versioned_json
 from medley.errors import MedleyInputError
 from medley.fileio import write_atomically
 from medley.spec.cluster import Cluster, NodeLink
@@ -59,20 +59,9 @@ def save_comm_profile(profile: CommTierProfile, path: Path) -> None:
 
 def load_comm_profile(path: Path) -> CommTierProfile:
     """Read and validate ``--comm-profile FILE``; every problem is one :class:`MedleyInputError` line."""
-    path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except OSError as err:
-        raise MedleyInputError(f"--comm-profile {path}: cannot read it ({err.strerror}).") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise MedleyInputError(f"--comm-profile {path}: not JSON ({printable(err)}); give a file written by "
-                               "`medley profile --comm`.") from None
-    if not isinstance(raw, dict) or raw.get("format") != COMM_PROFILE_FORMAT:
-        raise MedleyInputError(f"--comm-profile {path}: field 'format' must be '{COMM_PROFILE_FORMAT}'; give "
-                               "a file written by `medley profile --comm`.")
-    if raw.get("version") != COMM_PROFILE_VERSION:
-        raise MedleyInputError(f"--comm-profile {path}: field 'version' must be {COMM_PROFILE_VERSION}; "
-                               "re-create it with `medley profile --comm`.")
+    raw = read_versioned_json(path, what="communication profile", flag="--comm-profile",
+                              file_format=COMM_PROFILE_FORMAT, version=COMM_PROFILE_VERSION,
+                              writer="medley profile --comm")
     try:
         return CommTierProfile.model_validate(raw)
     except ValidationError as err:

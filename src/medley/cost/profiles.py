@@ -149,26 +149,32 @@ def save_profile(profile: Profile, path: Path) -> None:
     write_atomically(Path(path), json.dumps(profile.model_dump(mode="json"), indent=1) + "\n")
 
 
+def read_versioned_json(path: Path, *, what: str, flag: str, file_format: str, version: int,
+                        writer: str) -> dict[str, Any]:
+    """The JSON object of a file medley wrote (a profile, a communication profile) once its
+    ``format`` and ``version`` fields match; every problem is one :class:`MedleyInputError` line
+    naming ``path``, what it should be, and ``writer`` (the command that writes one)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise MedleyInputError(f"{path}: cannot read the {what} ({err.strerror}); check {flag}.") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise MedleyInputError(f"{path}: not a JSON {what} ({printable(err)}); give a file written by "
+                               f"`{writer}`.") from None
+    if not isinstance(raw, dict) or raw.get("format") != file_format:
+        raise MedleyInputError(f"{path}: field 'format' must be '{file_format}'; give a file written by "
+                               f"`{writer}`.")
+    if raw.get("version") != version:
+        raise MedleyInputError(
+            f"{path}: field 'version' is {printable(repr(raw.get('version')))}; this medley reads "
+            f"version {version}. Re-create it with `{writer}`.")
+    return raw
+
+
 def load_profile(path: Path) -> Profile:
     """Read and validate a profile file; every problem is a :class:`MedleyInputError`."""
-    path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except OSError as err:
-        raise MedleyInputError(
-            f"{path}: cannot read the profile file ({err.strerror}); check --profile."
-        ) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise MedleyInputError(f"{path}: not a JSON profile file ({printable(err)}); give a file written by "
-                               "`medley profile`.") from None
-    if not isinstance(raw, dict) or raw.get("format") != PROFILE_FORMAT:
-        raise MedleyInputError(f"{path}: field 'format' must be '{PROFILE_FORMAT}'; give a file written by "
-                               "`medley profile`.")
-    if raw.get("version") != PROFILE_VERSION:
-        raise MedleyInputError(
-            f"{path}: field 'version' is {printable(repr(raw.get('version')))}; this medley reads profile "
-            f"version {PROFILE_VERSION}. Re-create the profile with `medley profile`."
-        )
+    raw = read_versioned_json(path, what="profile file", flag="--profile", file_format=PROFILE_FORMAT,
+                              version=PROFILE_VERSION, writer="medley profile")
     try:
         profile = Profile.model_validate(raw)
     except ValidationError as err:

@@ -25,6 +25,7 @@ from typing import IO
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from medley.errors import debug_enabled
+from medley.runtime.lock import pid_alive
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 _PR_SET_PDEATHSIG = 1
@@ -62,16 +63,6 @@ def _parent_death_signal(parent: int) -> bool:
     return True
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _watch_pid(pid: int) -> None:
     """Exit this process once ``pid`` has ended: a pidfd wait where there is one, else a poll."""
     try:
@@ -81,7 +72,7 @@ def _watch_pid(pid: int) -> None:
     if fd is not None:
         select.select([fd], [], [])  # readable once the process has ended
         os._exit(1)
-    while _alive(pid):
+    while pid_alive(pid):
         time.sleep(_PARENT_POLL_S)
     os._exit(1)
 

@@ -48,7 +48,8 @@ def _holder(path: Path) -> dict[str, object]:
     return holder if isinstance(holder, dict) else {}
 
 
-def _pid_alive(pid: object) -> bool:
+def pid_alive(pid: object) -> bool:
+    """Whether process ``pid`` (a positive int; anything else is not) exists on this machine."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -86,7 +87,7 @@ def acquire(directory: Path) -> DirectoryLock:
             handle.close()
             raise _refuse(directory, path, _holder(path)) from None
         holder = _holder(path)  # no flock here: the pid decides
-        if holder.get("host") == socket.gethostname() and holder.get("pid") != os.getpid() and _pid_alive(
+        if holder.get("host") == socket.gethostname() and holder.get("pid") != os.getpid() and pid_alive(
                 holder.get("pid")):
             handle.close()
             raise _refuse(directory, path, holder) from None
