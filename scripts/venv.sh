@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create or reuse .venv and install medley into it (editable, with test tools).
-# Re-installs only when pyproject.toml changed since the last install.
+# Re-installs only when pyproject.toml or constraints.txt changed since the last install. The exact
+# versions come from constraints.txt (pyproject.toml states the ranges medley works with).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3.11}"
@@ -20,10 +21,10 @@ pip_quiet() {
   fi
   rm -f "$log"
 }
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
   pip_quiet --upgrade pip
   # torch first and pinned exactly, so that no other package pulls a CUDA build.
-  pip_quiet "torch==2.13.0"
-  pip_quiet -e ".[dev]"
+  pip_quiet -c constraints.txt torch
+  pip_quiet -c constraints.txt -e ".[dev]"
   touch "$stamp"
 fi
