@@ -171,10 +171,10 @@ def test_mixtral_is_refused_naming_the_moe_field(tmp_path: Path):
         ({"num_experts": 64}, "num_experts"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
-        ({"head_dim": 256}, "head_dim"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+        ({"head_dim": 0}, "explicit_head_dim"),
         ({"attention_bias": True}, "attention_bias"),
-        ({"model_type": "mistral", "sliding_window": 1024}, "sliding_window"),
-        ({"model_type": "mistral"}, "sliding_window"),  # transformers' default window is 4096 < 32768
         ({"intermediate_size": None}, "intermediate_size"),
         ({"num_hidden_layers": 100000}, "num_blocks"),
         ({"hidden_size": True}, "hidden_size"),

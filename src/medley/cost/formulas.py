@@ -41,8 +41,9 @@ def _norm_params(model: ModelSpec) -> int:
 
 
 def _block_params(model: ModelSpec) -> int:
-    h, kv, ffn = model.hidden_size, model.kv_dim, model.ffn_hidden_size
-    attention = h * (h + 2 * kv) + h * h + ((h + 2 * kv) + h if model.bias else 0)
+    h, q, kv, ffn = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
+    qkv_bias = q + 2 * kv if model.bias or model.qkv_bias else 0
+    attention = h * (q + 2 * kv) + q * h + qkv_bias + (h if model.bias else 0)
     if model.mlp == "swiglu":
         mlp = 3 * h * ffn + ((2 * ffn + h) if model.bias else 0)
     else:
@@ -90,16 +91,17 @@ def layer_gemms(model: ModelSpec, layer_index: int, *, micro_batch_size: int, se
     ffn = model.ffn_hidden_size
     up = [Gemm(tokens=t, in_features=h, out_features=ffn)] * (2 if model.mlp == "swiglu" else 1)
     return [
-        Gemm(tokens=t, in_features=h, out_features=h + 2 * model.kv_dim),  # fused QKV
-        Gemm(tokens=t, in_features=h, out_features=h),  # attention output
+        Gemm(tokens=t, in_features=h, out_features=model.q_dim + 2 * model.kv_dim),  # fused QKV
+        Gemm(tokens=t, in_features=model.q_dim, out_features=h),  # attention output
         *up,
         Gemm(tokens=t, in_features=ffn, out_features=h),  # down
     ]
 
 
 def attention_core_flops(model: ModelSpec, *, micro_batch_size: int, seq_len: int) -> float:
-    """Forward FLOPs of softmax(QK^T)V in one block: 2·b·s²·h each for the scores and for AV."""
-    return 4.0 * micro_batch_size * seq_len * seq_len * model.hidden_size
+    """Forward FLOPs of softmax(QK^T)V in one block: 2·b·s²·(heads·head_dim) each for the scores
+    and for AV (full causal maths, as the kernels compute it)."""
+    return 4.0 * micro_batch_size * seq_len * seq_len * model.q_dim
 
 
 def layer_flops(
@@ -129,8 +131,8 @@ def _block_activation_elements(model: ModelSpec) -> float:
     Saved: block input, attention-norm output, Q/K/V, attention output, MLP-norm input and output,
     and the MLP's inner tensors (SwiGLU: gate, up and their product; GELU: pre- and post-activation).
     """
-    h, kv, ffn = model.hidden_size, model.kv_dim, model.ffn_hidden_size
-    return 6 * h + 2 * kv + ffn * (3 if model.mlp == "swiglu" else 2)
+    h, q, kv, ffn = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
+    return 4 * h + 2 * q + 2 * kv + ffn * (3 if model.mlp == "swiglu" else 2)
 
 
 def layer_activation_bytes(
@@ -219,7 +221,7 @@ def layer_elementwise_bytes(
             Pass.B: (loss + 3.0 * t * h * d, 3),
             Pass.W: (2.0 * t * h * d, 1),
         }[kind]
-    rope = 2.0 * (h + model.kv_dim) if model.position == "rope" else 0.0
+    rope = 2.0 * (model.q_dim + model.kv_dim) if model.position == "rope" else 0.0
     activation = (3.0 if model.mlp == "swiglu" else 2.0) * model.ffn_hidden_size
     forward = t * d * (4.0 * h + 6.0 * h + rope + activation)
     return {Pass.F: (forward, 6), Pass.B: (2.0 * forward, 12), Pass.W: (4.0 * t * h * d, 2)}[kind]

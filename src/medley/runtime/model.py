@@ -27,10 +27,28 @@ def _norm(spec: ModelSpec) -> nn.Module:
     return nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Inverse frequencies (float64, [head_dim / 2]) of the rotary embedding, scaled as the spec says
+    (``linear``: divided by the factor; ``llama3``: Llama 3.1's low/high-frequency interpolation)."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if spec.rope_scaling == "linear":
+        return inv_freq / spec.rope_factor
+    if spec.rope_scaling == "llama3":
+        low, high = spec.rope_low_freq_factor, spec.rope_high_freq_factor
+        old_len = spec.rope_original_max_seq_len
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / spec.rope_factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / spec.rope_factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(seq_len: int, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape [seq_len, head_dim / 2] for rotary position embeddings."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), rope_inv_freq(spec))
     return angles.cos().float(), angles.sin().float()
 
 
@@ -42,32 +60,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention (num_kv_heads <= num_heads)."""
+    """Causal grouped-query attention (num_kv_heads <= num_heads); sequences longer than a sliding
+    window are refused (full causal attention equals windowed attention up to the window)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        h, kv = spec.hidden_size, spec.kv_dim
-        self.wq = nn.Linear(h, h, bias=spec.bias)
-        self.wk = nn.Linear(h, kv, bias=spec.bias)
-        self.wv = nn.Linear(h, kv, bias=spec.bias)
-        self.wo = nn.Linear(h, h, bias=spec.bias)
+        h, q, kv, qkv_bias = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.bias or spec.qkv_bias
+        self.wq = nn.Linear(h, q, bias=qkv_bias)
+        self.wk = nn.Linear(h, kv, bias=qkv_bias)
+        self.wv = nn.Linear(h, kv, bias=qkv_bias)
+        self.wo = nn.Linear(q, h, bias=spec.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         batch, seq, _ = x.shape
+        if spec.sliding_window is not None and seq > spec.sliding_window:
+            raise ValueError(f"model '{spec.name}': sequence length {seq} exceeds its sliding window "
+                             f"{spec.sliding_window}, which the runtime does not mask")
         q = self.wq(x).view(batch, seq, spec.num_heads, spec.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
         if spec.position == "rope":
-            cos, sin = rope_tables(seq, spec.head_dim, spec.rope_theta)
+            cos, sin = rope_tables(seq, spec)
             cos, sin = cos.to(q.dtype), sin.to(q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if spec.num_kv_heads != spec.num_heads:
             repeat = spec.num_heads // spec.num_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, spec.hidden_size))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, spec.q_dim))
 
 
 class MLP(nn.Module):

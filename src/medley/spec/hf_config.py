@@ -1,7 +1,8 @@
 """Map a Hugging Face ``config.json`` onto :class:`ModelSpec` (no download, no transformers import).
 
-Only the families medley models are read: LLaMA and Mistral (rotary positions, RMSNorm, a gated
-SiLU MLP) and GPT-2, OPT and GPT-Neo (learned positions, LayerNorm, a two-matrix MLP). An unknown
+Only the families medley models are read: LLaMA (2, 3, 3.1, 3.2), Mistral and Qwen2 (rotary
+positions, possibly scaled (``linear``, ``llama3``), RMSNorm, a gated SiLU MLP, Qwen2's Q/K/V
+biases, an explicit ``head_dim``, a sliding window) and GPT-2, OPT and GPT-Neo (learned positions, LayerNorm, a two-matrix MLP). An unknown
 ``model_type``, a mixture-of-experts field, or any field that changes the maths in a way medley
 does not model is refused, naming the field. Optional fields take transformers' defaults for the
 ``model_type`` (LLaMA's ``hidden_act`` is ``silu``, its ``rms_norm_eps`` 1e-6, ...); the shape
@@ -36,6 +37,7 @@ _KEYS: dict[str, dict[str, tuple[str, ...]]] = {
     "gpt_neo": {**_LLAMA_KEYS, "num_blocks": ("num_layers",), "num_heads": ("num_heads",)},
     "llama": _LLAMA_KEYS,
     "mistral": _LLAMA_KEYS,
+    "qwen2": _LLAMA_KEYS,
 }
 _GPT_STYLE = {"gpt2", "opt", "gpt_neo"}
 # transformers' defaults (the *Config classes) for the optional fields medley reads.
@@ -52,6 +54,13 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "rope_theta": 10000.0,
         "sliding_window": 4096,
+    },
+    "qwen2": {
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "use_sliding_window": False,
     },
     "gpt2": {"layer_norm_epsilon": 1e-5, "tie_word_embeddings": True},
     "opt": {"ffn_dim": 3072, "tie_word_embeddings": True, "layer_norm_epsilon": 1e-5},
@@ -110,22 +119,51 @@ def _check_llama_maths(cfg: dict[str, Any], size: dict[str, int], source: str) -
     act = cfg["hidden_act"]
     if act not in ("silu", "swish"):
         raise _fail(source, "hidden_act", f"{act!r}: medley's LLaMA-style MLP is SwiGLU", "use silu")
-    if cfg.get("rope_scaling") is not None:
-        raise _fail(source, "rope_scaling", "scaled RoPE is not modelled",
-                    "remove it to plan with plain RoPE (the costs are the same)")
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    if window is not None and _int(window, "sliding_window", source) < size["max_seq_len"]:
-        raise _fail(source, "sliding_window", f"{window} < max_position_embeddings {size['max_seq_len']}: "
-                    "medley models full attention", "set it to null (full attention)")
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim != size["hidden_size"] // size["num_heads"]:
-        raise _fail(source, "head_dim", f"{head_dim!r} is not hidden_size / num_attention_heads",
-                    "medley needs head_dim = hidden_size / num_attention_heads")
     attention_bias = bool(cfg.get("attention_bias", False))
     if attention_bias != bool(cfg.get("mlp_bias", False)):
         raise _fail(source, "attention_bias", "differs from mlp_bias; medley gives every linear layer "
-                    "a bias or none", "make attention_bias and mlp_bias equal")
+                    "a bias or none (Qwen2's Q/K/V biases aside)", "make attention_bias and mlp_bias equal")
     return attention_bias
+
+
+def _attention_fields(cfg: dict[str, Any], model_type: str, size: dict[str, int], source: str) -> dict[str, Any]:
+    """ModelSpec's head width, sliding window and Q/K/V bias fields of a LLaMA-family config."""
+    fields: dict[str, Any] = {"qkv_bias": model_type == "qwen2"}
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None:
+        head_dim = _int(head_dim, "head_dim", source)
+        if head_dim * size["num_heads"] != size["hidden_size"]:
+            fields["explicit_head_dim"] = head_dim
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if window is not None and _int(window, "sliding_window", source) < size["max_seq_len"]:
+        fields["sliding_window"] = window
+    return fields
+
+
+def _rope_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """ModelSpec's RoPE fields from ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5)."""
+    key = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
+    params = cfg.get(key) or {}
+    if not isinstance(params, dict):
+        raise _fail(source, key, f"must be an object, got {params!r}", "write a JSON object or null")
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    fields: dict[str, Any] = {"rope_theta": _number(theta, "rope_theta", source)}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return fields
+    if rope_type not in ("linear", "llama3"):
+        raise _fail(source, key, f"rope_type {printable(str(rope_type))!r} is not modelled",
+                    "medley runs default, linear and llama3 RoPE")
+    fields["rope_scaling"] = rope_type
+    fields["rope_factor"] = _number(_get(params, "factor", "rope_factor", source), "factor", source)
+    if rope_type == "llama3":
+        for name, field in (("low_freq_factor", "rope_low_freq_factor"),
+                            ("high_freq_factor", "rope_high_freq_factor")):
+            fields[field] = _number(_get(params, name, field, source), name, source)
+        original = "original_max_position_embeddings"
+        fields["rope_original_max_seq_len"] = _int(
+            _get(params, original, "rope_original_max_seq_len", source), original, source)
+    return fields
 
 
 def spec_from_hf_dict(cfg: dict[str, Any], *, source: str) -> ModelSpec:
@@ -144,17 +182,18 @@ def spec_from_hf_dict(cfg: dict[str, Any], *, source: str) -> ModelSpec:
     kv = cfg.get("num_key_value_heads")
     size["num_kv_heads"] = size["num_heads"] if kv is None else _int(kv, "num_key_value_heads", source)
     bias = True if gpt_style else _check_llama_maths(cfg, size, source)
+    extra = {} if gpt_style else {**_attention_fields(cfg, model_type, size, source), **_rope_fields(cfg, source)}
     proj = cfg.get("word_embed_proj_dim") if model_type == "opt" else None
     eps_key = "layer_norm_epsilon" if gpt_style else "rms_norm_eps"
     try:
-        return _spec(cfg, model_type, size, bias, proj, eps_key, source)
+        return _spec(cfg, model_type, size, bias, proj, eps_key, source, extra)
     except MedleyInputError as err:
         raise MedleyInputError(f"{printable(source)}: {err}") from None
 
 
 def _spec(
     cfg: dict[str, Any], model_type: str, size: dict[str, int], bias: bool, proj: Any, eps_key: str,
-    source: str,
+    source: str, extra: dict[str, Any],
 ) -> ModelSpec:
     gpt_style = model_type in _GPT_STYLE
     return ModelSpec(
@@ -164,7 +203,7 @@ def _spec(
         position="learned" if gpt_style else "rope",
         tied_embeddings=bool(cfg["tie_word_embeddings"]),
         bias=bias,
-        rope_theta=_number(cfg.get("rope_theta", 10000.0), "rope_theta", source),
+        **{"rope_theta": _number(cfg.get("rope_theta", 10000.0), "rope_theta", source), **extra},
         norm_eps=_number(cfg[eps_key], eps_key, source),
         word_embed_proj_dim=None
         if proj in (None, size["hidden_size"])

@@ -38,7 +38,8 @@ class ModelSpec:
         vocab_size: rows of the token embedding.
         hidden_size: model width h.
         num_blocks: transformer blocks.
-        num_heads: attention (query) heads; head_dim = hidden_size / num_heads.
+        num_heads: attention (query) heads; head_dim = hidden_size / num_heads unless
+            ``explicit_head_dim`` is set.
         num_kv_heads: key/value heads (< num_heads for GQA, == for MHA).
         ffn_hidden_size: MLP inner width (per branch for SwiGLU).
         mlp: ``swiglu`` (3 matrices) or ``gelu`` (2 matrices; also used for OPT's ReLU).
@@ -47,10 +48,21 @@ class ModelSpec:
         max_seq_len: longest sequence (size of a learned position table).
         tied_embeddings: LM head shares the token embedding's weight.
         bias: linear layers carry biases (GPT-2/3, OPT, GPT-Neo).
+        qkv_bias: the Q, K and V projections carry biases even when ``bias`` is false (Qwen2).
         rope_theta: RoPE base.
         norm_eps: norm epsilon.
         word_embed_proj_dim: OPT-350M style narrower token embedding projected to hidden_size
             (None: the embedding is hidden_size wide).
+        explicit_head_dim: width of one attention head when it is not hidden_size / num_heads
+            (a config's ``head_dim``); None: hidden_size / num_heads.
+        rope_scaling: ``none``, ``linear`` (positions divided by ``rope_factor``) or ``llama3``
+            (Llama 3.1's frequency-dependent scaling, with the three fields below).
+        rope_factor: the scaling factor (``linear`` and ``llama3``).
+        rope_low_freq_factor: ``llama3``'s low_freq_factor.
+        rope_high_freq_factor: ``llama3``'s high_freq_factor.
+        rope_original_max_seq_len: ``llama3``'s original_max_position_embeddings.
+        sliding_window: each token attends to at most this many tokens (itself included); None:
+            full causal attention. The runtime trains only sequences no longer than the window.
     """
 
     name: str
@@ -69,6 +81,14 @@ class ModelSpec:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     word_embed_proj_dim: int | None = None
+    qkv_bias: bool = False
+    explicit_head_dim: int | None = None
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         sizes = (
@@ -97,20 +117,42 @@ class ModelSpec:
                 f"model '{printable(self.name)}': rope_theta must be a positive number and norm_eps "
                 f"in (0, 1), got {self.rope_theta} and {self.norm_eps}."
             )
-        if self.hidden_size % self.num_heads:
-            raise MedleyInputError(
-                f"model '{printable(self.name)}': hidden_size {self.hidden_size} must be divisible "
-                f"by num_heads {self.num_heads}."
-            )
+        self._check_attention_fields()
         if self.num_heads % self.num_kv_heads:
             raise MedleyInputError(
                 f"model '{printable(self.name)}': num_heads {self.num_heads} must be a multiple "
                 f"of num_kv_heads {self.num_kv_heads}."
             )
 
+    def _check_attention_fields(self) -> None:
+        for field_name in ("explicit_head_dim", "sliding_window"):
+            value = getattr(self, field_name)
+            if value is not None and not 0 < value <= MAX_SIZE:
+                raise MedleyInputError(
+                    f"model '{printable(self.name)}': field '{field_name}' must be an integer in "
+                    f"1..{MAX_SIZE:,} (or absent), got {value}."
+                )
+        if not (0 < self.rope_factor < float("inf") and 0 < self.rope_low_freq_factor
+                < self.rope_high_freq_factor < float("inf") and self.rope_original_max_seq_len > 0):
+            raise MedleyInputError(
+                f"model '{printable(self.name)}': rope_factor must be positive, 0 < rope_low_freq_factor "
+                f"< rope_high_freq_factor and rope_original_max_seq_len positive, got {self.rope_factor}, "
+                f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, {self.rope_original_max_seq_len}."
+            )
+        if self.explicit_head_dim is None and self.hidden_size % self.num_heads:
+            raise MedleyInputError(
+                f"model '{printable(self.name)}': hidden_size {self.hidden_size} must be divisible "
+                f"by num_heads {self.num_heads} (or set explicit_head_dim)."
+            )
+
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the Q projection's output (and the attention output projection's input)."""
+        return self.num_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
