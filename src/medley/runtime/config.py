@@ -60,6 +60,10 @@ class TrainConfig:
             loss scale or None) right before the step's global gradient check (the CLIP action:
             clipping on, or fp16), after the gradient reductions; tests inject overflows and watch
             every rank with it. Must be picklable (a module-level function or a partial of one).
+        init_from: a Hugging Face model directory whose safetensors weights the model starts from
+            (each rank reads its own stages' tensors); None: the seeded initialisation.
+        hf_dir: the Hugging Face model directory the model came from (``--model DIR`` or
+            ``init_from``), recorded in checkpoints so that an export copies its tokenizer files.
     """
 
     steps: int = 20
@@ -87,6 +91,8 @@ class TrainConfig:
     loss_scale_growth: float = 2.0
     loss_scale_growth_interval: int = 2000
     grad_hook: GradHook | None = None
+    init_from: Path | None = None
+    hf_dir: Path | None = None
 
 
 @dataclass(kw_only=True)

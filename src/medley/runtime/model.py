@@ -169,7 +169,8 @@ def init_layer(module: nn.Module, seed: int, layer_index: int, num_blocks: int) 
 
 class Decoder(nn.Module):
     """Layers ``[first_layer, last_layer)`` of the model described by ``spec``; with ``recompute``
-    each block keeps only its input and recomputes its activations in the backward.
+    each block keeps only its input and recomputes its activations in the backward; ``init`` False
+    leaves the parameters as constructed (for weights loaded next, or shapes on the meta device).
 
     The input is token ids [batch, seq] when the range holds the embedding, else hidden states
     [batch, seq, hidden]; the output is logits [batch, seq, vocab] when it holds the head, else
@@ -177,7 +178,7 @@ class Decoder(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, *, first_layer: int = 0, last_layer: int | None = None,
-                 seed: int = 0, recompute: bool = False) -> None:
+                 seed: int = 0, recompute: bool = False, init: bool = True) -> None:
         super().__init__()
         last_layer = spec.num_layers if last_layer is None else last_layer
         if not 0 <= first_layer < last_layer <= spec.num_layers:
@@ -197,7 +198,8 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleDict({str(i - 1): Block(spec) for i in block_ids})
         self.head = Head(spec) if has_head else None
         for index, layer in self.layer_modules().items():
-            init_layer(layer, seed, index, spec.num_blocks)
+            if init:
+                init_layer(layer, seed, index, spec.num_blocks)
 
     def layer_modules(self) -> dict[int, nn.Module]:
         """This range's layers by global layer index."""

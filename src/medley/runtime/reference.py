@@ -11,6 +11,7 @@ import math
 
 from medley.plan.compile import PlanLayout
 from medley.runtime.data import load_source
+from medley.runtime.hf_weights import load_hf_weights
 from medley.runtime.model import Decoder, token_loss_sum
 from medley.runtime.optim import lr_at, optimizer_class, set_lr
 from medley.runtime.train import TrainConfig
@@ -18,7 +19,9 @@ from medley.runtime.train import TrainConfig
 
 def reference_losses(layout: PlanLayout, config: TrainConfig, *, steps: int | None = None) -> list[float]:
     """Mean token loss of each step's global batch, trained in this process (fp32)."""
-    model = Decoder(layout.model, seed=config.seed)
+    model = Decoder(layout.model, seed=config.seed, init=config.init_from is None)
+    if config.init_from is not None:
+        load_hf_weights(model, config.init_from)
     opt_class, kwargs = optimizer_class(config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
     optimizer = opt_class(model.parameters(), **kwargs)
     source = load_source(config.data, seq_len=layout.seq_len)

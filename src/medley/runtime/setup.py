@@ -6,6 +6,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,9 +71,9 @@ def check_plan(plan: Plan, world_size: int) -> None:
                                "which the runtime does not build; use another model")
     if model.sliding_window is not None and layout.seq_len > model.sliding_window:
         raise MedleyInputError(
-            f"layout.seq_len {layout.seq_len} (--seq-len) exceeds the sliding window of model '{model.name}', "
-            f"{model.sliding_window} (sliding_window), which the runtime does not mask; use --seq-len "
-            f"{model.sliding_window} or less")
+            f"layout.seq_len {layout.seq_len} (--seq-len) exceeds the sliding window of model "
+            f"'{model.name}', {model.sliding_window} (sliding_window), which the runtime does not mask; "
+            f"use --seq-len {model.sliding_window} or less")
     if layout.seq_len > model.max_seq_len:
         raise MedleyInputError(
             f"layout.seq_len {layout.seq_len} (--seq-len) exceeds the longest sequence of model "
@@ -106,12 +107,14 @@ def _report(plan: Plan, place: RankPlace, *, device_id: int, stages: list[int]) 
 
 def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optimizer],
                optimizer_kwargs: dict[str, Any], autocast_dtype: torch.dtype | None = None,
-               clip_grad: bool = False, slowdown: Mapping[int, float] | None = None) -> RankSetup:
+               clip_grad: bool = False, slowdown: Mapping[int, float] | None = None,
+               init_from: Path | None = None) -> RankSetup:
     """Build this rank's stages and executor for ``plan`` (collective: every rank calls it).
 
     ``clip_grad`` decides whether the schedules carry the ``CLIP`` action (the run's clipping
     setting wins over ``layout.clip_grad``, which only says what the plan's prediction assumed);
-    the caller sets ``executor.on_clip``.
+    the caller sets ``executor.on_clip``. ``init_from``: a Hugging Face model directory the stages
+    read their weights from (else the seeded initialisation).
     """
     device = _device()
     table, devices = _placement(plan, device)
@@ -130,7 +133,8 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
         torch.set_default_device(device)
     stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers, zero=levels,
                                 mesh=mesh, seed=seed, optimizer_class=optimizer_class,
-                                optimizer_kwargs=optimizer_kwargs, recompute=layout.recompute)
+                                optimizer_kwargs=optimizer_kwargs, recompute=layout.recompute,
+                                init_from=init_from)
     n_tokens = layout.tokens_per_step
     me = devices[dist.get_rank()]
     factor = 1.0 if slowdown is None else slowdown[me]

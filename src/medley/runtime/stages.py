@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from medley.runtime.hf_weights import load_hf_weights
 from medley.runtime.model import Decoder
 from medley.runtime.sharding import ShardedStage, shard_stage
 from medley.schedule.ir import PipelineSchedule
@@ -86,9 +88,10 @@ def rank_place(mesh: DeviceMesh) -> RankPlace:
 def build_local_stages(
     spec: ModelSpec, *, schedule: PipelineSchedule, split: Sequence[int], zero: Sequence[int],
     mesh: DeviceMesh, seed: int, optimizer_class: type[torch.optim.Optimizer],
-    optimizer_kwargs: dict[str, Any], recompute: Sequence[bool] = (),
+    optimizer_kwargs: dict[str, Any], recompute: Sequence[bool] = (), init_from: Path | None = None,
 ) -> dict[int, ShardedStage]:
-    """Build and shard only the stages this rank runs in ``schedule`` (its replica's program)."""
+    """Build and shard only the stages this rank runs in ``schedule`` (its replica's program); with
+    ``init_from`` (a Hugging Face model directory) each stage reads its own layers' weights from it."""
     if len(split) != schedule.num_stages or len(zero) != schedule.num_stages:
         raise ValueError(f"split {tuple(split)} and zero {tuple(zero)} must give one entry per stage "
                          f"({schedule.num_stages} stages)")
@@ -99,7 +102,9 @@ def build_local_stages(
     for stage in schedule.stages_of_rank(place.pipeline_rank):
         first, last = ranges[stage]
         module = Decoder(spec, first_layer=first, last_layer=last, seed=seed,
-                         recompute=bool(recompute and recompute[stage]))
+                         recompute=bool(recompute and recompute[stage]), init=init_from is None)
+        if init_from is not None:
+            load_hf_weights(module, init_from)
         stages[stage] = shard_stage(module, zero=zero[stage], bucket_layers=schedule.bucket_layers.get(stage),
                                     dp_mesh=dp_mesh, optimizer_class=optimizer_class,
                                     optimizer_kwargs=optimizer_kwargs)

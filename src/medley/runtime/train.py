@@ -54,7 +54,8 @@ def train(plan: Plan, config: TrainConfig) -> list[StepRecord]:
     # fp16 checks its gradients in the CLIP action's all-reduce: its schedules always have one.
     clip_grad = config.clip_norm is not None or dtype == "fp16"
     setup = build_rank(plan, seed=config.seed, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
-                       autocast_dtype=DTYPES[dtype], clip_grad=clip_grad, slowdown=_slowdown(plan, config))
+                       autocast_dtype=DTYPES[dtype], clip_grad=clip_grad, slowdown=_slowdown(plan, config),
+                       init_from=config.init_from)
     if dist.get_rank() == 0:  # once the ranks sit where the plan says (build_rank checks that)
         note = precision_note(plan, dtype, chosen=config.dtype is not None)
         if note is not None:
@@ -103,6 +104,7 @@ class _Loop:
         self.meta = {"model": dataclasses.asdict(layout.model), "data": self.source.fingerprint,
                      "optimizer": config.optimizer, "seq_len": layout.seq_len, "seed": config.seed,
                      "global_batch": self.sequences,
+                     "hf_dir": None if config.hf_dir is None else str(Path(config.hf_dir).resolve()),
                      "plan": {"pp": layout.pp, "dp": layout.dp, "split": list(layout.stage_layers),
                               "zero": [z.level for z in layout.zero]}}
         flops = formulas.megatron_flops_per_step(layout.model, batch_size=self.sequences,

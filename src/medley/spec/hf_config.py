@@ -2,11 +2,12 @@
 
 Only the families medley models are read: LLaMA (2, 3, 3.1, 3.2), Mistral and Qwen2 (rotary
 positions, possibly scaled (``linear``, ``llama3``), RMSNorm, a gated SiLU MLP, Qwen2's Q/K/V
-biases, an explicit ``head_dim``, a sliding window) and GPT-2, OPT and GPT-Neo (learned positions, LayerNorm, a two-matrix MLP). An unknown
-``model_type``, a mixture-of-experts field, or any field that changes the maths in a way medley
-does not model is refused, naming the field. Optional fields take transformers' defaults for the
-``model_type`` (LLaMA's ``hidden_act`` is ``silu``, its ``rms_norm_eps`` 1e-6, ...); the shape
-fields (width, depth, heads, vocabulary, positions) must be given.
+biases, an explicit ``head_dim``, a sliding window) and GPT-2, OPT and GPT-Neo (learned
+positions, LayerNorm, a two-matrix MLP). An unknown ``model_type``, a mixture-of-experts field,
+or any field that changes the maths in a way medley does not model is refused, naming the field.
+Optional fields take transformers' defaults for the ``model_type`` (LLaMA's ``hidden_act`` is
+``silu``, its ``rms_norm_eps`` 1e-6, ...); the shape fields (width, depth, heads, vocabulary,
+positions) must be given.
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ def _check_llama_maths(cfg: dict[str, Any], size: dict[str, int], source: str) -
     return attention_bias
 
 
-def _attention_fields(cfg: dict[str, Any], model_type: str, size: dict[str, int], source: str) -> dict[str, Any]:
+def _attention_fields(
+    cfg: dict[str, Any], model_type: str, size: dict[str, int], source: str,
+) -> dict[str, Any]:
     """ModelSpec's head width, sliding window and Q/K/V bias fields of a LLaMA-family config."""
     fields: dict[str, Any] = {"qkv_bias": model_type == "qwen2"}
     head_dim = cfg.get("head_dim")
@@ -182,7 +185,8 @@ def spec_from_hf_dict(cfg: dict[str, Any], *, source: str) -> ModelSpec:
     kv = cfg.get("num_key_value_heads")
     size["num_kv_heads"] = size["num_heads"] if kv is None else _int(kv, "num_key_value_heads", source)
     bias = True if gpt_style else _check_llama_maths(cfg, size, source)
-    extra = {} if gpt_style else {**_attention_fields(cfg, model_type, size, source), **_rope_fields(cfg, source)}
+    extra = {} if gpt_style else {**_attention_fields(cfg, model_type, size, source),
+                                  **_rope_fields(cfg, source)}
     proj = cfg.get("word_embed_proj_dim") if model_type == "opt" else None
     eps_key = "layer_norm_epsilon" if gpt_style else "rms_norm_eps"
     try:

@@ -137,7 +137,8 @@ class ModelSpec:
             raise MedleyInputError(
                 f"model '{printable(self.name)}': rope_factor must be positive, 0 < rope_low_freq_factor "
                 f"< rope_high_freq_factor and rope_original_max_seq_len positive, got {self.rope_factor}, "
-                f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, {self.rope_original_max_seq_len}."
+                f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, "
+                f"{self.rope_original_max_seq_len}."
             )
         if self.explicit_head_dim is None and self.hidden_size % self.num_heads:
             raise MedleyInputError(

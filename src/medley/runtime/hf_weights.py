@@ -1,0 +1,97 @@
+"""Read a Hugging Face model directory's safetensors weights into medley's layers (``--init-from``).
+
+A directory holds ``model.safetensors`` or shards listed by ``model.safetensors.index.json``.
+Tensors are read lazily with ``safetensors.safe_open``: a stage opens only the files that hold its
+own layers' tensors and reads only those. :func:`check_hf_weights` reads the headers alone (names
+and shapes), so a missing or mis-shaped tensor is one line before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from medley.errors import MedleyInputError
+from medley.runtime.hf_names import check_hf_family, hf_name
+from medley.runtime.model import Decoder
+from medley.spec.cluster_schema import printable
+from medley.spec.model import ModelSpec
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def tensor_files(directory: Path) -> dict[str, Path]:
+    """The file holding each tensor of the model directory (from the index, or the single file's header)."""
+    directory = Path(directory)
+    index, single = directory / INDEX_FILE, directory / SINGLE_FILE
+    try:
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ValueError("no 'weight_map' object of tensor name -> file name")
+            return {name: directory / Path(file).name for name, file in weight_map.items()}
+        if single.is_file():
+            with safe_open(single, framework="pt") as handle:
+                return dict.fromkeys(handle.keys(), single)
+    except (OSError, ValueError, AttributeError) as err:
+        path = index if index.is_file() else single
+        raise MedleyInputError(printable(f"{path}: cannot read it ({err}); give a Hugging Face model "
+                                         "directory saved with safetensors")) from None
+    raise MedleyInputError(printable(f"--init-from {directory}: neither {SINGLE_FILE} nor {INDEX_FILE} is "
+                                     "there; give a Hugging Face model directory saved with safetensors"))
+
+
+def _by_file(module: torch.nn.Module, files: dict[str, Path], directory: Path
+             ) -> dict[Path, list[tuple[str, str, torch.Tensor]]]:
+    """(medley name, transformers name, parameter) of ``module`` grouped by the file to read."""
+    groups: dict[Path, list[tuple[str, str, torch.Tensor]]] = defaultdict(list)
+    for name, param in module.named_parameters():
+        hf = hf_name(name)
+        if hf not in files:
+            where = directory / (INDEX_FILE if (directory / INDEX_FILE).is_file() else SINGLE_FILE)
+            raise MedleyInputError(printable(f"{where}: tensor '{hf}' (medley's {name}) is missing; give "
+                                             "the directory of a model that matches --model"))
+        groups[files[hf]].append((name, hf, param))
+    return groups
+
+
+def _shape_error(file: Path, hf: str, name: str, got: list[int], want: torch.Size) -> MedleyInputError:
+    return MedleyInputError(printable(
+        f"{file}: tensor '{hf}' has shape {list(got)} but medley's {name} needs {list(want)}; give the "
+        "directory of a model that matches --model"))
+
+
+def check_hf_weights(spec: ModelSpec, directory: Path) -> None:
+    """Every tensor the model needs is in ``directory`` with its shape (headers only, no data)."""
+    check_hf_family(spec, what=f"--init-from {directory}")
+    with torch.device("meta"):
+        model = Decoder(spec, init=False)
+    for file, entries in _by_file(model, tensor_files(directory), Path(directory)).items():
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for name, hf, param in entries:
+                    shape = handle.get_slice(hf).get_shape()
+                    if list(shape) != list(param.shape):
+                        raise _shape_error(file, hf, name, shape, param.shape)
+        except (OSError, KeyError) as err:
+            raise MedleyInputError(printable(f"{file}: cannot read it ({err}); the index names tensors "
+                                             "this file lacks, or it is damaged")) from None
+
+
+def load_hf_weights(module: Decoder, directory: Path) -> None:
+    """Fill ``module``'s parameters (a stage or the whole model) from ``directory``, reading only
+    the tensors of its own layers."""
+    check_hf_family(module.spec, what=f"--init-from {directory}")
+    with torch.no_grad():
+        for file, entries in _by_file(module, tensor_files(directory), Path(directory)).items():
+            with safe_open(file, framework="pt") as handle:
+                for name, hf, param in entries:
+                    tensor = handle.get_tensor(hf)
+                    if tensor.shape != param.shape:
+                        raise _shape_error(file, hf, name, list(tensor.shape), param.shape)
+                    param.copy_(tensor)
