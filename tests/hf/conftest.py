@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SHAPE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, intermediate_size=96, max_position_embeddings=128)
 
 
@@ -40,7 +40,7 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
 def _tokenizer_files(directory: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {f"t{i}": i for i in range(127)} | {"[UNK]": 127}
+    vocab = {f"t{i}": i for i in range(255)} | {"[UNK]": 255}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(directory / "tokenizer.json"))

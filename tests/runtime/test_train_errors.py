@@ -41,7 +41,7 @@ def one_line_error(result) -> str:  # noqa: ANN001
 
 
 @pytest.mark.parametrize(("flag", "value"), [
-    ("--lr", "nan"), ("--lr", "inf"), ("--lr", "0"), ("--min-lr", "inf"), ("--weight-decay", "nan"),
+    ("--lr", "nan"), ("--lr", "inf"), ("--lr", "-1"), ("--min-lr", "inf"), ("--weight-decay", "nan"),
     ("--clip-norm", "inf"), ("--step-timeout", "nan"),
 ])
 def test_non_finite_numbers_are_refused(flag: str, value: str) -> None:

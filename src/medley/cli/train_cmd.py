@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from medley.cli import hf_cmd
 from medley.cli.errors import MedleyInputError, exit_on_input_error
 from medley.plan.plan import Plan
 
@@ -194,7 +195,7 @@ def register(app: typer.Typer) -> None:
         slowdown: Annotated[str | None, typer.Option(help="Emulated slowdown by device: 0=2,3=1.5")] = None,
         seed: Annotated[int, typer.Option(help="Seed of weights and data order")] = 0,
         optimizer: Annotated[str, typer.Option(help="adamw or sgd")] = "adamw",
-        lr: Annotated[float, typer.Option(help="Peak learning rate")] = 3e-3,
+        lr: Annotated[float, typer.Option(help="Peak learning rate (0: no updates)")] = 3e-3,
         min_lr: Annotated[float, typer.Option(help="Learning rate at the end of the cosine decay")] = 3e-4,
         warmup_steps: Annotated[int, typer.Option(help="Linear warm-up steps")] = 5,
         weight_decay: Annotated[float, typer.Option(help="Weight decay")] = 0.1,
@@ -204,7 +205,9 @@ def register(app: typer.Typer) -> None:
         log_jsonl: Annotated[Path | None, typer.Option(help="Append one JSON line per step here")] = None,
         step_timeout: Annotated[float, typer.Option(help="Seconds until a stuck step fails (0: off)")] = 600,
         cluster: Annotated[str | None, typer.Option(help="Inline plan: cluster (NxA100-80GB)")] = None,
-        model: Annotated[str, typer.Option(help="Inline plan: model preset")] = "tiny",
+        model: Annotated[str | None, typer.Option(
+            help="Inline plan: model preset, config.json or Hugging Face model directory (default: tiny, "
+                 "or the --init-from directory)")] = None,
         pp: Annotated[int, typer.Option(help="Inline plan: pipeline ranks per replica")] = 1,
         dp: Annotated[int, typer.Option(help="Inline plan: data-parallel replicas")] = 1,
         schedule: Annotated[str, typer.Option(help="Inline plan: schedule family")] = "1f1b",
@@ -221,6 +224,10 @@ def register(app: typer.Typer) -> None:
             help="Inline plan: device id per pipeline rank, replicas separated by ';' (3,0;1,2)")] = None,
         reset_data_order: Annotated[bool, typer.Option(
             help="Resume although the seed, global batch or --data differ from the checkpoint's")] = False,
+        init_from: Annotated[Path | None, typer.Option(
+            help="Start from this Hugging Face model directory's safetensors weights")] = None,
+        export_hf: Annotated[Path | None, typer.Option(
+            help="After training, write the model here as a Hugging Face model directory")] = None,
     ) -> None:
         """Train a plan on torch.distributed and report loss, step time and memory per step."""
         from medley.plan.plan import load_plan
@@ -231,13 +238,19 @@ def register(app: typer.Typer) -> None:
             weight_decay=weight_decay, clip_norm=clip_norm or None, data=data, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, log_jsonl=log_jsonl, emulate=emulate,
             slowdown=parse_slowdown(slowdown), progress=not as_json, dtype=dtype,
-            step_timeout_s=step_timeout or None, reset_data_order=reset_data_order)
+            step_timeout_s=step_timeout or None, reset_data_order=reset_data_order, init_from=init_from,
+            hf_dir=hf_cmd.hf_dir_of(model, init_from))
+        if export_hf is not None:
+            hf_cmd.check_export_target(export_hf, flag="--export-hf")
+            if checkpoint_dir is None:
+                config.checkpoint_dir = hf_cmd.export_checkpoints(export_hf)
         check_config(config)  # output paths and numbers, before any work
         if plan is not None:
             the_plan = load_plan(plan)
         else:  # an inline plan is made in the precision the run computes in: no precision note
             the_plan = inline_plan(
-                cluster=cluster, model=model, pp=pp, dp=dp, schedule=schedule,
+                cluster=cluster, model=model or (str(init_from) if init_from else "tiny"), pp=pp, dp=dp,
+                schedule=schedule,
                 micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
                 virtual_stages=virtual_stages, split=split, zero=zero, zero_placement=zero_placement,
                 buckets=buckets, gather_windows=gather_windows, clip_grad=bool(clip_norm),
@@ -250,10 +263,15 @@ def register(app: typer.Typer) -> None:
         from medley.runtime.data import load_source
 
         load_source(config.data, seq_len=the_plan.layout.seq_len)  # a bad --data fails once, before launch
+        if init_from is not None:
+            hf_cmd.check_init_from(the_plan.layout.model, init_from)
         check_fits(the_plan, config, local_ranks=local_ranks)
         records = run_stopping_cleanly(the_plan, config, local_ranks=local_ranks)
         if records is None:
             return
+        if export_hf is not None:
+            hf_cmd.export_after_training(config.checkpoint_dir, export_hf, temporary=checkpoint_dir is None)
+            typer.echo(f"wrote the Hugging Face model {export_hf}", err=True)
         if as_json:
             typer.echo(json.dumps(run_json(records), indent=1, allow_nan=False))
         else:

@@ -26,7 +26,7 @@ class TrainConfig:
         seed: seed of the model initialisation and of the data order.
         optimizer: ``adamw`` or ``sgd``.
         lr: peak learning rate, reached after ``warmup_steps`` linear warm-up steps, then cosine
-            decay to ``min_lr`` at step ``steps``.
+            decay to ``min_lr`` at step ``steps``; 0 updates nothing (min_lr is capped at lr).
         warmup_steps: linear warm-up steps.
         min_lr: learning rate at the end of the cosine decay.
         weight_decay: decoupled weight decay (AdamW) or L2 (SGD).
@@ -152,7 +152,7 @@ def check_config(config: TrainConfig) -> None:
         raise MedleyInputError(f"--steps {config.steps}: train at least one step")
     if config.optimizer not in ("adamw", "sgd"):
         raise MedleyInputError(f"--optimizer '{config.optimizer}' must be adamw or sgd")
-    for flag, value, positive in (("--lr", config.lr, True), ("--min-lr", config.min_lr, False),
+    for flag, value, positive in (("--lr", config.lr, False), ("--min-lr", config.min_lr, False),
                                   ("--weight-decay", config.weight_decay, False),
                                   ("--clip-norm", config.clip_norm, True),
                                   ("--step-timeout", config.step_timeout_s, True)):

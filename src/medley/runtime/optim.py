@@ -26,7 +26,9 @@ def optimizer_class(name: str, *, lr: float, weight_decay: float) -> tuple[type[
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
     """Linear warm-up over ``warmup_steps`` (step 0 already takes a non-zero step), then cosine
-    decay from ``lr`` to ``min_lr`` at ``total_steps``."""
+    decay from ``lr`` to ``min_lr`` at ``total_steps``; a ``min_lr`` above ``lr`` is ``lr`` (so
+    ``lr`` 0 changes no weight: an export round trip checks bit for bit with it)."""
+    min_lr = min(min_lr, lr)
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))

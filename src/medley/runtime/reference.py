@@ -19,6 +19,13 @@ from medley.runtime.train import TrainConfig
 
 def reference_losses(layout: PlanLayout, config: TrainConfig, *, steps: int | None = None) -> list[float]:
     """Mean token loss of each step's global batch, trained in this process (fp32)."""
+    return reference_train(layout, config, steps=steps)[1]
+
+
+def reference_train(layout: PlanLayout, config: TrainConfig, *,
+                    steps: int | None = None) -> tuple[Decoder, list[float]]:
+    """The whole model trained in this process (fp32) from the run's initial weights (seeded, or
+    ``config.init_from``), and the mean token loss of each step's global batch."""
     model = Decoder(layout.model, seed=config.seed, init=config.init_from is None)
     if config.init_from is not None:
         load_hf_weights(model, config.init_from)
@@ -42,4 +49,4 @@ def reference_losses(layout: PlanLayout, config: TrainConfig, *, steps: int | No
                 grad.mul_(coef)
         optimizer.step()
         losses.append(loss.item())
-    return losses
+    return model, losses

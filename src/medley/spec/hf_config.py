@@ -214,3 +214,44 @@ def _spec(
         else _int(proj, "word_embed_proj_dim", source),
         **size,
     )
+
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _rope_parameters(spec: ModelSpec) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default" if spec.rope_scaling == "none" else spec.rope_scaling,
+                            "rope_theta": spec.rope_theta}
+    if spec.rope_scaling != "none":
+        rope["factor"] = spec.rope_factor
+    if spec.rope_scaling == "llama3":
+        rope.update(low_freq_factor=spec.rope_low_freq_factor, high_freq_factor=spec.rope_high_freq_factor,
+                    original_max_position_embeddings=spec.rope_original_max_seq_len)
+    return rope
+
+
+def hf_dict_from_spec(spec: ModelSpec) -> dict[str, Any]:
+    """The ``config.json`` fields of a LLaMA-family spec (the inverse of :func:`spec_from_hf_dict`):
+    Qwen2 for Q/K/V-only biases, Mistral for a sliding window, else LLaMA; fp32 weights."""
+    if spec.qkv_bias and spec.bias:
+        raise MedleyInputError(f"model '{spec.name}': qkv_bias with bias has no Hugging Face family")
+    model_type = "qwen2" if spec.qkv_bias else "mistral" if spec.sliding_window is not None else "llama"
+    rope = _rope_parameters(spec)
+    cfg: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
+        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.ffn_hidden_size, "num_hidden_layers": spec.num_blocks,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim, "max_position_embeddings": spec.max_seq_len, "hidden_act": "silu",
+        "rms_norm_eps": spec.norm_eps, "tie_word_embeddings": spec.tied_embeddings,
+        "rope_parameters": rope, "rope_theta": spec.rope_theta,
+        "rope_scaling": None if spec.rope_scaling == "none" else rope, "dtype": "float32",
+    }
+    if model_type == "llama":
+        cfg.update(attention_bias=spec.bias, mlp_bias=spec.bias)
+    elif model_type == "mistral":
+        cfg["sliding_window"] = spec.sliding_window
+    else:
+        window = spec.sliding_window is not None
+        cfg.update(use_sliding_window=window, sliding_window=spec.sliding_window, max_window_layers=0)
+    return cfg

@@ -1,0 +1,82 @@
+"""Hugging Face model directories: ``medley export STEP --hf OUT``, and the ``--init-from`` /
+``--export-hf`` parts of ``medley train`` (checked before any rank starts)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from medley.cli.errors import MedleyInputError, exit_on_input_error
+from medley.fileio import check_output_dir
+
+
+def export_checkpoints(out: Path) -> Path:
+    """Where a run with ``--export-hf OUT`` and no ``--checkpoint-dir`` saves its final step
+    (the same path on every rank; removed after the export)."""
+    return out.parent / f".{out.name}.checkpoints"
+
+
+def check_export_target(out: Path, *, flag: str) -> Path:
+    out = check_output_dir(Path(out), flag=flag)
+    if out.exists():
+        raise MedleyInputError(f"{flag} {out}: already exists; give a new directory (the export "
+                               "creates it)")
+    return out
+
+
+def check_init_from(model, init_from: Path) -> None:  # noqa: ANN001 - a ModelSpec
+    """Every tensor the plan's model needs is in ``init_from`` with its shape (headers only)."""
+    from medley.runtime.hf_weights import check_hf_weights
+
+    if not Path(init_from).is_dir():
+        raise MedleyInputError(f"--init-from {init_from}: not a directory; give a Hugging Face model "
+                               "directory (config.json and *.safetensors)")
+    check_hf_weights(model, Path(init_from))
+
+
+def hf_dir_of(model: str | None, init_from: Path | None) -> Path | None:
+    """The Hugging Face directory a run's model came from (for the tokenizer files of an export)."""
+    if init_from is not None:
+        return Path(init_from)
+    return Path(model) if model is not None and Path(model).is_dir() else None
+
+
+def export_after_training(checkpoint_dir: Path, out: Path, *, temporary: bool) -> Path:
+    """Export the newest checkpoint of the finished run; drop the checkpoints if only the export
+    needed them."""
+    from medley.runtime.checkpoint import latest_checkpoint
+    from medley.runtime.hf_export import export_hf
+
+    latest = latest_checkpoint(checkpoint_dir)
+    if latest is None:
+        raise MedleyInputError(f"--export-hf {out}: the run saved no checkpoint in {checkpoint_dir}")
+    try:
+        return export_hf(latest, out)
+    finally:
+        if temporary:
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("export")
+    @exit_on_input_error
+    def export_cmd(
+        checkpoint: Annotated[Path, typer.Argument(help="A checkpoint step directory (CKPT_DIR/step-N)")],
+        hf: Annotated[Path, typer.Option(help="Write a Hugging Face model directory here (new)")],
+        max_shard_mb: Annotated[int, typer.Option(help="Largest safetensors file, MiB")] = 5120,
+    ) -> None:
+        """Export a checkpoint step, whatever plan wrote it, as a Hugging Face model directory
+        (safetensors, config.json, the tokenizer files of the model it came from)."""
+        from medley.runtime.hf_export import export_hf
+
+        if not checkpoint.is_dir():
+            raise MedleyInputError(f"{checkpoint}: not a directory; give a checkpoint step directory "
+                                   "(CHECKPOINT_DIR/step-N)")
+        if max_shard_mb < 1:
+            raise MedleyInputError(f"--max-shard-mb {max_shard_mb}: must be at least 1")
+        out = check_export_target(hf, flag="--hf")
+        export_hf(checkpoint, out, max_shard_bytes=max_shard_mb * 2**20)
+        typer.echo(f"wrote {out}")

@@ -1,0 +1,156 @@
+"""Export a medley checkpoint step as a Hugging Face model directory (``medley export``,
+``medley train --export-hf``).
+
+A step directory is DCP with plan-independent names (:mod:`medley.runtime.checkpoint`), so one
+process without a process group reads the whole model from it, whatever plan wrote it. The
+output holds the weights in safetensors (shards with ``model.safetensors.index.json`` above
+``max_shard_bytes``), a ``config.json`` made from the checkpoint's model and copies of the
+tokenizer files of the Hugging Face directory the run came from (recorded as ``hf_dir`` in
+``medley.json``). It is written into a temporary directory renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from medley.errors import MedleyInputError
+from medley.fileio import os_error_message
+from medley.runtime.checkpoint import SafeReader, read_meta, sha256_of
+from medley.runtime.hf_names import check_hf_family, hf_name
+from medley.runtime.hf_weights import INDEX_FILE, SINGLE_FILE
+from medley.runtime.model import Decoder
+from medley.spec.cluster_schema import printable
+from medley.spec.hf_config import hf_dict_from_spec
+from medley.spec.model import ModelSpec
+
+MAX_SHARD_BYTES = 5 * 2**30
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _checkpoint_model(step_dir: Path, meta: dict[str, Any]) -> ModelSpec:
+    try:
+        spec = ModelSpec(**meta["model"])
+    except (KeyError, TypeError, MedleyInputError) as err:
+        raise MedleyInputError(printable(f"checkpoint {step_dir}: medley.json's model is not one this medley "
+                                         f"reads ({err}); export it with the medley that wrote it")) from None
+    check_hf_family(spec, what=f"checkpoint {step_dir}")
+    return spec
+
+
+def _verify(step_dir: Path, meta: dict[str, Any]) -> None:
+    for name, digest in sorted(meta["files"].items()):
+        path = step_dir / name
+        if not path.is_file() or sha256_of(path) != digest:
+            raise MedleyInputError(printable(f"checkpoint {path}: missing or changed since it was saved "
+                                             "(sha256 mismatch); export another step"))
+
+
+def read_model_tensors(step_dir: Path) -> tuple[ModelSpec, dict[str, torch.Tensor], dict[str, Any]]:
+    """The checkpoint's model, its parameters by medley name (full tensors) and its medley.json."""
+    step_dir = Path(step_dir)
+    meta = read_meta(step_dir)
+    spec = _checkpoint_model(step_dir, meta)
+    _verify(step_dir, meta)
+    with torch.device("meta"):
+        names = [name for name, _ in Decoder(spec, init=False).named_parameters()]
+    try:
+        saved = SafeReader(step_dir).read_metadata().state_dict_metadata
+        state = {}
+        for name in names:
+            entry = saved.get(f"model.{name}")
+            if not isinstance(entry, TensorStorageMetadata):
+                raise MedleyInputError(printable(f"checkpoint {step_dir}: tensor 'model.{name}' is missing; "
+                                                 "export a checkpoint of this model"))
+            state[f"model.{name}"] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        dcp.load(state, storage_reader=SafeReader(step_dir), no_dist=True)
+    except MedleyInputError:
+        raise
+    except (Exception, CheckpointException) as err:
+        reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        raise MedleyInputError(printable(f"checkpoint {step_dir} is corrupt ({reason}); export another "
+                                         "step")) from None
+    return spec, {name: state[f"model.{name}"] for name in names}, meta
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def _write_weights(directory: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], directory / SINGLE_FILE, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for index, shard in enumerate(shards, start=1):
+        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, directory / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
+                                                    "weight_map": weight_map}, indent=1))
+
+
+def _write_config(directory: Path, spec: ModelSpec, hf_dir: Path | None) -> None:
+    """config.json from the spec, with the token ids of the original config; the tokenizer files."""
+    cfg = hf_dict_from_spec(spec)
+    if hf_dir is not None and (hf_dir / "config.json").is_file():
+        try:
+            original = json.loads((hf_dir / "config.json").read_text())
+        except (OSError, ValueError):
+            original = {}
+        if isinstance(original, dict):
+            cfg.update({key: original[key] for key in _TOKEN_IDS if key in original})
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    for name in TOKENIZER_FILES if hf_dir is not None else ():
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, directory / name)
+
+
+def export_hf(step_dir: Path, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write checkpoint ``step_dir`` as a Hugging Face model directory at ``out`` (atomically: a
+    temporary directory renamed into place; an existing ``out`` is refused)."""
+    out = Path(out)
+    if out.exists():
+        raise MedleyInputError(printable(f"--hf {out}: already exists; give a new directory"))
+    spec, params, meta = read_model_tensors(step_dir)
+    tensors = {hf_name(name): tensor.contiguous() for name, tensor in params.items()}
+    hf_dir = Path(meta["hf_dir"]) if isinstance(meta.get("hf_dir"), str) else None
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        _write_weights(tmp, tensors, max_shard_bytes)
+        _write_config(tmp, spec, hf_dir)
+        for file in tmp.iterdir():
+            os.chmod(file, 0o644)
+        os.rename(tmp, out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MedleyInputError(printable(os_error_message(out, err))) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,128 @@
+"""Training from Hugging Face weights and exporting back (gloo, CPU, ranks from the fork server):
+a pp 2 x dp 2 ZeRO 3,1 run starts from the directory's weights (its first loss is transformers'
+loss on the same batch, every loss the single-process reference's), and the export of its last
+step is what the reference model computes; with --lr 0 the export is the input, bit for bit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import hf_logits
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from medley.cli.main import app
+from medley.cost.estimator import CatalogCostSource
+from medley.plan.inline import inline_layout
+from medley.plan.plan import Plan
+from medley.runtime.checkpoint import latest_checkpoint
+from medley.runtime.data import load_source
+from medley.runtime.hf_export import export_hf, read_model_tensors
+from medley.runtime.hf_weights import tensor_files
+from medley.runtime.launch import train_local
+from medley.runtime.model import Decoder
+from medley.runtime.reference import reference_losses, reference_train
+from medley.runtime.train import TrainConfig
+from medley.spec.cluster import parse_cluster_arg
+from medley.spec.model import get_model
+
+TOL = 1e-5
+SEQ_LEN, MICRO_BATCH_SIZE, SEED = 32, 2, 3
+
+
+def hf_plan(directory: Path, *, pp: int, dp: int, split: str, zero: str, micro_batches: str) -> Plan:
+    cluster = parse_cluster_arg(f"{pp * dp}xA100-80GB")
+    model = get_model(str(directory))
+    layout = inline_layout(
+        cluster=cluster, model=model, cost=CatalogCostSource.for_cluster(model, cluster), pp=pp, dp=dp,
+        schedule="1f1b", micro_batches=micro_batches, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN,
+        split=split, zero=zero, dtype="fp32")
+    return Plan(layout=layout, cluster=cluster)
+
+
+def transformers_loss(directory: Path, tokens: torch.Tensor) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).item()
+
+
+@pytest.mark.timeout(300)
+def test_pp2_dp2_zero31_run_from_hf_weights_and_its_export(hf_models, tmp_path: Path) -> None:
+    directory = hf_models["llama"]
+    plan = hf_plan(directory, pp=2, dp=2, split="2,2", zero="3,1", micro_batches="2,2")
+    config = TrainConfig(steps=3, seed=SEED, warmup_steps=1, lr=1e-2, min_lr=1e-3, clip_norm=1.0,
+                         progress=False, measure_memory=False, init_from=directory, hf_dir=directory,
+                         checkpoint_dir=tmp_path / "ckpt")
+    records = train_local(plan, config)
+    reference, want = reference_train(plan.layout, config)
+    assert max(abs(r.loss - w) for r, w in zip(records, want, strict=True)) <= TOL
+    batch = load_source(None, seq_len=SEQ_LEN).global_batch(step=0, seed=SEED, sequences=8, seq_len=SEQ_LEN)
+    assert abs(records[0].loss - transformers_loss(directory, batch)) <= TOL
+    assert records[2].loss < records[0].loss - 0.01, "the steps must change the weights"
+
+    out = export_hf(latest_checkpoint(tmp_path / "ckpt"), tmp_path / "export", max_shard_bytes=100_000)
+    assert (out / "model.safetensors.index.json").is_file() and (out / "tokenizer.json").is_file()
+    tokens = batch[:2, :-1]
+    spec, params, _ = read_model_tensors(latest_checkpoint(tmp_path / "ckpt"))
+    trained = Decoder(spec, init=False)
+    trained.load_state_dict(params)
+    with torch.no_grad():
+        theirs, ours, single = hf_logits(out, tokens), trained(tokens), reference(tokens)
+    assert (theirs - ours).abs().max().item() <= TOL
+    # The run's weights equal the reference's up to fp32 round-off of its sharded reductions.
+    assert (theirs - single).abs().max().item() <= 10 * TOL
+
+
+@pytest.mark.timeout(300)
+def test_lr_zero_export_reproduces_the_weights_bit_for_bit(hf_models, tmp_path: Path) -> None:
+    directory = hf_models["mistral"]
+    out = tmp_path / "export"
+    result = CliRunner().invoke(app, [
+        "train", "--init-from", str(directory), "--local-ranks", "2", "--pp", "2", "--split", "2,3",
+        "--zero", "2,0", "--micro-batches", "2", "--seq-len", "32", "--steps", "2", "--lr", "0",
+        "--export-hf", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir()), "temporary checkpoints are removed"
+    original, exported = tensor_files(directory), tensor_files(out)
+    assert set(original) == set(exported)
+    for name, file in original.items():
+        with safe_open(file, framework="pt") as a, safe_open(exported[name], framework="pt") as b:
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+    assert (out / "tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()
+    assert replace(get_model(str(out)), name="m") == replace(get_model(str(directory)), name="m")
+
+
+def test_a_stage_reads_only_the_files_of_its_own_tensors(hf_models, monkeypatch: pytest.MonkeyPatch) -> None:
+    from medley.runtime import hf_weights
+    from medley.runtime.model import Decoder
+
+    directory = hf_models["llama"]  # saved in many shards
+    spec = get_model(str(directory))
+    opened: list[Path] = []
+    real = hf_weights.safe_open
+
+    def spy(path, **kwargs):  # noqa: ANN001, ANN202
+        opened.append(Path(path))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(hf_weights, "safe_open", spy)
+    files = tensor_files(directory)
+    stage = Decoder(spec, first_layer=2, last_layer=spec.num_layers, init=False)  # block 1 and the head
+    hf_weights.load_hf_weights(stage, directory)
+    wanted = {files[n] for n in files if n.startswith(("model.layers.1.", "model.norm", "lm_head"))}
+    assert set(opened) == wanted and len(opened) == len(wanted) < len(set(files.values()))
+
+
+def test_reference_losses_start_from_the_same_weights(hf_models) -> None:
+    directory = hf_models["qwen2"]  # tied embeddings and Q/K/V biases: one stage
+    plan = hf_plan(directory, pp=1, dp=1, split="4", zero="0", micro_batches="2")
+    config = TrainConfig(steps=1, seed=SEED, progress=False, init_from=directory)
+    batch = load_source(None, seq_len=SEQ_LEN).global_batch(step=0, seed=SEED, sequences=4, seq_len=SEQ_LEN)
+    assert abs(reference_losses(plan.layout, config)[0] - transformers_loss(directory, batch)) <= TOL
