@@ -198,7 +198,7 @@ def register(app: typer.Typer) -> None:
         cluster: Annotated[
             str, typer.Option(help="Cluster TOML file, or a short form like 8xA100-40GB+8xV100-16GB")
         ],
-        model: Annotated[str, typer.Option(help="Preset name or a Hugging Face config.json")],
+        model: Annotated[str, typer.Option(help="Preset, Hugging Face config.json or model directory")],
         global_batch: Annotated[int, typer.Option(min=1, help="Sequences per optimizer step")] = 512,
         seq_len: Annotated[int, typer.Option(min=1, help="Tokens per sequence")] = 2048,
         objective: Annotated[

@@ -162,7 +162,7 @@ def register(app: typer.Typer) -> None:
         cluster: Annotated[
             str, typer.Option(help="Cluster TOML file, or a catalog device with a count: 8xA100-80GB")
         ],
-        model: Annotated[str, typer.Option(help="Preset name or a Hugging Face config.json")],
+        model: Annotated[str, typer.Option(help="Preset, Hugging Face config.json or model directory")],
         pp: Annotated[int, typer.Option(min=1, help="Pipeline ranks per replica")] = 1,
         dp: Annotated[int, typer.Option(min=1, help="Data-parallel replicas")] = 1,
         schedule: Annotated[
