@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch.distributed.tensor import DTensor, Shard
 
 from medley.errors import MedleyInputError
 from medley.runtime.hf_names import check_hf_family, hf_name
@@ -46,11 +48,11 @@ def tensor_files(directory: Path) -> dict[str, Path]:
                                      "there; give a Hugging Face model directory saved with safetensors"))
 
 
-def _by_file(module: torch.nn.Module, files: dict[str, Path], directory: Path
+def _by_file(named: Iterable[tuple[str, torch.Tensor]], files: dict[str, Path], directory: Path
              ) -> dict[Path, list[tuple[str, str, torch.Tensor]]]:
-    """(medley name, transformers name, parameter) of ``module`` grouped by the file to read."""
+    """(medley name, transformers name, parameter) grouped by the file to read."""
     groups: dict[Path, list[tuple[str, str, torch.Tensor]]] = defaultdict(list)
-    for name, param in module.named_parameters():
+    for name, param in named:
         hf = hf_name(name)
         if hf not in files:
             where = directory / (INDEX_FILE if (directory / INDEX_FILE).is_file() else SINGLE_FILE)
@@ -71,7 +73,7 @@ def check_hf_weights(spec: ModelSpec, directory: Path) -> None:
     check_hf_family(spec, what=f"--init-from {directory}")
     with torch.device("meta"):
         model = Decoder(spec, init=False)
-    for file, entries in _by_file(model, tensor_files(directory), Path(directory)).items():
+    for file, entries in _by_file(model.named_parameters(), tensor_files(directory), Path(directory)).items():
         try:
             with safe_open(file, framework="pt") as handle:
                 for name, hf, param in entries:
@@ -83,15 +85,33 @@ def check_hf_weights(spec: ModelSpec, directory: Path) -> None:
                                              "this file lacks, or it is damaged")) from None
 
 
+def _rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The tensor this rank holds of ``param`` and its first row in the full tensor: a ZeRO-2/3
+    (FSDP2) parameter is a DTensor cut into ``torch.chunk`` pieces along dim 0 over the dp mesh."""
+    if not isinstance(param, DTensor):
+        return param, 0
+    if tuple(param.placements) != (Shard(0),):
+        raise ValueError(f"a sharded parameter with placements {param.placements} is not FSDP2's Shard(0)")
+    chunk = -(-param.shape[0] // param.device_mesh.size())
+    return param.to_local(), min(param.shape[0], param.device_mesh.get_local_rank() * chunk)
+
+
 def load_hf_weights(module: Decoder, directory: Path) -> None:
     """Fill ``module``'s parameters (a stage or the whole model) from ``directory``, reading only
     the tensors of its own layers."""
-    check_hf_family(module.spec, what=f"--init-from {directory}")
+    load_hf_tensors(module.spec, module.named_parameters(), directory)
+
+
+def load_hf_tensors(spec: ModelSpec, named: Iterable[tuple[str, torch.Tensor]], directory: Path) -> None:
+    """Fill parameters given by medley name from ``directory``: a plain one with its whole tensor,
+    a ZeRO-2/3 shard (DTensor) with only its own rows (read as a slice of the file)."""
+    check_hf_family(spec, what=f"--init-from {directory}")
     with torch.no_grad():
-        for file, entries in _by_file(module, tensor_files(directory), Path(directory)).items():
+        for file, entries in _by_file(named, tensor_files(directory), Path(directory)).items():
             with safe_open(file, framework="pt") as handle:
                 for name, hf, param in entries:
-                    tensor = handle.get_tensor(hf)
-                    if tensor.shape != param.shape:
-                        raise _shape_error(file, hf, name, list(tensor.shape), param.shape)
-                    param.copy_(tensor)
+                    piece = handle.get_slice(hf)
+                    if list(piece.get_shape()) != list(param.shape):
+                        raise _shape_error(file, hf, name, piece.get_shape(), param.shape)
+                    local, start = _rows(param)
+                    local.copy_(piece[start:start + local.shape[0]] if local.dim() else piece[:])

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from medley.runtime.hf_weights import load_hf_weights
+from medley.runtime.hf_weights import load_hf_tensors
 from medley.runtime.model import Decoder
 from medley.runtime.sharding import ShardedStage, shard_stage
 from medley.schedule.ir import PipelineSchedule
@@ -91,7 +91,8 @@ def build_local_stages(
     optimizer_kwargs: dict[str, Any], recompute: Sequence[bool] = (), init_from: Path | None = None,
 ) -> dict[int, ShardedStage]:
     """Build and shard only the stages this rank runs in ``schedule`` (its replica's program); with
-    ``init_from`` (a Hugging Face model directory) each stage reads its own layers' weights from it."""
+    ``init_from`` (a Hugging Face model directory) each stage reads its own layers' weights from it
+    (under ZeRO-2/3 only this rank's rows of them)."""
     if len(split) != schedule.num_stages or len(zero) != schedule.num_stages:
         raise ValueError(f"split {tuple(split)} and zero {tuple(zero)} must give one entry per stage "
                          f"({schedule.num_stages} stages)")
@@ -103,9 +104,10 @@ def build_local_stages(
         first, last = ranges[stage]
         module = Decoder(spec, first_layer=first, last_layer=last, seed=seed,
                          recompute=bool(recompute and recompute[stage]), init=init_from is None)
-        if init_from is not None:
-            load_hf_weights(module, init_from)
         stages[stage] = shard_stage(module, zero=zero[stage], bucket_layers=schedule.bucket_layers.get(stage),
                                     dp_mesh=dp_mesh, optimizer_class=optimizer_class,
                                     optimizer_kwargs=optimizer_kwargs)
+        if init_from is not None:  # after sharding, as a checkpoint load: a ZeRO-2/3 rank reads its rows
+            load_hf_tensors(spec, stages[stage].named_parameters_local(), init_from)
+            stages[stage].refresh_gathered()
     return stages
