@@ -55,6 +55,13 @@ def test_a_mis_shaped_tensor_is_named_with_its_file(hf_models, tmp_path: Path) -
     assert "needs [48, 64]" in line
 
 
+def test_a_damaged_weights_file_is_one_line(hf_models, tmp_path: Path) -> None:
+    shutil.copytree(hf_models["qwen2"], tmp_path / "bad")
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"not safetensors")
+    line = one_line_error(["train", "--init-from", str(tmp_path / "bad"), "--steps", "1"])
+    assert f"{tmp_path / 'bad' / 'model.safetensors'}: cannot read it" in line
+
+
 @pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
 def test_an_unsupported_rope_type_is_named(hf_models, tmp_path: Path, rope_type: str) -> None:
     shutil.copytree(hf_models["llama31"], tmp_path / "m")

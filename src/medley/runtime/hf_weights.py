@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor, Shard
 
 from medley.errors import MedleyInputError
@@ -40,7 +40,7 @@ def tensor_files(directory: Path) -> dict[str, Path]:
         if single.is_file():
             with safe_open(single, framework="pt") as handle:
                 return dict.fromkeys(handle.keys(), single)
-    except (OSError, ValueError, AttributeError) as err:
+    except (OSError, ValueError, AttributeError, SafetensorError) as err:
         path = index if index.is_file() else single
         raise MedleyInputError(printable(f"{path}: cannot read it ({err}); give a Hugging Face model "
                                          "directory saved with safetensors")) from None
@@ -80,7 +80,7 @@ def check_hf_weights(spec: ModelSpec, directory: Path) -> None:
                     shape = handle.get_slice(hf).get_shape()
                     if list(shape) != list(param.shape):
                         raise _shape_error(file, hf, name, shape, param.shape)
-        except (OSError, KeyError) as err:
+        except (OSError, KeyError, SafetensorError) as err:
             raise MedleyInputError(printable(f"{file}: cannot read it ({err}); the index names tensors "
                                              "this file lacks, or it is damaged")) from None
 
