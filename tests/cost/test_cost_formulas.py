@@ -106,3 +106,16 @@ def test_activation_bytes_scale_linearly_with_micro_batch():
     assert four == pytest.approx(4 * one)
     # Same order as Korthikanti's 34·sbh without dropout masks and with flash attention.
     assert 15 < one / (2048 * model.hidden_size) < 40
+
+
+def test_an_explicit_head_width_and_qkv_biases_change_the_attention_matmuls():
+    import dataclasses
+
+    base = get_model("tiny")  # h 64, 4 heads (16 wide), 2 KV heads
+    wide = dataclasses.replace(base, explicit_head_dim=32, qkv_bias=True)
+    qkv, out = formulas.layer_gemms(wide, 1, micro_batch_size=1, seq_len=8)[:2]
+    assert (qkv.in_features, qkv.out_features) == (64, 4 * 32 + 2 * 2 * 32)
+    assert (out.in_features, out.out_features) == (128, 64)
+    added = (64 * 256 + 128 * 64 + 256) - (64 * 128 + 64 * 64)  # wider Q/K/V/O, and Q/K/V biases
+    assert formulas.layer_params(wide, 1) - formulas.layer_params(base, 1) == added
+    assert formulas.attention_core_flops(wide, micro_batch_size=1, seq_len=8) == 4.0 * 8 * 8 * 128

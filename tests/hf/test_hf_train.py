@@ -67,8 +67,16 @@ def test_pp2_dp2_zero31_run_from_hf_weights_and_its_export(hf_models, tmp_path: 
     assert abs(records[0].loss - transformers_loss(directory, batch)) <= TOL
     assert records[2].loss < records[0].loss - 0.01, "the steps must change the weights"
 
-    out = export_hf(latest_checkpoint(tmp_path / "ckpt"), tmp_path / "export", max_shard_bytes=100_000)
+    step = latest_checkpoint(tmp_path / "ckpt")
+    out = export_hf(step, tmp_path / "export", max_shard_bytes=100_000)
     assert (out / "model.safetensors.index.json").is_file() and (out / "tokenizer.json").is_file()
+    result = CliRunner().invoke(app, ["export", str(step), "--hf", str(tmp_path / "cli")])
+    assert result.exit_code == 0 and (tmp_path / "cli" / "model.safetensors").is_file(), result.output
+    one_file, shards = tensor_files(tmp_path / "cli"), tensor_files(out)
+    assert set(one_file) == set(shards)
+    for name in one_file:
+        with safe_open(one_file[name], framework="pt") as a, safe_open(shards[name], framework="pt") as b:
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
     tokens = batch[:2, :-1]
     spec, params, _ = read_model_tensors(latest_checkpoint(tmp_path / "ckpt"))
     trained = Decoder(spec, init=False)

@@ -64,6 +64,11 @@ def test_learning_rate_warms_up_then_decays_to_the_minimum() -> None:
     assert lrs[20] == pytest.approx(0.1)
 
 
+def test_a_zero_learning_rate_stays_zero_whatever_the_minimum() -> None:
+    # min_lr is capped at lr: --lr 0 updates nothing (the export round trip relies on it)
+    assert [lr_at(s, lr=0.0, min_lr=3e-4, warmup_steps=2, total_steps=6) for s in range(7)] == [0.0] * 7
+
+
 class _Exploit:
     def __reduce__(self):  # noqa: ANN204
         return (os.system, ("echo pwned",))
