@@ -55,6 +55,12 @@ def test_a_mis_shaped_tensor_is_named_with_its_file(hf_models, tmp_path: Path) -
     assert "needs [48, 64]" in line
 
 
+def test_a_directory_of_another_model_is_refused(hf_models) -> None:
+    other = str(hf_models["llama31"])
+    line = one_line_error(["train", "--model", str(hf_models["llama"]), "--init-from", other])
+    assert f"--init-from {hf_models['llama31']}: its config.json has " in line
+
+
 def test_a_damaged_weights_file_is_one_line(hf_models, tmp_path: Path) -> None:
     shutil.copytree(hf_models["qwen2"], tmp_path / "bad")
     (tmp_path / "bad" / "model.safetensors").write_bytes(b"not safetensors")

@@ -28,12 +28,25 @@ def check_export_target(out: Path, *, flag: str) -> Path:
 
 
 def check_init_from(model, init_from: Path) -> None:  # noqa: ANN001 - a ModelSpec
-    """Every tensor the plan's model needs is in ``init_from`` with its shape (headers only)."""
+    """``init_from``'s config.json describes the plan's model (RoPE, norms: what shapes do not
+    show) and every tensor the model needs is there with its shape (headers only)."""
+    import dataclasses
+
     from medley.runtime.hf_weights import check_hf_weights
+    from medley.spec.model import get_model
 
     if not Path(init_from).is_dir():
         raise MedleyInputError(f"--init-from {init_from}: not a directory; give a Hugging Face model "
                                "directory (config.json and *.safetensors)")
+    if (Path(init_from) / "config.json").is_file():
+        theirs = dataclasses.asdict(get_model(str(init_from)))
+        differ = [key for key, value in dataclasses.asdict(model).items()
+                  if key != "name" and theirs[key] != value]
+        if differ:
+            key = differ[0]
+            raise MedleyInputError(
+                f"--init-from {init_from}: its config.json has {key} = {theirs[key]!r} but the model trained "
+                f"has {dataclasses.asdict(model)[key]!r}; train --model {init_from} (or a plan made for it)")
     check_hf_weights(model, Path(init_from))
 
 
