@@ -147,3 +147,11 @@ def test_bad_text_inputs_are_one_line(tmp_path: Path, bpe_tokenizer, large_token
     with pytest.raises(MedleyInputError, match=r"no column 'text' \(columns: body\)"):
         load_source(tmp_path / "p.parquet", seq_len=SEQ, options=options)
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]  # nothing half-written
+
+
+def test_byte_text_holds_out_its_tail_for_validation() -> None:
+    source = load_source(None, seq_len=SEQ, options=DataOptions(val_fraction=0.1))
+    assert source.train is None and source.val is not None and source.val.count >= 1
+    assert len(source.text) + len(source.val.tokens) == len(load_source(None, seq_len=SEQ).text)
+    assert source.fingerprint != load_source(None, seq_len=SEQ).fingerprint
+    assert source.eval_batch(0, sequences=2).shape == (2, SEQ + 1)

@@ -84,7 +84,7 @@ def cached_tokens(path: Path, fmt: str, *, tokenizer: TextTokenizer, field: str,
     """The token cache of a text data set (built now if absent), memory-mapped, and its metadata."""
     key = cache_key(path, fmt, tokenizer=tokenizer, field=field)
     tokens_path, meta_path = cache_dir / f"{key}.tokens", cache_dir / f"{key}.json"
-    if not meta_path.is_file():
+    if not (meta_path.is_file() and tokens_path.is_file()):
         _build(path, fmt, tokenizer=tokenizer, field=field, tokens_path=tokens_path, meta_path=meta_path,
                flag=flag)
     meta = json.loads(meta_path.read_text())

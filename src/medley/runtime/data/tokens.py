@@ -22,7 +22,7 @@ _MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 # Megatron-LM's indexed_dataset DType codes.
 _MEGATRON_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32",
                     8: "uint16"}
-_SCAN = 1 << 24  # tokens read at a time when checking the ids
+_SCAN = 1 << 22  # ids read at a time when checking them (8 MiB of uint16)
 _SAMPLES, _SAMPLE_BYTES = 64, 1 << 16
 
 
