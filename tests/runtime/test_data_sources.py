@@ -155,3 +155,26 @@ def test_byte_text_holds_out_its_tail_for_validation() -> None:
     assert len(source.text) + len(source.val.tokens) == len(load_source(None, seq_len=SEQ).text)
     assert source.fingerprint != load_source(None, seq_len=SEQ).fingerprint
     assert source.eval_batch(0, sequences=2).shape == (2, SEQ + 1)
+
+
+def test_a_text_file_with_a_tokenizer_is_one_document(tmp_path: Path, bpe_tokenizer) -> None:
+    text = "\n".join(DOCS) + "\n"
+    (tmp_path / "t.txt").write_text(text)
+    options = DataOptions(tokenizer=str(bpe_tokenizer), cache_dir=tmp_path / "cache")
+    source = load_source(tmp_path / "t.txt", seq_len=SEQ, options=options)
+    assert np.array_equal(np.asarray(source.train.tokens), expected_stream(bpe_tokenizer, [text]))
+
+
+def test_the_fingerprint_of_a_token_file_follows_its_content(tmp_path: Path) -> None:
+    ids = np.arange(50_000, dtype=np.uint16) % 250
+    ids.tofile(tmp_path / "t.bin")
+    first = load_source(tmp_path / "t.bin", seq_len=SEQ).fingerprint
+    ids[0] = 7
+    ids.tofile(tmp_path / "t.bin")
+    assert load_source(tmp_path / "t.bin", seq_len=SEQ).fingerprint != first
+    held = load_source(tmp_path / "t.bin", seq_len=SEQ, options=DataOptions(val_fraction=0.1)).fingerprint
+    assert held != load_source(tmp_path / "t.bin", seq_len=SEQ).fingerprint
+    wide = DataOptions(token_dtype="uint32")
+    with pytest.raises(MedleyInputError, match="outside the model's vocabulary of 256 as uint32"):
+        load_source(tmp_path / "t.bin", seq_len=SEQ, options=wide)  # uint16 ids read as uint32
+    assert load_source(tmp_path / "t.bin", seq_len=SEQ, options=wide, verify=False).fingerprint != first

@@ -50,7 +50,7 @@ def input_files(path: Path, fmt: str) -> list[Path]:
     if fmt == "parquet" and path.is_dir():
         return sorted(path.glob("*.parquet"))
     if fmt == "arrow":
-        return [path / "state.json", *_arrow_files(path)]
+        return [path / "state.json", *_arrow_files(path, flag="--data")]
     return [path]
 
 
@@ -62,7 +62,7 @@ def documents(path: Path, fmt: str, *, field: str, flag: str) -> Iterator[str]:
         for file in input_files(path, fmt):
             yield from _parquet(file, field=field, flag=flag)
     elif fmt == "arrow":
-        for file in _arrow_files(path):
+        for file in _arrow_files(path, flag=flag):
             yield from _arrow(file, field=field, flag=flag)
     else:
         yield from _text(path, flag=flag)
@@ -107,12 +107,12 @@ def _parquet(file: Path, *, field: str, flag: str) -> Iterator[str]:
         yield from (text for text in batch.column(0).to_pylist() if text is not None)
 
 
-def _arrow_files(directory: Path) -> list[Path]:
+def _arrow_files(directory: Path, *, flag: str) -> list[Path]:
     try:
         state = json.loads((directory / "state.json").read_text(encoding="utf-8"))
         return [directory / entry["filename"] for entry in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError):
-        raise MedleyInputError(f"--data {directory}/state.json: not a datasets save_to_disk state (no "
+        raise MedleyInputError(f"{flag} {directory}/state.json: not a datasets save_to_disk state (no "
                                "_data_files list); give the directory save_to_disk wrote") from None
 
 
