@@ -1,5 +1,6 @@
 """Suite-wide guards: no test may fork the pytest process once torch is imported, and no test
-sees a debug switch another test left on.
+sees a debug switch another test left on. Also the suite's small BPE tokenizers (trained on the
+shipped corpus), shared by the data and the Hugging Face tests.
 
 A forked child inherits torch's intra-op thread pool without its threads and can block forever on
 it (the equality tests hung this way at random on clean clones). Ranks come from a fork server or
@@ -12,8 +13,11 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
+from importlib import resources
+from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 _real_fork: Callable[[], int] = os.fork
 
@@ -42,3 +46,42 @@ def _debug_off(monkeypatch: pytest.MonkeyPatch) -> None:
     from medley.errors import DEBUG_ENV
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Token caches (``$XDG_CACHE_HOME/medley``) go to a temporary folder, for the test process
+    and every command it starts, never to the user's cache."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+EOS = "<|endoftext|>"
+
+
+def train_bpe(path: Path, vocab_size: int) -> Path:
+    """A BPE tokenizer of at most ``vocab_size`` tokens (EOS and UNK included), saved at ``path``."""
+    text = resources.files("medley.data").joinpath("corpus.txt").read_text(encoding="utf-8")
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, "<unk>"], show_progress=False)
+    tokenizer.train_from_iterator(text.splitlines(), trainer=trainer)
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer.json of 256 tokens or fewer: it fits the tiny model's vocabulary."""
+    return train_bpe(tmp_path_factory.mktemp("bpe") / "tokenizer.json", 256)
+
+
+@pytest.fixture(scope="session")
+def large_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer.json of more than 256 tokens: too many for the tiny model."""
+    return train_bpe(tmp_path_factory.mktemp("bpe_large") / "tokenizer.json", 400)

@@ -1,72 +1,31 @@
-"""Tiny random Hugging Face models (one per family medley reads), saved once per session with
-transformers' ``save_pretrained`` into temporary directories, plus a tokenizer file to copy."""
+"""The Hugging Face tests' model directories, saved once per session with transformers'
+``save_pretrained``, each with the suite's BPE tokenizer (tests/conftest.py) beside it."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from hf_models import hf_configs, randomise
 
-SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, intermediate_size=96, max_position_embeddings=128)
-
-
-def _configs() -> dict[str, object]:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-    llama31_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-    return {
-        "llama": LlamaConfig(**{**SHAPE, "vocab_size": 257}),  # odd: ZeRO-3 shards of 129 and 128 rows
-        "llama31": LlamaConfig(**SHAPE, rope_parameters=llama31_rope),
-        "qwen2": Qwen2Config(**SHAPE, tie_word_embeddings=True),
-        "mistral": MistralConfig(**{**SHAPE, "num_hidden_layers": 3}, sliding_window=64, head_dim=24,
-                                 rope_parameters={"rope_type": "linear", "factor": 2.0,
-                                                  "rope_theta": 10000.0}),
-    }
-
-
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter random (biases and norms too, so that each one matters)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=gen) * 0.1
-            param.copy_(noise + (1.0 if "norm" in name else 0.0))
-
-
-def _tokenizer_files(directory: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"t{i}": i for i in range(255)} | {"[UNK]": 255}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"unk_token": "[UNK]"}))
+EOS = "<|endoftext|>"
 
 
 @pytest.fixture(scope="session")
-def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def hf_models(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer: Path) -> dict[str, Path]:
     """family -> model directory; ``llama`` is saved in several shards with an index."""
     from transformers import AutoModelForCausalLM
 
     dirs = {}
-    for seed, (family, cfg) in enumerate(_configs().items()):
+    for seed, (family, cfg) in enumerate(hf_configs().items()):
         directory = tmp_path_factory.mktemp(f"hf_{family}")
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        _randomise(model, seed)
+        randomise(model, seed)
         model.save_pretrained(directory, max_shard_size="40KB" if family == "llama" else "1GB")
-        _tokenizer_files(directory)
+        shutil.copy(bpe_tokenizer, directory / "tokenizer.json")
+        (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "unk_token": "<unk>"}))
         dirs[family] = directory
     return dirs
-
-
-def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
-    """transformers' fp32 logits for ``tokens`` [batch, seq] from a saved model directory."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(tokens).logits

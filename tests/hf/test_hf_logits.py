@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_logits
+from hf_models import hf_logits
 
 from medley.cost.formulas import total_params
 from medley.runtime.hf_weights import load_hf_weights

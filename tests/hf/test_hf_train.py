@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import hf_logits
+from hf_models import hf_logits
 from safetensors import safe_open
 from typer.testing import CliRunner
 
@@ -20,13 +20,12 @@ from medley.cost.estimator import CatalogCostSource
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan
 from medley.runtime.checkpoint import latest_checkpoint
-from medley.runtime.data import load_source
 from medley.runtime.hf_export import export_hf, read_model_tensors
 from medley.runtime.hf_weights import tensor_files
 from medley.runtime.launch import train_local
 from medley.runtime.model import Decoder
 from medley.runtime.reference import reference_losses, reference_train
-from medley.runtime.train import TrainConfig
+from medley.runtime.train import TrainConfig, load_data
 from medley.spec.cluster import parse_cluster_arg
 from medley.spec.model import get_model
 
@@ -63,7 +62,8 @@ def test_pp2_dp2_zero31_run_from_hf_weights_and_its_export(hf_models, tmp_path: 
     records = train_local(plan, config)
     reference, want = reference_train(plan.layout, config)
     assert max(abs(r.loss - w) for r, w in zip(records, want, strict=True)) <= TOL
-    batch = load_source(None, seq_len=SEQ_LEN).global_batch(step=0, seed=SEED, sequences=8, seq_len=SEQ_LEN)
+    batch = load_data(config, seq_len=SEQ_LEN, vocab_size=plan.layout.model.vocab_size).global_batch(
+        step=0, seed=SEED, sequences=8, seq_len=SEQ_LEN)
     assert abs(records[0].loss - transformers_loss(directory, batch)) <= TOL
     assert records[2].loss < records[0].loss - 0.01, "the steps must change the weights"
 
@@ -132,5 +132,23 @@ def test_reference_losses_start_from_the_same_weights(hf_models) -> None:
     directory = hf_models["qwen2"]  # tied embeddings and Q/K/V biases: one stage
     plan = hf_plan(directory, pp=1, dp=1, split="4", zero="0", micro_batches="2")
     config = TrainConfig(steps=1, seed=SEED, progress=False, init_from=directory)
-    batch = load_source(None, seq_len=SEQ_LEN).global_batch(step=0, seed=SEED, sequences=4, seq_len=SEQ_LEN)
+    batch = load_data(config, seq_len=SEQ_LEN, vocab_size=plan.layout.model.vocab_size).global_batch(
+        step=0, seed=SEED, sequences=4, seq_len=SEQ_LEN)
     assert abs(reference_losses(plan.layout, config)[0] - transformers_loss(directory, batch)) <= TOL
+
+
+def test_text_data_is_tokenized_with_the_model_directorys_tokenizer(hf_models, bpe_tokenizer: Path) -> None:
+    """--model DIR / --init-from DIR supply its tokenizer.json for text data (the shipped text
+    included), as --tokenizer would; without one, text is bytes and needs a vocabulary of 256."""
+    from medley.errors import MedleyInputError
+
+    def first_batch(config: TrainConfig) -> torch.Tensor:
+        source = load_data(config, seq_len=SEQ_LEN, vocab_size=257)
+        return source.global_batch(step=0, seed=SEED, sequences=4, seq_len=SEQ_LEN)
+
+    from_dir = first_batch(TrainConfig(hf_dir=hf_models["llama"]))
+    assert torch.equal(from_dir, first_batch(TrainConfig(init_from=hf_models["llama"])))
+    assert torch.equal(from_dir, first_batch(TrainConfig(tokenizer=str(bpe_tokenizer))))
+    assert not torch.equal(from_dir, first_batch(TrainConfig()))  # bytes
+    with pytest.raises(MedleyInputError, match="read as bytes .* vocab_size is 100"):
+        load_data(TrainConfig(), seq_len=SEQ_LEN, vocab_size=100)

@@ -160,10 +160,13 @@ def print_records(plan: Plan, records: list, console: Console, *, split: str | N
     layout = plan.layout
     table = Table(title=f"{layout.model.name} · {layout.schedule} · pp={layout.pp} dp={layout.dp} · "
                   f"{split_label(plan, split)} · ZeRO {[z.level for z in layout.zero]}")
-    for col in ("step", "loss", "lr", "grad norm", "step time", "tokens/s"):
+    evaluated = any(r.eval_loss is not None for r in records)
+    for col in ("step", "loss", *(["eval loss"] if evaluated else []), "lr", "grad norm", "step time",
+                "tokens/s"):
         table.add_column(col, justify="right")
     for r in records:
-        table.add_row(str(r.step), f"{r.loss:.4f}", f"{r.lr:.2e}", f"{r.grad_norm:.3f}",
+        shown = [f"{r.eval_loss:.4f}" if r.eval_loss is not None else ""] if evaluated else []
+        table.add_row(str(r.step), f"{r.loss:.4f}", *shown, f"{r.lr:.2e}", f"{r.grad_norm:.3f}",
                       f"{r.step_time_s * 1e3:.1f} ms", f"{r.tokens_per_s:,.0f}")
     console.print(table)
     if not records:
@@ -185,8 +188,21 @@ def register(app: typer.Typer) -> None:
     def train_cmd(
         plan: Annotated[Path | None, typer.Option(help="Plan TOML file (else the inline flags)")] = None,
         steps: Annotated[int, typer.Option(help="Optimizer steps in total")] = 20,
-        data: Annotated[str | None, typer.Option(help="UTF-8 text file, or 'synthetic' (default: shipped "
-                                                      "corpus)")] = None,
+        data: Annotated[str | None, typer.Option(help=(
+            "Data: .jsonl, .parquet (file or directory), datasets save_to_disk directory, .bin token file, "
+            "text file, or 'synthetic' (default: shipped corpus)"))] = None,
+        tokenizer: Annotated[str | None, typer.Option(help=(
+            "tokenizer.json (or its directory) for text data (else a text file is read as bytes)"))] = None,
+        text_field: Annotated[str, typer.Option(help="JSON field / column holding the text")] = "text",
+        token_dtype: Annotated[str | None, typer.Option(help=(
+            ".bin token ids: uint16 or uint32 (default: from the .idx beside it, else uint16)"))] = None,
+        data_cache: Annotated[Path | None, typer.Option(help=(
+            "Token cache directory (default: ~/.cache/medley/tokens)"))] = None,
+        val_data: Annotated[str | None, typer.Option(help="Validation data (same formats as --data)")] = None,
+        val_fraction: Annotated[float, typer.Option(help="Hold out this share of --data")] = 0.0,
+        eval_every: Annotated[int, typer.Option(help="Validation loss every N steps (0: off)")] = 0,
+        eval_batches: Annotated[int, typer.Option(help="Validation batches per evaluation")] = 2,
+        tensorboard: Annotated[Path | None, typer.Option(help="Write TensorBoard scalars here")] = None,
         checkpoint_dir: Annotated[Path | None, typer.Option(help="Save here; resume from the newest")] = None,
         checkpoint_every: Annotated[int, typer.Option(help="Save every K steps (0: at the end)")] = 0,
         local_ranks: Annotated[int | None, typer.Option(help="Start N ranks on this machine")] = None,
@@ -235,7 +251,10 @@ def register(app: typer.Typer) -> None:
 
         config = TrainConfig(
             steps=steps, seed=seed, optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, min_lr=min_lr,
-            weight_decay=weight_decay, clip_norm=clip_norm or None, data=data, checkpoint_dir=checkpoint_dir,
+            weight_decay=weight_decay, clip_norm=clip_norm or None, data=data, tokenizer=tokenizer,
+            text_field=text_field, token_dtype=token_dtype, data_cache=data_cache, val_data=val_data,
+            val_fraction=val_fraction, eval_every=eval_every, eval_batches=eval_batches,
+            tensorboard=tensorboard, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, log_jsonl=log_jsonl, emulate=emulate,
             slowdown=parse_slowdown(slowdown), progress=not as_json, dtype=dtype,
             step_timeout_s=step_timeout or None, reset_data_order=reset_data_order, init_from=init_from,
@@ -260,9 +279,10 @@ def register(app: typer.Typer) -> None:
             raise MedleyInputError(
                 f"--local-ranks {local_ranks}: the plan needs pp {layout.pp} x dp {layout.dp} = "
                 f"{the_plan.world_size} ranks; pass --local-ranks {the_plan.world_size}")
-        from medley.runtime.data import load_source
+        from medley.runtime.config import load_data
 
-        load_source(config.data, seq_len=the_plan.layout.seq_len)  # a bad --data fails once, before launch
+        # A bad --data fails once, before launch; a text data set is tokenized here, once.
+        load_data(config, seq_len=the_plan.layout.seq_len, vocab_size=the_plan.layout.model.vocab_size)
         if init_from is not None:
             hf_cmd.check_init_from(the_plan.layout.model, init_from)
         check_fits(the_plan, config, local_ranks=local_ranks)

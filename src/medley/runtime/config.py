@@ -4,6 +4,7 @@ what rank 0 reports per step (:class:`StepRecord`)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from medley.errors import MedleyInputError
 from medley.fileio import check_output_dir, check_output_file
+from medley.runtime.data import DataOptions, DataSource, load_source
 from medley.runtime.precision import DTYPES
 from medley.runtime.sharding import ShardedStage
 
@@ -31,7 +33,21 @@ class TrainConfig:
         min_lr: learning rate at the end of the cosine decay.
         weight_decay: decoupled weight decay (AdamW) or L2 (SGD).
         clip_norm: clip gradients to this global L2 norm (across stages and shards); None: off.
-        data: a UTF-8 text file, None for the shipped corpus, or ``"synthetic"``.
+        data: a data set (``.jsonl``, ``.parquet`` or a directory of them, a ``datasets``
+            ``save_to_disk`` directory, a ``.bin`` token file, a text file), None for the shipped
+            corpus, or ``"synthetic"`` (:mod:`medley.runtime.data`).
+        tokenizer: a tokenizers ``tokenizer.json`` (or its directory) for text data; None: plain
+            text is read as bytes.
+        text_field: the JSON field or column holding the text.
+        token_dtype: ids of ``.bin`` token files: ``uint16`` or ``uint32`` (None: the Megatron
+            ``.idx`` beside it, else uint16 as nanoGPT).
+        data_cache: where tokenized text is cached (None: ``~/.cache/medley/tokens``).
+        val_data: a validation data set (same formats), all of its windows used in order.
+        val_fraction: hold out this share of ``data``'s windows (the last ones) for validation.
+        eval_every: every this many steps (and after the last), the mean loss over
+            ``eval_batches`` fixed validation batches, forward only; 0: never.
+        eval_batches: validation batches (each the shape of the global batch) per evaluation.
+        tensorboard: rank 0 writes TensorBoard scalars here (needs the tensorboard package).
         checkpoint_dir: where checkpoints go; a run resumes from the newest one found there.
         checkpoint_every: save every this many steps (and after the last step); 0: only at the end.
         log_jsonl: rank 0 appends one JSON line per step here.
@@ -75,6 +91,15 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip_norm: float | None = 1.0
     data: str | None = None
+    tokenizer: str | None = None
+    text_field: str = "text"
+    token_dtype: str | None = None
+    data_cache: Path | None = None
+    val_data: str | None = None
+    val_fraction: float = 0.0
+    eval_every: int = 0
+    eval_batches: int = 2
+    tensorboard: Path | None = None
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0
     log_jsonl: Path | None = None
@@ -94,6 +119,27 @@ class TrainConfig:
     init_from: Path | None = None
     hf_dir: Path | None = None
 
+    def data_options(self) -> DataOptions:
+        """How to read the data: text is tokenized with ``tokenizer``, else with the model
+        directory's ``tokenizer.json`` (``hf_dir``, else ``init_from``) when it has one, else read
+        as bytes."""
+        tokenizer, model_dir = self.tokenizer, self.hf_dir or self.init_from
+        if tokenizer is None and model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+            tokenizer = str(model_dir)
+        return DataOptions(tokenizer=tokenizer, text_field=self.text_field, token_dtype=self.token_dtype,
+                           cache_dir=self.data_cache, val_fraction=self.val_fraction)
+
+    def eval_due(self, step: int) -> bool:
+        """Whether the model after ``step`` is evaluated: every ``eval_every`` steps and after the last."""
+        return self.eval_every > 0 and ((step + 1) % self.eval_every == 0 or step + 1 == self.steps)
+
+
+def load_data(config: TrainConfig, *, seq_len: int, vocab_size: int, verify: bool = True) -> DataSource:
+    """The run's data source; ``verify`` (the launching process) checks token ids and builds
+    the token cache, the ranks (``verify=False``) only map it."""
+    return load_source(config.data, seq_len=seq_len, options=config.data_options(), vocab_size=vocab_size,
+                       val_data=config.val_data, verify=verify)
+
 
 @dataclass(kw_only=True)
 class StepRecord:
@@ -112,6 +158,9 @@ class StepRecord:
         loss_scale: fp16: the scale this step's backward used (None in other precisions).
         skipped_steps: fp16: steps skipped so far for non-finite gradients, this one included (a
             skipped step has an infinite ``grad_norm`` and changed nothing).
+        eval_loss: mean token loss over the validation batches of the model after this step's
+            update (steps where ``eval_every`` is due), else None.
+        step_time_by_device: the step's wall time on each rank, by device id of the plan.
     """
 
     step: int
@@ -125,12 +174,15 @@ class StepRecord:
     emulated_sleep_s: float = 0.0
     loss_scale: float | None = None
     skipped_steps: int = 0
+    eval_loss: float | None = None
+    step_time_by_device: dict[int, float] = field(default_factory=dict)
 
     def as_json(self) -> dict:
         """The record as strict JSON: device ids as strings, a skipped step's infinite
         ``grad_norm`` as null."""
         row = dataclasses.asdict(self)
         row["peak_memory_bytes"] = {str(k): v for k, v in self.peak_memory_bytes.items()}
+        row["step_time_by_device"] = {str(k): v for k, v in self.step_time_by_device.items()}
         if not math.isfinite(self.grad_norm):
             row["grad_norm"] = None
         return row
@@ -163,11 +215,30 @@ def check_config(config: TrainConfig) -> None:
         check_output_dir(config.checkpoint_dir, flag="--checkpoint-dir")
     if config.log_jsonl is not None:
         check_output_file(config.log_jsonl, flag="--log-jsonl")
+    _check_eval(config)
     if config.checkpoint_every < 0:
         raise MedleyInputError(f"--checkpoint-every {config.checkpoint_every} must be >= 0")
     if config.dtype not in (None, *DTYPES):
         raise MedleyInputError(f"--dtype '{config.dtype}' must be fp32, bf16 or fp16")
     _check_loss_scale(config)
+
+
+def _check_eval(config: TrainConfig) -> None:
+    """Evaluation settings, and TensorBoard installed when asked for."""
+    if config.eval_every < 0 or config.eval_batches < 1:
+        raise MedleyInputError(f"--eval-every {config.eval_every} must be >= 0 and --eval-batches "
+                               f"{config.eval_batches} >= 1")
+    if not 0 <= config.val_fraction < 1:
+        raise MedleyInputError(f"--val-fraction {config.val_fraction} must be in [0, 1); e.g. 0.05")
+    if config.eval_every and config.val_data is None and not config.val_fraction:
+        raise MedleyInputError(f"--eval-every {config.eval_every}: nothing to evaluate on; give "
+                               "--val-data FILE "
+                               "or --val-fraction F")
+    if config.tensorboard is not None:
+        check_output_dir(config.tensorboard, flag="--tensorboard")
+        if importlib.util.find_spec("tensorboard") is None:
+            raise MedleyInputError(f"--tensorboard {config.tensorboard}: the tensorboard package is not "
+                                   "installed; pip install medley[tensorboard]")
 
 
 def _check_loss_scale(config: TrainConfig) -> None:

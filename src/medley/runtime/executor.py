@@ -31,6 +31,9 @@ from medley.schedule.ir import (
 )
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# The actions of a forward-only pass (evaluation): the forwards, their transfers, and the ZeRO-3
+# gathers and releases around them, in the schedule's order.
+FORWARD_KINDS = frozenset({Kind.UNSHARD, Kind.F, Kind.SEND_F, Kind.RECV_F, Kind.RESHARD})
 
 
 @dataclass(kw_only=True)
@@ -109,9 +112,19 @@ class RankExecutor:
 
     def run_step(self, batch: MicroBatches) -> list[torch.Tensor]:
         """Run the program once; returns the last stage's per-micro-batch losses (if held here)."""
+        return self._run_program(self.program, batch)
+
+    def run_forward(self, batch: MicroBatches) -> list[torch.Tensor]:
+        """The program's forward actions only (:data:`FORWARD_KINDS`, in order, without autograd):
+        the losses of ``batch`` under the current weights, nothing updated. Every rank drops the
+        same kinds, so the DP group's collectives still match."""
+        with torch.no_grad():
+            return self._run_program([a for a in self.program if a.kind in FORWARD_KINDS], batch)
+
+    def _run_program(self, program: list[Action], batch: MicroBatches) -> list[torch.Tensor]:
         self.state = {stage: StageState() for stage in self.stages}
         self.skip_optim = False
-        for action in self.program:
+        for action in program:
             self._run(action, batch)
         for work in self.pending_sends:
             work.wait()

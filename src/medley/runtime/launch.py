@@ -39,7 +39,7 @@ from medley.runtime import placement
 from medley.runtime.lifecycle import die_with_parent
 from medley.runtime.nodes import ONE_THREAD_ENV
 from medley.runtime.placement import PlacementEntry
-from medley.runtime.train import StepRecord, TrainConfig, train
+from medley.runtime.train import StepRecord, TrainConfig, load_data, train
 
 PROCESS_GROUP_TIMEOUT_S = 120
 _SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -162,6 +162,8 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, m
         raise MedleyInputError(
             f"--local-ranks {nprocs}: the plan needs pp {plan.layout.pp} x dp {plan.layout.dp} = "
             f"{plan.world_size} ranks; pass --local-ranks {plan.world_size}")
+    # Check the data and build any token cache here, once, before a rank starts (they map it).
+    load_data(config, seq_len=plan.layout.seq_len, vocab_size=plan.layout.model.vocab_size)
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"medley-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,

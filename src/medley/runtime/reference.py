@@ -2,38 +2,62 @@
 
 Any plan trained with the same :class:`~medley.runtime.train.TrainConfig` must give these losses
 (within fp32 round-off): same initial weights (seeded per layer), same batches (a function of
-the step), same optimizer, learning-rate schedule and clipping.
+the step), same optimizer, learning-rate schedule and clipping; and the same validation losses
+on the steps where ``eval_every`` is due.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+
+import torch
 
 from medley.plan.compile import PlanLayout
-from medley.runtime.data import load_source
+from medley.runtime.data import DataSource
 from medley.runtime.hf_weights import load_hf_weights
 from medley.runtime.model import Decoder, token_loss_sum
 from medley.runtime.optim import lr_at, optimizer_class, set_lr
-from medley.runtime.train import TrainConfig
+from medley.runtime.train import TrainConfig, load_data
+
+
+@dataclass(kw_only=True)
+class ReferenceRun:
+    """Attributes:
+    losses: mean token loss of each step's global batch.
+    eval_losses: validation loss after each step where evaluation is due, by step.
+    model: the whole model after the last step.
+    """
+
+    losses: list[float] = field(default_factory=list)
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    model: Decoder | None = None
 
 
 def reference_losses(layout: PlanLayout, config: TrainConfig, *, steps: int | None = None) -> list[float]:
     """Mean token loss of each step's global batch, trained in this process (fp32)."""
-    return reference_train(layout, config, steps=steps)[1]
+    return reference_run(layout, config, steps=steps).losses
 
 
 def reference_train(layout: PlanLayout, config: TrainConfig, *,
                     steps: int | None = None) -> tuple[Decoder, list[float]]:
-    """The whole model trained in this process (fp32) from the run's initial weights (seeded, or
-    ``config.init_from``), and the mean token loss of each step's global batch."""
+    """The whole model after training in this process, and each step's loss."""
+    run = reference_run(layout, config, steps=steps)
+    assert run.model is not None
+    return run.model, run.losses
+
+
+def reference_run(layout: PlanLayout, config: TrainConfig, *, steps: int | None = None) -> ReferenceRun:
+    """Train the whole model in this process (fp32) from the run's initial weights (seeded, or
+    ``config.init_from``): the losses, and the validation losses where due."""
     model = Decoder(layout.model, seed=config.seed, init=config.init_from is None)
     if config.init_from is not None:
         load_hf_weights(model, config.init_from)
     opt_class, kwargs = optimizer_class(config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
     optimizer = opt_class(model.parameters(), **kwargs)
-    source = load_source(config.data, seq_len=layout.seq_len)
+    source = load_data(config, seq_len=layout.seq_len, vocab_size=layout.model.vocab_size)
     sequences = sum(layout.micro_batches) * layout.micro_batch_size
-    losses = []
+    run = ReferenceRun()
     for step in range(config.steps if steps is None else steps):
         set_lr(optimizer, lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup_steps=config.warmup_steps,
                                 total_steps=config.steps))
@@ -48,5 +72,17 @@ def reference_train(layout: PlanLayout, config: TrainConfig, *,
             for grad in grads:
                 grad.mul_(coef)
         optimizer.step()
-        losses.append(loss.item())
-    return model, losses
+        run.losses.append(loss.item())
+        if config.eval_due(step):
+            run.eval_losses[step] = _eval_loss(model, source, config.eval_batches, sequences)
+    run.model = model
+    return run
+
+
+def _eval_loss(model: Decoder, source: DataSource, batches: int, sequences: int) -> float:
+    with torch.no_grad():
+        total = 0.0
+        for index in range(batches):
+            tokens = source.eval_batch(index, sequences=sequences)
+            total += float(token_loss_sum(model(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel())
+    return total / batches

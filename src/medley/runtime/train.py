@@ -32,18 +32,19 @@ from medley.cost import formulas
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
 from medley.runtime import checkpoint, lock
-from medley.runtime.config import StepRecord, TrainConfig, check_config
-from medley.runtime.data import load_source, replica_slice
+from medley.runtime.config import StepRecord, TrainConfig, check_config, load_data
+from medley.runtime.data import replica_slice
 from medley.runtime.emulate import slowdown_factors
 from medley.runtime.executor import MicroBatches
 from medley.runtime.lifecycle import StepWatchdog
 from medley.runtime.memory import cuda_peak_bytes, probe_peak_bytes, reset_cuda_peak, resident_tensors
+from medley.runtime.metrics import TensorBoardLog
 from medley.runtime.optim import lr_at, optimizer_class, set_lr
 from medley.runtime.precision import DTYPES, LossScaler, choose_dtype, precision_note, unscale_and_clip
 from medley.runtime.progress import TrainProgress
 from medley.runtime.setup import RankSetup, build_rank
 
-__all__ = ["StepRecord", "TrainConfig", "check_config", "resolve_dtype", "run_dtype", "train"]
+__all__ = ["StepRecord", "TrainConfig", "check_config", "load_data", "resolve_dtype", "run_dtype", "train"]
 
 
 def train(plan: Plan, config: TrainConfig) -> list[StepRecord]:
@@ -93,7 +94,9 @@ class _Loop:
         self.step_index, self.step_lr = 0, config.lr
         self.skipped_steps = torch.zeros((), dtype=torch.int64)  # checkpointed, whatever the precision
         layout = plan.layout
-        self.source = load_source(config.data, seq_len=layout.seq_len)
+        # The launching process checked the data and built any token cache: ranks map it.
+        self.source = load_data(config, seq_len=layout.seq_len, vocab_size=layout.model.vocab_size,
+                                verify=False)
         self.sequences = sum(layout.micro_batches) * layout.micro_batch_size
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.sq_norm = torch.zeros((), dtype=torch.float64)
@@ -144,6 +147,9 @@ class _Loop:
         records: list[StepRecord] = []
         shown = self.config.progress and self.rank == 0
         progress = TrainProgress(self.config.steps, start) if shown else None
+        board = None
+        if self.rank == 0 and self.config.tensorboard is not None:
+            board = TensorBoardLog(self.config.tensorboard)
         timeout = self.config.step_timeout_s
         watchdog = StepWatchdog(timeout, rank=self.rank) if timeout is not None else None
         dist.barrier()
@@ -151,13 +157,15 @@ class _Loop:
             for step in range(start, self.config.steps):
                 if watchdog is not None:
                     watchdog.arm(step)
-                local = self._step(step)
+                local = torch.cat([self._step(step), self._evaluate(step)])
                 record = self._record(step, local)
                 if watchdog is not None:
                     watchdog.disarm()
                 if record is not None:
                     records.append(record)
                     self._log(record)
+                    if board is not None:
+                        board.write(record)
                     if progress is not None:
                         progress.update(record)
                 self._maybe_save(step + 1)
@@ -168,6 +176,8 @@ class _Loop:
                 watchdog.close()
             if progress is not None:
                 progress.close()
+            if board is not None:
+                board.close()
         if self.config.measure_memory and self.setup.device.type == "cpu" and start < self.config.steps:
             self._probe_memory(records)
         return records
@@ -237,6 +247,19 @@ class _Loop:
         return torch.tensor([loss_sum, float(self.sq_norm), elapsed, setup.executor.emulated_sleep_s, peak,
                              setup.executor.loss_scale, float(self.skipped_steps)], dtype=torch.float64)
 
+    def _evaluate(self, step: int) -> torch.Tensor:
+        """This rank's share of the validation loss of the model after ``step`` (forward only,
+        through the plan's pipeline), summed over the ``eval_batches`` batches; 0 when not due."""
+        if not self.config.eval_due(step):
+            return torch.zeros(1, dtype=torch.float64)
+        layout, total = self.plan.layout, 0.0
+        for index in range(self.config.eval_batches):
+            tokens = self.source.eval_batch(index, sequences=self.sequences).to(self.setup.device)
+            batch = replica_slice(tokens, micro_batches=layout.micro_batches,
+                                  micro_batch_size=layout.micro_batch_size, replica=self.setup.replica)
+            total += float(sum(loss.item() for loss in self.setup.executor.run_forward(batch)))
+        return torch.tensor([total], dtype=torch.float64)
+
     def _clip(self) -> None:
         """The CLIP action: global norm by one all-reduce over the world, unscaled and clipped like
         torch's ``clip_grad_norm_``; in fp16 a non-finite norm skips the step on every rank."""
@@ -274,12 +297,19 @@ class _Loop:
         if self.setup.device.type == "cuda" and self.config.measure_memory:
             memory = {self.setup.device_of_rank[r]: int(stats[r, 4]) for r in range(self.world)}
             memory = dict(sorted(memory.items()))
+        eval_loss = None
+        if self.config.eval_due(step):
+            eval_loss = float(stats[:, 7].sum()) / self.config.eval_batches
         return StepRecord(
-            step=step, loss=loss, lr=self.step_lr, grad_norm=grad_norm,
+            eval_loss=eval_loss, step_time_by_device=self._by_device(stats[:, 2]), step=step, loss=loss,
+            lr=self.step_lr, grad_norm=grad_norm,
             step_time_s=step_time, tokens_per_s=layout.tokens_per_step / step_time,
             mfu=None if self.flops_per_peak is None else self.flops_per_peak / step_time,
             peak_memory_bytes=memory, emulated_sleep_s=float(stats[:, 3].max()),
             loss_scale=None if self.scaler is None else float(stats[0, 5]), skipped_steps=int(stats[0, 6]))
+
+    def _by_device(self, column: torch.Tensor) -> dict[int, float]:
+        return dict(sorted((self.setup.device_of_rank[r], float(column[r])) for r in range(self.world)))
 
     def _diverged(self, step: int, loss: float, grad_norm: float) -> MedleyInputError:
         kept = (f"; the checkpoints in {self.config.checkpoint_dir} are from before it"

@@ -1,0 +1,184 @@
+"""``--data`` and its options to a :class:`~medley.runtime.data.source.DataSource`.
+
+Call :func:`load_source` once in the launching process (it checks everything and builds a text
+data set's token cache) before ranks start; ranks call it again with ``verify=False`` and only map
+the cache or the token file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from medley.errors import MedleyInputError
+from medley.runtime.data.cache import cached_tokens, load_tokenizer
+from medley.runtime.data.formats import data_format
+from medley.runtime.data.source import BYTE_VOCAB, SYNTHETIC, DataSource
+from medley.runtime.data.tokens import (
+    DEFAULT_TOKEN_DTYPE,
+    check_ids,
+    check_not_wider,
+    file_fingerprint,
+    open_token_file,
+    token_dtype,
+)
+from medley.runtime.data.windows import Windows, split_windows, window_count
+
+SHIPPED_CORPUS = "corpus.txt"
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/medley/tokens`` (``~/.cache/medley/tokens``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "medley" / "tokens"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataOptions:
+    """How to read ``--data`` (and ``--val-data``).
+
+    Attributes:
+        tokenizer: ``--tokenizer``: a tokenizer.json (or its directory) for text data; None reads
+            plain text as bytes (and refuses other text formats).
+        text_field: ``--text-field``: the JSON field or column holding the text.
+        token_dtype: ``--token-dtype`` of ``.bin`` token files (uint16 or uint32); None: the
+            Megatron ``.idx`` beside it, else uint16 (nanoGPT).
+        cache_dir: ``--data-cache``: where token caches go; None: :func:`default_cache_dir`.
+        val_fraction: ``--val-fraction``: hold out this share of the windows (the last ones).
+    """
+
+    tokenizer: str | None = None
+    text_field: str = "text"
+    token_dtype: str | None = None
+    cache_dir: Path | None = None
+    val_fraction: float = 0.0
+
+
+def load_source(data: str | Path | None, *, seq_len: int, options: DataOptions | None = None,
+                vocab_size: int = BYTE_VOCAB, val_data: str | Path | None = None,
+                verify: bool = True) -> DataSource:
+    """The shipped corpus (``None``), the synthetic source, or a data set (see :mod:`.formats`);
+    validation windows from ``val_data`` (all of it) or ``options.val_fraction``."""
+    options = options or DataOptions()
+    if not 0 <= options.val_fraction < 1:
+        raise MedleyInputError(f"--val-fraction {options.val_fraction} must be in [0, 1); e.g. 0.05")
+    if val_data is not None and options.val_fraction:
+        raise MedleyInputError("--val-data and --val-fraction: give one of them")
+    if data == SYNTHETIC:
+        if options.val_fraction or val_data is not None:
+            raise MedleyInputError("--val-fraction/--val-data: the synthetic source has no validation set; "
+                                   "give --data FILE or drop them")
+        return DataSource(name=SYNTHETIC, fingerprint=SYNTHETIC)
+    tokens, digest, is_bytes = _tokens(data, options=options, vocab_size=vocab_size, flag="--data",
+                                       verify=verify)
+    name = f"shipped:{SHIPPED_CORPUS}" if data is None else str(data)
+    make = _byte_source if is_bytes else _token_source
+    source = make(tokens, name=name, digest=digest, seq_len=seq_len, options=options)
+    if val_data is None or val_data == SYNTHETIC:
+        if val_data == SYNTHETIC:
+            raise MedleyInputError("--val-data synthetic: give a data file")
+        return source
+    val_tokens, _, _ = _tokens(val_data, options=options, vocab_size=vocab_size, flag="--val-data",
+                               verify=verify)
+    val = Windows(tokens=val_tokens, seq_len=seq_len, first=0, count=window_count(len(val_tokens), seq_len))
+    _check_val(val, name=str(val_data), flag="--val-data")
+    return dataclasses.replace(source, val=val)
+
+
+def _tokens(data: str | Path | None, *, options: DataOptions, vocab_size: int, flag: str,
+            verify: bool) -> tuple[np.ndarray, str, bool]:
+    """The token ids of ``data`` (mapped, never read whole, unless byte text), their fingerprint,
+    and whether they are the bytes of a plain text read without tokenizer."""
+    if data is None and options.tokenizer is None:
+        text = resources.files("medley.data").joinpath(SHIPPED_CORPUS).read_bytes()
+        _check_byte_vocab(vocab_size, flag=flag, name=f"shipped:{SHIPPED_CORPUS}")
+        return np.frombuffer(text, dtype=np.uint8), hashlib.sha256(text).hexdigest()[:16], True
+    path = Path(data) if data is not None else Path(str(resources.files("medley.data") / SHIPPED_CORPUS))
+    fmt = data_format(path, flag=flag)
+    if fmt == "tokens":
+        dtype = token_dtype(path, options.token_dtype)
+        tokens = open_token_file(path, dtype=dtype, flag=flag)
+        if verify:
+            if options.token_dtype is None and dtype == DEFAULT_TOKEN_DTYPE:
+                check_not_wider(path, tokens, flag=flag)
+            check_ids(path, tokens, vocab_size=vocab_size, flag=flag, dtype=dtype)
+        return tokens, f"{dtype}:{file_fingerprint(path)}", False
+    if options.tokenizer is None:
+        if fmt != "text":
+            raise MedleyInputError(f"{flag} {path}: {fmt} data needs a tokenizer; pass --tokenizer "
+                                   "tokenizer.json or a --model DIR that has one")
+        _check_byte_vocab(vocab_size, flag=flag, name=str(path))
+        text = _read_bytes(path, flag=flag)
+        return text, hashlib.sha256(text.tobytes()).hexdigest()[:16], True
+    tokenizer = load_tokenizer(options.tokenizer)
+    if tokenizer.vocab_size > vocab_size:
+        raise MedleyInputError(f"--tokenizer {tokenizer.path}: {tokenizer.vocab_size} tokens, more than the "
+                               f"model's vocab_size {vocab_size}; use a model with a larger vocabulary")
+    tokens, meta = cached_tokens(path, fmt, tokenizer=tokenizer, field=options.text_field,
+                                 cache_dir=options.cache_dir or default_cache_dir(), flag=flag)
+    return tokens, meta["sha256"][:16], False
+
+
+def _check_byte_vocab(vocab_size: int, *, flag: str, name: str) -> None:
+    """Text read as bytes has ids up to 255: the model's vocabulary must hold them."""
+    if vocab_size < BYTE_VOCAB:
+        raise MedleyInputError(
+            f"{flag} {name}: text without a tokenizer is read as bytes (ids up to {BYTE_VOCAB - 1}) but the "
+            f"model's vocab_size is {vocab_size}; pass --tokenizer tokenizer.json or a --model DIR with one")
+
+
+def _read_bytes(path: Path, *, flag: str) -> np.ndarray:
+    try:
+        raw = path.read_bytes()
+        raw.decode("utf-8")
+    except OSError as err:
+        raise MedleyInputError(f"{flag} {path}: cannot read the file ({err.strerror}); check the path") \
+            from None
+    except UnicodeDecodeError:
+        raise MedleyInputError(f"{flag} {path}: not UTF-8 text; give a text file or 'synthetic'") from None
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _byte_source(text: np.ndarray, *, name: str, digest: str, seq_len: int,
+                 options: DataOptions) -> DataSource:
+    """Byte ids of a text; the last ``val_fraction`` of it held out for validation."""
+    held = int(len(text) * options.val_fraction)
+    train = text[:len(text) - held]
+    if len(train) < 2 * (seq_len + 1):
+        what = "is empty" if not len(text) else f"has {len(train)} bytes, too few"
+        raise MedleyInputError(
+            f"--data {name}: {what} for sequences of {seq_len} tokens (at least {2 * (seq_len + 1)} bytes); "
+            "give a longer text or a shorter --seq-len")
+    val = None
+    if held:
+        val = Windows(tokens=text[len(train):], seq_len=seq_len, first=0, count=window_count(held, seq_len))
+        _check_val(val, name=name, flag="--data")
+    if held:
+        digest += f":val{options.val_fraction}"
+    return DataSource(name=name, fingerprint=digest, text=train, val=val)
+
+
+def _token_source(tokens: np.ndarray, *, name: str, digest: str, seq_len: int,
+                  options: DataOptions) -> DataSource:
+    train, val = split_windows(tokens, seq_len=seq_len, val_fraction=options.val_fraction)
+    if train.count < 2:
+        raise MedleyInputError(
+            f"--data {name}: {len(tokens)} tokens make {train.count} training sequences of {seq_len} tokens "
+            "(at least 2); give more data, a shorter --seq-len or a smaller --val-fraction")
+    if val is not None:
+        _check_val(val, name=name, flag="--data")
+        digest += f":val{options.val_fraction}"
+    return DataSource(name=name, fingerprint=digest, train=train, val=val)
+
+
+def _check_val(val: Windows, *, name: str, flag: str) -> None:
+    if val.count < 1:
+        what = "the held-out part of --data" if flag == "--data" else "--val-data"
+        raise MedleyInputError(f"{flag if flag != '--data' else '--val-fraction'}: {what} {name} holds no "
+                               "whole sequence; give more validation data or a shorter --seq-len")

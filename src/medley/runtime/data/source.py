@@ -1,0 +1,91 @@
+"""Data sources: where the global batch of each step, and the validation batches, come from.
+
+The global batch of step ``k`` is a pure function of (source, seed, k, batch shape): the same
+sequences whatever the plan, so two plans with the same seed see the same data step by step and
+the data position of a checkpoint is just the step. Replicas take disjoint, consecutive slices
+of it, sized by their micro-batch counts (:func:`replica_slice`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from medley.runtime.data.windows import Windows, sample_order
+from medley.runtime.executor import MicroBatches
+
+BYTE_VOCAB = 256
+SYNTHETIC = "synthetic"
+
+
+def encode(text: str) -> torch.Tensor:
+    """UTF-8 bytes of ``text`` as token ids (vocabulary 256: one id per byte value)."""
+    data = text.encode("utf-8")
+    if not data:  # torch.frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def decode(tokens: torch.Tensor) -> str:
+    return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSource:
+    """Where sequences come from.
+
+    Attributes:
+        name: ``synthetic``, ``shipped:corpus.txt`` or the data's path.
+        fingerprint: short hash of the token stream (and of the held-out share), stored in
+            checkpoints to catch a changed ``--data``.
+        train: the training windows (token sources); None for byte text and synthetic sources.
+        val: the validation windows (``--val-fraction`` or ``--val-data``), if any.
+        text: byte text sources: the whole text's byte ids (training samples random offsets in
+            it, as medley always did), else None.
+    """
+
+    name: str
+    fingerprint: str
+    train: Windows | None = None
+    val: Windows | None = None
+    text: np.ndarray | None = None
+
+    @property
+    def synthetic(self) -> bool:
+        return self.name == SYNTHETIC
+
+    def global_batch(self, *, step: int, seed: int, sequences: int, seq_len: int) -> torch.Tensor:
+        """``sequences`` rows of ``seq_len + 1`` token ids (inputs and shifted targets) for ``step``."""
+        if self.train is not None:
+            if self.train.seq_len != seq_len:
+                raise ValueError(f"the source was cut for seq_len {self.train.seq_len}, not {seq_len}")
+            return self.train.rows(sample_order(count=self.train.count, seed=seed,
+                                                first_sample=step * sequences, samples=sequences))
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        if self.synthetic:
+            # Byte sequences with a per-row start and stride: learnable, unlike uniform noise.
+            start = torch.randint(0, BYTE_VOCAB, (sequences, 1), generator=gen)
+            stride = torch.randint(1, 8, (sequences, 1), generator=gen)
+            return (start + stride * torch.arange(seq_len + 1)) % BYTE_VOCAB
+        assert self.text is not None
+        offsets = torch.randint(0, len(self.text) - seq_len - 1, (sequences,), generator=gen)
+        rows = np.stack([self.text[o:o + seq_len + 1] for o in offsets.tolist()])
+        return torch.from_numpy(rows.astype(np.int64))
+
+    def eval_batch(self, index: int, *, sequences: int) -> torch.Tensor:
+        """Validation batch ``index``: the validation windows in order (the same every time)."""
+        if self.val is None:
+            raise ValueError(f"{self.name} has no validation windows")
+        return self.val.in_order(index, sequences)
+
+
+def replica_slice(tokens: torch.Tensor, *, micro_batches: Sequence[int], micro_batch_size: int,
+                  replica: int) -> MicroBatches:
+    """Replica ``replica``'s consecutive rows of the global batch, cut into its micro-batches."""
+    start = sum(micro_batches[:replica]) * micro_batch_size
+    rows = tokens[start:start + micro_batches[replica] * micro_batch_size]
+    chunks = rows.split(micro_batch_size)
+    return MicroBatches(inputs=[c[:, :-1] for c in chunks], targets=[c[:, 1:] for c in chunks])

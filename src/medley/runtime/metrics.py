@@ -1,0 +1,39 @@
+"""TensorBoard scalars of a training run (``--tensorboard DIR``), beside the JSONL log.
+
+Rank 0 writes one point per step under ``train/`` (loss, lr, grad_norm, tokens_per_s, mfu,
+loss_scale, step_time_s and ``step_time_s/device_<id>`` per plan device) and ``eval/loss`` on
+evaluation steps. ``torch.utils.tensorboard`` is imported only when asked for; the
+``tensorboard`` package is an optional extra (``pip install medley[tensorboard]``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from medley.runtime.config import StepRecord
+
+
+class TensorBoardLog:
+    """A ``SummaryWriter`` on ``directory``, fed :class:`StepRecord` s."""
+
+    def __init__(self, directory: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(directory))
+
+    def write(self, record: StepRecord) -> None:
+        step = record.step
+        scalars = {"loss": record.loss, "lr": record.lr, "grad_norm": record.grad_norm,
+                   "tokens_per_s": record.tokens_per_s, "step_time_s": record.step_time_s,
+                   "mfu": record.mfu, "loss_scale": record.loss_scale}
+        for name, value in scalars.items():
+            if value is not None:
+                self.writer.add_scalar(f"train/{name}", value, step)
+        for device, seconds in record.step_time_by_device.items():
+            self.writer.add_scalar(f"train/step_time_s/device_{device}", seconds, step)
+        if record.eval_loss is not None:
+            self.writer.add_scalar("eval/loss", record.eval_loss, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
