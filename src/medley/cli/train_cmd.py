@@ -192,7 +192,8 @@ def register(app: typer.Typer) -> None:
             "Data: .jsonl, .parquet (file or directory), datasets save_to_disk directory, .bin token file, "
             "text file, or 'synthetic' (default: shipped corpus)"))] = None,
         tokenizer: Annotated[str | None, typer.Option(help=(
-            "tokenizer.json (or its directory) for text data (else a text file is read as bytes)"))] = None,
+            "tokenizer.json (or its directory) for text data (default: the model directory's, else a "
+            "text file is read as bytes)"))] = None,
         text_field: Annotated[str, typer.Option(help="JSON field / column holding the text")] = "text",
         token_dtype: Annotated[str | None, typer.Option(help=(
             ".bin token ids: uint16 or uint32 (default: from the .idx beside it, else uint16)"))] = None,
