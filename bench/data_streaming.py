@@ -97,6 +97,14 @@ def text_file(path: Path, megabytes: int) -> Path:
     return path
 
 
+def commit() -> str:
+    """The commit measured (with ``+dirty`` when the working tree has changes)."""
+    root = Path(__file__).parents[1]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
+    return head + ("+dirty" if dirty.strip() else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=512)
@@ -105,14 +113,15 @@ def main() -> None:
     args = parser.parse_args()
     train = ["train", "--local-ranks", "2", "--pp", "2", "--split", "2,2", "--seq-len", "64",
              "--steps", str(args.steps), "--json"]
-    results: dict = {"size_mb": args.size_mb, "text_mb": args.text_mb, "steps": args.steps}
+    results: dict = {"commit": commit(), "command": " ".join(["python", *sys.argv]),
+                     "size_mb": args.size_mb, "text_mb": args.text_mb, "steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         big, small = token_file(root / "big.bin", args.size_mb), token_file(root / "small.bin", 1)
         results["bin_large"] = watch([*train, "--data", str(big)])
         results["bin_1mb"] = watch([*train, "--data", str(small)])
-        sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "runtime"))
-        from conftest import train_bpe
+        sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+        from conftest import train_bpe  # the suite's BPE tokenizer trainer
 
         tokenizer = train_bpe(root / "tokenizer.json", 256)
         text = text_file(root / "docs.jsonl", args.text_mb)
@@ -139,7 +148,13 @@ def markdown(results: dict) -> str:
         run, top = results[key], results[key]["largest"][0]
         rows.append(f"| {name} | {run['seconds']} | {run['launcher'].get('VmHWM')} | {top.get('VmHWM')} / "
                     f"{top.get('RssAnon')} / {top.get('RssFile')} |")
-    return "# Data streaming: resident memory\n\n" + "\n".join(rows) + "\n"
+    large, small = results["bin_large"]["largest"][0], results["bin_1mb"]["largest"][0]
+    growth = large["VmHWM"] - small["VmHWM"]
+    prose = (f"From the 1 MB to the {results['size_mb']} MB token file the largest process's peak resident "
+             f"memory grew by {growth:.1f} MiB, and its file-backed pages by "
+             f"{large['RssFile'] - small['RssFile']:.1f} MiB.")
+    head = f"Commit `{results.get('commit', '?')}`, command `{results.get('command', '?')}`.\n\n"
+    return "# Data streaming: resident memory\n\n" + head + "\n".join(rows) + "\n\n" + prose + "\n"
 
 
 if __name__ == "__main__":
