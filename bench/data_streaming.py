@@ -100,7 +100,8 @@ def text_file(path: Path, megabytes: int) -> Path:
 def commit() -> str:
     """The commit measured (with ``+dirty`` when the working tree has changes)."""
     root = Path(__file__).parents[1]
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                          text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
     return head + ("+dirty" if dirty.strip() else "")
 
