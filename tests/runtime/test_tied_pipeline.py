@@ -5,12 +5,14 @@ and both copies stay bit-identical, whatever the pp, dp, ZeRO levels, schedule a
 from __future__ import annotations
 
 import functools
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from train_plans import config, save_tied_copies, tied_tiny, tiny_plan
 
+from medley.runtime.checkpoint import SafeReader
 from medley.runtime.launch import train_local
 from medley.runtime.reference import reference_losses
 
@@ -72,3 +74,28 @@ def test_tied_norm_counts_the_weight_once() -> None:
     for a, b in zip(one, two, strict=True):
         assert abs(a.grad_norm - b.grad_norm) <= 1e-5 * a.grad_norm
 
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("saved", "resumed"), [("pp1", "pp2-dp2-zero03"), ("pp2-dp2-zero03", "pp2-dp1"),
+                                               ("pp2-dp2-zero31", "interleaved-pp1-v2-dp2-zero31")])
+def test_tied_checkpoint_resumes_under_another_plan(saved: str, resumed: str, tmp_path: Path) -> None:
+    """The tied weight is saved once, as the embedding's, and loads into either copy on any plan."""
+    plans = {**PLANS, "pp1": dict(pp=1, dp=1, split="6", zero="0", schedule="1f1b", micro_batches="4")}
+    plans["interleaved-pp1-v2-dp2-zero31"]["micro_batches"] = "3,2"  # the saved run's global batch
+    directory = tmp_path / "ckpt"
+    first = train_local(tiny_plan(model=tied_tiny(), **plans[saved]),
+                        config(steps=STEPS, checkpoint_dir=directory, measure_memory=False))
+    step = directory / "step-00000004"
+    keys = SafeReader(step).read_metadata().state_dict_metadata
+    assert "model.embed.tok.weight" in keys and not any("head.out" in key for key in keys)
+    shutil.rmtree(step)
+    hooked = tmp_path / "copies"
+    hooked.mkdir()
+    second = train_local(tiny_plan(model=tied_tiny(), **plans[resumed]),
+                         config(steps=STEPS, checkpoint_dir=directory, measure_memory=False,
+                                grad_hook=functools.partial(save_tied_copies, str(hooked))))
+    assert [r.step for r in second] == [2, 3]
+    assert max(abs(a.loss - b.loss) for a, b in zip(first[2:], second, strict=True)) <= TOL
+    for copies in copies_by_step(hooked).values():
+        assert all(torch.equal(c["param"], copies[0]["param"]) for c in copies)
