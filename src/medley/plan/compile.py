@@ -193,7 +193,8 @@ def _live_fraction(layout: PlanLayout, stage: int) -> float:
 
 
 def _stage_params(layout: PlanLayout, stage: int) -> float:
-    return float(sum(formulas.layer_held_params(layout.model, i) for i in layout.layer_range(stage)))
+    layers = layout.layer_range(stage)
+    return float(formulas.stage_held_params(layout.model, layers.start, layers.stop))
 
 
 def static_memory(
@@ -231,6 +232,14 @@ def static_memory(
                 )
                 workspace[device] = max(workspace.get(device, 0.0), extra or 0.0)
     return {device: held + workspace.get(device, 0.0) for device, held in out.items()}
+
+
+def _stage_tensors(layout: PlanLayout, stage: int) -> int:
+    """Parameter tensors of a stage as the runtime builds it: a tied head without the embedding
+    on its stage holds a copy of its weight."""
+    layers = layout.layer_range(stage)
+    copy = layout.model.tied_embeddings and layers.stop == layout.model.num_layers and layers.start > 0
+    return sum(_param_tensors(layout.model, i) for i in layers) + copy
 
 
 def _param_tensors(model: ModelSpec, layer: int) -> int:
@@ -323,7 +332,7 @@ class _CollectiveTable:
         if level == 1 and runtime_buffers:
             # medley's runtime steps ZeRO-1 with torch's ZeroRedundancyOptimizer, which then
             # broadcasts every parameter tensor from its owner: one collective latency per tensor.
-            tensors = share * sum(_param_tensors(layout.model, i) for i in layout.layer_range(stage))
+            tensors = share * _stage_tensors(layout, stage)
             step_s += tensors * self.comm.collective_time(Collective.ALL_GATHER, group, 0.0)
         return CollectiveCost(group=group, op=None, compute_s=step_s)
 
