@@ -12,9 +12,11 @@ import pytest
 import torch
 from train_plans import config, save_tied_copies, tied_tiny, tiny_plan
 
+from medley.plan.compile import build_schedules
 from medley.runtime.checkpoint import SafeReader
 from medley.runtime.launch import train_local
 from medley.runtime.reference import reference_losses
+from medley.schedule.ir import Kind
 
 TOL = 1e-5
 STEPS = 4
@@ -65,15 +67,24 @@ def test_tied_pipeline_matches_the_reference(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_tied_norm_counts_the_weight_once() -> None:
-    """The recorded gradient norm (before clipping) equals the one-stage run's."""
+def test_tied_norm_counts_the_weight_once_without_clipping() -> None:
+    """Without --clip-norm the schedule still carries CLIP (the tied sum happens there); the
+    recorded gradient norm and the losses equal the one-stage run's."""
+    no_clip = config(steps=2, checkpoint_every=0, measure_memory=False, clip_norm=None)
     one = train_local(tiny_plan(model=tied_tiny(), pp=1, dp=1, split="6", zero="0", schedule="1f1b",
-                                micro_batches="4"), config(steps=2, checkpoint_every=0, measure_memory=False))
-    two = train_local(tiny_plan(model=tied_tiny(), **PLANS["pp2-dp1"]),
-                      config(steps=2, checkpoint_every=0, measure_memory=False))
+                                micro_batches="4"), no_clip)
+    two = train_local(tiny_plan(model=tied_tiny(), **PLANS["pp2-dp1"]), no_clip)
     for a, b in zip(one, two, strict=True):
         assert abs(a.grad_norm - b.grad_norm) <= 1e-5 * a.grad_norm
+        assert abs(a.loss - b.loss) <= TOL
 
+
+def test_every_rank_of_a_tied_pipeline_has_a_clip_action() -> None:
+    """The simulator and the runtime share the schedule: both carry the CLIP barrier."""
+    plan = tiny_plan(model=tied_tiny(), **PLANS["pp2-dp2-zero31"])
+    assert not plan.layout.clip_grad and plan.layout.tied_copies
+    for schedule in build_schedules(plan.layout):
+        assert all(sum(a.kind is Kind.CLIP for a in row) == 1 for row in schedule.actions)
 
 
 @pytest.mark.timeout(300)

@@ -68,6 +68,12 @@ class PlanLayout:
     def num_stages(self) -> int:
         return len(self.stage_layers)
 
+    @property
+    def tied_copies(self) -> bool:
+        """Whether the tied embedding weight has two copies (first and last stage), whose gradients
+        are summed at the step's ``CLIP`` action: the schedule then always carries one."""
+        return self.model.tied_embeddings and self.num_stages > 1
+
     def layer_range(self, stage: int) -> range:
         # A two-direction schedule holds the model twice: stages p.. restart at layer 0.
         chain = self.pp if self.schedule == "bidirectional" else self.num_stages
@@ -96,7 +102,7 @@ def build_schedules(layout: PlanLayout) -> list[PipelineSchedule]:
         )
     return place_collectives(
         schedules, layout.zero, stage_layers=layout.stage_layers, policy=layout.placement,
-        clip_grad=layout.clip_grad,
+        clip_grad=layout.clip_grad or layout.tied_copies,
     )
 
 

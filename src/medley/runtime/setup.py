@@ -22,7 +22,7 @@ from medley.runtime.model import token_loss_sum
 from medley.runtime.placement import PlacementEntry
 from medley.runtime.sharding import ShardedStage
 from medley.runtime.stages import RankPlace, RankTable, build_local_stages, make_mesh, rank_place
-from medley.runtime.tied import build_tied_grads, needs_tied_sync
+from medley.runtime.tied import build_tied_grads
 from medley.schedule.zero import CollectiveMismatchError, check_zero_placement
 
 
@@ -109,16 +109,15 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
 
     ``clip_grad`` decides whether the schedules carry the ``CLIP`` action (the run's clipping
     setting wins over ``layout.clip_grad``, which only says what the plan's prediction assumed);
-    the caller sets ``executor.on_clip``. A model with tied embeddings on several stages always
-    carries ``CLIP``: its tied gradients are summed there (:mod:`medley.runtime.tied`), before
-    any optimizer step. ``init_from``: a Hugging Face model directory the stages
+    the caller sets ``executor.on_clip``. A plan with ``layout.tied_copies`` always carries
+    ``CLIP``: its tied gradients are summed there (:mod:`medley.runtime.tied`), before any
+    optimizer step. ``init_from``: a Hugging Face model directory the stages
     read their weights from (else the seeded initialisation).
     """
     device = _device()
     table, devices = _placement(plan, device)
     check_plan(plan, dist.get_world_size())
-    tied = needs_tied_sync(plan.layout.model, plan.layout.num_stages)
-    layout = dataclasses.replace(plan.layout, clip_grad=clip_grad or tied)
+    layout = dataclasses.replace(plan.layout, clip_grad=clip_grad)
     schedules = build_schedules(layout)
     mesh = make_mesh(table, device.type)
     place = rank_place(mesh)
@@ -142,7 +141,7 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
         activation_shape=(layout.micro_batch_size, layout.seq_len, layout.model.hidden_size),
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens, autocast_dtype=autocast_dtype,
         slowdown=factor, device=device)
-    if tied:
+    if layout.tied_copies:
         tied_grads = build_tied_grads(table, schedules, place, stages, levels)
         executor.before_clip = None if tied_grads is None else tied_grads.sum_grads
     entries = _report(plan, place, device_id=me, stages=sorted(stages))

@@ -27,12 +27,6 @@ from medley.runtime.model import TIED_WEIGHT
 from medley.runtime.sharding import ShardedStage, shard_rows
 from medley.runtime.stages import RankPlace, RankTable
 from medley.schedule.ir import PipelineSchedule
-from medley.spec.model import ModelSpec
-
-
-def needs_tied_sync(spec: ModelSpec, num_stages: int) -> bool:
-    """Whether the model's tied weight has two copies (tied embeddings, more than one stage)."""
-    return spec.tied_embeddings and num_stages > 1
 
 
 @dataclass(kw_only=True)

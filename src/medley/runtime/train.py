@@ -43,7 +43,6 @@ from medley.runtime.optim import lr_at, optimizer_class, set_lr
 from medley.runtime.precision import DTYPES, LossScaler, choose_dtype, precision_note, unscale_and_clip
 from medley.runtime.progress import TrainProgress
 from medley.runtime.setup import RankSetup, build_rank
-from medley.runtime.tied import needs_tied_sync
 
 __all__ = ["StepRecord", "TrainConfig", "check_config", "load_data", "resolve_dtype", "run_dtype", "train"]
 
@@ -101,8 +100,7 @@ class _Loop:
         self.sequences = sum(layout.micro_batches) * layout.micro_batch_size
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.sq_norm = torch.zeros((), dtype=torch.float64)
-        tied = needs_tied_sync(layout.model, layout.num_stages)  # its schedule carries CLIP
-        if config.clip_norm is None and scaler is None and not tied:
+        if config.clip_norm is None and scaler is None and not layout.tied_copies:  # else CLIP
             setup.executor.before_optim = self._count_norm
         else:
             setup.executor.on_clip = self._clip
