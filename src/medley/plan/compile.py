@@ -14,6 +14,7 @@ from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import DTYPE_BYTES
 from medley.cost.interfaces import Collective, CostSource, Pass
+from medley.cost.tied import tied_sum_seconds
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
 from medley.errors import MedleyInputError
 from medley.schedule.generators import generate
@@ -296,7 +297,10 @@ class _CollectiveTable:
         layout, stage = self.layout, action.stage
         if action.kind is Kind.CLIP:  # one fp64 partial squared norm per rank, summed world-wide
             world = tuple(sorted(d for row in layout.assignment for d in row))
-            return CollectiveCost(group=world, op=Collective.ALL_REDUCE, nbytes=8.0)
+            tied = tied_sum_seconds(self.comm, model=layout.model, assignment=layout.assignment,
+                                    stage_to_rank=self.schedule.stage_to_rank, grad_bytes=self.state.grads,
+                                    zero=[z.level for z in layout.zero])
+            return CollectiveCost(group=world, op=Collective.ALL_REDUCE, nbytes=8.0, compute_s=tied)
         rank = self.schedule.stage_to_rank[stage]
         group = tuple(layout.assignment[r][rank] for r in range(layout.dp))
         buckets = self.schedule.bucket_layers.get(stage, (layout.stage_layers[stage],))
