@@ -4,6 +4,7 @@ and both copies stay bit-identical, whatever the pp, dp, ZeRO levels, schedule a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ from train_plans import config, save_tied_copies, tied_tiny, tiny_plan
 from medley.plan.compile import build_schedules
 from medley.runtime.checkpoint import SafeReader
 from medley.runtime.launch import train_local
+from medley.runtime.model import Decoder, shared_name
 from medley.runtime.reference import reference_losses
 from medley.schedule.ir import Kind
 
@@ -110,3 +112,14 @@ def test_tied_checkpoint_resumes_under_another_plan(saved: str, resumed: str, tm
     assert max(abs(a.loss - b.loss) for a, b in zip(first[2:], second, strict=True)) <= TOL
     for copies in copies_by_step(hooked).values():
         assert all(torch.equal(c["param"], copies[0]["param"]) for c in copies)
+
+
+@pytest.mark.parametrize("position", ["rope", "learned"])
+def test_the_head_copy_starts_as_the_embedding(position: str) -> None:
+    """The last stage's copy is drawn as layer 0 draws the embedding (learned positions first)."""
+    spec = dataclasses.replace(tied_tiny(), position=position)
+    whole = Decoder(spec, seed=5)
+    last = Decoder(spec, first_layer=spec.num_layers - 2, seed=5)
+    assert last.head.out is not None and whole.head.out is None
+    assert torch.equal(last.head.out.weight, whole.embed.tok.weight)
+    assert shared_name(spec, "head.out.weight") == "embed.tok.weight"

@@ -6,7 +6,8 @@ these layers, so a pipeline stage builds only its own. Every layer is initialise
 generator seeded by ``(seed, layer index)``, so a stage's parameters are bit-identical to the
 same layers of the full model: the single-process reference exists for any split. Parameter
 names are global (``embed.*``, ``blocks.<block index>.*``, ``head.*``) and map 1:1 between a
-stage and the full model.
+stage and the full model, but for a tied model's head copy on a stage without the embedding
+(``head.out.weight``, whose global name :func:`shared_name` gives as ``embed.tok.weight``).
 """
 
 from __future__ import annotations
