@@ -119,3 +119,14 @@ def test_an_explicit_head_width_and_qkv_biases_change_the_attention_matmuls():
     added = (64 * 256 + 128 * 64 + 256) - (64 * 128 + 64 * 64)  # wider Q/K/V/O, and Q/K/V biases
     assert formulas.layer_params(wide, 1) - formulas.layer_params(base, 1) == added
     assert formulas.attention_core_flops(wide, micro_batch_size=1, seq_len=8) == 4.0 * 8 * 8 * 128
+
+
+def test_a_tied_stage_holds_the_copy_only_without_the_embedding():
+    """The runtime's last stage keeps a copy of a tied embedding; one stage holding both ends does not."""
+    model = get_model("gpt-3-175b")
+    copy, last = model.vocab_size * model.embed_dim, model.num_layers
+    assert formulas.stage_held_params(model, 0, last) == formulas.total_params(model)
+    assert formulas.stage_held_params(model, last - 2, last) == (
+        formulas.layer_params(model, last - 2) + formulas.layer_params(model, last - 1) + copy)
+    first_two = formulas.layer_params(model, 0) + formulas.layer_params(model, 1)
+    assert formulas.stage_held_params(model, 0, 2) == first_two

@@ -1,6 +1,6 @@
 """Bad Hugging Face inputs are one line and exit 2, before any rank starts: a missing or mis-shaped
 tensor (naming it and its file), an unsupported RoPE type, a sliding window shorter than the
-sequence, tied embeddings across stages, and bad export arguments."""
+sequence, and bad export arguments."""
 
 from __future__ import annotations
 
@@ -83,11 +83,6 @@ def test_a_window_shorter_than_the_sequence_is_refused(hf_models) -> None:
     args = ["train", "--init-from", str(hf_models["mistral"]), *TWO_STAGES, "--seq-len", "96"]
     line = one_line_error(args)
     assert "exceeds the sliding window" in line and "--seq-len 64 or less" in line
-
-
-def test_tied_embeddings_keep_one_stage(hf_models) -> None:
-    line = one_line_error(["train", "--init-from", str(hf_models["qwen2"]), *TWO_STAGES, "--split", "2,2"])
-    assert "ties its embeddings" in line
 
 
 def test_export_arguments_are_checked(hf_models, tmp_path: Path) -> None:

@@ -84,10 +84,6 @@ def test_plan_checks_name_the_setting() -> None:
     plan = tiny_plan(pp=2, dp=1, split="3,3", zero="0", schedule="1f1b", micro_batches="2")
     with pytest.raises(MedleyInputError, match="--local-ranks 2"):
         check_plan(plan, 3)
-    tied = dataclasses.replace(plan.layout.model, tied_embeddings=True)
-    tied_plan = Plan(layout=dataclasses.replace(plan.layout, model=tied), cluster=plan.cluster)
-    with pytest.raises(MedleyInputError, match="tied_embeddings"):
-        check_plan(tied_plan, 2)
 
 
 def test_zero3_compute_without_unshard_is_an_error() -> None:

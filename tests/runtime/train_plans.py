@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from pathlib import Path
+
+import torch
 
 from medley.cost.estimator import CatalogCostSource
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan
+from medley.runtime.model import TIED_WEIGHT
 from medley.runtime.train import TrainConfig
 from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.model import ModelSpec, get_model
 
 SEQ_LEN, MICRO_BATCH_SIZE, SEED = 32, 2, 3
 
 
 def tiny_plan(*, pp: int, dp: int, split: str, zero: str, schedule: str, micro_batches: str,
-              buckets: int = 1, **inline: object) -> Plan:
+              buckets: int = 1, model: ModelSpec | None = None, **inline: object) -> Plan:
     cluster = parse_cluster_arg(f"{pp * dp}xA100-80GB")
-    model = get_model("tiny")
+    model = model or get_model("tiny")
     layout = inline_layout(
         cluster=cluster, model=model, cost=CatalogCostSource.for_cluster(model, cluster), pp=pp, dp=dp,
         schedule=schedule, micro_batches=micro_batches, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN,
@@ -45,3 +50,24 @@ class StopTraining(Exception):
 def stop_after_step_3(step: int) -> None:
     if step == 3:
         raise StopTraining(f"stopped after step {step}")
+
+
+def tied_tiny() -> ModelSpec:
+    """The tiny model with its LM head tied to the token embedding (as small Qwen2 / Llama-3.2)."""
+    return dataclasses.replace(get_model("tiny"), name="tiny-tied", tied_embeddings=True)
+
+
+def save_tied_copies(directory: str, step: int, stages: dict, scale: float | None) -> None:
+    """grad_hook: every copy of the tied weight this rank holds (full tensor) with its gradient at
+    the CLIP action, saved as ``<directory>/step<step>-rank<rank>-stage<stage>.pt``."""
+    for index, stage in stages.items():
+        params = dict(stage.named_parameters_local())
+        if TIED_WEIGHT not in params:
+            continue
+        param = params[TIED_WEIGHT]
+        grad = stage.final_grad(param)
+        full = {"param": param.full_tensor() if hasattr(param, "full_tensor") else param.detach(),
+                "grad": grad.full_tensor() if hasattr(grad, "full_tensor") else grad}
+        rank = torch.distributed.get_rank()
+        torch.save({k: v.detach().clone() for k, v in full.items()},
+                   Path(directory) / f"step{step}-rank{rank}-stage{index}.pt")

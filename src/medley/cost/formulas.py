@@ -74,6 +74,14 @@ def layer_held_params(model: ModelSpec, layer_index: int) -> int:
     return layer_params(model, layer_index) + (extra if model.tied_embeddings else 0)
 
 
+def stage_held_params(model: ModelSpec, first: int, last: int) -> int:
+    """Parameters a stage holding layers ``[first, last)`` keeps: a tied head's copy only when the
+    stage lacks the embedding (with it, the head borrows the embedding's weight)."""
+    held = sum(layer_held_params(model, i) for i in range(first, last))
+    both_ends = first == 0 and last == model.num_layers
+    return held - (model.vocab_size * model.embed_dim if model.tied_embeddings and both_ends else 0)
+
+
 def total_params(model: ModelSpec) -> int:
     return sum(layer_params(model, i) for i in range(model.num_layers))
 

@@ -14,6 +14,7 @@ from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import DTYPE_BYTES
 from medley.cost.interfaces import Collective, CostSource, Pass
+from medley.cost.tied import tied_sum_seconds
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
 from medley.errors import MedleyInputError
 from medley.schedule.generators import generate
@@ -68,6 +69,12 @@ class PlanLayout:
     def num_stages(self) -> int:
         return len(self.stage_layers)
 
+    @property
+    def tied_copies(self) -> bool:
+        """Whether the tied embedding weight has two copies (first and last stage), whose gradients
+        are summed at the step's ``CLIP`` action: the schedule then always carries one."""
+        return self.model.tied_embeddings and self.num_stages > 1
+
     def layer_range(self, stage: int) -> range:
         # A two-direction schedule holds the model twice: stages p.. restart at layer 0.
         chain = self.pp if self.schedule == "bidirectional" else self.num_stages
@@ -96,7 +103,7 @@ def build_schedules(layout: PlanLayout) -> list[PipelineSchedule]:
         )
     return place_collectives(
         schedules, layout.zero, stage_layers=layout.stage_layers, policy=layout.placement,
-        clip_grad=layout.clip_grad,
+        clip_grad=layout.clip_grad or layout.tied_copies,
     )
 
 
@@ -193,7 +200,8 @@ def _live_fraction(layout: PlanLayout, stage: int) -> float:
 
 
 def _stage_params(layout: PlanLayout, stage: int) -> float:
-    return float(sum(formulas.layer_held_params(layout.model, i) for i in layout.layer_range(stage)))
+    layers = layout.layer_range(stage)
+    return float(formulas.stage_held_params(layout.model, layers.start, layers.stop))
 
 
 def static_memory(
@@ -231,6 +239,14 @@ def static_memory(
                 )
                 workspace[device] = max(workspace.get(device, 0.0), extra or 0.0)
     return {device: held + workspace.get(device, 0.0) for device, held in out.items()}
+
+
+def _stage_tensors(layout: PlanLayout, stage: int) -> int:
+    """Parameter tensors of a stage as the runtime builds it: a tied head without the embedding
+    on its stage holds a copy of its weight."""
+    layers = layout.layer_range(stage)
+    copy = layout.model.tied_embeddings and layers.stop == layout.model.num_layers and layers.start > 0
+    return sum(_param_tensors(layout.model, i) for i in layers) + copy
 
 
 def _param_tensors(model: ModelSpec, layer: int) -> int:
@@ -281,7 +297,10 @@ class _CollectiveTable:
         layout, stage = self.layout, action.stage
         if action.kind is Kind.CLIP:  # one fp64 partial squared norm per rank, summed world-wide
             world = tuple(sorted(d for row in layout.assignment for d in row))
-            return CollectiveCost(group=world, op=Collective.ALL_REDUCE, nbytes=8.0)
+            tied = tied_sum_seconds(self.comm, model=layout.model, assignment=layout.assignment,
+                                    stage_to_rank=self.schedule.stage_to_rank, grad_bytes=self.state.grads,
+                                    zero=[z.level for z in layout.zero])
+            return CollectiveCost(group=world, op=Collective.ALL_REDUCE, nbytes=8.0, compute_s=tied)
         rank = self.schedule.stage_to_rank[stage]
         group = tuple(layout.assignment[r][rank] for r in range(layout.dp))
         buckets = self.schedule.bucket_layers.get(stage, (layout.stage_layers[stage],))
@@ -323,7 +342,7 @@ class _CollectiveTable:
         if level == 1 and runtime_buffers:
             # medley's runtime steps ZeRO-1 with torch's ZeroRedundancyOptimizer, which then
             # broadcasts every parameter tensor from its owner: one collective latency per tensor.
-            tensors = share * sum(_param_tensors(layout.model, i) for i in layout.layer_range(stage))
+            tensors = share * _stage_tensors(layout, stage)
             step_s += tensors * self.comm.collective_time(Collective.ALL_GATHER, group, 0.0)
         return CollectiveCost(group=group, op=None, compute_s=step_s)
 

@@ -75,7 +75,7 @@ def stream_times(est: Estimator, st, family, split, options) -> list[float]:
             out.append(0.0)
             start += n
             continue
-        params = float(sum(formulas.layer_held_params(est.model, i) for i in range(start, start + n)))
+        params = float(formulas.stage_held_params(est.model, start, start + n))
         start += n
         group = tuple(row[s % st.pp] for row in st.assignment)
         gather = est.comm.collective_time(Collective.ALL_GATHER, group, params * 2.0)
@@ -92,7 +92,7 @@ def exposed_dp(est: Estimator, st, split, options, micro_batches, stage_time) ->
     start = 0
     for s, n in enumerate(split):
         rank = s % pp
-        params = float(sum(formulas.layer_held_params(est.model, i) for i in range(start, start + n)))
+        params = float(formulas.stage_held_params(est.model, start, start + n))
         start += n
         group = tuple(st.assignment[r][rank] for r in range(dp))
         bandwidth = min(est.cluster.devices[d].type.memory_bandwidth_gbps for d in group) * 1e9

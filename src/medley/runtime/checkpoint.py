@@ -94,23 +94,33 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def checkpoint_state(stages: dict[int, ShardedStage], *, for_load: bool) -> dict[str, torch.Tensor]:
-    """This rank's tensors under their global keys (views: loading fills them in place)."""
+def checkpoint_state(stages: dict[int, ShardedStage], *, for_load: bool,
+                     copies: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's tensors under their global keys (views: loading fills them in place).
+
+    A tied weight's copy (``ShardedStage.copies``) has its original's keys: it is never saved
+    (the original is, and the two are equal), and loaded apart (``copies``: only the copies'
+    tensors, without the ``train.*`` ones), since a rank holding both would list a key twice."""
     state: dict[str, torch.Tensor] = {}
     for stage in stages.values():
         name_of = {}
         for name, param in stage.named_parameters_local():
-            state[f"model.{name}"] = param.detach()
+            if (param in stage.copies) == copies:
+                state[f"model.{name}"] = param.detach()
             name_of[param] = name
         for optimizer in stage.optimizers:
-            if for_load:
+            if for_load and not copies:
                 ensure_state(optimizer)
             local = local_optimizer(optimizer)
             for group in local.param_groups:
                 for param in group["params"]:
+                    if (param in stage.copies) != copies:
+                        continue
                     for key, value in local.state.get(param, {}).items():
                         if isinstance(value, torch.Tensor):
                             state[f"optim.{name_of[param]}.{key}"] = value
+    if copies:
+        return state
     state["train.next_step"] = torch.zeros((), dtype=torch.int64)
     state["train.rng"] = torch.get_rng_state()
     return state
@@ -334,6 +344,8 @@ def load_checkpoint(path: Path, *, stages: dict[int, ShardedStage], expected: di
         state.update({f"train.{name}": value for name, value in (train_state or {}).items()
                       if f"train.{name}" in saved_keys})
         dcp.load(state, storage_reader=SafeReader(path))
+        if any(stage.module.spec.tied_embeddings for stage in stages.values()):  # every rank: collective
+            dcp.load(checkpoint_state(stages, for_load=True, copies=True), storage_reader=SafeReader(path))
     except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure (a BaseException)
         failures = _failures(err)
         reason = f"{type(failures[0]).__name__}: {failures[0]}" if failures else type(err).__name__

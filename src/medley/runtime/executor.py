@@ -74,6 +74,8 @@ class RankExecutor:
         on_clip: runs the schedule's CLIP action (the world-wide gradient-norm all-reduce and
             the clip); the schedule puts every OPTIM of the rank behind it.
         before_optim: called with (stage, bucket) right before each optimizer step runs.
+        before_clip: called at the CLIP action before ``on_clip`` (the tied embeddings' gradient
+            sum, :mod:`medley.runtime.tied`).
         device: where activations live (receive buffers are allocated there).
 
     Two attributes steer fp16 runs (:mod:`medley.runtime.precision`): ``loss_scale`` multiplies
@@ -87,7 +89,7 @@ class RankExecutor:
                  dtype: torch.dtype = torch.float32, autocast_dtype: torch.dtype | None = None,
                  slowdown: float = 1.0, on_clip: Callable[[], None] | None = None,
                  before_optim: Callable[[int, int | None], None] | None = None,
-                 device: torch.device | None = None) -> None:
+                 before_clip: Callable[[], None] | None = None, device: torch.device | None = None) -> None:
         self.schedule = schedule
         self.rank = pipeline_rank
         self.stages = stages
@@ -99,6 +101,7 @@ class RankExecutor:
         self.slowdown = slowdown
         self.on_clip = on_clip
         self.before_optim = before_optim
+        self.before_clip = before_clip
         self.device = device or torch.device("cpu")
         self.emulated_sleep_s = 0.0
         self.loss_scale = 1.0
@@ -172,6 +175,8 @@ class RankExecutor:
         elif kind is Kind.OPTIM:
             self._optim(action)
         elif kind is Kind.CLIP:
+            if self.before_clip is not None:
+                self.before_clip()
             if self.on_clip is None:
                 raise RuntimeError(f"{action} on pipeline rank {self.rank}: the schedule clips gradients "
                                    "but no clipping was configured (TrainConfig.clip_norm)")

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from medley.errors import MedleyInputError
 from medley.runtime.hf_names import check_hf_family, hf_name
 from medley.runtime.model import Decoder
+from medley.runtime.sharding import shard_rows
 from medley.spec.cluster_schema import printable
 from medley.spec.model import ModelSpec
 
@@ -92,8 +93,8 @@ def _rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
         return param, 0
     if tuple(param.placements) != (Shard(0),):
         raise ValueError(f"a sharded parameter with placements {param.placements} is not FSDP2's Shard(0)")
-    chunk = -(-param.shape[0] // param.device_mesh.size())
-    return param.to_local(), min(param.shape[0], param.device_mesh.get_local_rank() * chunk)
+    start, _ = shard_rows(param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank())
+    return param.to_local(), start
 
 
 def load_hf_weights(module: Decoder, directory: Path) -> None:

@@ -6,7 +6,8 @@ these layers, so a pipeline stage builds only its own. Every layer is initialise
 generator seeded by ``(seed, layer index)``, so a stage's parameters are bit-identical to the
 same layers of the full model: the single-process reference exists for any split. Parameter
 names are global (``embed.*``, ``blocks.<block index>.*``, ``head.*``) and map 1:1 between a
-stage and the full model.
+stage and the full model, but for a tied model's head copy on a stage without the embedding
+(``head.out.weight``, whose global name :func:`shared_name` gives as ``embed.tok.weight``).
 """
 
 from __future__ import annotations
@@ -138,13 +139,26 @@ class Embedding(nn.Module):
         return x
 
 
-class Head(nn.Module):
-    """Final norm and LM head; with tied embeddings the projection borrows the embedding's weight."""
+TIED_WEIGHT = "embed.tok.weight"
+TIED_COPY = "head.out.weight"
 
-    def __init__(self, spec: ModelSpec) -> None:
+
+def shared_name(spec: ModelSpec, name: str) -> str:
+    """The plan-independent name of parameter ``name``: with tied embeddings, the LM head's copy of
+    the embedding (on a stage without the embedding) is the embedding's weight."""
+    return TIED_WEIGHT if spec.tied_embeddings and name == TIED_COPY else name
+
+
+class Head(nn.Module):
+    """Final norm and LM head. With tied embeddings the projection borrows the embedding's weight
+    when the stage holds the embedding; ``tied_copy`` (a pipeline's last stage without it) keeps
+    its own copy of that weight instead, which the runtime keeps equal (Megatron-LM's scheme)."""
+
+    def __init__(self, spec: ModelSpec, *, tied_copy: bool = False) -> None:
         super().__init__()
         self.norm = _norm(spec)
-        self.out = None if spec.tied_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        owns = tied_copy or not spec.tied_embeddings
+        self.out = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if owns else None
 
     def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None) -> torch.Tensor:
         x = self.norm(x)
@@ -187,19 +201,26 @@ class Decoder(nn.Module):
             raise ValueError(f"model '{spec.name}': a projected word embedding (word_embed_proj_dim) is not "
                              "supported by the runtime")
         has_embed, has_head = first_layer == 0, last_layer == spec.num_layers
-        if spec.tied_embeddings and has_head and not has_embed:
-            raise ValueError(f"model '{spec.name}' ties its embeddings, so the head must live on the stage "
-                             "that holds the embedding; use untied embeddings for pipelines")
+        tied_copy = spec.tied_embeddings and has_head and not has_embed
         self.spec = spec
         self.recompute = recompute
         self.first_layer, self.last_layer = first_layer, last_layer
         self.embed = Embedding(spec) if has_embed else None
         block_ids = range(max(first_layer, 1), min(last_layer, spec.num_blocks + 1))
         self.blocks = nn.ModuleDict({str(i - 1): Block(spec) for i in block_ids})
-        self.head = Head(spec) if has_head else None
+        self.head = Head(spec, tied_copy=tied_copy) if has_head else None
         for index, layer in self.layer_modules().items():
             if init:
                 init_layer(layer, seed, index, spec.num_blocks)
+        if init and tied_copy:
+            self._init_tied_copy(seed)
+
+    def _init_tied_copy(self, seed: int) -> None:
+        """The head's copy starts as the embedding's weight (drawn as layer 0 draws it)."""
+        embedding = Embedding(self.spec)
+        init_layer(embedding, seed, 0, self.spec.num_blocks)
+        with torch.no_grad():
+            self.head.out.weight.copy_(embedding.tok.weight)
 
     def layer_modules(self) -> dict[int, nn.Module]:
         """This range's layers by global layer index."""
@@ -222,7 +243,7 @@ class Decoder(nn.Module):
             else:
                 x = block(x)
         if self.head is not None:
-            tied = self.embed.tok.weight if self.spec.tied_embeddings else None
+            tied = self.embed.tok.weight if self.head.out is None else None
             x = self.head(x, tied)
         return x
 

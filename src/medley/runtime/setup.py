@@ -22,6 +22,7 @@ from medley.runtime.model import token_loss_sum
 from medley.runtime.placement import PlacementEntry
 from medley.runtime.sharding import ShardedStage
 from medley.runtime.stages import RankPlace, RankTable, build_local_stages, make_mesh, rank_place
+from medley.runtime.tied import build_tied_grads
 from medley.schedule.zero import CollectiveMismatchError, check_zero_placement
 
 
@@ -61,11 +62,6 @@ def check_plan(plan: Plan, world_size: int) -> None:
     if layout.schedule == "bidirectional":
         raise MedleyInputError("layout.schedule 'bidirectional' (the model held twice) is not run by the "
                                "runtime; choose another schedule")
-    if model.tied_embeddings and layout.num_stages > 1:
-        raise MedleyInputError(
-            f"model '{model.name}' ties its embeddings, which needs the embedding and the head on the same "
-            f"stage, but the plan has {layout.num_stages} stages; set tied_embeddings = false in the plan's "
-            "[model] or use one stage (pp 1)")
     if model.word_embed_proj_dim is not None:
         raise MedleyInputError(f"model '{model.name}' projects its word embedding (word_embed_proj_dim), "
                                "which the runtime does not build; use another model")
@@ -113,7 +109,9 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
 
     ``clip_grad`` decides whether the schedules carry the ``CLIP`` action (the run's clipping
     setting wins over ``layout.clip_grad``, which only says what the plan's prediction assumed);
-    the caller sets ``executor.on_clip``. ``init_from``: a Hugging Face model directory the stages
+    the caller sets ``executor.on_clip``. A plan with ``layout.tied_copies`` always carries
+    ``CLIP``: its tied gradients are summed there (:mod:`medley.runtime.tied`), before any
+    optimizer step. ``init_from``: a Hugging Face model directory the stages
     read their weights from (else the seeded initialisation).
     """
     device = _device()
@@ -143,6 +141,9 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
         activation_shape=(layout.micro_batch_size, layout.seq_len, layout.model.hidden_size),
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens, autocast_dtype=autocast_dtype,
         slowdown=factor, device=device)
+    if layout.tied_copies:
+        tied_grads = build_tied_grads(table, schedules, place, stages, levels)
+        executor.before_clip = None if tied_grads is None else tied_grads.sum_grads
     entries = _report(plan, place, device_id=me, stages=sorted(stages))
     return RankSetup(replica=place.replica, pipeline_rank=place.pipeline_rank, device=device,
                      device_of_rank=devices, mesh=mesh, stages=stages, executor=executor, placement=entries)

@@ -32,8 +32,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from medley.runtime.model import Decoder
+from medley.runtime.model import Decoder, shared_name
 from medley.runtime.torch_adapter import fsdp_reduce_grad, fsdp_unsharded_params
+
+
+def shard_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
+    """First row and row count of piece ``index`` of a dim-0 cut into ``parts`` (``torch.chunk``'s
+    pieces, as FSDP2 shards a parameter over the dp mesh: the last ones may be short or empty)."""
+    chunk = -(-rows // parts)
+    start = min(rows, index * chunk)
+    return start, min(rows, start + chunk) - start
 
 
 def bucket_layer_groups(layer_ids: Sequence[int], bucket_layers: Sequence[int] | None) -> list[list[int]]:
@@ -61,6 +69,9 @@ class ShardedStage:
         fsdp_units: FSDP unit per bucket (levels 2 and 3 only).
         dp_group: process group of the stage's data-parallel replicas (None when dp == 1).
         optimizers: one per bucket, so that OPTIM(stage, bucket) steps just that bucket.
+        bucket_names: global (plan-independent) name of each parameter, per bucket.
+        copies: parameters that copy another stage's (a tied LM head's copy of the embedding):
+            their gradient equals the original's once summed, so the norm counts it there only.
     """
 
     module: Decoder
@@ -70,6 +81,7 @@ class ShardedStage:
     dp_group: dist.ProcessGroup | None
     optimizers: list[torch.optim.Optimizer]
     bucket_names: list[list[str]]
+    copies: frozenset[nn.Parameter] = frozenset()
     # Levels 0-1: gradients already all-reduced this step; a stage may reduce in several windows.
     reduced: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)
     # Level 3: buckets whose weights are gathered now (compute needs all of them).
@@ -126,21 +138,31 @@ class ShardedStage:
     def final_grads(self, bucket: int | None = None) -> list[torch.Tensor]:
         """The reduced gradients OPTIM will apply: local shards (DTensors) at levels 2-3, the
         all-reduced full gradients at levels 0-1."""
-        grads = []
+        return [grad for _, grad in self._final_grads(bucket)]
+
+    def final_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The reduced gradient of one parameter (as :meth:`final_grads` gives it)."""
+        return self.reduced.get(param) if self.zero < 2 and self.dp_group is not None else param.grad
+
+    def _final_grads(self, bucket: int | None) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        pairs = []
         for index in self._indices(bucket):
             for param in self.buckets[index]:
-                grad = self.reduced.get(param) if self.zero < 2 and self.dp_group is not None else param.grad
+                grad = self.final_grad(param)
                 if grad is not None:
-                    grads.append(grad)
-        return grads
+                    pairs.append((param, grad))
+        return pairs
 
     def grad_sq_norm(self, bucket: int | None, *, replica: int) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (fp64): its shards at levels 2-3;
-        at levels 0-1 every replica holds the whole gradient, so only replica 0 counts it."""
+        at levels 0-1 every replica holds the whole gradient, so only replica 0 counts it. A
+        tied copy (:attr:`copies`) is counted where its original is."""
         total = torch.zeros((), dtype=torch.float64)
         if self.zero < 2 and replica > 0:
             return total
-        for grad in self.final_grads(bucket):
+        for param, grad in self._final_grads(bucket):
+            if param in self.copies:
+                continue
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             total += local.double().square().sum()
         return total
@@ -241,8 +263,9 @@ def shard_stage(
         root.set_is_last_backward(False)
     # Built before any unshard, so that FSDP stages hold (and step) their sharded parameters.
     buckets = [[p for i in group for p in layers[i].parameters()] for group in groups]
-    name_of = {p: name for name, p in module.named_parameters()}
-    bucket_names = [[name_of[p] for p in params] for params in buckets]
+    local_name = {p: name for name, p in module.named_parameters()}
+    bucket_names = [[shared_name(module.spec, local_name[p]) for p in params] for params in buckets]
+    copies = frozenset(p for p, name in local_name.items() if shared_name(module.spec, name) != name)
     optimizers: list[torch.optim.Optimizer] = []
     for params in buckets:
         if zero == 1 and dp_group is not None:
@@ -254,4 +277,4 @@ def shard_stage(
         for unit in units:
             unit.unshard()
     return ShardedStage(module=module, zero=zero, buckets=buckets, fsdp_units=units, dp_group=dp_group,
-                        optimizers=optimizers, bucket_names=bucket_names)
+                        optimizers=optimizers, bucket_names=bucket_names, copies=copies)

@@ -79,8 +79,11 @@ class CollectiveCost:
             A group of one (or ``op=None``) has no communication.
         op: the collective, or None for local actions (RESHARD frees memory, OPTIM computes).
         nbytes: full (unsharded) buffer size handed to ``CommModel.collective_time``.
-        compute_s: OPTIM only: time on the device's compute stream. OPTIM waits for the rank's
+        compute_s: OPTIM: time on the device's compute stream. OPTIM waits for the rank's
             latest REDUCE_GRAD of the same stage (and bucket, if it names one) listed before it.
+            CLIP: seconds added to the collective's duration (the tied embeddings' gradient sum
+            the world waits for, :func:`medley.cost.tied.tied_sum_seconds`; it is timed on the
+            CLIP's streams, not on the links of the two stages' devices).
         alloc_bytes: memory added on this device when the action starts (UNSHARD: gathered
             weights).
         free_bytes: memory released on this device when the action ends (RESHARD: gathered

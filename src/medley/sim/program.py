@@ -234,7 +234,7 @@ class _Builder:
         key3 = (action.kind, _group_stage(action), action.bucket)
         nth = occurrences.get(key3, 0)
         occurrences[key3] = nth + 1
-        inst = self.instance(cost.group, action, nth, cost.op, cost.nbytes)
+        inst = self.instance(cost.group, action, nth, cost.op, cost.nbytes, cost.compute_s)
         slot_in_group = self.prog.coll_members[inst].index(device)
         self.prog.coll_alloc[inst][slot_in_group] = cost.alloc_bytes
         self.prog.coll_free[inst][slot_in_group] = cost.free_bytes
@@ -249,7 +249,8 @@ class _Builder:
         ops.append((OP_ISSUE, inst))
 
     def instance(
-        self, group: tuple[int, ...], action: Action, nth: int, op: Collective, nbytes: float
+        self, group: tuple[int, ...], action: Action, nth: int, op: Collective, nbytes: float,
+        extra_s: float = 0.0,
     ) -> int:
         key = (group, action.kind, _group_stage(action), action.bucket, nth)
         inst = self.coll_index.get(key)
@@ -263,7 +264,7 @@ class _Builder:
         prog.coll_members.append([self.dense[d] for d in group])
         prog.coll_alloc.append([None] * len(group))
         prog.coll_free.append([None] * len(group))
-        prog.coll_dur.append(comm.collective_time(op, group, nbytes) if comm is not None else 0.0)
+        prog.coll_dur.append(comm.collective_time(op, group, nbytes) + extra_s if comm is not None else 0.0)
         ring = {link for i, d in enumerate(group) for link in self.links(d, group[(i + 1) % len(group)])}
         prog.coll_links.append(tuple(sorted(ring)))
         prog.coll_slot.append(len(prog.times))

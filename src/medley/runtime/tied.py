@@ -1,0 +1,119 @@
+"""Tied embeddings across a pipeline (Megatron-LM's scheme).
+
+A model whose LM head shares the token embedding's weight keeps two copies of it when the head
+and the embedding sit on different stages: the first stage's embedding and the last stage's
+head copy (:class:`medley.runtime.model.Head`), initialised alike. After the step's gradient
+reductions and before clipping and any optimizer step (the schedule's ``CLIP`` action), their
+gradients are summed over a two-rank group per replica (the ranks of the first and of the last
+stage), so both copies take the same update and stay bit-identical. When one rank holds both
+stages (interleaved schedules), the sum is local.
+
+The sum is taken on the gradients as OPTIM applies them: full all-reduced ones at ZeRO levels
+0-1, a rank's own rows at levels 2-3 (FSDP2 cuts dim 0 over the dp group, whose order is the
+replica index, so both stages' shards of a replica hold the same rows). When either of the two
+stages is sharded, each copy contributes the rows of its replica's shard (a full gradient its
+slice of them) and a full gradient then gathers the summed rows over its stage's dp group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from medley.runtime.model import TIED_WEIGHT
+from medley.runtime.sharding import ShardedStage, shard_rows
+from medley.runtime.stages import RankPlace, RankTable
+from medley.schedule.ir import PipelineSchedule
+
+
+@dataclass(kw_only=True)
+class TiedGrads:
+    """This rank's part in summing the tied weight's gradients.
+
+    Attributes:
+        params: this rank's copies of the tied weight with the stage holding each (one or two).
+        group: the two-rank group of this replica's first- and last-stage ranks; None when one
+            rank holds both stages (the sum is local).
+        by_rows: whether the first or the last stage is sharded (ZeRO-2/3 with dp > 1): the sum
+            then runs on the rows of this replica's shard.
+        replica: this rank's replica (its index in the dp groups).
+        dp: the number of replicas.
+    """
+
+    params: list[tuple[ShardedStage, torch.nn.Parameter]]
+    group: dist.ProcessGroup | None
+    by_rows: bool
+    replica: int
+    dp: int
+
+    def sum_grads(self) -> None:
+        """Replace each copy's reduced gradient by the sum of both copies' gradients."""
+        grads = [_local(stage, param) for stage, param in self.params]
+        pieces = [self._rows(stage, grad) if self.by_rows else grad
+                  for (stage, _), grad in zip(self.params, grads, strict=True)]
+        if self.group is None:
+            total = pieces[0] + pieces[1]
+            for piece in pieces:
+                piece.copy_(total)
+        else:
+            dist.all_reduce(pieces[0], op=dist.ReduceOp.SUM, group=self.group)
+        for (stage, _), grad in zip(self.params, grads, strict=True):
+            if self.by_rows and stage.zero < 2 and stage.dp_group is not None:
+                self._gather_rows(grad, stage.dp_group)
+
+    def _rows(self, stage: ShardedStage, grad: torch.Tensor) -> torch.Tensor:
+        """This replica's rows of a gradient: a shard (ZeRO-2/3) is all of them, a full one a slice."""
+        if stage.zero >= 2:
+            return grad
+        start, count = shard_rows(grad.shape[0], self.dp, self.replica)
+        return grad.narrow(0, start, count)
+
+    def _gather_rows(self, grad: torch.Tensor, dp_group: dist.ProcessGroup) -> None:
+        """Fill a full gradient with every replica's summed rows (padded pieces, gloo-safe)."""
+        chunk = -(-grad.shape[0] // self.dp)
+        mine = torch.zeros((chunk, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        start, count = shard_rows(grad.shape[0], self.dp, self.replica)
+        own = grad.narrow(0, start, count)
+        mine[:own.shape[0]] = own
+        pieces = [torch.empty_like(mine) for _ in range(self.dp)]
+        dist.all_gather(pieces, mine, group=dp_group)
+        grad.copy_(torch.cat(pieces)[:grad.shape[0]])
+
+
+def _local(stage: ShardedStage, param: torch.nn.Parameter) -> torch.Tensor:
+    grad = stage.final_grad(param)
+    if grad is None:
+        raise RuntimeError(f"the tied weight {TIED_WEIGHT} has no gradient at the CLIP action")
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+def tied_ranks(table: RankTable, schedules: list[PipelineSchedule]) -> list[tuple[int, int]]:
+    """Per replica, the global ranks of its first and its last stage (the same rank possibly)."""
+    pairs = []
+    for replica, row in enumerate(table):
+        stage_to_rank = schedules[replica].stage_to_rank
+        pairs.append((row[stage_to_rank[0]], row[stage_to_rank[-1]]))
+    return pairs
+
+
+def build_tied_grads(table: RankTable, schedules: list[PipelineSchedule], place: RankPlace,
+                     stages: dict[int, ShardedStage], zero: Sequence[int]) -> TiedGrads | None:
+    """The tied-gradient sum of this rank (``zero``: the ZeRO level of each stage), or None when
+    it holds neither end (collective: every rank creates every replica's group, in replica order)."""
+    pairs = tied_ranks(table, schedules)
+    groups = [dist.new_group(list(pair), sort_ranks=False) if pair[0] != pair[1] else None for pair in pairs]
+    last = schedules[place.replica].num_stages - 1
+    params = [(stages[s], _tied_param(stages[s])) for s in (0, last) if s in stages]
+    if not params:
+        return None
+    dp = len(table)
+    by_rows = dp > 1 and (zero[0] >= 2 or zero[-1] >= 2)
+    return TiedGrads(params=params, group=groups[place.replica], by_rows=by_rows, replica=place.replica,
+                     dp=dp)
+
+
+def _tied_param(stage: ShardedStage) -> torch.nn.Parameter:
+    return next(p for name, p in stage.named_parameters_local() if name == TIED_WEIGHT)
