@@ -140,7 +140,9 @@ def run_demo(*, out_dir: Path, model_name: str, console: Console, train_steps: i
     figures["zero_placement"] = zero_placement_demo(model_name=model_name, console=console)
     if train_steps > 0:
         figures["run"] = emulated_run(out_dir=out_dir, steps=train_steps, console=console)
-    if train_steps > 0 and hf_steps > 0:
+    if train_steps <= 0 < hf_steps:
+        console.print("the Hugging Face part trains on the emulated run's plan: skipped with --train-steps 0")
+    elif hf_steps > 0:
         from medley.cli.demo_hf import hf_finetune
 
         plan = load_plan(out_dir / "demo-emulated-plan.toml")
