@@ -113,7 +113,8 @@ def hf_finetune(*, out_dir: Path, plan: Plan, steps: int, emulate: bool, console
     figures = {"loss_first": records[0].loss, "loss_last": records[-1].loss, "export": str(export)}
     generation = generate(export, PROMPT, new_tokens=NEW_TOKENS)
     if generation is None:
-        console.print("transformers is not installed (pip install 'medley[hf]'): skipping loading the export")
+        console.print("transformers is not installed (pip install 'medley[hf]'): skipping loading the export",
+                      markup=False)
         return figures
     console.print(f"transformers.AutoModelForCausalLM.from_pretrained({export.name}), greedy: "
                   f"{generation.text!r}", markup=False)
