@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from medley.data.bpe import train_bpe
+
 OUT = Path(__file__).parent / "results"
 MEDLEY = str(Path(sys.executable).with_name("medley"))
 KEYS = ("VmHWM", "RssAnon", "RssFile")
@@ -121,9 +123,6 @@ def main() -> None:
         big, small = token_file(root / "big.bin", args.size_mb), token_file(root / "small.bin", 1)
         results["bin_large"] = watch([*train, "--data", str(big)])
         results["bin_1mb"] = watch([*train, "--data", str(small)])
-        sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-        from conftest import train_bpe  # the suite's BPE tokenizer trainer
-
         tokenizer = train_bpe(root / "tokenizer.json", 256)
         text = text_file(root / "docs.jsonl", args.text_mb)
         results["jsonl_tokenize"] = watch([*train, "--steps", "1", "--data", str(text), "--tokenizer",

@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
-from importlib import resources
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from medley.data.bpe import train_bpe
 
 _real_fork: Callable[[], int] = os.fork
 
@@ -59,20 +59,6 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
         os.environ["XDG_CACHE_HOME"] = old
-
-
-EOS = "<|endoftext|>"
-
-
-def train_bpe(path: Path, vocab_size: int) -> Path:
-    """A BPE tokenizer of at most ``vocab_size`` tokens (EOS and UNK included), saved at ``path``."""
-    text = resources.files("medley.data").joinpath("corpus.txt").read_text(encoding="utf-8")
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, "<unk>"], show_progress=False)
-    tokenizer.train_from_iterator(text.splitlines(), trainer=trainer)
-    tokenizer.save(str(path))
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,5 @@
 """Bad Hugging Face inputs are one line and exit 2, before any rank starts: a missing or mis-shaped
-tensor (naming it and its file), an unsupported RoPE type, a sliding window shorter than the
-sequence, and bad export arguments."""
+tensor (naming it and its file), an unsupported RoPE type, and bad export arguments."""
 
 from __future__ import annotations
 
@@ -77,12 +76,6 @@ def test_an_unsupported_rope_type_is_named(hf_models, tmp_path: Path, rope_type:
     for args in (["model", "show", str(tmp_path / "m")], ["train", "--init-from", str(tmp_path / "m")]):
         line = one_line_error(args)
         assert f"field 'rope_parameters': rope_type '{rope_type}' is not modelled" in line
-
-
-def test_a_window_shorter_than_the_sequence_is_refused(hf_models) -> None:
-    args = ["train", "--init-from", str(hf_models["mistral"]), *TWO_STAGES, "--seq-len", "96"]
-    line = one_line_error(args)
-    assert "exceeds the sliding window" in line and "--seq-len 64 or less" in line
 
 
 def test_export_arguments_are_checked(hf_models, tmp_path: Path) -> None:

@@ -10,15 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from hf_models import hf_logits
+from hf_models import SEQ_LEN, hf_logits, hf_plan, transformers_loss
 from safetensors import safe_open
 from typer.testing import CliRunner
 
 from medley.cli.main import app
-from medley.cost.estimator import CatalogCostSource
-from medley.plan.inline import inline_layout
-from medley.plan.plan import Plan
 from medley.runtime.checkpoint import latest_checkpoint
 from medley.runtime.hf_export import export_hf, read_model_tensors
 from medley.runtime.hf_weights import tensor_files
@@ -26,30 +22,10 @@ from medley.runtime.launch import train_local
 from medley.runtime.model import Decoder
 from medley.runtime.reference import reference_losses, reference_train
 from medley.runtime.train import TrainConfig, load_data
-from medley.spec.cluster import parse_cluster_arg
 from medley.spec.model import get_model
 
 TOL = 1e-5
-SEQ_LEN, MICRO_BATCH_SIZE, SEED = 32, 2, 3
-
-
-def hf_plan(directory: Path, *, pp: int, dp: int, split: str, zero: str, micro_batches: str) -> Plan:
-    cluster = parse_cluster_arg(f"{pp * dp}xA100-80GB")
-    model = get_model(str(directory))
-    layout = inline_layout(
-        cluster=cluster, model=model, cost=CatalogCostSource.for_cluster(model, cluster), pp=pp, dp=dp,
-        schedule="1f1b", micro_batches=micro_batches, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN,
-        split=split, zero=zero, dtype="fp32")
-    return Plan(layout=layout, cluster=cluster)
-
-
-def transformers_loss(directory: Path, tokens: torch.Tensor) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(tokens[:, :-1]).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).item()
+SEED = 3
 
 
 @pytest.mark.timeout(300)

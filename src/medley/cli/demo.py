@@ -10,6 +10,9 @@
    stretched 2x, see medley.runtime.emulate), a CPU profile of the tiny model, a plan for it from
    the planner, a few dozen training steps with torch.distributed, and the predicted step time
    next to the measured one.
+5. A Hugging Face model made here (tiny LLaMA, BPE tokenizer of the shipped corpus), fine-tuned
+   from its weights on the emulated run's plan, exported and loaded back by transformers to
+   continue a prompt (:mod:`medley.cli.demo_hf`; transformers is optional).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from medley.cost.estimator import CatalogCostSource
 from medley.fileio import check_output_dir
 from medley.plan.explain import explain
 from medley.plan.inline import inline_layout
-from medley.plan.plan import Plan, save_plan
+from medley.plan.plan import Plan, load_plan, save_plan
 from medley.plan.predict import predict
 from medley.plan.search import Constraints, search
 from medley.spec.cluster import load_cluster
@@ -129,11 +132,21 @@ def emulated_run(*, out_dir: Path, steps: int, console: Console) -> dict:
             "loss_first": records[0].loss, "loss_last": records[-1].loss}
 
 
-def run_demo(*, out_dir: Path, model_name: str, console: Console, train_steps: int = 30) -> dict:
+def run_demo(*, out_dir: Path, model_name: str, console: Console, train_steps: int = 30,
+             hf_steps: int = 0) -> dict:
+    """The demo's parts and their figures; ``hf_steps`` > 0 adds the Hugging Face part, which
+    trains on the emulated run's plan (so it needs ``train_steps`` > 0)."""
     figures = {"plan": plan_demo_cluster(out_dir=out_dir, model_name=model_name, console=console)}
     figures["zero_placement"] = zero_placement_demo(model_name=model_name, console=console)
     if train_steps > 0:
         figures["run"] = emulated_run(out_dir=out_dir, steps=train_steps, console=console)
+    if train_steps <= 0 < hf_steps:
+        console.print("the Hugging Face part trains on the emulated run's plan: skipped with --train-steps 0")
+    elif hf_steps > 0:
+        from medley.cli.demo_hf import hf_finetune
+
+        plan = load_plan(out_dir / "demo-emulated-plan.toml")
+        figures["hf"] = hf_finetune(out_dir=out_dir, plan=plan, steps=hf_steps, emulate=True, console=console)
     return figures
 
 
@@ -145,7 +158,13 @@ def register(app: typer.Typer) -> None:
         train_steps: Annotated[
             int, typer.Option(help="Steps of the emulated 4-rank run (0 skips it)")
         ] = 30,
+        hf_steps: Annotated[
+            int, typer.Option(help="Fine-tuning steps of the Hugging Face part on the emulated run's plan "
+                              "(0 skips it; it needs the emulated run)")
+        ] = 20,
     ) -> None:
-        """Plan for the demo cluster, show ZIPPer's placement, then train a tiny model on 4 emulated ranks."""
+        """Plan for the demo cluster, show ZIPPer's placement, train a tiny model on 4 emulated ranks,
+        then fine-tune, export and generate from a tiny Hugging Face model."""
         check_output_dir(out, flag="--out")
-        run_demo(out_dir=out, model_name=model, console=make_console(), train_steps=train_steps)
+        run_demo(out_dir=out, model_name=model, console=make_console(), train_steps=train_steps,
+                 hf_steps=hf_steps)

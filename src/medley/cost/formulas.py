@@ -108,7 +108,8 @@ def layer_gemms(model: ModelSpec, layer_index: int, *, micro_batch_size: int, se
 
 def attention_core_flops(model: ModelSpec, *, micro_batch_size: int, seq_len: int) -> float:
     """Forward FLOPs of softmax(QK^T)V in one block: 2·b·s²·(heads·head_dim) each for the scores
-    and for AV (full causal maths, as the kernels compute it)."""
+    and for AV (full causal maths, as the kernels compute it; a sliding window is a mask over the same
+    square, so it is costed as full attention)."""
     return 4.0 * micro_batch_size * seq_len * seq_len * model.q_dim
 
 

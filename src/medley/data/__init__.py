@@ -1,1 +1,2 @@
-"""Data files shipped with medley (the small training corpus, see NOTICE.md)."""
+"""Data files shipped with medley (the small training corpus, see NOTICE.md) and the BPE tokenizer
+trained on it (:mod:`.bpe`)."""

@@ -61,8 +61,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention (num_kv_heads <= num_heads); sequences longer than a sliding
-    window are refused (full causal attention equals windowed attention up to the window)."""
+    """Causal grouped-query attention (num_kv_heads <= num_heads). With a sliding window W, query i
+    attends to keys j with i - W < j <= i (W tokens, itself included: transformers' Mistral/Qwen2
+    mask); a sequence no longer than W takes the plain causal kernel, the same maths."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -76,9 +77,6 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         batch, seq, _ = x.shape
-        if spec.sliding_window is not None and seq > spec.sliding_window:
-            raise ValueError(f"model '{spec.name}': sequence length {seq} exceeds its sliding window "
-                             f"{spec.sliding_window}, which the runtime does not mask")
         q = self.wq(x).view(batch, seq, spec.num_heads, spec.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
@@ -89,8 +87,20 @@ class Attention(nn.Module):
         if spec.num_kv_heads != spec.num_heads:
             repeat = spec.num_heads // spec.num_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        window = spec.sliding_window
+        if window is None or seq <= window:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.window_mask(seq, window, x.device))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, spec.q_dim))
+
+
+    @staticmethod
+    def window_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
+        """[seq, seq] boolean mask, True where query i may attend key j: j <= i and i - j < window."""
+        pos = torch.arange(seq, device=device)
+        distance = pos[:, None] - pos[None, :]
+        return (distance >= 0) & (distance < window)
 
 
 class MLP(nn.Module):

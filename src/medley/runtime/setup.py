@@ -65,11 +65,6 @@ def check_plan(plan: Plan, world_size: int) -> None:
     if model.word_embed_proj_dim is not None:
         raise MedleyInputError(f"model '{model.name}' projects its word embedding (word_embed_proj_dim), "
                                "which the runtime does not build; use another model")
-    if model.sliding_window is not None and layout.seq_len > model.sliding_window:
-        raise MedleyInputError(
-            f"layout.seq_len {layout.seq_len} (--seq-len) exceeds the sliding window of model "
-            f"'{model.name}', {model.sliding_window} (sliding_window), which the runtime does not mask; "
-            f"use --seq-len {model.sliding_window} or less")
     if layout.seq_len > model.max_seq_len:
         raise MedleyInputError(
             f"layout.seq_len {layout.seq_len} (--seq-len) exceeds the longest sequence of model "

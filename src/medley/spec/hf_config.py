@@ -62,6 +62,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "rope_theta": 10000.0,
         "use_sliding_window": False,
+        "max_window_layers": 28,
     },
     "gpt2": {"layer_norm_epsilon": 1e-5, "tie_word_embeddings": True},
     "opt": {"ffn_dim": 3072, "tie_word_embeddings": True, "layer_norm_epsilon": 1e-5},
@@ -137,10 +138,36 @@ def _attention_fields(
         head_dim = _int(head_dim, "head_dim", source)
         if head_dim * size["num_heads"] != size["hidden_size"]:
             fields["explicit_head_dim"] = head_dim
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    if window is not None and _int(window, "sliding_window", source) < size["max_seq_len"]:
+    window = _window(cfg, model_type, size["num_blocks"], source)
+    if window is not None and window < size["max_seq_len"]:
         fields["sliding_window"] = window
     return fields
+
+
+def _window(cfg: dict[str, Any], model_type: str, num_blocks: int, source: str) -> int | None:
+    """The sliding window of every block, or None. Mistral windows every block; Qwen2 only with
+    ``use_sliding_window`` and only the blocks its ``layer_types`` mark (by default those from
+    ``max_window_layers`` on): all or none is modelled, a mix is refused."""
+    window = cfg.get("sliding_window")
+    if window is None or (model_type == "qwen2" and not cfg["use_sliding_window"]):
+        return None
+    window = _int(window, "sliding_window", source)
+    if model_type != "qwen2":
+        return window
+    types = cfg.get("layer_types")
+    key = "layer_types" if types is not None else "max_window_layers"
+    if types is None:
+        first = _int(cfg["max_window_layers"], "max_window_layers", source)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_blocks)]
+    if not isinstance(types, list) or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise _fail(source, "layer_types", f"must list 'sliding_attention' or 'full_attention' per layer, "
+                    f"got {types!r}", "fix or remove the list")
+    windowed = types.count("sliding_attention")
+    if 0 < windowed < len(types):
+        raise _fail(source, key, f"windows {windowed} of {len(types)} layers; medley models a window on "
+                    "every layer or none", "set max_window_layers to 0 (and drop layer_types) or "
+                    "use_sliding_window to false")
+    return window if windowed else None
 
 
 def _rope_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:

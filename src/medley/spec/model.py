@@ -62,7 +62,7 @@ class ModelSpec:
         rope_high_freq_factor: ``llama3``'s high_freq_factor.
         rope_original_max_seq_len: ``llama3``'s original_max_position_embeddings.
         sliding_window: each token attends to at most this many tokens (itself included); None:
-            full causal attention. The runtime trains only sequences no longer than the window.
+            full causal attention. Query i attends to keys i - window < j <= i (Mistral's mask).
     """
 
     name: str
