@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,9 @@ def read_model_tensors(step_dir: Path) -> tuple[ModelSpec, dict[str, torch.Tenso
                 raise MedleyInputError(printable(f"checkpoint {step_dir}: tensor 'model.{name}' is missing; "
                                                  "export a checkpoint of this model"))
             state[f"model.{name}"] = torch.empty(entry.size, dtype=entry.properties.dtype)
-        dcp.load(state, storage_reader=SafeReader(step_dir), no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": it is meant to be
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=SafeReader(step_dir), no_dist=True)
     except MedleyInputError:
         raise
     except (Exception, CheckpointException) as err:
