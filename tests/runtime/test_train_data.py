@@ -1,5 +1,5 @@
-"""Training on data sets, launched (gloo, CPU): a tokenized jsonl and a .bin token file on a
-pp2 x dp2 plan (ZeRO 3,1) equal the single-process reference, losses and validation losses;
+"""Training on data sets, launched (gloo, CPU): a tokenized jsonl, a parquet directory and a .bin
+token file on a pp2 x dp2 plan (ZeRO 3,1) equal the single-process reference, losses and validation losses;
 a resumed run continues at the exact next sample; TensorBoard receives the scalars."""
 
 from __future__ import annotations
@@ -85,3 +85,21 @@ def test_a_bin_token_file_with_val_data_matches_the_reference_under_zb_h1(tmp_pa
     want = reference_run(tiny_plan(**PLAN_ZB).layout, config(**settings))
     assert max(abs(r.loss - w) for r, w in zip(records, want.losses, strict=True)) <= TOL
     assert abs(records[-1].eval_loss - want.eval_losses[2]) <= TOL
+
+
+@pytest.mark.timeout(300)
+def test_a_parquet_directory_matches_the_reference(tmp_path, bpe_tokenizer) -> None:
+    """The issue's third input kind on the same pp2 x dp2 ZeRO 3,1 plan: a directory of parquet
+    files (read in name order), tokenized with the BPE tokenizer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "docs").mkdir()
+    half = len(DOCS) * 2
+    pq.write_table(pa.table({"text": (DOCS * 4)[:half]}), tmp_path / "docs" / "0.parquet")
+    pq.write_table(pa.table({"text": (DOCS * 4)[half:]}), tmp_path / "docs" / "1.parquet")
+    settings = dict(data=str(tmp_path / "docs"), tokenizer=str(bpe_tokenizer), data_cache=tmp_path / "cache",
+                    steps=3, checkpoint_every=0, measure_memory=False)
+    records = train_local(tiny_plan(**PLAN), config(**settings))
+    want = reference_run(tiny_plan(**PLAN).layout, config(**settings))
+    assert max(abs(r.loss - w) for r, w in zip(records, want.losses, strict=True)) <= TOL
