@@ -276,8 +276,8 @@ def markdown(data: dict) -> str:
         lines += [
             "## Search time and plan quality (2 sequences per device, catalog costs)",
             "",
-            "| devices | types | model | search s (cpu) | simulated | best plan | tokens/s | vs megatron | "
-            "vs fastest-type | vs metis | vs best single-type | of bound |",
+            "| devices | types | model | search s (cpu) | simulated | best plan | tokens/s | "
+            "vs megatron-style | vs fastest-type | vs metis-style | vs best single-type | of bound |",
             "|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in data["search"]:
@@ -290,8 +290,8 @@ def markdown(data: dict) -> str:
             v = r["versus"]
             lines.append(
                 f"| {r['devices']} | {r['types']} | {r['model']} | {r['search_cpu_s']:.1f} | "
-                f"{r['simulated']} | {r['plan']} | {r['tokens_per_s']:,.0f} | {_fmt(v['megatron'])} | "
-                f"{_fmt(v['fastest-type-only'])} | {_fmt(v['metis'])} | "
+                f"{r['simulated']} | {r['plan']} | {r['tokens_per_s']:,.0f} | {_fmt(v['megatron-style'])} | "
+                f"{_fmt(v['fastest-type-only'])} | {_fmt(v['metis-style'])} | "
                 f"{_fmt(r.get('versus_best_single_type'))} | {r['aggregate_fraction']:.0%} |"
             )
         lines.append("")

@@ -44,7 +44,7 @@ def test_plan_json_out_and_show(tmp_path: Path) -> None:
     data = json.loads(out)
     assert 1 <= len(data["plans"]) <= 3
     best = data["plans"][0]
-    assert set(best["versus_baselines"]) == {"megatron", "fastest-type-only", "metis"}
+    assert set(best["versus_baselines"]) == {"megatron-style", "fastest-type-only", "metis-style"}
     assert 0 < best["aggregate_fraction"] <= 1
     assert set(best["headroom_gb_by_type"]) <= {"A100-80GB", "V100-32GB"}
     plan = load_plan(plan_file)
@@ -76,7 +76,7 @@ def test_plan_table_explain_and_torch_export(tmp_path: Path) -> None:
         "2",
     )
     assert code == 0, out
-    assert "tokens/s" in out and "vs metis" in out and "of bound" in out
+    assert "tokens/s" in out and "vs metis-style" in out and "of bound" in out
     assert "Bottleneck: device" in out and "Memory: device" in out
     exported = tmp_path / "torch"
     meta = json.loads((exported / "plan.json").read_text())

@@ -135,7 +135,7 @@ def test_distribute_gives_everyone_one_and_follows_the_weights(total, weights) -
 def test_baselines_follow_their_definitions() -> None:
     spec = parse_cluster_arg("2xA100-80GB+2xV100-32GB")
     result = search(spec, TINY, global_batch=16, seq_len=64, top=1)
-    megatron = result.baselines["megatron"]
+    megatron = result.baselines["megatron-style"]
     assert megatron is not None
     lay = megatron.plan.layout
     assert lay.schedule == "1f1b" and len(set(lay.micro_batches)) == 1
@@ -144,7 +144,7 @@ def test_baselines_follow_their_definitions() -> None:
     fastest = result.baselines["fastest-type-only"]
     assert fastest is not None
     assert {spec.devices[d].type.name for row in fastest.plan.layout.assignment for d in row} == {"A100-80GB"}
-    metis = result.baselines["metis"]
+    metis = result.baselines["metis-style"]
     assert metis is not None and metis.plan.layout.placement.value == "naive"
     assert result.best.tokens_per_s >= max(b.tokens_per_s for b in result.baselines.values() if b)
 

@@ -1,12 +1,12 @@
 """Baselines over the same simulator, for the benchmark and ``--explain``.
 
-* ``megatron``: what a homogeneous planner does. Uniform layer split, 1F1B, equal micro-batches,
-  ZeRO-1 (Megatron's distributed optimizer), devices in cluster order; pp x dp and micro-batch size
-  chosen as if every device were the slowest (and smallest) type present. Full recomputation only
-  when nothing fits without it.
+* ``megatron-style``: what a homogeneous planner does. Uniform layer split, 1F1B, equal
+  micro-batches, ZeRO-1 (Megatron's distributed optimizer), devices in cluster order; pp x dp and
+  micro-batch size chosen as if every device were the slowest (and smallest) type present. Full
+  recomputation only when nothing fits without it.
 * ``fastest-type-only``: the same, on the fastest type's devices alone (the slower ones idle).
-* ``metis``: Metis-style heterogeneity-aware balancing without ZeRO co-design: device groups by
-  type along the pipeline, layers in proportion to each stage's compute capacity (then moved off
+* ``metis-style``: heterogeneity-aware balancing as Metis does it, without ZeRO co-design: device
+  groups by type along the pipeline, layers in proportion to each stage's compute capacity (then moved off
   stages short of memory), micro-batches per replica in proportion to replica speed, ZeRO-1 on
   every stage with collectives placed after the step (no bubble placement).
 
@@ -37,9 +37,9 @@ def run_baselines(
     fastest = min(speed.values())
     fast_devices = [d for d in devices if speed[d] == fastest]
     return {
-        "megatron": megatron_style(estimator, devices, sizes, constraints),
+        "megatron-style": megatron_style(estimator, devices, sizes, constraints),
         "fastest-type-only": megatron_style(estimator, fast_devices, sizes, constraints),
-        "metis": metis_style(estimator, devices, sizes, constraints),
+        "metis-style": metis_style(estimator, devices, sizes, constraints),
     }
 
 
