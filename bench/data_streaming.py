@@ -25,6 +25,7 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+from provenance import provenance
 
 from medley.data.bpe import train_bpe
 
@@ -99,15 +100,6 @@ def text_file(path: Path, megabytes: int) -> Path:
     return path
 
 
-def commit() -> str:
-    """The commit measured (with ``+dirty`` when the working tree has changes)."""
-    root = Path(__file__).parents[1]
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                          text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
-    return head + ("+dirty" if dirty.strip() else "")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=512)
@@ -116,8 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     train = ["train", "--local-ranks", "2", "--pp", "2", "--split", "2,2", "--seq-len", "64",
              "--steps", str(args.steps), "--json"]
-    results: dict = {"commit": commit(), "command": " ".join(["python", *sys.argv]),
-                     "size_mb": args.size_mb, "text_mb": args.text_mb, "steps": args.steps}
+    results: dict = {**provenance(), "size_mb": args.size_mb, "text_mb": args.text_mb, "steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         big, small = token_file(root / "big.bin", args.size_mb), token_file(root / "small.bin", 1)

@@ -28,6 +28,8 @@ import platform
 import time
 from pathlib import Path
 
+from provenance import provenance
+
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.metis import MetisCostSource
 from medley.errors import MedleyInputError
@@ -272,6 +274,13 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 def markdown(data: dict) -> str:
     lines = ["# Planner benchmark", "", f"Machine: {data['machine']}", ""]
+    for section in ("search", "gap", "bound"):
+        made = data.get("provenance", {}).get(section)
+        if data.get(section):
+            how = (f"commit `{made['commit']}`, command `{made['command']}`" if made
+                   else "commit not recorded (measured before results recorded it)")
+            lines.append(f"- {section}: {how}")
+    lines.append("")
     if data.get("search"):
         lines += [
             "## Search time and plan quality (2 sequences per device, catalog costs)",
@@ -348,6 +357,8 @@ def main() -> None:
     }
     if args.out.exists():
         data = {**json.loads(args.out.read_text()), **data}
+    # Sections not run now keep their rows and the provenance they were measured with.
+    data["provenance"] = {**data.get("provenance", {}), **{s: provenance() for s in sections}}
     if "search" in sections:
         data["search"] = []
         for size in map(int, args.sizes.split(",")):
