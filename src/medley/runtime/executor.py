@@ -113,6 +113,11 @@ class RankExecutor:
     def program(self) -> list[Action]:
         return self.schedule.actions[self.rank]
 
+    @property
+    def carries_clip(self) -> bool:
+        """Whether this rank's program has the ``CLIP`` action (every rank's has, or none)."""
+        return any(action.kind is Kind.CLIP for action in self.program)
+
     def run_step(self, batch: MicroBatches) -> list[torch.Tensor]:
         """Run the program once; returns the last stage's per-micro-batch losses (if held here)."""
         return self._run_program(self.program, batch)

@@ -100,7 +100,7 @@ class _Loop:
         self.sequences = sum(layout.micro_batches) * layout.micro_batch_size
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.sq_norm = torch.zeros((), dtype=torch.float64)
-        if config.clip_norm is None and scaler is None and not layout.tied_copies:  # else CLIP
+        if not setup.executor.carries_clip:  # clipping off, not fp16, no tied copies
             setup.executor.before_optim = self._count_norm
         else:
             setup.executor.on_clip = self._clip
