@@ -11,7 +11,7 @@ import pytest
 import torch
 from hf_models import hf_configs, randomise
 
-EOS = "<|endoftext|>"
+from medley.data.bpe import EOS
 
 
 @pytest.fixture(scope="session")

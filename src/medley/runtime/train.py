@@ -295,8 +295,7 @@ class _Loop:
         step_time = float(stats[:, 2].max())
         memory = {}
         if self.setup.device.type == "cuda" and self.config.measure_memory:
-            memory = {self.setup.device_of_rank[r]: int(stats[r, 4]) for r in range(self.world)}
-            memory = dict(sorted(memory.items()))
+            memory = {device: int(peak) for device, peak in self._by_device(stats[:, 4]).items()}
         eval_loss = None
         if self.config.eval_due(step):
             eval_loss = float(stats[:, 7].sum()) / self.config.eval_batches
@@ -309,6 +308,7 @@ class _Loop:
             loss_scale=None if self.scaler is None else float(stats[0, 5]), skipped_steps=int(stats[0, 6]))
 
     def _by_device(self, column: torch.Tensor) -> dict[int, float]:
+        """One value per global rank, keyed by the rank's plan device (ascending)."""
         return dict(sorted((self.setup.device_of_rank[r], float(column[r])) for r in range(self.world)))
 
     def _diverged(self, step: int, loss: float, grad_norm: float) -> MedleyInputError:
