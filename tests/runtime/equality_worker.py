@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -104,6 +105,7 @@ def run_case(case: Case) -> dict:
                 result["grad"] = max(result["grad"], max_diff(stages[index].named_grads(), ref_grads))
             for index in sorted(stages):
                 stages[index].optim_step(None)
+                stages[index].unshard(None)  # levels 1-2 gather the updated weights after the step
         ref_opt.step()
         ref_params = dict(reference.named_parameters())
         for index in sorted(stages):
@@ -114,7 +116,9 @@ def run_case(case: Case) -> dict:
     return result
 
 
-def worker(rank: int, world: int, port: int, cases: list[Case], out_path: str) -> None:
+def worker(rank: int, world: int, port: int, cases: list[Case], out_path: str,
+           body: Callable[[Case], dict] = run_case) -> None:
+    """Run ``body`` (by default the equality check) on every case of this world size."""
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(150, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -124,7 +128,7 @@ def worker(rank: int, world: int, port: int, cases: list[Case], out_path: str) -
         if case.world != world:
             continue
         try:
-            results[case.name] = run_case(case)
+            results[case.name] = body(case)
         except Exception:  # noqa: BLE001 - reported per case; other ranks may then time out
             results[case.name] = {"error": traceback.format_exc(limit=6)}
             print(f"rank {rank} case {case.name}:\n{results[case.name]['error']}", file=sys.stderr)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import socket
+from collections.abc import Callable
 
 import pytest
 import torch.multiprocessing as mp
-from equality_worker import Case, worker
+from equality_worker import Case, run_case, worker
 
 from medley.schedule.generators import generate
 from medley.schedule.ir import B, F, PipelineSchedule, W, loop_stage_to_rank
@@ -46,12 +47,14 @@ def zb_h1(pp: int, micro_batches: int) -> PipelineSchedule:
                             stage_to_rank=loop_stage_to_rank(pp), actions=rows)
 
 
-def launch(world: int, cases: list[Case], tmp_path) -> dict[str, dict]:
+def launch(world: int, cases: list[Case], tmp_path, body: Callable[[Case], dict] = run_case) -> dict[str, dict]:
+    """Run ``body`` on every case of ``world`` ranks in one process group; per case, each figure's
+    largest value over the ranks (strings: the last rank's)."""
     out = tmp_path / f"results_{world}.json"
     # Ranks come from the fork server (a clean process with torch imported), as `medley train`'s do:
     # a fork of pytest itself, which has run torch ops, can deadlock on the inherited thread pool.
     multiprocessing.set_forkserver_preload(["torch", "medley.runtime.launch", "equality_worker"])
-    mp.start_processes(worker, args=(world, free_port(), cases, str(out)), nprocs=world, join=True,
+    mp.start_processes(worker, args=(world, free_port(), cases, str(out), body), nprocs=world, join=True,
                        start_method="forkserver")
     merged: dict[str, dict] = {}
     for rank_results in json.loads(out.read_text()):

@@ -31,7 +31,7 @@ from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, save_plan
 from medley.runtime.config import TrainConfig, check_config
 from medley.runtime.launch import RankFailure, train_local
-from medley.runtime.optim import local_optimizer, lr_at
+from medley.runtime.optim import lr_at
 from medley.runtime.precision import LossScaler, choose_dtype, precision_note
 from medley.runtime.reference import reference_losses
 from medley.runtime.sharding import ShardedStage
@@ -53,7 +53,7 @@ def watch_and_inject(step: int, stages: dict[int, ShardedStage], scale: float | 
     ``inject_step``, put an inf into one gradient of ``inject_stage``."""
     rank = os.environ["RANK"]
     counts = [float(state["step"]) for stage in stages.values() for optimizer in stage.optimizers
-              for state in local_optimizer(optimizer).state.values() if "step" in state]
+              for state in optimizer.state.values() if "step" in state]
     weights = sum(float((p.to_local() if hasattr(p, "to_local") else p).double().sum())
                   for stage in stages.values() for _, p in stage.named_parameters_local())
     with open(Path(directory) / f"rank{rank}.jsonl", "a") as handle:

@@ -30,8 +30,8 @@ def _clip_span(tied: bool, *, zero: str, pp: int = 2, virtual: int = 1, split: s
 
 
 def test_the_clip_of_a_tied_pipeline_lasts_the_tied_all_reduce_longer() -> None:
-    tied, layout, cluster = _clip_span(True, zero="1,1")
-    untied, _, _ = _clip_span(False, zero="1,1")
+    tied, layout, cluster = _clip_span(True, zero="0,0")
+    untied, _, _ = _clip_span(False, zero="0,0")
     comm = TopologyCommModel(cluster)
     grad = state_bytes_per_param(layout.dtype).grads * layout.model.vocab_size * layout.model.hidden_size
     pairs = [(row[0], row[-1]) for row in layout.assignment]
@@ -41,7 +41,7 @@ def test_the_clip_of_a_tied_pipeline_lasts_the_tied_all_reduce_longer() -> None:
 
 def test_a_sharded_end_sums_rows_and_one_device_holding_both_ends_costs_nothing() -> None:
     sharded, _, _ = _clip_span(True, zero="3,3")
-    full, _, _ = _clip_span(True, zero="1,1")
+    full, _, _ = _clip_span(True, zero="0,0")
     assert sharded < full  # each replica sums its shard's rows only
     same, _, _ = _clip_span(True, zero="0,0", pp=1, virtual=2, split="17,17")
     untied, _, _ = _clip_span(False, zero="0,0", pp=1, virtual=2, split="17,17")

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from medley.cost.zero_levels import zero_level
+
 WEIGHT_BYTES = 2
 GRAD_BYTES = 2
 OPTIMIZER_BYTES = 12
@@ -106,20 +108,19 @@ def stage_state_bytes(
         per_param: bytes per parameter of weights, gradient and optimizer state (mixed-precision
             Adam by default; :data:`FP32_ADAM` for fp32 plans).
     """
-    if level not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO level must be 0, 1, 2 or 3, got {level}")
+    meaning = zero_level(level)
     if dp < 1:
         raise ValueError(f"data-parallel size must be >= 1, got {dp}")
     shard = params / dp
     w, g, o = per_param.weights, per_param.grads, per_param.optimizer
-    weights = params * w if level < 3 else shard * w
-    grads = params * g if level < 2 else shard * g
-    optimizer = params * o if level < 1 else shard * o
+    weights = (shard if meaning.shards_weights else params) * w
+    grads = (shard if meaning.shards_grads else params) * g
+    optimizer = (shard if meaning.shards_optimizer else params) * o
     gathered = 0.0
     accumulation = 0.0
-    if level == 3 and dp > 1:
+    if meaning.shards_weights and dp > 1:
         gathered = (params - shard) * w * min(1.0, gathered_fraction)
-    if level >= 2 and dp > 1:
+    if meaning.shards_grads and dp > 1:
         accumulation = (params - shard) * g * min(1.0, accumulation_fraction)
     return StageStateBytes(
         weights=weights,

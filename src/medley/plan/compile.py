@@ -15,6 +15,7 @@ from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import DTYPE_BYTES
 from medley.cost.interfaces import Collective, CostSource, Pass
 from medley.cost.tied import tied_sum_seconds
+from medley.cost.zero_levels import Payload, zero_level
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
 from medley.errors import MedleyInputError
 from medley.schedule.generators import generate
@@ -112,7 +113,7 @@ def _stage_cost(
     cost: CostSource,
     stage: int,
     device_type: str,
-    zero_level: int,
+    level: int,
     *,
     fused: bool = False,
 ) -> StageCost:
@@ -129,7 +130,7 @@ def _stage_cost(
     fused_known = measured_act = True
     dtype_bytes = DTYPE_BYTES[layout.dtype]
     full_time = getattr(cost, "backward_full_time", None)
-    fsdp_time = getattr(cost, "fsdp_extra_time", None) if zero_level >= 2 else None
+    fsdp_time = getattr(cost, "fsdp_extra_time", None) if zero_level(level).optimizer_on_shard else None
     fsdp = {kind: 0.0 for kind in Pass}
     measured_bytes = getattr(cost, "activation_bytes", None)
     for layer in layout.layer_range(stage):
@@ -172,7 +173,8 @@ def _stage_cost(
         after_b = act
     params = _stage_params(layout, stage)
     state = state_bytes_per_param(layout.dtype)
-    grad_buffer = (params - params / layout.dp) * state.grads if zero_level >= 2 and layout.dp > 1 else 0.0
+    shards_grads = zero_level(level).shards_grads and layout.dp > 1
+    grad_buffer = (params - params / layout.dp) * state.grads if shards_grads else 0.0
     grad_buffer *= _live_fraction(layout, stage)
     return StageCost(
         forward_s=times[Pass.F],
@@ -224,7 +226,7 @@ def static_memory(
         state = stage_state_bytes(_stage_params(layout, stage), level=layout.zero[stage].level, dp=layout.dp,
                                   per_param=state_bytes_per_param(layout.dtype))
         held = state.resident
-        if _fsdp_keeps_shards(layout) and layout.zero[stage].level == 2:
+        if _fsdp_keeps_shards(layout) and zero_level(layout.zero[stage].level).gathers_after_step:
             # FSDP2 keeps the sharded parameters the optimizer steps next to the gathered ones.
             held += _stage_params(layout, stage) / layout.dp * state_bytes_per_param(layout.dtype).weights
         for replica in range(layout.dp):
@@ -241,34 +243,14 @@ def static_memory(
     return {device: held + workspace.get(device, 0.0) for device, held in out.items()}
 
 
-def _stage_tensors(layout: PlanLayout, stage: int) -> int:
-    """Parameter tensors of a stage as the runtime builds it: a tied head without the embedding
-    on its stage holds a copy of its weight."""
-    layers = layout.layer_range(stage)
-    copy = layout.model.tied_embeddings and layers.stop == layout.model.num_layers and layers.start > 0
-    return sum(_param_tensors(layout.model, i) for i in layers) + copy
-
-
-def _param_tensors(model: ModelSpec, layer: int) -> int:
-    """Parameter tensors of a layer as the runtime builds it (weights, biases, norm parameters)."""
-    kind = model.layer_kind(layer)
-    norm = 2 if model.norm == "layernorm" else 1
-    if kind == "embedding":
-        return 1 + (model.position == "learned")
-    if kind == "head":
-        return norm + (not model.tied_embeddings)
-    linears = 4 + (3 if model.mlp == "swiglu" else 2)
-    return linears * (2 if model.bias else 1) + 2 * norm
-
-
 def _fsdp_keeps_shards(layout: PlanLayout) -> bool:
     """Whether to book the buffers medley's runtime really holds around ZeRO collectives.
 
     Measured on CPU (bench/results/runtime.md), fp32 plans with dp > 1: FSDP2 keeps a stage's
     sharded parameters while they are gathered (level 3 gathers the whole stage, not the part it
-    lacks; level 2 holds both all step), and a gradient reduction holds its buffers next to the
-    gradients (levels 0-1: the flat all-reduce buffer and the reduced copy of the bucket's
-    gradient while the gradients they come from are still referenced; levels 2-3: the new
+    lacks; levels 1-2 hold both all step), and a gradient reduction holds its buffers next to
+    the gradients (level 0: the flat all-reduce buffer and the reduced copy of the bucket's
+    gradient while the gradients they come from are still referenced; levels 1-3: the new
     gradient shard), booked until the end of the step's reductions. The bf16
     mixed-precision model is left as the ZeRO paper's accounting (research/schedules_sim.md).
     """
@@ -306,44 +288,37 @@ class _CollectiveTable:
         buckets = self.schedule.bucket_layers.get(stage, (layout.stage_layers[stage],))
         share = 1.0 if action.bucket is None else buckets[action.bucket] / sum(buckets)
         params = _stage_params(layout, stage) * share
-        weight_bytes, grad_bytes = self.state.weights, self.state.grads
+        meaning = zero_level(layout.zero[stage].level)
+        op, payload = meaning.collective(action.kind)
+        per_param = self.state.weights if payload is Payload.WEIGHTS else self.state.grads
         runtime_buffers = _fsdp_keeps_shards(layout)
-        missing = params if runtime_buffers else params - params / layout.dp
-        gathered = missing * weight_bytes * _live_fraction(layout, stage)
-        level = layout.zero[stage].level
-        if action.kind is Kind.UNSHARD:
-            return CollectiveCost(
-                group=group,
-                op=Collective.ALL_GATHER,
-                nbytes=params * weight_bytes,
-                alloc_bytes=gathered if level == 3 else 0.0,
-            )
-        if action.kind is Kind.RESHARD:
-            return CollectiveCost(group=group, op=None, free_bytes=gathered)
+        if action.kind in (Kind.UNSHARD, Kind.RESHARD):
+            missing = params if runtime_buffers else params - params / layout.dp
+            gathered = missing * self.state.weights * _live_fraction(layout, stage)
+            if not meaning.gathers_for_compute:
+                gathered = 0.0  # levels 1-2 refresh weights that stay gathered all step
+            if action.kind is Kind.RESHARD:
+                return CollectiveCost(group=group, op=None, free_bytes=gathered)
+            return CollectiveCost(group=group, op=op, nbytes=params * per_param, alloc_bytes=gathered)
         if action.kind is Kind.REDUCE_GRAD:
-            op = Collective.ALL_REDUCE if level == 0 else Collective.REDUCE_SCATTER
-            freed = (params - params / layout.dp) * grad_bytes if level >= 2 and layout.dp > 1 else 0.0
-            freed *= _live_fraction(layout, stage)
+            freed = 0.0
+            if meaning.shards_grads and layout.dp > 1:
+                freed = (params - params / layout.dp) * per_param * _live_fraction(layout, stage)
             # (The buffer is booked until the end of the step: a reduction frees at most the
             # gradient buffer still live, see SimProblem.)
             buffer = 0.0
             if runtime_buffers:
-                buffer = (2 * params if level < 2 else params / layout.dp) * grad_bytes
-            return CollectiveCost(
-                group=group, op=op, nbytes=params * grad_bytes, free_bytes=freed, alloc_bytes=buffer
-            )
+                # Level 0: the flat all-reduce buffer and the reduced copy; FSDP2: the new shard.
+                buffer = (params / layout.dp if meaning.optimizer_on_shard else 2 * params) * per_param
+            return CollectiveCost(group=group, op=op, nbytes=params * per_param, free_bytes=freed,
+                                  alloc_bytes=buffer)
         device = self.cluster.devices[layout.assignment[replica][rank]].type
-        shard = params if level == 0 else params / layout.dp
+        shard = params / layout.dp if meaning.optimizer_on_shard else params
         measured = self.optimizer_time(shard, device_type=device.name) if self.optimizer_time else None
         if measured is not None:
             step_s = measured.seconds
         else:
             step_s = shard * OPTIMIZER_STEP_BYTES_PER_PARAM / (device.memory_bandwidth_gbps * 1e9)
-        if level == 1 and runtime_buffers:
-            # medley's runtime steps ZeRO-1 with torch's ZeroRedundancyOptimizer, which then
-            # broadcasts every parameter tensor from its owner: one collective latency per tensor.
-            tensors = share * _stage_tensors(layout, stage)
-            step_s += tensors * self.comm.collective_time(Collective.ALL_GATHER, group, 0.0)
         return CollectiveCost(group=group, op=None, compute_s=step_s)
 
 

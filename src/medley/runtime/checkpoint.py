@@ -5,8 +5,8 @@ on the split), ``optim.<parameter>.<state>`` and ``train.next_step`` / ``train.r
 loop's own ``train.<name>`` scalars (``train_state``: the skipped-step count, fp16's loss
 scale), each restored when the checkpoint has it (an older one, or one of a bf16 run resumed in
 fp16, keeps the run's starting values). Sharded
-(ZeRO-2/3) tensors are saved as DTensors, replicated ones once (DCP drops the duplicates), and
-ZeRO-1 state by the rank that owns it, so DCP can load a checkpoint into any other plan: other
+(ZeRO-1/2/3) tensors are saved as DTensors and replicated ones once (DCP drops the duplicates),
+so DCP can load a checkpoint into any other plan: other
 pp, dp, split or ZeRO levels. The data position is the step (batches are a function of it).
 
 Each save goes to ``.tmp-step-N`` and is renamed to ``step-N`` once complete, so a crash mid-save
@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from medley.errors import MedleyInputError
 from medley.fileio import os_error_message
-from medley.runtime.optim import ensure_state, local_optimizer
+from medley.runtime.optim import ensure_state
 from medley.runtime.sharding import ShardedStage
 
 PREFIX = "step-"
@@ -111,12 +111,11 @@ def checkpoint_state(stages: dict[int, ShardedStage], *, for_load: bool,
         for optimizer in stage.optimizers:
             if for_load and not copies:
                 ensure_state(optimizer)
-            local = local_optimizer(optimizer)
-            for group in local.param_groups:
+            for group in optimizer.param_groups:
                 for param in group["params"]:
                     if (param in stage.copies) != copies:
                         continue
-                    for key, value in local.state.get(param, {}).items():
+                    for key, value in optimizer.state.get(param, {}).items():
                         if isinstance(value, torch.Tensor):
                             state[f"optim.{name_of[param]}.{key}"] = value
     if copies:

@@ -18,7 +18,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from medley.runtime.optim import local_optimizer
 from medley.runtime.sharding import ShardedStage
 
 
@@ -77,7 +76,7 @@ def resident_tensors(stages: Iterable[ShardedStage]) -> list[torch.Tensor]:
         out += params + [p.grad for p in params if p.grad is not None] + list(stage.reduced.values())
         out += list(stage.module.buffers())
         for optimizer in stage.optimizers:
-            for state in local_optimizer(optimizer).state.values():
+            for state in optimizer.state.values():
                 out += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return out
 

@@ -6,7 +6,6 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from medley.errors import MedleyInputError
 
@@ -36,27 +35,20 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    # ZeroRedundancyOptimizer copies its param_groups into the local optimizer at each step.
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds this rank's state (ZeRO-1's inner optimizer over owned params)."""
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def ensure_state(optimizer: torch.optim.Optimizer) -> None:
     """Create zero state for every parameter that has none yet (AdamW's step, exp_avg and
     exp_avg_sq, shaped and sharded like the parameter), so a checkpoint can be loaded into it."""
-    local = local_optimizer(optimizer)
-    if not isinstance(local, torch.optim.AdamW):
+    if not isinstance(optimizer, torch.optim.AdamW):
         return
-    for group in local.param_groups:
+    for group in optimizer.param_groups:
         for param in group["params"]:
-            if local.state.get(param):
+            if optimizer.state.get(param):
                 continue
-            local.state[param] = {
+            optimizer.state[param] = {
                 "step": torch.tensor(0.0, dtype=torch.float32),
                 "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),

@@ -1,18 +1,11 @@
 """ZeRO levels of one pipeline stage, driven by the schedule's collective actions.
 
 Each stage's layers are cut into buckets (``PipelineSchedule.bucket_layers``; one bucket by
-default). Semantics of the IR's collectives per level:
-
-====== ======================== =============================== ===================================
-level  UNSHARD / RESHARD        REDUCE_GRAD(bucket)             OPTIM
-====== ======================== =============================== ===================================
-3      all-gather / free params reduce-scatter (FSDP2 unit)     step on the parameter shards
-2      no-ops (params stay      reduce-scatter (FSDP2 unit)     step on the shards, then free and
-       gathered all step)                                       all-gather the updated parameters
-1      no-ops                   all-reduce                      ZeroRedundancyOptimizer (sharded
-                                                                state, broadcast of the updates)
-0      no-ops                   all-reduce                      plain optimizer step
-====== ======================== =============================== ===================================
+default). What each action does per level is :mod:`medley.cost.zero_levels`' table, which the
+simulator times too: levels 1-3 hold each bucket as an FSDP2 unit sharded over the stage's dp
+group, so ``REDUCE_GRAD`` is one reduce-scatter per bucket, ``OPTIM`` steps the shards and the
+``UNSHARD`` after it (levels 1-2) or before compute (level 3) is one all-gather per bucket;
+level 0 all-reduces a bucket's flattened gradients and steps whole parameters.
 
 Every reduction is a SUM: the loss is already scaled by 1 / global token count, so replicas with
 unlike micro-batch counts add up to the single-device gradient (gloo has no PREMUL_SUM).
@@ -30,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from medley.cost.zero_levels import ZeroLevel, zero_level
 from medley.runtime.model import Decoder, shared_name
 from medley.runtime.torch_adapter import fsdp_reduce_grad, fsdp_unsharded_params
 
@@ -63,10 +56,10 @@ class ShardedStage:
     """One stage's module with its ZeRO level, buckets and per-bucket optimizers.
 
     Attributes:
-        module: the stage's layers (FSDP2-wrapped for levels 2 and 3).
+        module: the stage's layers (FSDP2-wrapped for levels 1-3).
         zero: ZeRO level 0..3.
-        buckets: parameters per bucket, in bucket order (sharded DTensors for levels 2-3).
-        fsdp_units: FSDP unit per bucket (levels 2 and 3 only).
+        buckets: parameters per bucket, in bucket order (sharded DTensors for levels 1-3).
+        fsdp_units: FSDP unit per bucket (levels 1-3 only).
         dp_group: process group of the stage's data-parallel replicas (None when dp == 1).
         optimizers: one per bucket, so that OPTIM(stage, bucket) steps just that bucket.
         bucket_names: global (plan-independent) name of each parameter, per bucket.
@@ -82,51 +75,64 @@ class ShardedStage:
     optimizers: list[torch.optim.Optimizer]
     bucket_names: list[list[str]]
     copies: frozenset[nn.Parameter] = frozenset()
-    # Levels 0-1: gradients already all-reduced this step; a stage may reduce in several windows.
+    # Level 0: gradients already all-reduced this step; a stage may reduce in several windows.
     reduced: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)
     # Level 3: buckets whose weights are gathered now (compute needs all of them).
     gathered: set[int] = field(default_factory=set)
 
+    @property
+    def meaning(self) -> ZeroLevel:
+        return zero_level(self.zero)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters, their gradients and optimizer state are FSDP2 shards (levels 1-3)."""
+        return self.meaning.optimizer_on_shard
+
     def unshard(self, bucket: int | None) -> None:
-        if self.zero == 3:
+        """All-gather the bucket's weights: before compute (level 3) or after its step (1-2)."""
+        if self.sharded:
             for index in self._indices(bucket):
-                self.fsdp_units[index].unshard()
-                self.gathered.add(index)
+                if index not in self.gathered:  # every member of the dp group agrees on this
+                    self.fsdp_units[index].unshard()
+                    self.gathered.add(index)
 
     def reshard(self, bucket: int | None) -> None:
-        if self.zero == 3:
-            for index in self._indices(bucket):
-                self.fsdp_units[index].reshard()
-                self.gathered.discard(index)
+        if self.meaning.gathers_for_compute:
+            self._free(bucket)
+
+    def _free(self, bucket: int | None) -> None:
+        for index in self._indices(bucket):
+            self.fsdp_units[index].reshard()
+            self.gathered.discard(index)
 
     def require_gathered(self, action: str) -> None:
-        """Level 3: fail clearly when compute would run on sharded weights (a schedule without the
-        UNSHARD it needs would otherwise produce shape errors deep inside FSDP)."""
+        """Levels 1-3: fail clearly when compute would run on sharded weights (a schedule without
+        the UNSHARD it needs would otherwise produce shape errors deep inside FSDP)."""
         missing = sorted(set(range(len(self.buckets))) - self.gathered)
-        if self.zero == 3 and missing:
+        if self.sharded and missing:
             raise RuntimeError(
-                f"{action} runs on a ZeRO-3 stage whose weight buckets {missing} are not gathered: the "
-                "schedule has no UNSHARD before it. Fix the plan's 'layout.zero' / 'layout.placement' "
-                "(or the hand-written schedule) so that every level-3 compute follows an UNSHARD")
+                f"{action} runs on a ZeRO-{self.zero} stage whose weight buckets {missing} are not "
+                "gathered: the schedule has no UNSHARD before it (level 3) or after the last optimizer "
+                "step (levels 1-2). Fix the plan's 'layout.zero' / 'layout.placement' (or the "
+                "hand-written schedule)")
 
     def reduce_grad(self, bucket: int | None) -> None:
         for index in self._indices(bucket):
-            if self.zero >= 2:
+            if self.sharded:
                 fsdp_reduce_grad(self.fsdp_units[index])
             else:
                 self._all_reduce(self.buckets[index])
 
     def optim_step(self, bucket: int | None) -> None:
         for index in self._indices(bucket):
-            if self.zero < 2:
+            if not self.sharded:
                 for param in self.buckets[index]:
                     param.grad = self.reduced.pop(param, None) if self.dp_group is not None else param.grad
             self.optimizers[index].step()
             self.optimizers[index].zero_grad(set_to_none=True)
-            if self.zero == 2:
-                # Parameters stay gathered all step at level 2: refresh them after the update.
-                self.fsdp_units[index].reshard()
-                self.fsdp_units[index].unshard()
+        if self.meaning.gathers_after_step:
+            self._free(bucket)  # stale now: the UNSHARD after the step gathers the updated weights
 
     def drop_grads(self, bucket: int | None) -> None:
         """OPTIM of a skipped step: the gradients go, weights and optimizer state stay as they are."""
@@ -134,15 +140,17 @@ class ShardedStage:
             for param in self.buckets[index]:
                 self.reduced.pop(param, None)
             self.optimizers[index].zero_grad(set_to_none=True)
+        if self.meaning.gathers_after_step:
+            self._free(bucket)  # the UNSHARD after the step gathers again, as on an applied step
 
     def final_grads(self, bucket: int | None = None) -> list[torch.Tensor]:
-        """The reduced gradients OPTIM will apply: local shards (DTensors) at levels 2-3, the
-        all-reduced full gradients at levels 0-1."""
+        """The reduced gradients OPTIM will apply: local shards (DTensors) at levels 1-3, the
+        all-reduced full gradients at level 0."""
         return [grad for _, grad in self._final_grads(bucket)]
 
     def final_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """The reduced gradient of one parameter (as :meth:`final_grads` gives it)."""
-        return self.reduced.get(param) if self.zero < 2 and self.dp_group is not None else param.grad
+        return self.reduced.get(param) if not self.sharded and self.dp_group is not None else param.grad
 
     def _final_grads(self, bucket: int | None) -> list[tuple[nn.Parameter, torch.Tensor]]:
         pairs = []
@@ -154,11 +162,11 @@ class ShardedStage:
         return pairs
 
     def grad_sq_norm(self, bucket: int | None, *, replica: int) -> torch.Tensor:
-        """This rank's share of the squared global gradient norm (fp64): its shards at levels 2-3;
-        at levels 0-1 every replica holds the whole gradient, so only replica 0 counts it. A
+        """This rank's share of the squared global gradient norm (fp64): its shards at levels 1-3;
+        at level 0 every replica holds the whole gradient, so only replica 0 counts it. A
         tied copy (:attr:`copies`) is counted where its original is."""
         total = torch.zeros((), dtype=torch.float64)
-        if self.zero < 2 and replica > 0:
+        if not self.sharded and replica > 0:
             return total
         for param, grad in self._final_grads(bucket):
             if param in self.copies:
@@ -169,7 +177,7 @@ class ShardedStage:
 
     def grads_finite(self) -> bool:
         """Whether every gradient this rank holds is finite (each replica checks its own copy:
-        the norm counts only replica 0's at levels 0-1)."""
+        the norm counts only replica 0's at level 0)."""
         for grad in self.final_grads():
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             if not bool(torch.isfinite(local).all()):
@@ -181,14 +189,14 @@ class ShardedStage:
             grad.mul_(factor)
 
     def weights(self) -> list[nn.Parameter]:
-        """The parameters autograd sees: FSDP's unsharded ones for levels 2-3, so that a split
+        """The parameters autograd sees: FSDP's unsharded ones for levels 1-3, so that a split
         backward finds them even if the stage was resharded and gathered again in between."""
-        if self.zero >= 2:
+        if self.sharded:
             return [p for unit in self.fsdp_units for p in fsdp_unsharded_params(unit)]
         return list(self.module.parameters())
 
     def named_grads(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded, reduced) gradients by global parameter name; a collective at levels 2-3."""
+        """Full (unsharded, reduced) gradients by global parameter name; a collective at levels 1-3."""
         grads = {}
         for name, param in self._named_params():
             grad = self.reduced.get(param, param.grad)
@@ -197,18 +205,18 @@ class ShardedStage:
         return grads
 
     def named_params(self) -> dict[str, torch.Tensor]:
-        """Full parameters by global name; a collective at levels 2-3."""
+        """Full parameters by global name; a collective at levels 1-3."""
         return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
                 for name, p in self._named_params()}
 
     def named_parameters_local(self) -> list[tuple[str, nn.Parameter]]:
-        """(global name, parameter as this rank holds it: a DTensor shard at levels 2-3)."""
+        """(global name, parameter as this rank holds it: a DTensor shard at levels 1-3)."""
         return self._named_params()
 
     def refresh_gathered(self) -> None:
-        """Level 2 keeps gathered copies of the weights: re-gather them after the shards changed
+        """Levels 1-2 keep gathered copies of the weights: re-gather them after the shards changed
         outside an optimizer step (a checkpoint load)."""
-        if self.zero == 2:
+        if self.meaning.gathers_after_step:
             for unit in self.fsdp_units:
                 unit.reshard()
                 unit.unshard()
@@ -240,14 +248,13 @@ def shard_stage(
     optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
 ) -> ShardedStage:
     """Apply the stage's ZeRO level to ``module`` and build its optimizers (over the parameter
-    shards for levels 2 and 3, over replicated parameters with sharded state for level 1)."""
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO level must be 0, 1, 2 or 3, got {zero}")
+    shards for levels 1-3, over whole parameters for level 0)."""
+    meaning = zero_level(zero)
     layers = module.layer_modules()
     groups = bucket_layer_groups(sorted(layers), bucket_layers)
     dp_group = dp_mesh.get_group() if dp_mesh is not None and dp_mesh.size() > 1 else None
     units: list[FSDPModule] = []
-    if zero >= 2:
+    if meaning.optimizer_on_shard:
         for group in groups:
             wrapped = fully_shard([layers[i] for i in group], mesh=dp_mesh, reshard_after_forward=False)
             units.append(wrapped[0])
@@ -266,15 +273,9 @@ def shard_stage(
     local_name = {p: name for name, p in module.named_parameters()}
     bucket_names = [[shared_name(module.spec, local_name[p]) for p in params] for params in buckets]
     copies = frozenset(p for p, name in local_name.items() if shared_name(module.spec, name) != name)
-    optimizers: list[torch.optim.Optimizer] = []
-    for params in buckets:
-        if zero == 1 and dp_group is not None:
-            optimizers.append(ZeroRedundancyOptimizer(
-                params, optimizer_class=optimizer_class, process_group=dp_group, **optimizer_kwargs))
-        else:
-            optimizers.append(optimizer_class(params, **optimizer_kwargs))
-    if zero == 2:
-        for unit in units:
-            unit.unshard()
-    return ShardedStage(module=module, zero=zero, buckets=buckets, fsdp_units=units, dp_group=dp_group,
-                        optimizers=optimizers, bucket_names=bucket_names, copies=copies)
+    optimizers = [optimizer_class(params, **optimizer_kwargs) for params in buckets]
+    stage = ShardedStage(module=module, zero=zero, buckets=buckets, fsdp_units=units, dp_group=dp_group,
+                         optimizers=optimizers, bucket_names=bucket_names, copies=copies)
+    if meaning.gathers_after_step:  # weights stay gathered between steps at levels 1-2
+        stage.unshard(None)
+    return stage

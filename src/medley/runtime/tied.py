@@ -8,8 +8,8 @@ gradients are summed over a two-rank group per replica (the ranks of the first a
 stage), so both copies take the same update and stay bit-identical. When one rank holds both
 stages (interleaved schedules), the sum is local.
 
-The sum is taken on the gradients as OPTIM applies them: full all-reduced ones at ZeRO levels
-0-1, a rank's own rows at levels 2-3 (FSDP2 cuts dim 0 over the dp group, whose order is the
+The sum is taken on the gradients as OPTIM applies them: full all-reduced ones at ZeRO level
+0, a rank's own rows at levels 1-3 (FSDP2 cuts dim 0 over the dp group, whose order is the
 replica index, so both stages' shards of a replica hold the same rows). When either of the two
 stages is sharded, each copy contributes the rows of its replica's shard (a full gradient its
 slice of them) and a full gradient then gathers the summed rows over its stage's dp group.
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from medley.cost.zero_levels import zero_level
 from medley.runtime.model import TIED_WEIGHT
 from medley.runtime.sharding import ShardedStage, shard_rows
 from medley.runtime.stages import RankPlace, RankTable
@@ -37,7 +38,7 @@ class TiedGrads:
         params: this rank's copies of the tied weight with the stage holding each (one or two).
         group: the two-rank group of this replica's first- and last-stage ranks; None when one
             rank holds both stages (the sum is local).
-        by_rows: whether the first or the last stage is sharded (ZeRO-2/3 with dp > 1): the sum
+        by_rows: whether the first or the last stage is sharded (ZeRO-1/2/3 with dp > 1): the sum
             then runs on the rows of this replica's shard.
         replica: this rank's replica (its index in the dp groups).
         dp: the number of replicas.
@@ -61,12 +62,12 @@ class TiedGrads:
         else:
             dist.all_reduce(pieces[0], op=dist.ReduceOp.SUM, group=self.group)
         for (stage, _), grad in zip(self.params, grads, strict=True):
-            if self.by_rows and stage.zero < 2 and stage.dp_group is not None:
+            if self.by_rows and not stage.sharded and stage.dp_group is not None:
                 self._gather_rows(grad, stage.dp_group)
 
     def _rows(self, stage: ShardedStage, grad: torch.Tensor) -> torch.Tensor:
-        """This replica's rows of a gradient: a shard (ZeRO-2/3) is all of them, a full one a slice."""
-        if stage.zero >= 2:
+        """This replica's rows of a gradient: a shard (ZeRO-1/2/3) is all of them, a full one a slice."""
+        if stage.sharded:
             return grad
         start, count = shard_rows(grad.shape[0], self.dp, self.replica)
         return grad.narrow(0, start, count)
@@ -110,7 +111,7 @@ def build_tied_grads(table: RankTable, schedules: list[PipelineSchedule], place:
     if not params:
         return None
     dp = len(table)
-    by_rows = dp > 1 and (zero[0] >= 2 or zero[-1] >= 2)
+    by_rows = dp > 1 and (zero_level(zero[0]).shards_optimizer or zero_level(zero[-1]).shards_optimizer)
     return TiedGrads(params=params, group=groups[place.replica], by_rows=by_rows, replica=place.replica,
                      dp=dp)
 

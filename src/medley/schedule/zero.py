@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from medley.cost.zero_levels import zero_level
 from medley.schedule.ir import COLLECTIVE_KINDS, Action, Kind, PipelineSchedule
 
 
@@ -66,11 +67,10 @@ class StageZero:
 
     @property
     def streams(self) -> bool:
-        return self.level == 3 and self.gather_windows == 0
+        return zero_level(self.level).gathers_for_compute and self.gather_windows == 0
 
     def __post_init__(self) -> None:
-        if self.level not in (0, 1, 2, 3):
-            raise ValueError(f"ZeRO level must be 0..3, got {self.level}")
+        zero_level(self.level)  # a ValueError names the levels
         if self.gather_windows < 0:
             raise ValueError(f"gather_windows must be >= 0, got {self.gather_windows}")
         for name in ("buckets", "grad_windows"):
@@ -126,7 +126,8 @@ def _stage_collectives(
     end = 2 * grads[-1] + 1
     out: Placed = []
     streams = setting.streams and policy is Placement.BUBBLE
-    if setting.level == 3 and (policy is Placement.NAIVE or streams):
+    level3 = zero_level(setting.level).gathers_for_compute
+    if level3 and (policy is Placement.NAIVE or streams):
         # One gather round per compute action, FSDP-style; streaming also reduces as it goes.
         after_use = frees + reduces if streams else frees
         for i in uses:
@@ -134,7 +135,7 @@ def _stage_collectives(
         out += [(end, a) for _ in range(naive_rounds - len(uses)) for a in gathers + after_use]
         if not streams:
             out += [(end, a) for a in reduces]
-    elif setting.level == 3:
+    elif level3:
         last = 2 * uses[0] + 1
         for window in _windows(uses, setting.gather_windows):
             if window:
@@ -144,13 +145,14 @@ def _stage_collectives(
             else:  # fewer uses than rounds: an empty round keeps the DP group's sequence equal
                 out += [(last, a) for a in gathers + frees + reduces]
     else:
-        windows = setting.grad_windows if (setting.level == 2 and policy is Placement.BUBBLE) else 1
+        windowed = zero_level(setting.level).gradient_windows and policy is Placement.BUBBLE
+        windows = setting.grad_windows if windowed else 1
         last = 2 * grads[0] + 1
         for window in _windows(grads, windows):
             last = 2 * window[-1] + 1 if window else last
             out += [(last, a) for a in reduces]
     out += [(end, Action(stage, Kind.OPTIM, bucket=b)) for b in reduce_order]
-    if setting.level in (1, 2):
+    if zero_level(setting.level).gathers_after_step:
         # Each member updated only its shard: gather the updated weights (ZeRO-1/2 param sync).
         out += [(end, Action(stage, Kind.UNSHARD, bucket=b)) for b in reduce_order]
     return out
@@ -246,7 +248,7 @@ def place_collectives(
     reference = max(range(len(schedules)), key=lambda r: (sum(map(len, bases[r])), -r))
 
     def pinned(action: Action) -> bool:  # a ZeRO-3 gather: compute waits for it, it cannot be late
-        return action.kind is Kind.UNSHARD and zero[action.stage].level == 3
+        return action.kind is Kind.UNSHARD and zero_level(zero[action.stage].level).gathers_for_compute
 
     rows: list[list[list[Action]]] = [[] for _ in schedules]
     for rank in range(first.num_ranks):
@@ -352,12 +354,13 @@ def check_zero_placement(schedule: PipelineSchedule, zero: Sequence[StageZero]) 
         for action in row:
             key = (action.stage, action.bucket)
             level = zero[action.stage].level
+            meaning = zero_level(level)
 
-            if action.kind is Kind.UNSHARD and level in (1, 2):
+            if action.kind is Kind.UNSHARD and meaning.gathers_after_step:
                 if not stepped.get(key):
                     _fail(rank, action, f"ZeRO-{level} weight gather before the bucket's optimizer step")
             elif action.kind is Kind.UNSHARD:
-                if level == 0:
+                if not meaning.gathers_for_compute:
                     _fail(rank, action, "UNSHARD on a ZeRO-0 stage (its weights are never sharded)")
                 if key in gathered:
                     _fail(rank, action, "gathered twice without a RESHARD in between")
@@ -383,7 +386,7 @@ def check_zero_placement(schedule: PipelineSchedule, zero: Sequence[StageZero]) 
                     if len(buckets) == 1
                     else [(action.stage, b) for b in range(len(buckets))]
                 )
-                if level == 3 and not all(k in gathered for k in keys):
+                if meaning.gathers_for_compute and not all(k in gathered for k in keys):
                     _fail(rank, action, "compute on a ZeRO-3 stage whose weights are not gathered")
                 if action.kind in (Kind.W, Kind.BW):
                     for k in keys:

@@ -1,0 +1,77 @@
+"""The runtime's ZeRO collectives move what the simulator times: for every ZeRO level and dp 2
+and 4, the bytes per collective kind of one training step, counted on each rank by wrapping the
+``torch.distributed`` calls, equal the simulator's for the same plan (one table,
+:mod:`medley.cost.zero_levels`, says what each level does)."""
+
+from __future__ import annotations
+
+import pytest
+from equality_worker import Case
+from test_equality import launch
+from zero_bytes_worker import count_case
+
+from medley.cost.estimator import CatalogCostSource
+from medley.plan.compile import compile_problem
+from medley.plan.inline import inline_layout
+from medley.schedule.ir import COLLECTIVE_KINDS
+from medley.spec.cluster import parse_cluster_arg
+from medley.spec.model import get_model
+
+# (name, pp, dp, zero, micro-batches, buckets, gather windows)
+PLANS = [
+    *((f"dp{dp}-zero{level}", 1, dp, str(level), "3,2" if dp == 2 else "2", 1, 1)
+      for dp in (2, 4) for level in range(4)),
+    ("pp2-dp2-zero3,1-buckets2", 2, 2, "3,1", "3,2", 2, 1),
+    ("pp2-dp2-zero2,0-buckets2", 2, 2, "2,0", "4", 2, 1),
+    ("dp2-zero3-streamed", 1, 2, "3", "3", 2, 0),
+]
+
+
+def simulated_bytes(pp: int, dp: int, zero: str, micro_batches: str, buckets: int,
+                    gather_windows: int) -> tuple[Case, dict[str, float]]:
+    """The runtime case of an fp32 inline plan and the simulator's bytes per device and kind."""
+    cluster = parse_cluster_arg(f"{pp * dp}xA100-80GB")
+    model = get_model("tiny")
+    cost = CatalogCostSource.for_cluster(model, cluster)
+    layout = inline_layout(cluster=cluster, model=model, cost=cost, pp=pp, dp=dp, schedule="1f1b",
+                           micro_batches=micro_batches, micro_batch_size=2, seq_len=16, zero=zero,
+                           buckets=buckets, gather_windows=gather_windows, dtype="fp32")
+    problem = compile_problem(layout, cluster, cost)
+    assert problem.collectives is not None
+    want: dict[str, float] = {}
+    for replica, schedule in enumerate(problem.schedules):
+        for rank, row in enumerate(schedule.actions):
+            device = layout.assignment[replica][rank]
+            for action in row:
+                if action.kind not in COLLECTIVE_KINDS:
+                    continue
+                cost_of = problem.collectives(replica, action)
+                if cost_of.op is not None and len(cost_of.group) > 1:
+                    key = f"rank{device}.{cost_of.op.value}"
+                    want[key] = want.get(key, 0.0) + cost_of.nbytes
+    case = Case(name="", pp=pp, dp=dp, split=layout.stage_layers, zero=tuple(z.level for z in layout.zero),
+                schedules=problem.schedules, table=layout.assignment)
+    return case, want
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_runtime_collective_bytes_equal_the_simulators(world: int, tmp_path) -> None:
+    cases, wants = [], {}
+    for name, pp, dp, zero, micro_batches, buckets, windows in PLANS:
+        if pp * dp != world:
+            continue
+        case, want = simulated_bytes(pp, dp, zero, micro_batches, buckets, windows)
+        case.name = name
+        cases.append(case)
+        wants[name] = want
+    results = launch(world, cases, tmp_path, body=count_case)
+    for case in cases:
+        got = results.get(case.name, {})
+        assert "error" not in got, f"{case.name} failed:\n{got['error']}"
+        assert all(got.get(f"rank{rank}.steps") for rank in range(world)), f"{case.name}: a rank did not report"
+        counted = {key: value for key, value in got.items() if not key.endswith(".steps")}
+        assert counted == pytest.approx(wants[case.name], rel=1e-12), (
+            f"{case.name}: runtime {sorted(counted.items())} vs simulator {sorted(wants[case.name].items())}")
+        if case.zero != (0,) * len(case.zero) or case.dp > 1:
+            assert counted, f"{case.name}: no collective was counted"

@@ -1,0 +1,85 @@
+"""Rank body of the ZeRO bytes test: the bytes each collective kind moves in one training step,
+counted by wrapping the ``torch.distributed`` calls that medley and FSDP2 make."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from equality_worker import LR, MBS, SEED, SEQ, Case, global_batch, replica_batch
+
+from medley.runtime.executor import RankExecutor, with_default_collectives
+from medley.runtime.model import token_loss_sum
+from medley.runtime.stages import build_local_stages, make_mesh, rank_place
+from medley.spec.model import get_model
+
+# torch.distributed call -> (collective kind as the simulator names it, position and name of the
+# argument whose size counts: the full buffer, i.e. an all-gather's output, a reduce-scatter's input).
+COUNTED: dict[str, tuple[str, int, str]] = {
+    "all_reduce": ("all_reduce", 0, "tensor"),
+    "all_gather_single": ("all_gather", 0, "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
+    "reduce_scatter_single": ("reduce_scatter", 1, "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
+    "all_gather": ("all_gather_list", 0, "tensor_list"),
+    "broadcast": ("broadcast", 0, "tensor"),
+    "reduce_scatter": ("reduce_scatter_list", 1, "input_list"),
+}
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return sum(_nbytes(v) for v in value)  # a list of tensors
+
+
+@contextlib.contextmanager
+def counting(totals: dict[str, int]) -> Iterator[None]:
+    """Add the bytes of every counted collective issued inside the block to ``totals`` by kind
+    (group size 1 excluded: nothing moves)."""
+    originals = {name: getattr(dist, name) for name in COUNTED}
+
+    def wrap(name: str, call: Callable) -> Callable:
+        kind, position, keyword = COUNTED[name]
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if dist.get_world_size(kwargs.get("group")) > 1:
+                value = kwargs[keyword] if keyword in kwargs else args[position]
+                totals[kind] = totals.get(kind, 0) + _nbytes(value)
+            return call(*args, **kwargs)
+        return counted
+
+    for name, call in originals.items():
+        setattr(dist, name, wrap(name, call))
+    try:
+        yield
+    finally:
+        for name, call in originals.items():
+            setattr(dist, name, call)
+
+
+def count_case(case: Case) -> dict:
+    """Bytes per collective kind of this rank's second step (the first one warms up), keyed
+    ``rank<global rank>.<kind>`` so the launcher's per-figure max keeps every rank's."""
+    spec = get_model("tiny")
+    mesh = make_mesh(case.table)
+    place = rank_place(mesh)
+    micro_batches = [s.num_micro_batches for s in case.schedules]
+    schedule = with_default_collectives(case.schedules[place.replica])
+    stages = build_local_stages(spec, schedule=schedule, split=case.split, zero=case.zero, mesh=mesh, seed=SEED,
+                                optimizer_class=torch.optim.SGD, optimizer_kwargs=dict(lr=LR))
+    n_tokens = sum(micro_batches) * MBS * SEQ
+    executor = RankExecutor(
+        schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pp_group=mesh["pp"].get_group(),
+        activation_shape=(MBS, SEQ, spec.hidden_size),
+        loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens)
+    totals: dict[str, int] = {}
+    for step in range(2):
+        batch = replica_batch(global_batch(micro_batches, step), micro_batches, place.replica)
+        with counting(totals) if step == 1 else contextlib.nullcontext():
+            executor.run_step(batch)
+    rank = dist.get_rank()
+    return {f"rank{rank}.{kind}": float(value) for kind, value in totals.items()} | {f"rank{rank}.steps": 1.0}
