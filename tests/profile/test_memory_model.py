@@ -8,7 +8,13 @@ import pytest
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.formulas import layer_held_params
-from medley.cost.zero_memory import FP32_ADAM, MIXED_PRECISION_ADAM, stage_state_bytes, state_bytes_per_param
+from medley.cost.zero_memory import (
+    BF16_ADAM,
+    FP32_ADAM,
+    MIXED_PRECISION_ADAM,
+    stage_state_bytes,
+    state_bytes_per_param,
+)
 from medley.plan.compile import PlanLayout, compile_problem
 from medley.schedule.ir import Kind
 from medley.schedule.zero import StageZero
@@ -29,10 +35,12 @@ def _problem(level: int, dtype: str, dp: int = 2):
 
 def test_bytes_per_parameter_by_dtype() -> None:
     assert state_bytes_per_param("fp32") == FP32_ADAM
-    assert state_bytes_per_param("bf16") == MIXED_PRECISION_ADAM
+    assert state_bytes_per_param("bf16") == BF16_ADAM  # fp32 gradients, as Megatron-LM and torchtitan
+    assert state_bytes_per_param("fp16") == MIXED_PRECISION_ADAM
+    assert BF16_ADAM.weights + BF16_ADAM.grads + BF16_ADAM.optimizer == 18.0
     fp32 = stage_state_bytes(1000.0, level=1, dp=2, per_param=FP32_ADAM)
     assert (fp32.weights, fp32.grads, fp32.optimizer) == (4000.0, 4000.0, 4000.0)
-    assert stage_state_bytes(1000.0, level=0, dp=1).resident == 16000.0  # bf16: 2 + 2 + 12
+    assert stage_state_bytes(1000.0, level=0, dp=1).resident == 16000.0  # fp16: 2 + 2 + 12
 
 
 @pytest.mark.parametrize("level", [0, 1, 2, 3])
@@ -41,10 +49,11 @@ def test_fp32_collective_buffers(level: int) -> None:
     schedule = problem.schedules[0]
     action = next(a for a in schedule.actions[0] if a.kind is Kind.REDUCE_GRAD)
     reduce = problem.collectives(0, action)
-    # Levels 0-1: the flat all-reduce buffer and the reduced copy; levels 2-3: the new shard.
-    assert reduce.alloc_bytes == pytest.approx(PARAMS * 4 * (2 if level < 2 else 0.5))
+    # Level 0: the flat all-reduce buffer and the reduced copy; levels 1-3 (FSDP2): the new shard.
+    assert reduce.alloc_bytes == pytest.approx(PARAMS * 4 * (2 if level == 0 else 0.5))
     static = problem.static_memory_bytes[0]
-    expected = {0: 16.0, 1: 4 + 4 + 4.0, 2: 4 + 2 + 4 + 2.0, 3: 2 + 2 + 4.0}[level] * PARAMS
+    # Levels 1-2 keep the fp32 shards the optimizer steps next to the gathered weights.
+    expected = {0: 16.0, 1: 4 + 4 + 4 + 2.0, 2: 4 + 2 + 4 + 2.0, 3: 2 + 2 + 4.0}[level] * PARAMS
     assert static == pytest.approx(expected)
     if level == 3:
         unshard = next(a for a in schedule.actions[0] if a.kind is Kind.UNSHARD)

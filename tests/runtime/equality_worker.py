@@ -37,6 +37,7 @@ class Case:
     zero: tuple[int, ...]
     schedules: list[PipelineSchedule] = field(default_factory=list)
     table: RankTable | None = None
+    dtype: str = "fp32"  # the run's precision (the equality cases are fp32)
 
     @property
     def world(self) -> int:

@@ -183,7 +183,7 @@ def test_a_non_finite_state_is_never_saved(saved: Path) -> None:
 
     opt_class, opt_kwargs = optimizer_class("adamw", lr=1e-3, weight_decay=0.0)
     setup = build_rank(tiny_plan(**PLAN), seed=0, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
-                       autocast_dtype=None, clip_grad=False, slowdown=None)
+                       clip_grad=False, slowdown=None)
     next(iter(setup.stages.values())).module.get_parameter("head.out.weight").data[0, 0] = float("nan")
     with pytest.raises(MedleyInputError, match="model.head.out.weight holds non-finite values"):
         checkpoint.save_checkpoint(saved, next_step=4, stages=setup.stages, meta={})

@@ -47,7 +47,8 @@ def zb_h1(pp: int, micro_batches: int) -> PipelineSchedule:
                             stage_to_rank=loop_stage_to_rank(pp), actions=rows)
 
 
-def launch(world: int, cases: list[Case], tmp_path, body: Callable[[Case], dict] = run_case) -> dict[str, dict]:
+def launch(world: int, cases: list[Case], tmp_path,
+           body: Callable[[Case], dict] = run_case) -> dict[str, dict]:
     """Run ``body`` on every case of ``world`` ranks in one process group; per case, each figure's
     largest value over the ranks (strings: the last rank's)."""
     out = tmp_path / f"results_{world}.json"

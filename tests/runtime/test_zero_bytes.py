@@ -17,25 +17,29 @@ from medley.schedule.ir import COLLECTIVE_KINDS
 from medley.spec.cluster import parse_cluster_arg
 from medley.spec.model import get_model
 
-# (name, pp, dp, zero, micro-batches, buckets, gather windows)
+# (name, pp, dp, zero, micro-batches, buckets, gather windows, dtype)
 PLANS = [
-    *((f"dp{dp}-zero{level}", 1, dp, str(level), "3,2" if dp == 2 else "2", 1, 1)
+    *((f"dp{dp}-zero{level}", 1, dp, str(level), "3,2" if dp == 2 else "2", 1, 1, "fp32")
       for dp in (2, 4) for level in range(4)),
-    ("pp2-dp2-zero3,1-buckets2", 2, 2, "3,1", "3,2", 2, 1),
-    ("pp2-dp2-zero2,0-buckets2", 2, 2, "2,0", "4", 2, 1),
-    ("dp2-zero3-streamed", 1, 2, "3", "3", 2, 0),
+    ("pp2-dp2-zero3,1-buckets2", 2, 2, "3,1", "3,2", 2, 1, "fp32"),
+    ("pp2-dp2-zero2,0-buckets2", 2, 2, "2,0", "4", 2, 1, "fp32"),
+    ("dp2-zero3-streamed", 1, 2, "3", "3", 2, 0, "fp32"),
+    # Half precision: weights gathered in the compute dtype, gradients reduced in the plan's
+    # gradient dtype (fp32 for bf16, fp16 for fp16), activations sent in the compute dtype.
+    *((f"pp2-dp2-zero{zero}-{dtype}", 2, 2, zero, "3,2", 2, 1, dtype)
+      for dtype in ("bf16", "fp16") for zero in ("0,1", "2,3")),
 ]
 
 
 def simulated_bytes(pp: int, dp: int, zero: str, micro_batches: str, buckets: int,
-                    gather_windows: int) -> tuple[Case, dict[str, float]]:
-    """The runtime case of an fp32 inline plan and the simulator's bytes per device and kind."""
+                    gather_windows: int, dtype: str) -> tuple[Case, dict[str, float]]:
+    """The runtime case of an inline plan and the simulator's bytes per device and kind."""
     cluster = parse_cluster_arg(f"{pp * dp}xA100-80GB")
     model = get_model("tiny")
     cost = CatalogCostSource.for_cluster(model, cluster)
     layout = inline_layout(cluster=cluster, model=model, cost=cost, pp=pp, dp=dp, schedule="1f1b",
                            micro_batches=micro_batches, micro_batch_size=2, seq_len=16, zero=zero,
-                           buckets=buckets, gather_windows=gather_windows, dtype="fp32")
+                           buckets=buckets, gather_windows=gather_windows, dtype=dtype)
     problem = compile_problem(layout, cluster, cost)
     assert problem.collectives is not None
     want: dict[str, float] = {}
@@ -50,7 +54,7 @@ def simulated_bytes(pp: int, dp: int, zero: str, micro_batches: str, buckets: in
                     key = f"rank{device}.{cost_of.op.value}"
                     want[key] = want.get(key, 0.0) + cost_of.nbytes
     case = Case(name="", pp=pp, dp=dp, split=layout.stage_layers, zero=tuple(z.level for z in layout.zero),
-                schedules=problem.schedules, table=layout.assignment)
+                schedules=problem.schedules, table=layout.assignment, dtype=dtype)
     return case, want
 
 
@@ -58,10 +62,10 @@ def simulated_bytes(pp: int, dp: int, zero: str, micro_batches: str, buckets: in
 @pytest.mark.parametrize("world", [2, 4])
 def test_runtime_collective_bytes_equal_the_simulators(world: int, tmp_path) -> None:
     cases, wants = [], {}
-    for name, pp, dp, zero, micro_batches, buckets, windows in PLANS:
+    for name, pp, dp, zero, micro_batches, buckets, windows, dtype in PLANS:
         if pp * dp != world:
             continue
-        case, want = simulated_bytes(pp, dp, zero, micro_batches, buckets, windows)
+        case, want = simulated_bytes(pp, dp, zero, micro_batches, buckets, windows, dtype)
         case.name = name
         cases.append(case)
         wants[name] = want
@@ -69,7 +73,8 @@ def test_runtime_collective_bytes_equal_the_simulators(world: int, tmp_path) -> 
     for case in cases:
         got = results.get(case.name, {})
         assert "error" not in got, f"{case.name} failed:\n{got['error']}"
-        assert all(got.get(f"rank{rank}.steps") for rank in range(world)), f"{case.name}: a rank did not report"
+        reported = all(got.get(f"rank{rank}.steps") for rank in range(world))
+        assert reported, f"{case.name}: a rank did not report"
         counted = {key: value for key, value in got.items() if not key.endswith(".steps")}
         assert counted == pytest.approx(wants[case.name], rel=1e-12), (
             f"{case.name}: runtime {sorted(counted.items())} vs simulator {sorted(wants[case.name].items())}")

@@ -13,6 +13,7 @@ from equality_worker import LR, MBS, SEED, SEQ, Case, global_batch, replica_batc
 
 from medley.runtime.executor import RankExecutor, with_default_collectives
 from medley.runtime.model import token_loss_sum
+from medley.runtime.sharding import TORCH_DTYPES
 from medley.runtime.stages import build_local_stages, make_mesh, rank_place
 from medley.spec.model import get_model
 
@@ -69,12 +70,14 @@ def count_case(case: Case) -> dict:
     place = rank_place(mesh)
     micro_batches = [s.num_micro_batches for s in case.schedules]
     schedule = with_default_collectives(case.schedules[place.replica])
-    stages = build_local_stages(spec, schedule=schedule, split=case.split, zero=case.zero, mesh=mesh, seed=SEED,
-                                optimizer_class=torch.optim.SGD, optimizer_kwargs=dict(lr=LR))
+    stages = build_local_stages(spec, schedule=schedule, split=case.split, zero=case.zero, mesh=mesh,
+                                seed=SEED, optimizer_class=torch.optim.SGD, optimizer_kwargs=dict(lr=LR),
+                                precision=case.dtype)
     n_tokens = sum(micro_batches) * MBS * SEQ
+    half = None if case.dtype == "fp32" else TORCH_DTYPES[case.dtype]
     executor = RankExecutor(
         schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pp_group=mesh["pp"].get_group(),
-        activation_shape=(MBS, SEQ, spec.hidden_size),
+        activation_shape=(MBS, SEQ, spec.hidden_size), dtype=TORCH_DTYPES[case.dtype], autocast_dtype=half,
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens)
     totals: dict[str, int] = {}
     for step in range(2):

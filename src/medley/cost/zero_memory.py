@@ -37,23 +37,44 @@ OPTIMIZER_BYTES = 12
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StateBytesPerParam:
-    """Bytes per parameter of the weights, the gradient and the optimizer state."""
+    """Bytes per parameter of the weights, the gradient and the optimizer state.
+
+    Attributes:
+        weights / grads / optimizer: bytes per parameter of each.
+        weight_dtype: the dtype weights are computed in and gathered in (ZeRO-3 UNSHARD, the
+            ZeRO-1/2 gather after the step).
+        grad_dtype: the dtype gradients accumulate and are reduced in (REDUCE_GRAD).
+    """
 
     weights: float
     grads: float
     optimizer: float
+    weight_dtype: str
+    grad_dtype: str
 
 
-# bf16/fp16 mixed precision with Adam: the table above (fp32 master, momentum and variance: 12 B).
-MIXED_PRECISION_ADAM = StateBytesPerParam(weights=WEIGHT_BYTES, grads=GRAD_BYTES, optimizer=OPTIMIZER_BYTES)
+# fp16 mixed precision with Adam: the ZeRO paper's table above (fp16 weights and gradients, fp32
+# master, momentum and variance: 12 B), as DeepSpeed runs fp16 and medley's runtime runs fp16 plans.
+MIXED_PRECISION_ADAM = StateBytesPerParam(weights=WEIGHT_BYTES, grads=GRAD_BYTES, optimizer=OPTIMIZER_BYTES,
+                                          weight_dtype="fp16", grad_dtype="fp16")
+# bf16 as Megatron-LM and torchtitan run it (and medley's runtime): bf16 weights, gradients
+# accumulated and reduced in fp32 (bf16's 8-bit mantissa loses small micro-batch gradients), fp32
+# master, momentum and variance: 18 B per parameter unsharded.
+BF16_ADAM = StateBytesPerParam(weights=2, grads=4, optimizer=OPTIMIZER_BYTES, weight_dtype="bf16",
+                               grad_dtype="fp32")
 # Plain fp32 training with Adam(W), as medley's runtime runs fp32 plans: fp32 weights and gradients
 # and two fp32 moments; no master copy, since the weights already are fp32.
-FP32_ADAM = StateBytesPerParam(weights=4, grads=4, optimizer=8)
+FP32_ADAM = StateBytesPerParam(weights=4, grads=4, optimizer=8, weight_dtype="fp32", grad_dtype="fp32")
+
+_BY_DTYPE = {"fp32": FP32_ADAM, "bf16": BF16_ADAM, "fp16": MIXED_PRECISION_ADAM}
 
 
 def state_bytes_per_param(dtype: str) -> StateBytesPerParam:
     """Per-parameter model-state bytes of a plan trained in ``dtype`` (bf16, fp16 or fp32)."""
-    return FP32_ADAM if dtype == "fp32" else MIXED_PRECISION_ADAM
+    try:
+        return _BY_DTYPE[dtype]
+    except KeyError:
+        raise ValueError(f"training dtype must be one of {', '.join(_BY_DTYPE)}, got {dtype!r}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -13,8 +13,7 @@ from pathlib import Path
 from medley.errors import MedleyInputError
 from medley.fileio import check_output_dir, check_output_file
 from medley.runtime.data import DataOptions, DataSource, load_source
-from medley.runtime.precision import DTYPES
-from medley.runtime.sharding import ShardedStage
+from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 
 GradHook = Callable[[int, dict[int, ShardedStage], float | None], None]
 
@@ -218,7 +217,7 @@ def check_config(config: TrainConfig) -> None:
     _check_eval(config)
     if config.checkpoint_every < 0:
         raise MedleyInputError(f"--checkpoint-every {config.checkpoint_every} must be >= 0")
-    if config.dtype not in (None, *DTYPES):
+    if config.dtype not in (None, *TORCH_DTYPES):
         raise MedleyInputError(f"--dtype '{config.dtype}' must be fp32, bf16 or fp16")
     _check_loss_scale(config)
 

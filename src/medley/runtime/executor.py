@@ -66,7 +66,8 @@ class RankExecutor:
         pp_group: the replica's pipeline process group.
         activation_shape: [micro_batch_size, seq, hidden] of the tensors passed between stages.
         loss_fn: loss of one micro-batch from logits and targets, already scaled for the global batch.
-        dtype: dtype of the activations and gradients passed between stages.
+        dtype: dtype of the activations and gradients passed between stages (the compute dtype;
+            each side casts to and from it).
         autocast_dtype: run forwards under ``torch.autocast`` in this dtype (bf16 compute on fp32
             master weights); None computes in the weights' dtype.
         slowdown: emulation of a slower device: after each compute action the rank sleeps
@@ -214,7 +215,8 @@ class RankExecutor:
         st = self.state[stage]
         last = stage == self.schedule.num_stages - 1
         outputs = [self._scaled(st.losses[mb])] if last else [st.outputs.pop(mb)]
-        grads = None if last else [st.output_grads.pop(mb)]
+        # A gradient received in the wire dtype (:attr:`dtype`) takes the output's dtype back.
+        grads = None if last else [st.output_grads.pop(mb).to(outputs[0].dtype)]
         inputs = [st.inputs.pop(mb)] if stage > 0 else []
         if full:
             torch.autograd.backward(outputs, grads)
@@ -255,7 +257,7 @@ class RankExecutor:
             tensor, tag = st.outputs[mb].detach(), self._tag(action.stage, mb, grad=False)
         else:
             tensor, tag = st.input_grads.pop(mb), self._tag(peer_stage, mb, grad=True)
-        tensor = tensor.contiguous()
+        tensor = tensor.to(self.dtype).contiguous()
         work = dist.isend(tensor, dst=self._peer(peer_stage), group=self.pp_group, tag=tag)
         self.pending_sends.append(work)
 

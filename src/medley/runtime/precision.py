@@ -31,7 +31,6 @@ from medley.plan.plan import Plan
 from medley.plan.predict import predict
 from medley.runtime.sharding import ShardedStage
 
-DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # An overflow at this scale (gradients that overflow unscaled) is divergence, not a bad scale.
 MIN_LOSS_SCALE = 1.0
 

@@ -20,7 +20,7 @@ from medley.runtime import placement
 from medley.runtime.executor import RankExecutor, with_default_collectives
 from medley.runtime.model import token_loss_sum
 from medley.runtime.placement import PlacementEntry
-from medley.runtime.sharding import ShardedStage
+from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 from medley.runtime.stages import RankPlace, RankTable, build_local_stages, make_mesh, rank_place
 from medley.runtime.tied import build_tied_grads
 from medley.schedule.zero import CollectiveMismatchError, check_zero_placement
@@ -97,7 +97,7 @@ def _report(plan: Plan, place: RankPlace, *, device_id: int, stages: list[int]) 
 
 
 def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optimizer],
-               optimizer_kwargs: dict[str, Any], autocast_dtype: torch.dtype | None = None,
+               optimizer_kwargs: dict[str, Any], dtype: str = "fp32",
                clip_grad: bool = False, slowdown: Mapping[int, float] | None = None,
                init_from: Path | None = None) -> RankSetup:
     """Build this rank's stages and executor for ``plan`` (collective: every rank calls it).
@@ -107,7 +107,10 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
     the caller sets ``executor.on_clip``. A plan with ``layout.tied_copies`` always carries
     ``CLIP``: its tied gradients are summed there (:mod:`medley.runtime.tied`), before any
     optimizer step. ``init_from``: a Hugging Face model directory the stages
-    read their weights from (else the seeded initialisation).
+    read their weights from (else the seeded initialisation). ``dtype`` (fp32, bf16, fp16): the
+    run's precision: half precision computes under autocast, gathers weights and reduces gradients
+    in the dtypes the simulator counts (:func:`medley.cost.zero_memory.state_bytes_per_param`) and
+    passes activations between stages in the compute dtype.
     """
     device = _device()
     table, devices = _placement(plan, device)
@@ -127,14 +130,15 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
     stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers, zero=levels,
                                 mesh=mesh, seed=seed, optimizer_class=optimizer_class,
                                 optimizer_kwargs=optimizer_kwargs, recompute=layout.recompute,
-                                init_from=init_from)
+                                init_from=init_from, precision=dtype)
     n_tokens = layout.tokens_per_step
     me = devices[dist.get_rank()]
     factor = 1.0 if slowdown is None else slowdown[me]
     executor = RankExecutor(
         schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pp_group=mesh["pp"].get_group(),
         activation_shape=(layout.micro_batch_size, layout.seq_len, layout.model.hidden_size),
-        loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens, autocast_dtype=autocast_dtype,
+        loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens,
+        autocast_dtype=None if dtype == "fp32" else TORCH_DTYPES[dtype], dtype=TORCH_DTYPES[dtype],
         slowdown=factor, device=device)
     if layout.tied_copies:
         tied_grads = build_tied_grads(table, schedules, place, stages, levels)

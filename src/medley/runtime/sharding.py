@@ -22,11 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from medley.cost.zero_levels import ZeroLevel, zero_level
+from medley.cost.zero_memory import state_bytes_per_param
 from medley.runtime.model import Decoder, shared_name
 from medley.runtime.torch_adapter import fsdp_reduce_grad, fsdp_unsharded_params
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def shard_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
@@ -65,6 +68,8 @@ class ShardedStage:
         bucket_names: global (plan-independent) name of each parameter, per bucket.
         copies: parameters that copy another stage's (a tied LM head's copy of the embedding):
             their gradient equals the original's once summed, so the norm counts it there only.
+        reduce_dtype: the dtype gradients are reduced in (level 0's all-reduce; FSDP2's own
+            policy at levels 1-3).
     """
 
     module: Decoder
@@ -75,6 +80,7 @@ class ShardedStage:
     optimizers: list[torch.optim.Optimizer]
     bucket_names: list[list[str]]
     copies: frozenset[nn.Parameter] = frozenset()
+    reduce_dtype: torch.dtype = torch.float32
     # Level 0: gradients already all-reduced this step; a stage may reduce in several windows.
     reduced: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)
     # Level 3: buckets whose weights are gathered now (compute needs all of them).
@@ -232,11 +238,11 @@ class ShardedStage:
         if self.dp_group is None or not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.reduce_dtype)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
         offset = 0
         for param, grad in zip(params, grads, strict=True):
-            summed = flat[offset:offset + grad.numel()].view_as(grad).clone()
+            summed = flat[offset:offset + grad.numel()].view_as(grad).to(grad.dtype, copy=True)
             offset += grad.numel()
             previous = self.reduced.get(param)
             self.reduced[param] = summed if previous is None else previous + summed
@@ -245,20 +251,31 @@ class ShardedStage:
 
 def shard_stage(
     module: Decoder, *, zero: int, bucket_layers: Sequence[int] | None, dp_mesh: DeviceMesh | None,
-    optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
+    optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any], precision: str = "fp32",
 ) -> ShardedStage:
     """Apply the stage's ZeRO level to ``module`` and build its optimizers (over the parameter
-    shards for levels 1-3, over whole parameters for level 0)."""
+    shards for levels 1-3, over whole parameters for level 0).
+
+    ``precision`` (fp32, bf16, fp16) sets the dtypes of :func:`~medley.cost.zero_memory.
+    state_bytes_per_param`, which the simulator counts: in half precision, levels 1-3 gather the
+    weights in the compute dtype (FSDP2's mixed precision: fp32 shards, half-precision gathered
+    copies) and every level reduces gradients in the plan's gradient dtype (fp32 for bf16)."""
     meaning = zero_level(zero)
+    state = state_bytes_per_param(precision)
+    mixed = None
+    if precision != "fp32":
+        mixed = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[state.weight_dtype],
+                                     reduce_dtype=TORCH_DTYPES[state.grad_dtype])
     layers = module.layer_modules()
     groups = bucket_layer_groups(sorted(layers), bucket_layers)
     dp_group = dp_mesh.get_group() if dp_mesh is not None and dp_mesh.size() > 1 else None
     units: list[FSDPModule] = []
     if meaning.optimizer_on_shard:
         for group in groups:
-            wrapped = fully_shard([layers[i] for i in group], mesh=dp_mesh, reshard_after_forward=False)
+            wrapped = fully_shard([layers[i] for i in group], mesh=dp_mesh, reshard_after_forward=False,
+                                  **_policy(mixed))
             units.append(wrapped[0])
-        root = fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+        root = fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, **_policy(mixed))
         for unit in [*units, root]:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
@@ -275,7 +292,12 @@ def shard_stage(
     copies = frozenset(p for p, name in local_name.items() if shared_name(module.spec, name) != name)
     optimizers = [optimizer_class(params, **optimizer_kwargs) for params in buckets]
     stage = ShardedStage(module=module, zero=zero, buckets=buckets, fsdp_units=units, dp_group=dp_group,
-                         optimizers=optimizers, bucket_names=bucket_names, copies=copies)
+                         optimizers=optimizers, bucket_names=bucket_names, copies=copies,
+                         reduce_dtype=TORCH_DTYPES[state.grad_dtype])
     if meaning.gathers_after_step:  # weights stay gathered between steps at levels 1-2
         stage.unshard(None)
     return stage
+
+
+def _policy(mixed: MixedPrecisionPolicy | None) -> dict[str, MixedPrecisionPolicy]:
+    return {} if mixed is None else {"mp_policy": mixed}

@@ -89,10 +89,12 @@ def build_local_stages(
     spec: ModelSpec, *, schedule: PipelineSchedule, split: Sequence[int], zero: Sequence[int],
     mesh: DeviceMesh, seed: int, optimizer_class: type[torch.optim.Optimizer],
     optimizer_kwargs: dict[str, Any], recompute: Sequence[bool] = (), init_from: Path | None = None,
+    precision: str = "fp32",
 ) -> dict[int, ShardedStage]:
     """Build and shard only the stages this rank runs in ``schedule`` (its replica's program); with
     ``init_from`` (a Hugging Face model directory) each stage reads its own layers' weights from it
-    (under ZeRO-2/3 only this rank's rows of them)."""
+    (under ZeRO-1/2/3 only this rank's rows of them); ``precision``: the run's dtype (see
+    :func:`medley.runtime.sharding.shard_stage`)."""
     if len(split) != schedule.num_stages or len(zero) != schedule.num_stages:
         raise ValueError(f"split {tuple(split)} and zero {tuple(zero)} must give one entry per stage "
                          f"({schedule.num_stages} stages)")
@@ -106,7 +108,7 @@ def build_local_stages(
                          recompute=bool(recompute and recompute[stage]), init=init_from is None)
         stages[stage] = shard_stage(module, zero=zero[stage], bucket_layers=schedule.bucket_layers.get(stage),
                                     dp_mesh=dp_mesh, optimizer_class=optimizer_class,
-                                    optimizer_kwargs=optimizer_kwargs)
+                                    optimizer_kwargs=optimizer_kwargs, precision=precision)
         if init_from is not None:  # after sharding, as a checkpoint load: a ZeRO-2/3 rank reads its rows
             load_hf_tensors(spec, stages[stage].named_parameters_local(), init_from)
             stages[stage].refresh_gathered()

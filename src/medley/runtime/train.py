@@ -40,7 +40,7 @@ from medley.runtime.lifecycle import StepWatchdog
 from medley.runtime.memory import cuda_peak_bytes, probe_peak_bytes, reset_cuda_peak, resident_tensors
 from medley.runtime.metrics import TensorBoardLog
 from medley.runtime.optim import lr_at, optimizer_class, set_lr
-from medley.runtime.precision import DTYPES, LossScaler, choose_dtype, precision_note, unscale_and_clip
+from medley.runtime.precision import LossScaler, choose_dtype, precision_note, unscale_and_clip
 from medley.runtime.progress import TrainProgress
 from medley.runtime.setup import RankSetup, build_rank
 
@@ -55,7 +55,7 @@ def train(plan: Plan, config: TrainConfig) -> list[StepRecord]:
     # fp16 checks its gradients in the CLIP action's all-reduce: its schedules always have one.
     clip_grad = config.clip_norm is not None or dtype == "fp16"
     setup = build_rank(plan, seed=config.seed, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
-                       autocast_dtype=DTYPES[dtype], clip_grad=clip_grad, slowdown=_slowdown(plan, config),
+                       dtype=dtype, clip_grad=clip_grad, slowdown=_slowdown(plan, config),
                        init_from=config.init_from)
     if dist.get_rank() == 0:  # once the ranks sit where the plan says (build_rank checks that)
         note = precision_note(plan, dtype, chosen=config.dtype is not None)
