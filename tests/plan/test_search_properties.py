@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from medley.plan.bounds import bottleneck_split
-from medley.plan.compile import build_schedules
 from medley.plan.explain import explain
+from medley.plan.layout import build_schedules
 from medley.plan.predict import predict
 from medley.plan.search import Constraints, search
 from medley.plan.space import distribute

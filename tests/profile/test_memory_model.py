@@ -9,7 +9,8 @@ import pytest
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.formulas import layer_held_params
 from medley.cost.zero_memory import FP32_ADAM, MIXED_PRECISION_ADAM, stage_state_bytes, state_bytes_per_param
-from medley.plan.compile import PlanLayout, compile_problem
+from medley.plan.compile import compile_problem
+from medley.plan.layout import PlanLayout
 from medley.schedule.ir import Kind
 from medley.schedule.zero import StageZero
 from medley.spec.cluster import parse_cluster_arg

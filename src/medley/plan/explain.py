@@ -16,8 +16,8 @@ from medley.cost import formulas
 from medley.errors import MedleyInputError
 from medley.plan.bounds import MemoryOption, stage_memory
 from medley.plan.candidates import Estimator
-from medley.plan.compile import PlanLayout
 from medley.plan.inline import balanced_split
+from medley.plan.layout import PlanLayout
 from medley.plan.predict import predict
 from medley.plan.ranking import rank_plan
 from medley.plan.space import PP_CHOICES, Candidate, Structure

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from medley.cost.interfaces import CostSource, Pass
 from medley.errors import MedleyInputError
-from medley.plan.compile import PlanLayout
+from medley.plan.layout import PlanLayout
 from medley.schedule.generators import generate
 from medley.schedule.zero import Placement, StageZero
 from medley.spec.cluster import Cluster

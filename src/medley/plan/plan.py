@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from medley.errors import MedleyInputError
 from medley.fileio import read_toml, write_atomically
-from medley.plan.compile import PlanLayout
+from medley.plan.layout import PlanLayout, build_schedules
 from medley.schedule.zero import Placement, StageZero
 from medley.spec.cluster import Cluster, cluster_from_dict
 from medley.spec.cluster_schema import STRICT, describe_validation_error, printable
@@ -225,8 +225,6 @@ def _layout_from_spec(spec: _LayoutSpec, model: ModelSpec, cluster: Cluster, sou
         knobs=dict(spec.knobs),
         clip_grad=spec.clip_grad,
     )
-    from medley.plan.compile import build_schedules
-
     try:
         build_schedules(layout)
     except MedleyInputError as err:

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from medley.cost.interfaces import CostSource
 from medley.plan.bounds import memory_options
-from medley.plan.compile import PlanLayout
+from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan, Prediction
 from medley.plan.predict import predict
 from medley.plan.space import Candidate

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from medley.plan.bounds import MemoryOption
-from medley.plan.compile import PlanLayout
+from medley.plan.layout import PlanLayout
 from medley.schedule.zero import Placement, StageZero
 from medley.spec.model import ModelSpec
 
