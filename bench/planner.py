@@ -43,8 +43,9 @@ from medley.plan.search import (
     search,
 )
 from medley.plan.space import MICRO_BATCH_SIZES
-from medley.spec.cluster import Cluster, cluster_from_dict, parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster import Cluster
+from medley.spec.cluster_load import cluster_from_dict, parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

@@ -16,8 +16,8 @@ from medley.plan.predict import predict
 from medley.plan.search import Constraints, search
 from medley.plan.space import distribute
 from medley.schedule.validate import validate
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 TINY = get_model("tiny")
 TYPES = ["A100-80GB", "V100-32GB", "T4-16GB"]

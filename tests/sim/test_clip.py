@@ -11,8 +11,8 @@ from medley.plan.layout import build_schedules
 from medley.schedule.ir import Action, Kind
 from medley.schedule.validate import validate
 from medley.sim.engine import simulate
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 
 def _layout(clip: bool):

@@ -28,8 +28,8 @@ from medley.plan.inline import parse_int_list
 from medley.plan.plan import load_plan, save_plan
 from medley.plan.predict import layer_sources, predict
 from medley.plan.search import SEARCHED_FAMILIES, Constraints, RankedPlan, SearchResult, search
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 GB = 1e9
 

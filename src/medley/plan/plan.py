@@ -21,7 +21,8 @@ from medley.errors import MedleyInputError
 from medley.fileio import read_toml, write_atomically
 from medley.plan.layout import PlanLayout, build_schedules
 from medley.schedule.zero import Placement, StageZero
-from medley.spec.cluster import Cluster, cluster_from_dict
+from medley.spec.cluster import Cluster
+from medley.spec.cluster_load import cluster_from_dict
 from medley.spec.cluster_schema import STRICT, describe_validation_error, printable
 from medley.spec.limits import MAX_BLOCKS, MAX_MICRO_BATCHES, MAX_SIZE, MAX_WINDOWS, check_sim_work
 from medley.spec.model import PRESETS, ModelSpec, model_from_dict
