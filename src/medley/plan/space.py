@@ -21,6 +21,27 @@ PP_CHOICES_LARGE = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 LARGE_POOL = 128
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 STRATEGIES = ("stage-major", "memory-first", "replica-major")
+SEARCHED_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b", "gpipe")
+DEFAULT_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constraints:
+    """Limits on the search.
+
+    Attributes:
+        max_pp: most pipeline ranks per replica (None: up to the layer count).
+        schedules: schedule families to consider (subset of ``SEARCHED_FAMILIES``).
+        memory_headroom: fraction of each device's memory left free (fragmentation, CUDA context).
+        exclude_devices: device ids left out of every plan.
+        micro_batch_sizes: sizes to consider (None: 1, 2, 4, 8, 16).
+    """
+
+    max_pp: int | None = None
+    schedules: tuple[str, ...] = DEFAULT_FAMILIES
+    memory_headroom: float = 0.05
+    exclude_devices: tuple[int, ...] = ()
+    micro_batch_sizes: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
