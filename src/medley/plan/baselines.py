@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from medley.plan import builder
+from medley.plan import builder, memory_rules, split_rules
 from medley.plan.bounds import MemoryOption
 from medley.plan.context import PlanContext
 from medley.plan.ranking import RankedPlan, rank_plan
@@ -105,8 +105,8 @@ def megatron_style(
                     ctx,
                     structure,
                     "1f1b",
-                    split=builder.uniform,
-                    memory=builder.first_uniform_fit(
+                    split=split_rules.uniform,
+                    memory=memory_rules.first_uniform_fit(
                         _plain_options(dp), device_type=slowest, capacity=capacity
                     ),
                     micro_batches=builder.equal_micro_batches(),
@@ -144,8 +144,8 @@ def metis_style(
                     ctx,
                     structure,
                     "1f1b",
-                    split=builder.by_stage_capacity,
-                    memory=builder.rebalanced_uniform_fit(_plain_options(dp)),
+                    split=split_rules.by_stage_capacity,
+                    memory=memory_rules.rebalanced_uniform_fit(_plain_options(dp)),
                     micro_batches=builder.by_replica_speed(),
                 )
             except ValueError:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from medley.plan import builder
+from medley.plan import builder, memory_rules, split_rules
 from medley.plan.context import PlanContext
 from medley.plan.space import LARGE_POOL, PP_CHOICES, PP_CHOICES_LARGE, Candidate, Structure
 
@@ -91,7 +91,7 @@ class Estimator(PlanContext):
         """The family's best split/options/micro-batches for ``st``, or None if it cannot fit."""
         if family != "interleaved":
             return builder.build(
-                self, st, family, split=builder.bottleneck, memory=builder.cheapest_per_stage,
+                self, st, family, split=split_rules.bottleneck, memory=memory_rules.cheapest_per_stage,
                 micro_batches=builder.balanced_micro_batches(),
             )
         if st.pp < 2 or st.pp * virtual_stages > self.model.num_layers:
@@ -100,6 +100,6 @@ class Estimator(PlanContext):
         if base is None:
             return None
         return builder.build(
-            self, st, family, split=builder.interleaved_chunks, memory=builder.cheapest_per_rank,
+            self, st, family, split=split_rules.interleaved_chunks, memory=memory_rules.cheapest_per_rank,
             micro_batches=builder.given_micro_batches(base.micro_batches), virtual_stages=virtual_stages,
         )

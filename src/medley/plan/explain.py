@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from medley.errors import MedleyInputError
-from medley.plan.builder import uniform_split
 from medley.plan.layout import PlanLayout
 from medley.plan.predict import predict
 from medley.plan.search import SearchResult
+from medley.plan.split_rules import uniform_split
 from medley.schedule.zero import Placement, StageZero
 from medley.sim.result import SimResult
 

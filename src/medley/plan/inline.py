@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from medley.cost.interfaces import CostSource, Pass
 from medley.errors import MedleyInputError
-from medley.plan.builder import speed_split
 from medley.plan.layout import PlanLayout
+from medley.plan.split_rules import speed_split
 from medley.schedule.generators import generate
 from medley.schedule.zero import Placement, StageZero
 from medley.spec.cluster import Cluster

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from medley.cost import formulas
 from medley.errors import MedleyInputError
-from medley.plan import builder
+from medley.plan import builder, memory_rules, split_rules
 from medley.plan.bounds import MemoryOption, stage_memory
 from medley.plan.context import PlanContext
 from medley.plan.ranking import RankedPlan, rank_plan
@@ -34,7 +34,7 @@ def frugal_candidate(ctx: PlanContext, devices: list[int], max_pp: int, mbs: int
         )
         option = MemoryOption(level=3 if dp > 1 else 0, buckets=FRUGAL_BUCKETS, recompute=True)
         candidate = builder.build(
-            ctx, structure, "1f1b", split=builder.uniform, memory=builder.fixed(option),
+            ctx, structure, "1f1b", split=split_rules.uniform, memory=memory_rules.fixed(option),
             micro_batches=builder.equal_micro_batches(), estimate=builder.no_estimate,
         )
         assert candidate is not None  # a fixed option always places
