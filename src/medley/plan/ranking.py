@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from medley.cost.interfaces import CostSource
 from medley.plan.bounds import memory_options
@@ -80,6 +80,8 @@ def objective_key(plan: RankedPlan, objective: Objective) -> float:
 
 
 def repair(plan: RankedPlan, headroom: float) -> Candidate | None:
+    """The candidate with each overflowing rank's stages one step up the memory ladder, or None
+    when none can go further."""
     candidate, layout, cluster = plan.candidate, plan.plan.layout, plan.plan.cluster
     over_ranks = {
         report.rank
@@ -132,7 +134,7 @@ def choose(candidates: list[tuple[float, int, Candidate]], budget: int) -> list[
     """The best by estimate while the count and the simulation work allow (always at least one),
     then the best of every device pool that still fits the work budget (so single-type plans are
     simulated too), without duplicates."""
-    chosen: dict[tuple, Candidate] = {}
+    chosen: dict[tuple[Any, ...], Candidate] = {}
     work = 0
     for _, _, candidate in candidates:
         cost = simulation_work(candidate)

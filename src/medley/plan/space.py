@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from medley.plan.bounds import MemoryOption
 from medley.plan.layout import PlanLayout
@@ -62,7 +63,7 @@ class Candidate:
 
     structure: Structure
     family: str
-    knobs: dict = field(default_factory=dict)
+    knobs: dict[str, Any] = field(default_factory=dict)
     micro_batches: tuple[int, ...]
     stage_layers: tuple[int, ...]
     options: tuple[MemoryOption, ...]
@@ -99,7 +100,8 @@ class Candidate:
         )
 
     @property
-    def key(self) -> tuple:
+    def key(self) -> tuple[Any, ...]:
+        """What makes two candidates the same plan (the estimate and the pool do not)."""
         st = self.structure
         return (
             st.assignment,
