@@ -35,16 +35,11 @@ from medley.cost.metis import MetisCostSource
 from medley.errors import MedleyInputError
 from medley.plan.candidates import Estimator
 from medley.plan.ranking import rank_plan
-from medley.plan.search import (
-    DEFAULT_FAMILIES,
-    Constraints,
-    device_pools,
-    family_variants,
-    search,
-)
-from medley.plan.space import MICRO_BATCH_SIZES
-from medley.spec.cluster import Cluster, cluster_from_dict, parse_cluster_arg
-from medley.spec.model import get_model
+from medley.plan.search import device_pools, family_variants, search
+from medley.plan.space import DEFAULT_FAMILIES, MICRO_BATCH_SIZES, Constraints
+from medley.spec.cluster import Cluster
+from medley.spec.cluster_load import cluster_from_dict, parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

@@ -11,8 +11,8 @@ from pathlib import Path
 from medley.cost.estimator import CatalogCostSource
 from medley.plan.inline import inline_layout
 from medley.plan.predict import simulate_layout
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [

@@ -14,8 +14,8 @@ from medley.cli.main import app
 from medley.cost.estimator import CatalogCostSource
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, save_plan
-from medley.spec.cluster import load_cluster
-from medley.spec.model import get_model
+from medley.spec.cluster_load import load_cluster
+from medley.spec.model_arg import get_model
 
 runner = CliRunner()
 CLUSTER = ('name = "two"\n[[nodes]]\nname = "one"\ndevice = "CPU-8GB"\ncount = 1\n{host}'

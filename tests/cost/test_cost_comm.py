@@ -4,7 +4,7 @@ import pytest
 
 from medley.cost.comm import TopologyCommModel
 from medley.cost.interfaces import Collective
-from medley.spec.cluster import load_cluster, parse_cluster_arg
+from medley.spec.cluster_load import load_cluster, parse_cluster_arg
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 GB = 1e9

@@ -5,8 +5,8 @@ from medley.cost.estimator import CatalogCostSource, matmul_efficiency, stage_ti
 from medley.cost.interfaces import CostSource, Pass, TimeEstimate
 from medley.errors import MedleyInputError
 from medley.spec.catalog import get_device_type
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 
 def model_time(source: CatalogCostSource, device: str, mbs: int, seq: int) -> float:

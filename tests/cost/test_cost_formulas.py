@@ -2,7 +2,8 @@ import pytest
 
 from medley.cost import formulas
 from medley.cost.interfaces import Pass
-from medley.spec.model import PRESETS, get_model
+from medley.spec.model import PRESETS
+from medley.spec.model_arg import get_model
 
 PUBLISHED_PARAMS = {
     "llama-2-7b": 6.74e9,

@@ -3,7 +3,8 @@
 import pytest
 
 from medley.cost import formulas
-from medley.spec.model import ModelSpec, get_model
+from medley.spec.model import ModelSpec
+from medley.spec.model_arg import get_model
 
 SMALL_GPT = ModelSpec(
     name="small-gpt",

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from medley.cost.estimator import CatalogCostSource
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 SEQ_LEN, MICRO_BATCH_SIZE = 32, 2
 SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -22,7 +22,7 @@ from medley.runtime.launch import train_local
 from medley.runtime.model import Decoder
 from medley.runtime.reference import reference_losses, reference_train
 from medley.runtime.train import TrainConfig, load_data
-from medley.spec.model import get_model
+from medley.spec.model_arg import get_model
 
 TOL = 1e-5
 SEED = 3

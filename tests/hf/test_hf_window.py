@@ -21,7 +21,8 @@ from medley.runtime.model import Attention, Decoder
 from medley.runtime.reference import reference_losses
 from medley.runtime.setup import check_plan
 from medley.runtime.train import TrainConfig, load_data
-from medley.spec.model import ModelSpec, get_model
+from medley.spec.model import ModelSpec
+from medley.spec.model_arg import get_model
 
 TOL = 1e-5
 

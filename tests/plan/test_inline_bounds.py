@@ -13,8 +13,8 @@ from medley.cost.estimator import CatalogCostSource
 from medley.errors import MedleyInputError
 from medley.plan.inline import inline_layout
 from medley.plan.search import search
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 WIDE = {"COLUMNS": "1000"}
 

@@ -14,8 +14,8 @@ from medley.cost.metis import MetisCostSource, ProfileRangeError, load_metis_pro
 from medley.errors import MedleyInputError
 from medley.plan.compile import compile_problem
 from medley.plan.search import search
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 PROFILES = Path(__file__).parents[1] / "data" / "metis-opt-350"
 OPT = get_model("opt-350m")

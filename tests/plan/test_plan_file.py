@@ -14,8 +14,8 @@ from medley.errors import MedleyInputError
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, load_plan, save_plan
 from medley.plan.predict import predict
-from medley.spec.cluster import load_cluster, parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import load_cluster, parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 

@@ -10,14 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from medley.plan.bounds import bottleneck_split
-from medley.plan.compile import build_schedules
 from medley.plan.explain import explain
+from medley.plan.layout import build_schedules
 from medley.plan.predict import predict
 from medley.plan.search import Constraints, search
 from medley.plan.space import distribute
 from medley.schedule.validate import validate
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 TINY = get_model("tiny")
 TYPES = ["A100-80GB", "V100-32GB", "T4-16GB"]

@@ -15,7 +15,7 @@ from medley.cost.profiles import (
     Profile,
     model_dict,
 )
-from medley.spec.model import get_model
+from medley.spec.model_arg import get_model
 
 
 def layer(kind: str, mbs: int, seq: int, scale: float = 1.0) -> LayerMeasurement:

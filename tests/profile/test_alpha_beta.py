@@ -10,7 +10,7 @@ from medley.cost.comm import TopologyCommModel
 from medley.cost.interfaces import Collective
 from medley.cost.profiles import AlphaBeta, CommMeasurement
 from medley.profile.collectives import OPS, fit_alpha_beta, model_time
-from medley.spec.cluster import parse_cluster_arg
+from medley.spec.cluster_load import parse_cluster_arg
 
 SIZES = (4e3, 3.2e4, 2.6e5, 2e6, 8e6)
 

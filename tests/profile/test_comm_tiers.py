@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from medley.cli.main import app
 from medley.cost.comm_profile import apply_comm_profile, load_comm_profile
 from medley.profile.collectives import free_port
-from medley.spec.cluster import parse_cluster_arg
+from medley.spec.cluster_load import parse_cluster_arg
 
 BIN = Path(sys.executable).parent
 CLUSTER = "2xA100-80GB+2xV100-32GB"  # nodes node0 (A100s) and node1 (V100s)

@@ -12,7 +12,7 @@ from medley.cost.interfaces import Collective, Pass
 from medley.cost.profiles import Profile
 from medley.profile.collectives import model_time
 from medley.profile.emulate import emulated_cluster
-from medley.spec.model import get_model
+from medley.spec.model_arg import get_model
 
 TINY = get_model("tiny")
 

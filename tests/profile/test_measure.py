@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from medley.cli.main import app
 from medley.cost.profiles import load_profile
 from medley.profile.layers import measure_layer
-from medley.spec.model import get_model
+from medley.spec.model_arg import get_model
 
 TINY = get_model("tiny")
 

@@ -15,11 +15,12 @@ from medley.cost.zero_memory import (
     stage_state_bytes,
     state_bytes_per_param,
 )
-from medley.plan.compile import PlanLayout, compile_problem
+from medley.plan.compile import compile_problem
+from medley.plan.layout import PlanLayout
 from medley.schedule.ir import Kind
 from medley.schedule.zero import StageZero
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 TINY = get_model("tiny")
 PARAMS = float(sum(layer_held_params(TINY, i) for i in range(TINY.num_layers)))

@@ -15,10 +15,11 @@ from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Pass
 from medley.cost.profiles import Profile, ProfileCostSource, save_profile
 from medley.errors import MedleyInputError
-from medley.plan.compile import PlanLayout, compile_problem
+from medley.plan.compile import compile_problem
+from medley.plan.layout import PlanLayout
 from medley.schedule.zero import StageZero
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 TINY = get_model("tiny")
 CPU = "CPU-8GB"

@@ -19,8 +19,8 @@ from medley.cost.profiles import Profile, save_profile
 from medley.cost.user_profiles import measured_cost_source
 from medley.errors import MedleyInputError
 from medley.profile.run import profile_device_type
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 DATA = Path(__file__).parents[1] / "data"
 METIS_OWN = DATA / "metis-own-opt-350"

@@ -19,7 +19,7 @@ from medley.runtime.executor import MicroBatches, RankExecutor, with_default_col
 from medley.runtime.model import Decoder, token_loss_sum
 from medley.runtime.stages import RankTable, build_local_stages, make_mesh, rank_place, row_major_table
 from medley.schedule.ir import Kind, PipelineSchedule
-from medley.spec.model import get_model
+from medley.spec.model_arg import get_model
 
 SEQ, MBS, SEED, LR = 16, 2, 7, 0.1
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from medley.cost.estimator import CatalogCostSource
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, save_plan
-from medley.spec.cluster import load_cluster
-from medley.spec.model import get_model
+from medley.spec.cluster_load import load_cluster
+from medley.spec.model_arg import get_model
 
 SEQ_LEN, MICRO_BATCH_SIZE = 32, 2
 TIERS = '[[tiers]]\nname = "net"\nbandwidth_gbps = 10\n'

@@ -36,8 +36,8 @@ from medley.runtime.precision import LossScaler, choose_dtype, precision_note
 from medley.runtime.reference import reference_losses
 from medley.runtime.sharding import ShardedStage
 from medley.runtime.train import train
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 INIT = 2.0**16
 # 4 ranks: zero-bubble (split backward of the scaled loss), ZeRO-3 and ZeRO-1 stages, uneven replicas.

@@ -11,7 +11,7 @@ from medley.runtime.sharding import bucket_layer_groups
 from medley.runtime.stages import layer_ranges
 from medley.schedule.generators import generate
 from medley.schedule.ir import Kind
-from medley.spec.model import get_model
+from medley.spec.model_arg import get_model
 
 
 def test_stages_chain_to_the_full_model() -> None:

@@ -12,8 +12,8 @@ from medley.errors import MedleyInputError
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan
 from medley.runtime.preflight import RANK_BASE_BYTES, check_cpu_memory, predicted_peaks, preflight
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 
 def plan_for(model: str, *, pp: int = 1, dp: int = 1, seq_len: int = 64) -> Plan:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from train_plans import config, save_tied_copies, tied_tiny, tiny_plan
 
-from medley.plan.compile import build_schedules
+from medley.plan.layout import build_schedules
 from medley.runtime.checkpoint import SafeReader
 from medley.runtime.launch import train_local
 from medley.runtime.model import Decoder, shared_name

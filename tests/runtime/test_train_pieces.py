@@ -25,7 +25,7 @@ from medley.runtime.reference import reference_losses
 from medley.runtime.setup import check_plan
 from medley.runtime.sharding import ShardedStage
 from medley.runtime.train import train
-from medley.spec.model import get_model
+from medley.spec.model_arg import get_model
 
 
 def test_byte_tokenizer_round_trips() -> None:
@@ -138,7 +138,7 @@ def test_one_rank_bf16_and_emulated_slowdown(one_rank_group) -> None:
 
 def test_default_slowdown_follows_peak_flops() -> None:
     from medley.runtime.emulate import slowdown_factors
-    from medley.spec.cluster import parse_cluster_arg
+    from medley.spec.cluster_load import parse_cluster_arg
 
     plan = tiny_plan(pp=2, dp=1, split="3,3", zero="0", schedule="1f1b", micro_batches="2")
     mixed = Plan(layout=plan.layout, cluster=parse_cluster_arg("1xA100-80GB+1xT4-16GB"))

@@ -14,8 +14,8 @@ from medley.cost.estimator import CatalogCostSource
 from medley.plan.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.schedule.ir import COLLECTIVE_KINDS
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 # (name, pp, dp, zero, micro-batches, buckets, gather windows, dtype)
 PLANS = [

@@ -13,8 +13,9 @@ from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan
 from medley.runtime.model import TIED_WEIGHT
 from medley.runtime.train import TrainConfig
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import ModelSpec, get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model import ModelSpec
+from medley.spec.model_arg import get_model
 
 SEQ_LEN, MICRO_BATCH_SIZE, SEED = 32, 2, 3
 

@@ -15,7 +15,7 @@ from medley.runtime.executor import RankExecutor, with_default_collectives
 from medley.runtime.model import token_loss_sum
 from medley.runtime.sharding import TORCH_DTYPES
 from medley.runtime.stages import build_local_stages, make_mesh, rank_place
-from medley.spec.model import get_model
+from medley.spec.model_arg import get_model
 
 # torch.distributed call -> (collective kind as the simulator names it, position and name of the
 # argument whose size counts: the full buffer, i.e. an all-gather's output, a reduce-scatter's input).

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from medley.cost.estimator import CatalogCostSource
-from medley.plan.compile import build_schedules, compile_problem
+from medley.plan.compile import compile_problem
 from medley.plan.inline import inline_layout
+from medley.plan.layout import build_schedules
 from medley.schedule.ir import Action, Kind
 from medley.schedule.validate import validate
 from medley.sim.engine import simulate
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 
 def _layout(clip: bool):

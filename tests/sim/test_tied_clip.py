@@ -13,8 +13,8 @@ from medley.plan.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.schedule.ir import Kind
 from medley.sim.engine import simulate
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 
 def _clip_span(tied: bool, *, zero: str, pp: int = 2, virtual: int = 1, split: str | None = None) -> tuple:

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from medley.cli.main import app
 from medley.cost.formulas import total_params
 from medley.errors import MedleyInputError
-from medley.spec.cluster import load_cluster, parse_cluster_arg
-from medley.spec.model import get_model
+from medley.spec.cluster_load import load_cluster, parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 WIDE = {"COLUMNS": "1000"}  # rich must not wrap the one-line errors
 

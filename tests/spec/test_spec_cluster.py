@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from medley.errors import MedleyInputError
-from medley.spec.cluster import load_cluster, parse_cluster_arg
+from medley.spec.cluster_load import load_cluster, parse_cluster_arg
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -166,7 +166,7 @@ def test_missing_file_is_an_input_error(tmp_path: Path):
 
 
 def test_nodes_carry_their_hosts(tmp_path) -> None:  # noqa: ANN001 - pytest's tmp_path
-    from medley.spec.cluster import load_cluster
+    from medley.spec.cluster_load import load_cluster
 
     path = tmp_path / "c.toml"
     path.write_text('[[nodes]]\nname = "a"\ndevice = "A100-80GB"\ncount = 2\nhost = "10.0.0.1"\n'
@@ -183,7 +183,7 @@ def test_nodes_carry_their_hosts(tmp_path) -> None:  # noqa: ANN001 - pytest's t
     ('hosts = ["h x"]', "not a host name"),
 ])
 def test_bad_hosts_are_one_line_errors(tmp_path, node: str, expected: str) -> None:  # noqa: ANN001
-    from medley.spec.cluster import load_cluster
+    from medley.spec.cluster_load import load_cluster
 
     path = tmp_path / "c.toml"
     path.write_text(f'[[nodes]]\nname = "a"\ndevice = "A100-80GB"\ncount = 2\n{node}\n')

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from medley.errors import MedleyInputError
-from medley.spec.cluster import load_cluster
+from medley.spec.cluster_load import load_cluster
 
 scalars = st.one_of(
     st.booleans(),

@@ -5,7 +5,8 @@ import pytest
 
 from medley.cost.formulas import total_params
 from medley.errors import MedleyInputError
-from medley.spec.model import PRESETS, ModelSpec, get_model
+from medley.spec.model import PRESETS, ModelSpec
+from medley.spec.model_arg import get_model
 
 REQUIRED_PRESETS = [
     "tiny",

@@ -36,9 +36,10 @@ from medley.plan.explain import explain
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, load_plan, save_plan
 from medley.plan.predict import predict
-from medley.plan.search import Constraints, search
-from medley.spec.cluster import load_cluster
-from medley.spec.model import get_model
+from medley.plan.search import search
+from medley.plan.space import Constraints
+from medley.spec.cluster_load import load_cluster
+from medley.spec.model_arg import get_model
 
 DEMO_CLUSTER = Path(__file__).resolve().parents[3] / "examples" / "demo.toml"
 EMULATED_SLOWDOWNS = (1.0, 1.0, 2.0, 2.0)

@@ -92,7 +92,7 @@ def hf_finetune(*, out_dir: Path, plan: Plan, steps: int, emulate: bool, console
     from medley.cli.hf_cmd import check_init_from, export_after_training, export_checkpoints
     from medley.runtime.launch import train_local
     from medley.runtime.train import TrainConfig
-    from medley.spec.model import get_model
+    from medley.spec.model_arg import get_model
 
     shape = replace(plan.layout.model, vocab_size=HF_VOCAB, tied_embeddings=False)
     console.rule(f"A Hugging Face model: made here, fine-tuned on pp={plan.layout.pp} x dp={plan.layout.dp}, "

@@ -33,7 +33,7 @@ def check_init_from(model, init_from: Path) -> None:  # noqa: ANN001 - a ModelSp
     import dataclasses
 
     from medley.runtime.hf_weights import check_hf_weights
-    from medley.spec.model import get_model
+    from medley.spec.model_arg import get_model
 
     if not Path(init_from).is_dir():
         raise MedleyInputError(f"--init-from {init_from}: not a directory; give a Hugging Face model "

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from medley.cli.console import make_console, print_table
 from medley.cli.errors import MedleyInputError
+from medley.cli.progress import PhaseBar
 from medley.cli.simulate_cmd import (
     COMM_PROFILE_HELP,
     PROFILE_HELP,
@@ -27,9 +28,11 @@ from medley.fileio import check_output_dir, check_output_file
 from medley.plan.inline import parse_int_list
 from medley.plan.plan import load_plan, save_plan
 from medley.plan.predict import layer_sources, predict
-from medley.plan.search import SEARCHED_FAMILIES, Constraints, RankedPlan, SearchResult, search
-from medley.spec.cluster import parse_cluster_arg
-from medley.spec.model import get_model
+from medley.plan.ranking import RankedPlan
+from medley.plan.search import SearchResult, search
+from medley.plan.space import SEARCHED_FAMILIES, Constraints
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
 
 GB = 1e9
 
@@ -244,17 +247,18 @@ def register(app: typer.Typer) -> None:
             max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, spec
         )
         cost = cost_source(model_spec, spec, profiles=profile or (), profiles_dir=profiles, seq_len=seq_len)
-        result = search(
-            spec,
-            model_spec,
-            global_batch=global_batch,
-            seq_len=seq_len,
-            cost=cost,
-            objective=objective,
-            top=top,
-            constraints=constraints,
-            progress=not as_json,  # type: ignore[arg-type]
-        )
+        with PhaseBar(not as_json) as progress:
+            result = search(
+                spec,
+                model_spec,
+                global_batch=global_batch,
+                seq_len=seq_len,
+                cost=cost,
+                objective=objective,
+                top=top,
+                constraints=constraints,
+                progress=progress,
+            )
         data = result_data(result)
         if explain:
             from medley.plan.explain import explain as explain_best

@@ -15,7 +15,7 @@ from medley.cost.profiles import Profile, save_profile
 from medley.errors import MedleyInputError
 from medley.fileio import check_output_dir, check_output_file
 from medley.plan.inline import parse_int_list
-from medley.spec.model import get_model
+from medley.spec.model_arg import get_model
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:

@@ -18,13 +18,15 @@ from medley.cost.interfaces import CostSource
 from medley.cost.user_profiles import PerDeviceCostSource, measured_cost_source
 from medley.errors import MedleyInputError
 from medley.fileio import check_output_file
-from medley.plan.compile import PlanLayout
 from medley.plan.inline import inline_layout
+from medley.plan.layout import PlanLayout
 from medley.plan.predict import layer_sources, simulate_layout
 from medley.sim.problem import SimProblem
 from medley.sim.result import SimResult
-from medley.spec.cluster import Cluster, parse_cluster_arg
-from medley.spec.model import ModelSpec, get_model
+from medley.spec.cluster import Cluster
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model import ModelSpec
+from medley.spec.model_arg import get_model
 
 GB = 1e9
 PROFILE_HELP = "A `medley profile` file; repeat it, one per device type (the catalog answers the others)"

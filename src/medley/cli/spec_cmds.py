@@ -19,8 +19,10 @@ from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Pass
 from medley.spec.catalog import DeviceType, load_catalog
-from medley.spec.cluster import Cluster, parse_cluster_arg
-from medley.spec.model import ModelSpec, get_model
+from medley.spec.cluster import Cluster
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model import ModelSpec
+from medley.spec.model_arg import get_model
 
 DEFAULT_MODEL_CLUSTER = "4xA100-80GB+4xV100-32GB+4xT4-16GB"  # the demo cluster's device types
 ADAM_BYTES_PER_PARAM = 16  # bf16 weight + bf16 grad + fp32 master, m, v

@@ -46,8 +46,8 @@ def inline_plan(*, cluster: str | None, model: str, pp: int, dp: int, schedule: 
     (bf16 where all have it, else fp16)."""
     from medley.cost.estimator import CatalogCostSource
     from medley.plan.inline import inline_layout
-    from medley.spec.cluster import parse_cluster_arg
-    from medley.spec.model import get_model
+    from medley.spec.cluster_load import parse_cluster_arg
+    from medley.spec.model_arg import get_model
 
     spec = parse_cluster_arg(cluster or f"{pp * dp}x{DEFAULT_DEVICE}")
     model_spec = get_model(model)

@@ -12,44 +12,52 @@
 
 Each baseline estimates its own choices analytically, simulates its best three exactly and keeps
 the fastest that fits (a generous reading of each: the simulator picks among their finalists).
+Both are configurations of :func:`medley.plan.builder.build`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from medley.plan.bounds import MemoryOption, pipeline_time, stage_memory
-from medley.plan.candidates import Estimator
-from medley.plan.inline import balanced_split
+from medley.plan import builder, memory_rules, split_rules
+from medley.plan.bounds import MemoryOption
+from medley.plan.context import PlanContext
 from medley.plan.ranking import RankedPlan, rank_plan
-from medley.plan.search import Constraints
-from medley.plan.space import PP_CHOICES, Candidate, Structure, distribute
+from medley.plan.space import PP_CHOICES, Candidate, Constraints, Structure
 from medley.schedule.zero import Placement
 
 FINALISTS = 3
 
 
 def run_baselines(
-    estimator: Estimator, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
+    ctx: PlanContext, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
 ) -> dict[str, RankedPlan | None]:
-    cluster = estimator.cluster
-    speed = {d: estimator.table(cluster.devices[d].type.name, 1).total[-1] for d in devices}
+    cluster = ctx.cluster
+    speed = {d: ctx.table(cluster.devices[d].type.name, 1).total[-1] for d in devices}
     fastest = min(speed.values())
     fast_devices = [d for d in devices if speed[d] == fastest]
     return {
-        "megatron-style": megatron_style(estimator, devices, sizes, constraints),
-        "fastest-type-only": megatron_style(estimator, fast_devices, sizes, constraints),
-        "metis-style": metis_style(estimator, devices, sizes, constraints),
+        "megatron-style": megatron_style(ctx, devices, sizes, constraints),
+        "fastest-type-only": megatron_style(ctx, fast_devices, sizes, constraints),
+        "metis-style": metis_style(ctx, devices, sizes, constraints),
     }
 
 
-def _pp_values(estimator: Estimator, n: int, constraints: Constraints) -> list[int]:
-    limit = min(n, estimator.model.num_layers, constraints.max_pp or n)
+def _pp_values(ctx: PlanContext, n: int, constraints: Constraints) -> list[int]:
+    limit = min(n, ctx.model.num_layers, constraints.max_pp or n)
     return [pp for pp in PP_CHOICES if pp <= limit]
 
 
+def _plain_options(dp: int) -> tuple[MemoryOption, MemoryOption]:
+    """ZeRO-1 when replicated (Megatron's distributed optimizer), full recomputation only when
+    nothing fits without it."""
+    level = 1 if dp > 1 else 0
+    return MemoryOption(level=level), MemoryOption(level=level, recompute=True)
+
+
 def _finish(
-    estimator: Estimator,
+    ctx: PlanContext,
     scored: list[tuple[float, int, Candidate]],
     constraints: Constraints,
     placement: Placement = Placement.BUBBLE,
@@ -57,62 +65,32 @@ def _finish(
     scored.sort(key=lambda x: (x[0], x[1]))
     best = None
     for _, _, candidate in scored[:FINALISTS]:
-        layout = candidate.layout(estimator.model, estimator.seq_len)
+        layout = candidate.layout(ctx.model, ctx.seq_len)
         if placement is not Placement.BUBBLE:
-            from dataclasses import replace
-
             layout = replace(layout, placement=placement)
-        ranked = rank_plan(candidate, layout, estimator.cluster, estimator.cost, constraints.memory_headroom)
+        ranked = rank_plan(candidate, layout, ctx.cluster, ctx.cost, constraints.memory_headroom)
         if ranked.fits and (best is None or ranked.tokens_per_s > best.tokens_per_s):
             best = ranked
     return best
 
 
 def megatron_style(
-    estimator: Estimator, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
+    ctx: PlanContext, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
 ) -> RankedPlan | None:
-    cluster, model = estimator.cluster, estimator.model
+    cluster = ctx.cluster
     types = {cluster.devices[d].type.name for d in devices}
-    slowest = max(types, key=lambda t: (estimator.table(t, 1).total[-1], t))
-    capacity = min(estimator.capacity(d) for d in devices)
+    slowest = max(types, key=lambda t: (ctx.table(t, 1).total[-1], t))
+    capacity = min(ctx.capacity(d) for d in devices)
     ordered = sorted(devices)
     scored: list[tuple[float, int, Candidate]] = []
     index = 0
-    for pp in _pp_values(estimator, len(devices), constraints):
-        split = balanced_split(model, [1.0] * pp)
+    for pp in _pp_values(ctx, len(devices), constraints):
         for mbs in sizes:
-            total = estimator.global_batch // mbs
+            total = ctx.global_batch // mbs
             dp = min(len(devices) // pp, total)
             while dp > 1 and total % dp:
                 dp -= 1  # Megatron needs equal micro-batches per replica
             index += 1
-            try:
-                table = estimator.table(slowest, mbs)
-            except ValueError:
-                continue
-            level = 1 if dp > 1 else 0
-            starts = [sum(split[:s]) for s in range(pp)]
-            m = total // dp
-            chosen = None
-            for recompute in (False, True):
-                option = MemoryOption(level=level, recompute=recompute)
-                if all(
-                    stage_memory(
-                        table, starts[s], starts[s] + split[s], option=option, dp=dp, in_flight=min(pp - s, m)
-                    )
-                    <= capacity
-                    for s in range(pp)
-                ):
-                    chosen = option
-                    break
-            if chosen is None:
-                continue
-            times = [
-                table.time(starts[s], starts[s] + split[s], recompute=chosen.recompute) for s in range(pp)
-            ]
-            estimate = pipeline_time(
-                "1f1b", stage_times=times, stage_weight_times=[0.0] * pp, link_times=[], micro_batches=m
-            )
             assignment = tuple(tuple(ordered[k * dp + r] for k in range(pp)) for r in range(dp))
             structure = Structure(
                 pool="baseline",
@@ -122,100 +100,56 @@ def megatron_style(
                 assignment=assignment,
                 micro_batch_size=mbs,
             )
-            candidate = Candidate(
-                structure=structure,
-                family="1f1b",
-                micro_batches=(m,) * dp,
-                stage_layers=split,
-                options=(chosen,) * pp,
-                estimate_s=estimate,
-                dtype=estimator.dtype(assignment),
-            )
-            scored.append((estimate, index, candidate))
-    return _finish(estimator, scored, constraints)
+            try:
+                candidate = builder.build(
+                    ctx,
+                    structure,
+                    "1f1b",
+                    split=split_rules.uniform,
+                    memory=memory_rules.first_uniform_fit(
+                        _plain_options(dp), device_type=slowest, capacity=capacity
+                    ),
+                    micro_batches=builder.equal_micro_batches(),
+                    estimate=builder.homogeneous_1f1b(slowest),
+                )
+            except ValueError:  # the cost source cannot answer this micro-batch size
+                continue
+            if candidate is not None:
+                scored.append((candidate.estimate_s, index, candidate))
+    return _finish(ctx, scored, constraints)
 
 
 def metis_style(
-    estimator: Estimator, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
+    ctx: PlanContext, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
 ) -> RankedPlan | None:
-    cluster = estimator.cluster
-    by_speed = sorted(devices, key=lambda d: (estimator.table(cluster.devices[d].type.name, 1).total[-1], d))
+    cluster = ctx.cluster
+    by_speed = sorted(devices, key=lambda d: (ctx.table(cluster.devices[d].type.name, 1).total[-1], d))
     scored: list[tuple[float, int, Candidate]] = []
     index = 0
-    for pp in _pp_values(estimator, len(devices), constraints):
+    for pp in _pp_values(ctx, len(devices), constraints):
         for mbs in sizes:
             index += 1
-            total = estimator.global_batch // mbs
+            total = ctx.global_batch // mbs
             dp = min(len(devices) // pp, total)
-            assignment = estimator.assign(by_speed, pp, dp, "stage-major")
+            structure = Structure(
+                pool="baseline",
+                strategy="stage-major",
+                pp=pp,
+                dp=dp,
+                assignment=ctx.assign(by_speed, pp, dp, "stage-major"),
+                micro_batch_size=mbs,
+            )
             try:
-                candidate = _metis_candidate(estimator, assignment, pp, dp, mbs, total)
+                candidate = builder.build(
+                    ctx,
+                    structure,
+                    "1f1b",
+                    split=split_rules.by_stage_capacity,
+                    memory=memory_rules.rebalanced_uniform_fit(_plain_options(dp)),
+                    micro_batches=builder.by_replica_speed(),
+                )
             except ValueError:
                 continue
             if candidate is not None:
                 scored.append((candidate.estimate_s, index, candidate))
-    return _finish(estimator, scored, constraints, placement=Placement.NAIVE)
-
-
-def _metis_candidate(
-    estimator: Estimator, assignment, pp: int, dp: int, mbs: int, total: int
-) -> Candidate | None:
-    cluster, model = estimator.cluster, estimator.model
-    name = [[cluster.devices[assignment[r][k]].type.name for k in range(pp)] for r in range(dp)]
-    speed = {t: 1.0 / estimator.table(t, mbs).total[-1] for row in name for t in row}
-    # Stage capacity: the sum of its members' speeds (Metis splits the data inside a stage by speed).
-    capacity = [sum(speed[name[r][k]] for r in range(dp)) for k in range(pp)]
-    split = list(balanced_split(model, capacity))
-    level = 1 if dp > 1 else 0
-    replica_speed = [1.0 / max(1.0 / speed[t] for t in row) for row in name]
-    micro_batches = distribute(total, replica_speed)
-    m = max(micro_batches)
-    caps = [min(estimator.capacity(assignment[r][k]) for r in range(dp)) for k in range(pp)]
-
-    def memory(k: int, option: MemoryOption) -> float:
-        start = sum(split[:k])
-        return max(
-            stage_memory(
-                estimator.table(t, mbs),
-                start,
-                start + split[k],
-                option=option,
-                dp=dp,
-                in_flight=min(pp - k, m),
-            )
-            for t in {name[r][k] for r in range(dp)}
-        )
-
-    for recompute in (False, True):
-        option = MemoryOption(level=level, recompute=recompute)
-        for _ in range(4 * model.num_layers):  # LayerLoadBalancer: move layers off memory-short stages
-            over = [k for k in range(pp) if memory(k, option) > caps[k]]
-            if not over:
-                break
-            k = over[0]
-            if split[k] <= 1:
-                break
-            room = [j for j in (k - 1, k + 1) if 0 <= j < pp and memory(j, option) < caps[j]]
-            if not room:
-                break
-            split[k] -= 1
-            split[max(room, key=lambda j: caps[j] - memory(j, option))] += 1
-        if all(memory(k, option) <= caps[k] for k in range(pp)):
-            break
-    else:
-        return None
-    structure = Structure(
-        pool="baseline", strategy="stage-major", pp=pp, dp=dp, assignment=assignment, micro_batch_size=mbs
-    )
-    signatures = estimator._signatures(structure)
-    options = (option,) * pp
-    estimate = estimator.estimate(structure, "1f1b", tuple(split), options, micro_batches, signatures)
-    return Candidate(
-        structure=structure,
-        family="1f1b",
-        micro_batches=micro_batches,
-        stage_layers=tuple(split),
-        options=options,
-        estimate_s=estimate,
-        dtype=estimator.dtype(assignment),
-    )
+    return _finish(ctx, scored, constraints, placement=Placement.NAIVE)

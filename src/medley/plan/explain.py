@@ -1,4 +1,5 @@
-"""Why the best plan wins (``medley plan --explain``), and why nothing fits when nothing does.
+"""Why the best plan wins (``medley plan --explain``); why nothing fits, when nothing does, is
+:mod:`medley.plan.shortfall`'s.
 
 :func:`explain` names the bottleneck device (the busiest), what limited memory (the device with
 the least headroom and the option its stage needed), and what each knob bought: the best plan is
@@ -9,19 +10,15 @@ step-time difference is reported. Every figure is a simulation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from medley.cost import formulas
 from medley.errors import MedleyInputError
-from medley.plan.bounds import MemoryOption, stage_memory
-from medley.plan.candidates import Estimator
-from medley.plan.compile import PlanLayout
-from medley.plan.inline import balanced_split
+from medley.plan.layout import PlanLayout
 from medley.plan.predict import predict
-from medley.plan.ranking import rank_plan
-from medley.plan.space import PP_CHOICES, Candidate, Structure
+from medley.plan.search import SearchResult
+from medley.plan.split_rules import uniform_split
 from medley.schedule.zero import Placement, StageZero
+from medley.sim.result import SimResult
 
 GB = 1e9
 # How the explanation names each ZeRO placement policy (the plan file writes the enum value).
@@ -82,7 +79,7 @@ def _option_text(zero: StageZero, recompute: bool) -> str:
     return level + (" with recomputation" if recompute else "")
 
 
-def _variants(layout: PlanLayout, result) -> list[tuple[str, str, str, PlanLayout]]:
+def _variants(layout: PlanLayout, result: SimResult) -> list[tuple[str, str, str, PlanLayout]]:
     """(knob, chosen, alternative, layout with that knob set back)."""
     out = []
     if layout.schedule != "1f1b":
@@ -102,7 +99,7 @@ def _variants(layout: PlanLayout, result) -> list[tuple[str, str, str, PlanLayou
             )
         )
     chain = layout.pp if layout.schedule != "interleaved" else layout.num_stages
-    even = balanced_split(layout.model, [1.0] * chain)
+    even = uniform_split(layout.model, chain)
     if even != layout.stage_layers:
         out.append(
             (
@@ -167,8 +164,8 @@ def _fold_rc(layout: PlanLayout) -> tuple[bool, ...]:
     return layout.recompute[: layout.pp] if layout.schedule == "interleaved" else layout.recompute
 
 
-def explain(search_result) -> Explanation:
-    """Explain ``search_result.best`` (a :class:`~medley.plan.search.SearchResult`)."""
+def explain(search_result: SearchResult) -> Explanation:
+    """Explain ``search_result.best``."""
     best = search_result.best
     layout, cluster, result = best.plan.layout, search_result.cluster, best.result
     busiest = max(result.devices, key=lambda r: (r.busy_fraction, -r.device))
@@ -219,116 +216,4 @@ def explain(search_result) -> Explanation:
         knobs=knobs,
         versus_baselines=versus,
         aggregate_fraction=best.tokens_per_s / search_result.aggregate_tokens_per_s,
-    )
-
-
-def _frugal_candidate(estimator: Estimator, devices: list[int], max_pp: int, mbs: int) -> Candidate:
-    """The least memory per device medley can offer on ``devices``: streamed ZeRO-3 (when
-    replicated) and recomputation everywhere, the smallest micro-batch, an even split, at the
-    pipeline depth whose estimated worst overshoot is smallest."""
-    model = estimator.model
-    order = sorted(devices, key=lambda d: (-estimator.cluster.devices[d].type.memory_bytes, d))
-    total = estimator.global_batch // mbs
-    best: tuple[float, int, Candidate] | None = None
-    for pp in (p for p in PP_CHOICES if p <= min(max_pp, len(devices), model.num_layers)):
-        dp = max(1, min(len(devices) // pp, total))
-        assignment = estimator.assign(order, pp, dp, "stage-major")
-        split = balanced_split(model, [1.0] * pp)
-        option = MemoryOption(level=3 if dp > 1 else 0, buckets=8, recompute=True)
-        counts = tuple(total // dp + (1 if r < total % dp else 0) for r in range(dp))
-        overshoot = max(
-            stage_memory(
-                estimator.table(estimator.cluster.devices[assignment[0][s]].type.name, mbs),
-                sum(split[:s]),
-                sum(split[: s + 1]),
-                option=option,
-                dp=dp,
-                in_flight=min(pp - s, max(counts)),
-            )
-            - estimator.capacity(assignment[0][s])
-            for s in range(pp)
-        )
-        structure = Structure(
-            pool="frugal", strategy="memory-first", pp=pp, dp=dp, assignment=assignment, micro_batch_size=mbs
-        )
-        candidate = Candidate(
-            structure=structure,
-            family="1f1b",
-            micro_batches=counts,
-            stage_layers=split,
-            options=(option,) * pp,
-            estimate_s=0.0,
-            dtype=estimator.dtype(assignment),
-        )
-        if best is None or overshoot < best[0]:
-            best = (overshoot, pp, candidate)
-    assert best is not None
-    return best[2]
-
-
-def shortfall_error(
-    estimator: Estimator,
-    ranked: Sequence,
-    pools: dict[str, list[int]],
-    constraints,
-    global_batch: int,
-    sizes: Sequence[int],
-) -> MedleyInputError:
-    """The error for "the model fits nowhere": the smallest shortfall, where, and what would close it."""
-    cluster, model = estimator.cluster, estimator.model
-    tried = list(ranked)
-    max_pp = constraints.max_pp or model.num_layers
-    frugal = _frugal_candidate(estimator, pools["all"], max_pp, min(sizes))
-    try:
-        tried.append(
-            rank_plan(
-                frugal,
-                frugal.layout(model, estimator.seq_len),
-                cluster,
-                estimator.cost,
-                constraints.memory_headroom,
-            )
-        )
-    except MedleyInputError:
-        pass
-    if not tried:
-        return MedleyInputError(f"{model.name}: no plan could be built on cluster '{cluster.name}'.")
-    closest = max(tried, key=lambda p: (p.min_headroom_gb, -tried.index(p)))
-    report = min(
-        closest.result.devices,
-        key=lambda r: (
-            cluster.devices[r.device].type.memory_bytes * (1 - constraints.memory_headroom)
-            - r.peak_memory_bytes,
-            r.device,
-        ),
-    )
-    device = cluster.devices[report.device]
-    short_gb = -closest.min_headroom_gb
-    lay = closest.plan.layout
-    hints = []
-    if constraints.max_pp is not None and constraints.max_pp < min(len(pools["all"]), model.num_layers):
-        hints.append(f"raise --max-pp above {constraints.max_pp} (more stages, fewer layers each)")
-    if constraints.memory_headroom > 0 and short_gb < device.type.memory_gb * constraints.memory_headroom:
-        hints.append(f"lower --memory-headroom (now {constraints.memory_headroom:.0%})")
-    if constraints.exclude_devices:
-        hints.append("stop excluding devices with --exclude-devices (more devices shard ZeRO state further)")
-    state_gb = 16.0 * formulas.total_params(model) / GB
-    total_gb = sum(cluster.devices[d].type.memory_gb for d in pools["all"])
-    hints.append(f"a shorter --seq-len than {estimator.seq_len} (activations grow with it)")
-    if state_gb > 0.5 * total_gb:
-        hints.append(
-            f"more or larger devices: weights, gradients and Adam state alone take {state_gb:,.0f} GB "
-            f"against {total_gb:,.0f} GB on the devices planned on"
-        )
-    else:
-        hints.append("devices with more memory for the first stages (they hold the most activations)")
-    levels = sorted({"streamed ZeRO-3" if z.streams else f"ZeRO-{z.level}" for z in lay.zero})
-    zero = " / ".join(levels)
-    return MedleyInputError(
-        f"{model.name} fits nowhere on cluster '{cluster.name}' at --global-batch {global_batch}, --seq-len "
-        f"{estimator.seq_len}: the closest plan (pp={lay.pp}, dp={lay.dp}, micro-batch size "
-        f"{lay.micro_batch_size}, {zero}, recompute {'on' if all(lay.recompute) else 'off'}) is "
-        f"{short_gb:.1f} GB short on device {report.device} ({device.type.name}, "
-        f"{device.type.memory_gb:g} GB, "
-        f"{constraints.memory_headroom:.0%} kept free). Knobs that would close it: " + "; ".join(hints) + "."
     )

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from medley.cost.interfaces import CostSource, Pass
 from medley.errors import MedleyInputError
-from medley.plan.compile import PlanLayout
+from medley.plan.layout import PlanLayout
+from medley.plan.split_rules import speed_split
 from medley.schedule.generators import generate
 from medley.schedule.zero import Placement, StageZero
 from medley.spec.cluster import Cluster
@@ -108,25 +109,6 @@ def _expand_split(model: ModelSpec, split: tuple[int, ...]) -> tuple[int, ...]:
     )
 
 
-def balanced_split(model: ModelSpec, stage_speed: list[float]) -> tuple[int, ...]:
-    """Layers per stage in proportion to each stage's speed (Metis-style), at least one each."""
-    stages = len(stage_speed)
-    if stages > model.num_layers:
-        raise MedleyInputError(
-            f"{stages} stages need at least {stages} layers; {model.name} has {model.num_layers}"
-        )
-    total_speed = sum(stage_speed)
-    ideal = [model.num_layers * s / total_speed for s in stage_speed]
-    split = [max(1, int(x)) for x in ideal]
-    while sum(split) < model.num_layers:
-        gaps = [ideal[i] - split[i] for i in range(stages)]
-        split[gaps.index(max(gaps))] += 1
-    while sum(split) > model.num_layers:
-        movable = [i for i in range(stages) if split[i] > 1]
-        split[max(movable, key=lambda i: split[i] - ideal[i])] -= 1
-    return tuple(split)
-
-
 def inline_layout(
     *,
     cluster: Cluster,
@@ -187,7 +169,7 @@ def inline_layout(
                 for t in types
             )
             speeds.append(1.0 / block_time)
-        layers = balanced_split(model, speeds)
+        layers = speed_split(model, speeds)
     else:
         layers = _expand_split(model, layers)
     if mirrored:

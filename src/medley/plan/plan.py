@@ -19,9 +19,10 @@ from pydantic import BaseModel, Field, ValidationError
 
 from medley.errors import MedleyInputError
 from medley.fileio import read_toml, write_atomically
-from medley.plan.compile import PlanLayout
+from medley.plan.layout import PlanLayout, build_schedules
 from medley.schedule.zero import Placement, StageZero
-from medley.spec.cluster import Cluster, cluster_from_dict
+from medley.spec.cluster import Cluster
+from medley.spec.cluster_load import cluster_from_dict
 from medley.spec.cluster_schema import STRICT, describe_validation_error, printable
 from medley.spec.limits import MAX_BLOCKS, MAX_MICRO_BATCHES, MAX_SIZE, MAX_WINDOWS, check_sim_work
 from medley.spec.model import PRESETS, ModelSpec, model_from_dict
@@ -225,8 +226,6 @@ def _layout_from_spec(spec: _LayoutSpec, model: ModelSpec, cluster: Cluster, sou
         knobs=dict(spec.knobs),
         clip_grad=spec.clip_grad,
     )
-    from medley.plan.compile import build_schedules
-
     try:
         build_schedules(layout)
     except MedleyInputError as err:

@@ -8,7 +8,8 @@ from __future__ import annotations
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass
 from medley.errors import MedleyInputError
-from medley.plan.compile import PlanLayout, compile_problem
+from medley.plan.compile import compile_problem
+from medley.plan.layout import PlanLayout
 from medley.plan.plan import Prediction
 from medley.schedule.validate import ScheduleError, validate
 from medley.sim.engine import simulate

@@ -7,27 +7,24 @@ show.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
-
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from typing import Any, Literal
 
 from medley.cost.interfaces import CostSource
 from medley.plan.bounds import memory_options
-from medley.plan.compile import PlanLayout
+from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan, Prediction
 from medley.plan.predict import predict
-from medley.plan.space import Candidate
+from medley.plan.space import Candidate, Constraints
 from medley.schedule.zero import Placement
 from medley.sim.result import SimResult
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
-if TYPE_CHECKING:
-    from medley.plan.search import Constraints
-
 Objective = Literal["throughput", "cost"]
+Progress = Callable[[str, int, int], None]
+"""Told (phase, items done, items in the phase) as the search goes; presentation is the caller's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +80,8 @@ def objective_key(plan: RankedPlan, objective: Objective) -> float:
 
 
 def repair(plan: RankedPlan, headroom: float) -> Candidate | None:
+    """The candidate with each overflowing rank's stages one step up the memory ladder, or None
+    when none can go further."""
     candidate, layout, cluster = plan.candidate, plan.plan.layout, plan.plan.cluster
     over_ranks = {
         report.rank
@@ -101,43 +100,30 @@ def repair(plan: RankedPlan, headroom: float) -> Candidate | None:
     return replace(candidate, options=tuple(options), estimate_s=float("nan"))
 
 
-class progress_bar:
-    """A rich progress bar on stderr when asked for (and a no-op otherwise)."""
-
-    def __init__(self, enabled: bool, label: str, total: int) -> None:
-        self.enabled, self.label, self.total = enabled, label, total
-        self._bar: Progress | None = None
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda: None
-        self._bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
-        self._bar.__enter__()
-        task = self._bar.add_task(self.label, total=self.total)
-        bar = self._bar
-        return lambda: bar.advance(task)
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.__exit__(*exc)
-
-
 SIMULATION_WORK = 60_000
 """Most stage-micro-batches (micro-batches x pipeline stages, summed over replicas) simulated per
 search beyond the first candidate: the simulator runs a few thousand per second, so this keeps a
 search on a 1,024-device cluster to a few exact simulations and a small cluster to many."""
 
 
+SMALL_CLUSTER = 64
+"""Clusters up to this many devices simulate each candidate in well under a second."""
+SIMULATED_SMALL = 24
+SIMULATED_LARGE = 12
+"""Least candidates simulated exactly on a small (large) cluster: enough that every device pool
+and family among the best estimates gets a simulation, since the analytic estimate orders close
+candidates wrongly by a few percent (the simulator decides)."""
+SIMULATED_PER_SHOWN_SMALL = 3
+SIMULATED_PER_SHOWN_LARGE = 2
+"""Candidates simulated per plan shown (``--top``): each shown plan needs a few runners-up for its
+rank to mean something; fewer on large clusters, whose simulations cost more."""
+
+
 def simulation_budget(num_devices: int, top: int) -> int:
     """How many candidates at most get an exact simulation."""
-    return max(24, 3 * top) if num_devices <= 64 else max(12, 2 * top)
+    if num_devices <= SMALL_CLUSTER:
+        return max(SIMULATED_SMALL, SIMULATED_PER_SHOWN_SMALL * top)
+    return max(SIMULATED_LARGE, SIMULATED_PER_SHOWN_LARGE * top)
 
 
 def simulation_work(candidate: Candidate) -> int:
@@ -148,7 +134,7 @@ def choose(candidates: list[tuple[float, int, Candidate]], budget: int) -> list[
     """The best by estimate while the count and the simulation work allow (always at least one),
     then the best of every device pool that still fits the work budget (so single-type plans are
     simulated too), without duplicates."""
-    chosen: dict[tuple, Candidate] = {}
+    chosen: dict[tuple[Any, ...], Candidate] = {}
     work = 0
     for _, _, candidate in candidates:
         cost = simulation_work(candidate)
@@ -169,33 +155,33 @@ def choose(candidates: list[tuple[float, int, Candidate]], budget: int) -> list[
 
 def simulate_all(
     chosen: list[Candidate], model: ModelSpec, seq_len: int, cluster: Cluster, cost: CostSource,
-    constraints: Constraints, progress: bool,
+    constraints: Constraints, progress: Progress | None = None,
 ) -> list[RankedPlan]:
     """Simulate each candidate; one that overflows memory gets its overflowing stages' memory
     option raised one step (streamed ZeRO-3, then recomputation) and is simulated once more."""
     ranked = []
-    with progress_bar(progress, "simulating candidates", len(chosen)) as advance:
-        for candidate in chosen:
-            advance()
-            try:
-                plan = rank_plan(
-                    candidate, candidate.layout(model, seq_len), cluster, cost, constraints.memory_headroom
-                )
-                ranked.append(plan)
-                if not plan.fits:
-                    repaired = repair(plan, constraints.memory_headroom)
-                    if repaired is not None:
-                        ranked.append(
-                            rank_plan(
-                                repaired,
-                                repaired.layout(model, seq_len),
-                                cluster,
-                                cost,
-                                constraints.memory_headroom,
-                            )
+    for done, candidate in enumerate(chosen, start=1):
+        if progress is not None:
+            progress("simulating candidates", done, len(chosen))
+        try:
+            plan = rank_plan(
+                candidate, candidate.layout(model, seq_len), cluster, cost, constraints.memory_headroom
+            )
+            ranked.append(plan)
+            if not plan.fits:
+                repaired = repair(plan, constraints.memory_headroom)
+                if repaired is not None:
+                    ranked.append(
+                        rank_plan(
+                            repaired,
+                            repaired.layout(model, seq_len),
+                            cluster,
+                            cost,
+                            constraints.memory_headroom,
                         )
-            except ValueError:  # MedleyInputError included: a layout the compiler rejects
-                continue
+                    )
+        except ValueError:  # MedleyInputError included: a layout the compiler rejects
+            continue
     return ranked
 
 

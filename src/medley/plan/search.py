@@ -19,45 +19,36 @@ from dataclasses import dataclass, field
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
 from medley.errors import MedleyInputError
+from medley.plan.baselines import run_baselines
 from medley.plan.bounds import aggregate_bound
 from medley.plan.candidates import Estimator
 from medley.plan.ranking import (
     Objective,
+    Progress,
     RankedPlan,
     best_placement,
     choose,
     objective_key,
-    progress_bar,
     simulate_all,
     simulation_budget,
 )
-from medley.plan.space import MICRO_BATCH_SIZES, Candidate, Structure
+from medley.plan.shortfall import shortfall_error
+from medley.plan.space import MICRO_BATCH_SIZES, SEARCHED_FAMILIES, Candidate, Constraints, Structure
 from medley.spec.cluster import Cluster
 from medley.spec.limits import MAX_MICRO_BATCHES, MAX_PLAN_DEVICES
 from medley.spec.model import ModelSpec
 
-SEARCHED_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b", "gpipe")
-DEFAULT_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b")
 INTERLEAVE_DEPTHS = (2, 4)
 
-
-@dataclass(frozen=True, kw_only=True)
-class Constraints:
-    """Limits on the search.
-
-    Attributes:
-        max_pp: most pipeline ranks per replica (None: up to the layer count).
-        schedules: schedule families to consider (subset of ``SEARCHED_FAMILIES``).
-        memory_headroom: fraction of each device's memory left free (fragmentation, CUDA context).
-        exclude_devices: device ids left out of every plan.
-        micro_batch_sizes: sizes to consider (None: 1, 2, 4, 8, 16).
-    """
-
-    max_pp: int | None = None
-    schedules: tuple[str, ...] = DEFAULT_FAMILIES
-    memory_headroom: float = 0.05
-    exclude_devices: tuple[int, ...] = ()
-    micro_batch_sizes: tuple[int, ...] | None = None
+# Pruning of the 1F1B estimates (see :func:`_estimate`). A structure's bound is a lower estimate of
+# its step, so one whose bound cannot beat the ESTIMATE_RIVALS-th best estimate so far is skipped
+# once its device pool already has POOL_ESTIMATES estimates (every pool keeps a few, so that
+# single-type plans and baselines are compared on the same footing). Of the estimates, the
+# EXPANDED_STRUCTURES best, and at least POOL_ESTIMATES per pool, are expanded into every family:
+# the analytic estimate is a few percent off, so near-best structures are kept, not just the best.
+ESTIMATE_RIVALS = 6
+POOL_ESTIMATES = 2
+EXPANDED_STRUCTURES = 12
 
 
 @dataclass(kw_only=True)
@@ -179,14 +170,15 @@ def search(
     top: int = 5,
     constraints: Constraints | None = None,
     baselines: bool = True,
-    progress: bool = False,
+    progress: Progress | None = None,
     simulate: int | None = None,
 ) -> SearchResult:
     """Plan ``model`` on ``cluster`` for ``global_batch`` sequences of ``seq_len`` tokens per step.
 
     Returns the ``top`` memory-feasible plans ranked by simulated throughput (or cost per token),
     the baselines' simulated figures and the aggregate bound. Raises :class:`MedleyInputError`
-    naming the smallest memory shortfall when nothing fits.
+    naming the smallest memory shortfall when nothing fits. ``progress`` is told how far the
+    estimates and the simulations are (a progress bar is the caller's to draw).
     """
     constraints = constraints or Constraints()
     devices = _check_inputs(cluster, model, global_batch, seq_len, constraints, objective)
@@ -212,8 +204,6 @@ def search(
     )
     feasible = best_placement(feasible, top, cluster, cost, constraints, objective)
     if not feasible:
-        from medley.plan.explain import shortfall_error
-
         raise shortfall_error(estimator, ranked, pools, constraints, global_batch, sizes)
     singles = [
         p
@@ -239,8 +229,6 @@ def search(
         best_single_type=singles[0] if singles else None,
     )
     if baselines:
-        from medley.plan.baselines import run_baselines
-
         result.baselines = run_baselines(estimator, devices, sizes, constraints)
     return result
 
@@ -274,10 +262,10 @@ def _usable_sizes(estimator: Estimator, devices: Sequence[int], constraints: Con
     return tuple(usable)
 
 
-def family_variants(families: Sequence[str]) -> list[tuple[str, dict]]:
+def family_variants(families: Sequence[str]) -> list[tuple[str, dict[str, int]]]:
     """Each allowed family with each value of its searched integer knob: interleaved's chunks
     per rank (2 or 4); hetero-1f1b's warm-up depths follow from the links (see candidates)."""
-    out: list[tuple[str, dict]] = []
+    out: list[tuple[str, dict[str, int]]] = []
     for family in families:
         if family == "interleaved":
             out += [(family, {"virtual_stages": v}) for v in INTERLEAVE_DEPTHS]
@@ -314,11 +302,11 @@ def structure_bound(estimator: Estimator, st: Structure) -> float:
 
 
 def _estimate(
-    estimator: Estimator, structures: list[Structure], families: Sequence[str], progress: bool
+    estimator: Estimator, structures: list[Structure], families: Sequence[str], progress: Progress | None
 ) -> list[tuple[float, int, Candidate]]:
     """1F1B estimate of the structures in order of their bound (skipping those whose bound cannot
-    beat the 6th best estimate once their pool has two), then the allowed families of the most
-    promising ones."""
+    beat the ESTIMATE_RIVALS-th best estimate once their pool has POOL_ESTIMATES), then the allowed
+    families of the EXPANDED_STRUCTURES most promising ones (and of POOL_ESTIMATES per pool)."""
     bounded = []
     for index, st in enumerate(structures):
         try:
@@ -328,27 +316,31 @@ def _estimate(
     bounded.sort(key=lambda x: (x[0], x[1]))
     base: list[tuple[float, int, Candidate]] = []
     per_pool: dict[str, int] = {}
-    with progress_bar(progress, "estimating structures", len(bounded)) as advance:
-        for bound, index, st in bounded:
-            advance()
-            estimates = sorted(e for e, _, _ in base)
-            if bound == float("inf"):
-                continue
-            if len(estimates) >= 6 and bound >= estimates[5] and per_pool.get(st.pool, 0) >= 2:
-                continue
-            try:
-                candidate = estimator.candidate(st, "1f1b")
-            except ValueError:
-                continue
-            if candidate is not None:
-                base.append((candidate.estimate_s, index, candidate))
-                per_pool[st.pool] = per_pool.get(st.pool, 0) + 1
+    for done, (bound, index, st) in enumerate(bounded, start=1):
+        if progress is not None:
+            progress("estimating structures", done, len(bounded))
+        estimates = sorted(e for e, _, _ in base)
+        if bound == float("inf"):
+            continue
+        if (
+            len(estimates) >= ESTIMATE_RIVALS
+            and bound >= estimates[ESTIMATE_RIVALS - 1]
+            and per_pool.get(st.pool, 0) >= POOL_ESTIMATES
+        ):
+            continue
+        try:
+            candidate = estimator.candidate(st, "1f1b")
+        except ValueError:
+            continue
+        if candidate is not None:
+            base.append((candidate.estimate_s, index, candidate))
+            per_pool[st.pool] = per_pool.get(st.pool, 0) + 1
     base.sort(key=lambda x: (x[0], x[1]))
     keep: dict[int, Candidate] = {}
     kept_per_pool: dict[str, int] = {}
     for _, index, candidate in base:
         pool = candidate.structure.pool
-        if len(keep) < 12 or kept_per_pool.get(pool, 0) < 2:
+        if len(keep) < EXPANDED_STRUCTURES or kept_per_pool.get(pool, 0) < POOL_ESTIMATES:
             keep[index] = candidate
             kept_per_pool[pool] = kept_per_pool.get(pool, 0) + 1
     out: list[tuple[float, int, Candidate]] = []

@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from medley.plan.bounds import MemoryOption
-from medley.plan.compile import PlanLayout
+from medley.plan.layout import PlanLayout
 from medley.schedule.zero import Placement, StageZero
 from medley.spec.model import ModelSpec
 
@@ -21,6 +22,27 @@ PP_CHOICES_LARGE = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 LARGE_POOL = 128
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 STRATEGIES = ("stage-major", "memory-first", "replica-major")
+SEARCHED_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b", "gpipe")
+DEFAULT_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constraints:
+    """Limits on the search.
+
+    Attributes:
+        max_pp: most pipeline ranks per replica (None: up to the layer count).
+        schedules: schedule families to consider (subset of ``SEARCHED_FAMILIES``).
+        memory_headroom: fraction of each device's memory left free (fragmentation, CUDA context).
+        exclude_devices: device ids left out of every plan.
+        micro_batch_sizes: sizes to consider (None: 1, 2, 4, 8, 16).
+    """
+
+    max_pp: int | None = None
+    schedules: tuple[str, ...] = DEFAULT_FAMILIES
+    memory_headroom: float = 0.05
+    exclude_devices: tuple[int, ...] = ()
+    micro_batch_sizes: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +63,7 @@ class Candidate:
 
     structure: Structure
     family: str
-    knobs: dict = field(default_factory=dict)
+    knobs: dict[str, Any] = field(default_factory=dict)
     micro_batches: tuple[int, ...]
     stage_layers: tuple[int, ...]
     options: tuple[MemoryOption, ...]
@@ -78,7 +100,8 @@ class Candidate:
         )
 
     @property
-    def key(self) -> tuple:
+    def key(self) -> tuple[Any, ...]:
+        """What makes two candidates the same plan (the estimate and the pool do not)."""
         st = self.structure
         return (
             st.assignment,

@@ -30,7 +30,8 @@ import tomli_w
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.profiles import Profile, ProfileCostSource
 from medley.spec.catalog import get_device_type, load_catalog
-from medley.spec.cluster import Cluster, cluster_from_dict
+from medley.spec.cluster import Cluster
+from medley.spec.cluster_load import cluster_from_dict
 from medley.spec.model import ModelSpec
 
 

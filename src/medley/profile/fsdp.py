@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from medley.profile.layers import _build, _inputs, _now  # noqa: PLC2701 - the same layer builders
+from medley.profile.layer_build import build_layer, layer_inputs, now
 from medley.profile.memory import quiet_median
 from medley.spec.model import ModelSpec
 
@@ -34,19 +34,19 @@ def measure_fsdp(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len:
 def _measure(model: ModelSpec, kind: str, micro_batch_size: int, seq_len: int, dtype: torch.dtype,
              warmup: int, runs: int) -> tuple[float, float]:
     device = torch.device("cpu")
-    layer = _build(model, kind, dtype, device)
+    layer = build_layer(model, kind, dtype, device)
     unit = fully_shard(layer.module, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=False)
     unit.set_requires_gradient_sync(False)
     unit.set_reshard_after_backward(False)
-    x, targets = _inputs(model, kind, micro_batch_size, seq_len, dtype, device)
+    x, targets = layer_inputs(model, kind, micro_batch_size, seq_len, dtype, device)
     forward, backward = [], []
     for i in range(warmup + runs):
         inp = x if kind == "embedding" else x.detach().requires_grad_(True)
-        t0 = _now(device)
+        t0 = now(device)
         out = layer.forward(inp, targets)
-        t1 = _now(device)
+        t1 = now(device)
         torch.autograd.backward([out], None if kind == "head" else [torch.ones_like(out)])
-        t2 = _now(device)
+        t2 = now(device)
         if i >= warmup:
             forward.append(t1 - t0)
             backward.append(t2 - t1)

@@ -17,7 +17,8 @@ from medley.cost.profiles import Profile, load_profile, save_profile
 from medley.profile.fidelity import FidelityCase, FidelityResult, run_case
 from medley.profile.report import machine, write_report
 from medley.profile.run import run_profile
-from medley.spec.model import ModelSpec, get_model
+from medley.spec.model import ModelSpec
+from medley.spec.model_arg import get_model
 
 # A "small" LLaMA-style model: ~10x the tiny preset's compute per block, still seconds per run on CPU.
 SMALL = ModelSpec(name="small", vocab_size=256, hidden_size=256, num_blocks=4, num_heads=8, num_kv_heads=4,

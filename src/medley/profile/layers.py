@@ -16,70 +16,20 @@ backward, and what is still alive between B and W.
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from scipy.optimize import nnls
-from torch import nn
 
 from medley.cost.profiles import LayerMeasurement, OptimizerProfile
+from medley.profile.layer_build import ProfiledLayer, build_layer, layer_inputs, now
 from medley.profile.memory import allocated_bytes, quiet_median
-from medley.runtime.model import Block, Embedding, Head, init_layer, token_loss_sum
 from medley.runtime.torch_adapter import backward_input, backward_weight
 from medley.spec.model import ModelSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Layer:
-    """A layer module with its way of running one forward from an input."""
-
-    kind: str
-    module: nn.Module
-    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _build(model: ModelSpec, kind: str, dtype: torch.dtype, device: torch.device) -> _Layer:
-    if kind == "embedding":
-        module: nn.Module = Embedding(model)
-        init_layer(module, 0, 0, model.num_blocks)
-        return _Layer(kind=kind, module=module.to(device, dtype), forward=lambda x, _t: module(x))
-    if kind == "block":
-        module = Block(model)
-        init_layer(module, 0, 1, model.num_blocks)
-        return _Layer(kind=kind, module=module.to(device, dtype), forward=lambda x, _t: module(x))
-    head = Head(model)
-    init_layer(head, 0, model.num_layers - 1, model.num_blocks)
-    tied = nn.Parameter(torch.randn(model.vocab_size, model.hidden_size) * 0.02) if head.out is None else None
-    head = head.to(device, dtype)
-    if tied is not None:
-        tied = nn.Parameter(tied.to(device, dtype))
-        head.register_parameter("tied_weight", tied)
-
-    def forward(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(head(x, tied), targets) / targets.numel()
-
-    return _Layer(kind=kind, module=head, forward=forward)
-
-
-def _inputs(model: ModelSpec, kind: str, mbs: int, seq: int, dtype: torch.dtype,
-            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(mbs * 7919 + seq)
-    targets = torch.randint(0, model.vocab_size, (mbs, seq), generator=gen).to(device)
-    if kind == "embedding":
-        return torch.randint(0, model.vocab_size, (mbs, seq), generator=gen).to(device), targets
-    x = torch.randn(mbs, seq, model.hidden_size, generator=gen).to(device, dtype)
-    return x, targets
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def _memory(device: torch.device) -> int:
@@ -98,42 +48,42 @@ class _Run:
     activation_after_b_bytes: float
 
 
-def _split_run(layer: _Layer, x: torch.Tensor, targets: torch.Tensor, device: torch.device) -> _Run:
+def _split_run(layer: ProfiledLayer, x: torch.Tensor, targets: torch.Tensor, device: torch.device) -> _Run:
     """One F, then B, then W, timed and with the live bytes after F and after B."""
     weights = list(layer.module.parameters())
     layer.module.zero_grad(set_to_none=False)  # gradients exist, as they do after the first step
     inp = x if layer.kind == "embedding" else x.detach().requires_grad_(True)
     base = _memory(device)
-    t0 = _now(device)
+    t0 = now(device)
     out = layer.forward(inp, targets)
-    t1 = _now(device)
+    t1 = now(device)
     after_f = _memory(device)
     grad = None if layer.kind == "head" else torch.ones_like(out)
     held = _memory(device) - after_f  # the output gradient, which arrives from the next stage
-    t2 = _now(device)
+    t2 = now(device)
     if layer.kind == "embedding":
         state = None  # token ids carry no gradient: everything happens at W
     else:
         dinputs, state = backward_input([out], None if grad is None else [grad], [inp], weights)
-    t3 = _now(device)
+    t3 = now(device)
     if state is not None:  # the input gradient leaves for the previous stage
         inp.grad = None
         del dinputs
     after_b = _memory(device) - held
     del grad
-    t4 = _now(device)
+    t4 = now(device)
     if state is None:
         torch.autograd.backward([out], [torch.ones_like(out)])
     else:
         backward_weight(weights, state)
-    t5 = _now(device)
+    t5 = now(device)
     del out, state
     return _Run(forward_s=t1 - t0, backward_input_s=t3 - t2, backward_weight_s=t5 - t4,
                 activation_bytes=max(0.0, after_f - base),
                 activation_after_b_bytes=max(0.0, after_b - base))
 
 
-def _backward_workspace(layer: _Layer, x: torch.Tensor, targets: torch.Tensor) -> float:
+def _backward_workspace(layer: ProfiledLayer, x: torch.Tensor, targets: torch.Tensor) -> float:
     """Peak live bytes during F and the fused backward beyond what F leaves alive (temporaries and
     gradients of intermediates), the way the runtime's CPU probe (medley.runtime.memory) counts them."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -154,21 +104,21 @@ def _backward_workspace(layer: _Layer, x: torch.Tensor, targets: torch.Tensor) -
     return max(0.0, total(peak) - total(after_forward))
 
 
-def _fused_run(layer: _Layer, x: torch.Tensor, targets: torch.Tensor, device: torch.device) -> float:
+def _fused_run(layer: ProfiledLayer, x: torch.Tensor, targets: torch.Tensor, device: torch.device) -> float:
     inp = x if layer.kind == "embedding" else x.detach().requires_grad_(True)
     out = layer.forward(inp, targets)
     grad = None if layer.kind == "head" else torch.ones_like(out)
-    t0 = _now(device)
+    t0 = now(device)
     torch.autograd.backward([out], None if grad is None else [grad])
-    return _now(device) - t0
+    return now(device) - t0
 
 
 def measure_layer(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len: int, dtype: str = "fp32",
                   device: str = "cpu", warmup: int = 2, runs: int = 5) -> LayerMeasurement:
     """Medians of ``runs`` repetitions of one layer kind at one shape."""
     dev = torch.device(device)
-    layer = _build(model, kind, TORCH_DTYPES[dtype], dev)
-    x, targets = _inputs(model, kind, micro_batch_size, seq_len, TORCH_DTYPES[dtype], dev)
+    layer = build_layer(model, kind, TORCH_DTYPES[dtype], dev)
+    x, targets = layer_inputs(model, kind, micro_batch_size, seq_len, TORCH_DTYPES[dtype], dev)
     for _ in range(warmup):
         _split_run(layer, x, targets, dev)
         _fused_run(layer, x, targets, dev)
@@ -223,16 +173,16 @@ def profile_optimizer(model: ModelSpec, *, dtype: str = "fp32", device: str = "c
     points: list[tuple[int, float]] = []
     try:
         for kind in ("embedding", "block", "head"):
-            params = list(_build(model, kind, TORCH_DTYPES[dtype], dev).module.parameters())
+            params = list(build_layer(model, kind, TORCH_DTYPES[dtype], dev).module.parameters())
             for param in params:
                 param.grad = torch.randn_like(param) * 1e-3
             optimizer = torch.optim.AdamW(params, lr=1e-4)
             samples = []
             for i in range(warmup + runs):
-                t0 = _now(dev)
+                t0 = now(dev)
                 optimizer.step()
                 if i >= warmup:
-                    samples.append(_now(dev) - t0)
+                    samples.append(now(dev) - t0)
             points.append((sum(p.numel() for p in params), quiet_median(samples)))
     finally:
         torch.set_num_threads(previous)

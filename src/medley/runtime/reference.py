@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from medley.plan.compile import PlanLayout
+from medley.plan.layout import PlanLayout
 from medley.runtime.data import DataSource
 from medley.runtime.hf_weights import load_hf_weights
 from medley.runtime.model import Decoder, token_loss_sum

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from medley.errors import MedleyInputError
-from medley.plan.compile import build_schedules
+from medley.plan.layout import build_schedules
 from medley.plan.plan import Plan
 from medley.runtime import placement
 from medley.runtime.executor import RankExecutor, with_default_collectives

@@ -1,23 +1,15 @@
 """A concrete cluster: devices with global ids, nodes, intra-node links and network tiers.
 
-Read from TOML (:func:`load_cluster`, format in docs/cluster-format.md) or from a short form
-(:func:`parse_cluster_arg`). Tiers are ordered innermost first; two nodes talk over the first tier
+Read (:mod:`medley.spec.cluster_load`) from TOML (format in docs/cluster-format.md) or from a short form
+like ``8xA100-80GB``. Tiers are ordered innermost first; two nodes talk over the first tier
 whose group holds both, at the slowest bandwidth of the tiers up to and including that one.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from pydantic import ValidationError
-
-from medley.errors import MedleyInputError
-from medley.fileio import read_toml
-from medley.spec.catalog import DeviceType, load_catalog
-from medley.spec.cluster_schema import ClusterFile, describe_validation_error, printable
-from medley.spec.limits import MAX_DEVICES
+from medley.spec.catalog import DeviceType
 
 DEFAULT_LINK_LATENCY_US = {"nvlink": 2.0, "pcie": 5.0}
 # Short-form clusters with several nodes ("4xA100-80GB+4xV100-32GB") use a 100 Gb/s network.
@@ -124,83 +116,3 @@ class Cluster:
 
     def total_memory_gb(self) -> float:
         return sum(d.type.memory_gb for d in self.devices)
-
-
-def load_cluster(path: Path, catalog: dict[str, DeviceType] | None = None) -> Cluster:
-    """Read and validate a cluster TOML file; every problem is a :class:`MedleyInputError`."""
-    path = Path(path)
-    raw = read_toml(path, what="cluster")
-    try:
-        spec = ClusterFile.model_validate(raw)
-    except ValidationError as err:
-        raise MedleyInputError(describe_validation_error(err, str(path))) from None
-    from medley.spec.cluster_build import build_cluster
-
-    if spec.catalog is not None:
-        catalog = load_catalog(path.parent / spec.catalog)
-        spec = spec.model_copy(update={"catalog": str((path.parent / spec.catalog).resolve())})
-    return build_cluster(spec, source=str(path), catalog=catalog or load_catalog())
-
-
-def cluster_from_dict(raw: dict, *, source: str) -> Cluster:
-    """A cluster from already-parsed TOML contents (a plan file's ``[cluster]`` table)."""
-    try:
-        spec = ClusterFile.model_validate(raw)
-    except ValidationError as err:
-        raise MedleyInputError(describe_validation_error(err, source)) from None
-    from medley.spec.cluster_build import build_cluster
-
-    catalog = load_catalog(Path(spec.catalog)) if spec.catalog is not None else load_catalog()
-    return build_cluster(spec, source=source, catalog=catalog)
-
-
-def _short_count(digits: str) -> int:
-    """A short form's device count, checked against the limit before any device is built (a count
-    too long to convert stands for "over the limit")."""
-    return int(digits) if len(digits) <= len(str(MAX_DEVICES)) else MAX_DEVICES + 1
-
-
-_SHORT_FORM = re.compile(r"^\s*(\d+)\s*[xX*]\s*([A-Za-z0-9_.\-]+)\s*$")
-
-
-def parse_cluster_arg(text: str, catalog: dict[str, DeviceType] | None = None) -> Cluster:
-    """A cluster TOML path, or a short form: ``8xA100-80GB`` (one node) or
-    ``4xA100-80GB+4xV100-32GB`` (one node per term, joined by a 100 Gb/s, 10 µs network)."""
-    path = Path(text)
-    if path.suffix == ".toml" or path.exists():
-        return load_cluster(path, catalog)
-    terms = [m for m in (_SHORT_FORM.match(term) for term in text.split("+")) if m]
-    if len(terms) != len(text.split("+")):
-        raise MedleyInputError(
-            f"cluster '{printable(text)}': not a file and not of the form COUNTxTYPE[+COUNTxTYPE...] "
-            f"(e.g. 8xA100-80GB+4xT4-16GB); give a cluster TOML path or fix the form."
-        )
-    counts = [_short_count(m[1]) for m in terms]
-    if sum(counts) > MAX_DEVICES:
-        raise MedleyInputError(
-            f"cluster '{printable(text)}': {'+'.join(m[1] for m in terms)} devices; the limit is "
-            f"{MAX_DEVICES:,} devices per cluster: use fewer."
-        )
-    raw = {
-        "name": text,
-        "nodes": [
-            {"name": f"node{i}", "device": m[2], "count": n}
-            for i, (m, n) in enumerate(zip(terms, counts, strict=True))
-        ],
-        "tiers": [
-            {
-                "name": "network",
-                "bandwidth_gbps": DEFAULT_NETWORK_GBPS,
-                "latency_us": DEFAULT_NETWORK_LATENCY_US,
-            }
-        ]
-        if len(terms) > 1
-        else [],
-    }
-    from medley.spec.cluster_build import build_cluster
-
-    try:
-        spec = ClusterFile.model_validate(raw)
-    except ValidationError as err:
-        raise MedleyInputError(describe_validation_error(err, f"cluster '{printable(text)}'")) from None
-    return build_cluster(spec, source=f"cluster '{printable(text)}'", catalog=catalog or load_catalog())

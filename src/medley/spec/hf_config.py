@@ -12,6 +12,8 @@ positions) must be given.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from medley.errors import MedleyInputError
@@ -282,3 +284,16 @@ def hf_dict_from_spec(spec: ModelSpec) -> dict[str, Any]:
         window = spec.sliding_window is not None
         cfg.update(use_sliding_window=window, sliding_window=spec.sliding_window, max_window_layers=0)
     return cfg
+
+
+def load_hf_config(path: Path) -> ModelSpec:
+    """Read a Hugging Face ``config.json`` (LLaMA, Mistral, GPT-2, OPT, GPT-Neo families)."""
+    try:
+        cfg = json.loads(path.read_text())
+    except OSError as err:
+        raise MedleyInputError(f"{path}: cannot read the model config ({err.strerror}).") from None
+    except json.JSONDecodeError as err:
+        raise MedleyInputError(f"{path}: malformed JSON ({err}); fix the syntax.") from None
+    if not isinstance(cfg, dict):
+        raise MedleyInputError(f"{path}: expected a JSON object of Hugging Face config fields.")
+    return spec_from_hf_dict(cfg, source=str(path))

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError, create_model
@@ -260,34 +258,3 @@ def model_from_dict(raw: Any, *, source: str, doc: str) -> ModelSpec:
         return ModelSpec(**fields.model_dump())
     except MedleyInputError as err:
         raise MedleyInputError(f"{source}: {err}") from None
-
-
-def get_model(name_or_path: str) -> ModelSpec:
-    """A preset by name (case-insensitive) or a model read from a local HF ``config.json``."""
-    preset = PRESETS.get(name_or_path.strip().lower())
-    if preset is not None:
-        return preset
-    path = Path(name_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.suffix == ".json" or path.exists():
-        return load_hf_config(path)
-    raise MedleyInputError(
-        f"unknown model '{name_or_path}': give a preset ({', '.join(PRESETS)}) or the "
-        f"path of a Hugging Face config.json."
-    )
-
-
-def load_hf_config(path: Path) -> ModelSpec:
-    """Read a Hugging Face ``config.json`` (LLaMA, Mistral, GPT-2, OPT, GPT-Neo families)."""
-    try:
-        cfg = json.loads(path.read_text())
-    except OSError as err:
-        raise MedleyInputError(f"{path}: cannot read the model config ({err.strerror}).") from None
-    except json.JSONDecodeError as err:
-        raise MedleyInputError(f"{path}: malformed JSON ({err}); fix the syntax.") from None
-    if not isinstance(cfg, dict):
-        raise MedleyInputError(f"{path}: expected a JSON object of Hugging Face config fields.")
-    from medley.spec.hf_config import spec_from_hf_dict
-
-    return spec_from_hf_dict(cfg, source=str(path))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from medley.schedule.generators.classic import _check_sizes
+from medley.schedule.generators.classic import check_sizes
 from medley.schedule.generators.list_scheduler import check_costs, check_limits, list_schedule
 from medley.schedule.ir import PipelineSchedule, v_stage_to_rank
 
@@ -39,7 +39,7 @@ def bidirectional(
     ``stage_costs`` has one (F, B, W) triple per model part (p) or per global stage (2p).
     ``memory_limit[r]`` caps the micro-batches (of one stage) rank r holds over both directions.
     """
-    _check_sizes(pp, micro_batches)
+    check_sizes(pp, micro_batches)
     down = (micro_batches + 1) // 2 if down_micro_batches is None else int(down_micro_batches)
     if not 0 <= down <= micro_batches:
         raise ValueError(f"down_micro_batches must be in 0..{micro_batches}, got {down}")

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from medley.schedule.ir import BW, Action, F, PipelineSchedule, loop_stage_to_rank
 
 
-def _check_sizes(pp: int, micro_batches: int) -> None:
+def check_sizes(pp: int, micro_batches: int) -> None:
     if pp < 1:
         raise ValueError(f"pp must be >= 1, got {pp}")
     if micro_batches < 1:
@@ -20,7 +20,7 @@ def _check_sizes(pp: int, micro_batches: int) -> None:
 
 def gpipe(*, pp: int, micro_batches: int) -> PipelineSchedule:
     """Fill-drain: every forward, then every backward; stage s holds all m micro-batches."""
-    _check_sizes(pp, micro_batches)
+    check_sizes(pp, micro_batches)
     mbs = range(micro_batches)
     actions = [[F(s, i) for i in mbs] + [BW(s, i) for i in mbs] for s in range(pp)]
     return PipelineSchedule(
@@ -42,7 +42,7 @@ def _one_f_one_b_row(stage: int, depth: int, micro_batches: int) -> list[Action]
 def one_f_one_b(*, pp: int, micro_batches: int) -> PipelineSchedule:
     """PipeDream-flush / DAPPLE: stage s runs p-s forwards before its first backward, so it never
     holds more than min(p-s, m) micro-batches of activations."""
-    _check_sizes(pp, micro_batches)
+    check_sizes(pp, micro_batches)
     actions = [_one_f_one_b_row(s, pp - s, micro_batches) for s in range(pp)]
     return PipelineSchedule(
         family="1f1b", num_stages=pp, num_micro_batches=micro_batches,
@@ -61,7 +61,7 @@ def hetero_one_f_one_b(
     along the pipeline: stage s+1 consumes stage s's first ``warmup[s+1]`` forwards before it can
     send back any gradient, so a shallower stage s would wait on itself (deadlock).
     """
-    _check_sizes(pp, micro_batches)
+    check_sizes(pp, micro_batches)
     depths = tuple(range(pp, 0, -1)) if warmup is None else tuple(int(d) for d in warmup)
     if len(depths) != pp:
         raise ValueError(f"warmup needs one depth per stage ({pp}), got {len(depths)}: {depths}")
@@ -90,7 +90,7 @@ def interleaved(*, pp: int, micro_batches: int, virtual_stages: int = 2) -> Pipe
     the first m mod rounds rounds take one extra micro-batch (as torch does, rounds of at least p;
     a short last round would deadlock).
     """
-    _check_sizes(pp, micro_batches)
+    check_sizes(pp, micro_batches)
     v = virtual_stages
     if v < 1:
         raise ValueError(f"virtual_stages must be >= 1, got {v}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from medley.schedule.generators.classic import _check_sizes
+from medley.schedule.generators.classic import check_sizes
 from medley.schedule.generators.list_scheduler import check_costs, check_limits, list_schedule
 from medley.schedule.ir import Action, B, F, PipelineSchedule, W, loop_stage_to_rank
 
@@ -53,7 +53,7 @@ def zb_h1(*, pp: int, micro_batches: int) -> PipelineSchedule:
     then B, the W deferred by s places, F; the deferred Ws fill the cooldown. Every rank holds at
     most p micro-batches (1F1B's peak, counted until W); with equal F, B and W times the bubble
     is (p-1)(F+B-W), a third of 1F1B's."""
-    _check_sizes(pp, micro_batches)
+    check_sizes(pp, micro_batches)
     actions: list[list[Action]] = []
     for s in range(pp):
         depth = min(pp - s, micro_batches)
@@ -83,7 +83,7 @@ def zb_h2(
 ) -> PipelineSchedule:
     """ZB-H2 from the greedy list scheduler: up to 2(p-s)-1 forwards in flight on stage s, so
     warm-up covers the wait for the first B, and 2p-1 micro-batches of memory per rank."""
-    _check_sizes(pp, micro_batches)
+    check_sizes(pp, micro_batches)
     warmup = [min(2 * (pp - s) - 1, micro_batches) for s in range(pp)]
     memory = [min(2 * pp - 1, micro_batches)] * pp
     return _zero_bubble("zb-h2", warmup, memory, pp, micro_batches, stage_costs, memory_limit)

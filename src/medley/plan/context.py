@@ -1,0 +1,109 @@
+"""What every planner step reads: one cluster, model and cost source, with the per device type
+layer tables (:class:`~medley.plan.bounds.LayerTable`) and memory prefixes cached.
+
+:class:`PlanContext` is the lowest module of the planner core: the step estimate, the candidate
+builder and the structure enumeration (:class:`~medley.plan.candidates.Estimator`) all take it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from medley.cost import formulas
+from medley.cost.comm import TopologyCommModel
+from medley.cost.interfaces import CostSource
+from medley.plan.bounds import Flight, LayerTable, MemoryOption, layer_table, memory_prefix
+from medley.plan.space import Structure, distribute
+from medley.spec.cluster import Cluster
+from medley.spec.model import ModelSpec
+
+Assignment = tuple[tuple[int, ...], ...]
+"""``assignment[r][k]``: the global device id of replica r's pipeline rank k."""
+
+Signatures = list[tuple[tuple[str, ...], list[int]]]
+"""Replicas grouped by the device types of their ranks: (types per rank, replica indices)."""
+
+
+class PlanContext:
+    """Analytic planning over one cluster, model and cost source (tables and groups cached)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        model: ModelSpec,
+        cost: CostSource,
+        *,
+        seq_len: int,
+        global_batch: int,
+        memory_headroom: float,
+    ) -> None:
+        self.cluster, self.model, self.cost = cluster, model, cost
+        self.seq_len, self.global_batch = seq_len, global_batch
+        self.headroom = memory_headroom
+        self.comm = TopologyCommModel(cluster)
+        self._tables: dict[tuple[str, int, str], LayerTable] = {}
+        self._memory_prefixes: dict[tuple[str, int, MemoryOption, int, Flight], tuple[float, ...]] = {}
+
+    def table(self, device_type: str, mbs: int, dtype: str = "bf16") -> LayerTable:
+        key = (device_type, mbs, dtype)
+        if key not in self._tables:
+            self._tables[key] = layer_table(
+                self.model,
+                self.cost,
+                device_type=device_type,
+                micro_batch_size=mbs,
+                seq_len=self.seq_len,
+                dtype=dtype,
+            )
+        return self._tables[key]
+
+    def capacity(self, device: int) -> float:
+        return self.cluster.devices[device].type.memory_bytes * (1.0 - self.headroom)
+
+    def dtype(self, assignment: Assignment) -> str:
+        types = {self.cluster.devices[d].type for row in assignment for d in row}
+        return "bf16" if all(t.supports_bf16 for t in types) else "fp16"
+
+    def boundary_time(self, a: int, b: int, mbs: int) -> float:
+        nbytes = formulas.boundary_bytes(self.model, micro_batch_size=mbs, seq_len=self.seq_len)
+        return self.comm.p2p_time(a, b, nbytes)
+
+    def assign(self, order: Sequence[int], pp: int, dp: int, strategy: str) -> Assignment:
+        used = list(order[: pp * dp])
+        if strategy == "replica-major":
+            return tuple(tuple(used[r * pp + k] for k in range(pp)) for r in range(dp))
+        return tuple(tuple(used[k * dp + r] for k in range(pp)) for r in range(dp))
+
+    def signatures(self, st: Structure) -> Signatures:
+        """Replicas grouped by the device types of their ranks (identical replicas share estimates)."""
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for r, row in enumerate(st.assignment):
+            groups.setdefault(tuple(self.cluster.devices[d].type.name for d in row), []).append(r)
+        return list(groups.items())
+
+    def micro_batches(
+        self, st: Structure, signatures: Signatures, weights: Sequence[float], total_mb: int
+    ) -> tuple[int, ...]:
+        """``total_mb`` micro-batches over the replicas in proportion to their signature's weight."""
+        per_replica = [0.0] * st.dp
+        for (_, members), w in zip(signatures, weights, strict=True):
+            for r in members:
+                per_replica[r] = w
+        return distribute(total_mb, per_replica)
+
+    def memory_prefix(
+        self, device_type: str, mbs: int, dtype: str, option: MemoryOption, dp: int, flight: Flight
+    ) -> tuple[float, ...]:
+        key = (device_type, mbs, option, dp, flight)
+        prefix = self._memory_prefixes.get(key)
+        if prefix is None:
+            table = self.table(device_type, mbs, dtype)
+            prefix = self._memory_prefixes[key] = memory_prefix(table, option=option, dp=dp, flight=flight)
+        return prefix
+
+    def stage_time(
+        self, device_type: str, split: Sequence[int], s: int, option: MemoryOption, mbs: int
+    ) -> float:
+        """F+B+W seconds of one micro-batch on stage ``s`` of ``split`` on ``device_type``."""
+        start = sum(split[:s])
+        return self.table(device_type, mbs).time(start, start + split[s], recompute=option.recompute)

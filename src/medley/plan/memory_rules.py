@@ -1,0 +1,181 @@
+"""Memory rules of :func:`medley.plan.builder.build`: a memory option per stage for a split (a
+rule may also move layers, as Metis' load balancer does), or None when the split cannot fit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from medley.plan.bounds import MemoryOption, memory_options, stage_memory
+from medley.plan.builder import MemoryRule, Setting, StagePlan
+
+
+def cheapest_per_stage(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
+    """Memory rule: each stage takes the cheapest option of :func:`memory_options` under which it
+    fits every device type that runs it."""
+    ctx, st, dtype = setting.ctx, setting.structure, setting.dtype
+    mbs, dp = st.micro_batch_size, st.dp
+    types = ctx.cluster.device_types()
+    ladder = memory_options(dp)
+    options = []
+    start = 0
+    for s, n in enumerate(split):
+        stage_types = [t for t, _ in setting.stage_types(s)]
+        fit = next(
+            (
+                o
+                for o in ladder
+                if all(
+                    stage_memory(
+                        ctx.table(t, mbs, dtype),
+                        start,
+                        start + n,
+                        option=o,
+                        dp=dp,
+                        in_flight=setting.flights[s],
+                    )
+                    <= types[t].memory_bytes * (1.0 - ctx.headroom)
+                    for t in stage_types
+                )
+            ),
+            None,
+        )
+        if fit is None:
+            return None
+        options.append(fit)
+        start += n
+    return StagePlan(stage_layers=split, options=tuple(options))
+
+
+def cheapest_per_rank(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
+    """Memory rule for interleaved 1F1B: every chunk of a rank takes the cheapest option under
+    which all of them fit at Megatron's warm-up depth, 2(p-k-1) + (v-1)·min(m, p) + 1 chunks."""
+    ctx, st, dtype, v = setting.ctx, setting.structure, setting.dtype, setting.virtual_stages
+    mbs, pp, dp, stages = st.micro_batch_size, st.pp, st.dp, setting.num_stages
+    m = max(setting.counts)
+    ladder = memory_options(dp)
+    options: list[MemoryOption | None] = [None] * stages
+    starts = [sum(split[:c]) for c in range(stages)]
+    for rank in range(pp):
+        chunks = [c for c in range(stages) if c % pp == rank]
+        depth = min(m * v, 2 * (pp - rank - 1) + (v - 1) * min(m, pp) + 1)
+        types = {sig[rank] for sig, _ in setting.signatures}
+        cap = {
+            t: min(
+                ctx.capacity(row[rank])
+                for row in st.assignment
+                if ctx.cluster.devices[row[rank]].type.name == t
+            )
+            for t in types
+        }
+
+        def fits(
+            option: MemoryOption,
+            chunks: list[int] = chunks,
+            depth: int = depth,
+            types: set[str] = types,
+            cap: dict[str, float] = cap,
+        ) -> bool:
+            return all(
+                sum(
+                    stage_memory(
+                        ctx.table(t, mbs, dtype),
+                        starts[c],
+                        starts[c] + split[c],
+                        option=option,
+                        dp=dp,
+                        in_flight=depth / v,
+                    )
+                    for c in chunks
+                )
+                <= cap[t]
+                for t in types
+            )
+
+        fit = next((o for o in ladder if fits(o)), None)
+        if fit is None:
+            return None
+        for c in chunks:
+            options[c] = fit
+    return StagePlan(stage_layers=split, options=tuple(o for o in options if o is not None))
+
+
+def _one_f_one_b_flight(setting: Setting, stage: int) -> int:
+    """1F1B's in-flight micro-batches at ``stage`` with the most micro-batches of any replica."""
+    return min(setting.structure.pp - stage, max(setting.micro_batches))
+
+
+def first_uniform_fit(choices: Sequence[MemoryOption], *, device_type: str, capacity: float) -> MemoryRule:
+    """Memory rule: the first of ``choices`` under which every stage fits, every device seen as
+    ``device_type`` with ``capacity`` bytes (a homogeneous planner's view of a mixed cluster)."""
+
+    def rule(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
+        table = setting.ctx.table(device_type, setting.structure.micro_batch_size)
+        starts = [sum(split[:s]) for s in range(len(split))]
+        for option in choices:
+            if all(
+                stage_memory(
+                    table,
+                    starts[s],
+                    starts[s] + split[s],
+                    option=option,
+                    dp=setting.structure.dp,
+                    in_flight=_one_f_one_b_flight(setting, s),
+                )
+                <= capacity
+                for s in range(len(split))
+            ):
+                return StagePlan(stage_layers=split, options=(option,) * len(split))
+        return None
+
+    return rule
+
+
+def rebalanced_uniform_fit(choices: Sequence[MemoryOption]) -> MemoryRule:
+    """Memory rule as Metis' LayerLoadBalancer: for each of ``choices`` in turn, move layers off
+    stages short of memory to the neighbour with the most room; the first option under which
+    every stage then fits is every stage's."""
+
+    def rule(setting: Setting, split_in: tuple[int, ...]) -> StagePlan | None:
+        ctx, st = setting.ctx, setting.structure
+        mbs, pp, dp = st.micro_batch_size, st.pp, st.dp
+        names = [[ctx.cluster.devices[st.assignment[r][k]].type.name for k in range(pp)] for r in range(dp)]
+        caps = [min(ctx.capacity(st.assignment[r][k]) for r in range(dp)) for k in range(pp)]
+        split = list(split_in)
+
+        def memory(k: int, option: MemoryOption) -> float:
+            start = sum(split[:k])
+            return max(
+                stage_memory(
+                    ctx.table(t, mbs),
+                    start,
+                    start + split[k],
+                    option=option,
+                    dp=dp,
+                    in_flight=_one_f_one_b_flight(setting, k),
+                )
+                for t in {names[r][k] for r in range(dp)}
+            )
+
+        for option in choices:
+            for _ in range(4 * ctx.model.num_layers):
+                over = [k for k in range(pp) if memory(k, option) > caps[k]]
+                if not over:
+                    break
+                k = over[0]
+                if split[k] <= 1:
+                    break
+                room = [j for j in (k - 1, k + 1) if 0 <= j < pp and memory(j, option) < caps[j]]
+                if not room:
+                    break
+                split[k] -= 1
+                split[max(room, key=lambda j: caps[j] - memory(j, option))] += 1
+            if all(memory(k, option) <= caps[k] for k in range(pp)):
+                return StagePlan(stage_layers=tuple(split), options=(option,) * pp)
+        return None
+
+    return rule
+
+
+def fixed(option: MemoryOption) -> MemoryRule:
+    """Memory rule: ``option`` on every stage, fitting or not (the caller judges)."""
+    return lambda setting, split: StagePlan(stage_layers=split, options=(option,) * len(split))

@@ -1,0 +1,157 @@
+"""Split rules of :func:`medley.plan.builder.build`: layers per stage for a setting.
+
+:func:`speed_split` and :func:`uniform_split` are the plain splitters (``medley simulate``'s
+default split and ``--explain``'s even alternative use them too).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from typing import Any
+
+from medley.errors import MedleyInputError
+from medley.plan.bounds import bottleneck_split, memory_options, stage_memory
+from medley.plan.builder import Setting
+from medley.spec.model import ModelSpec
+
+# Bottleneck sweep bounds: the continuous optimum (every stage takes the share of the model its
+# speed allows) is a lower bound on the bottleneck; the split is rarely more than a few layers'
+# time above it, so the first search stops at 1.5x and only falls back to the slowest stage's
+# whole-model time (with recomputation) when that is too tight.
+SWEEP_LOW = 0.999
+SWEEP_HIGH = 1.5
+SWEEP_FALLBACK = 1.0001
+
+
+def speed_split(model: ModelSpec, stage_speed: Sequence[float]) -> tuple[int, ...]:
+    """Layers per stage in proportion to each stage's speed, at least one each (largest
+    remainder first)."""
+    stages = len(stage_speed)
+    if stages > model.num_layers:
+        raise MedleyInputError(
+            f"{stages} stages need at least {stages} layers; {model.name} has {model.num_layers}"
+        )
+    total_speed = sum(stage_speed)
+    ideal = [model.num_layers * s / total_speed for s in stage_speed]
+    split = [max(1, int(x)) for x in ideal]
+    while sum(split) < model.num_layers:
+        gaps = [ideal[i] - split[i] for i in range(stages)]
+        split[gaps.index(max(gaps))] += 1
+    while sum(split) > model.num_layers:
+        movable = [i for i in range(stages) if split[i] > 1]
+        split[max(movable, key=lambda i: split[i] - ideal[i])] -= 1
+    return tuple(split)
+
+
+def uniform_split(model: ModelSpec, stages: int) -> tuple[int, ...]:
+    """As even a split as the layer count allows."""
+    return speed_split(model, [1.0] * stages)
+
+
+def uniform(setting: Setting) -> tuple[int, ...]:
+    """Split rule: every stage alike (what a homogeneous planner does)."""
+    return uniform_split(setting.ctx.model, setting.num_stages)
+
+
+def by_stage_capacity(setting: Setting) -> tuple[int, ...]:
+    """Split rule: layers in proportion to each stage's compute capacity, the sum of its
+    members' speeds (Metis splits the data inside a stage by speed)."""
+    ctx, st = setting.ctx, setting.structure
+    mbs = st.micro_batch_size
+    names = [[ctx.cluster.devices[st.assignment[r][k]].type.name for k in range(st.pp)] for r in range(st.dp)]
+    speed = {t: 1.0 / ctx.table(t, mbs).total[-1] for row in names for t in row}
+    return speed_split(ctx.model, [sum(speed[names[r][k]] for r in range(st.dp)) for k in range(st.pp)])
+
+
+def bottleneck(setting: Setting) -> tuple[int, ...] | None:
+    """Split rule: the bottleneck sweep over the stages, each stage bounded by its devices' time
+    and memory under the cheapest option first, then under any option."""
+    ctx, st, dtype, depth = setting.ctx, setting.structure, setting.dtype, setting.flights
+    mbs, pp, dp = st.micro_batch_size, st.pp, st.dp
+    stage_types = [setting.stage_types(s) for s in range(pp)]
+    types = ctx.cluster.device_types()
+    caps = {t: types[t].memory_bytes * (1.0 - ctx.headroom) for sig, _ in setting.signatures for t in sig}
+    ladder = memory_options(dp)
+    num_layers = ctx.model.num_layers
+    slowest = max(
+        ctx.table(t, mbs).time(0, num_layers, recompute=True) * c
+        for s in range(pp)
+        for t, c in stage_types[s]
+    )
+    # The continuous optimum (stage s takes the share of the model its speed allows) is a lower
+    # bound on the bottleneck.
+    ideal = 1.0 / sum(
+        1.0 / max(ctx.table(t, mbs).total[-1] * c for t, c in stage_types[s]) for s in range(pp)
+    )
+    for allowed in (ladder[:1], ladder):
+        # Per stage and option: [(time prefix, micro-batches, memory prefix, capacity, table)], so
+        # that a probe is a few bisections.
+        plans = [
+            [
+                (
+                    option,
+                    [
+                        (
+                            ctx.table(t, mbs, dtype).total_rc
+                            if option.recompute
+                            else ctx.table(t, mbs, dtype).total,
+                            c,
+                            ctx.memory_prefix(t, mbs, dtype, option, dp, depth[s]),
+                            caps[t],
+                            ctx.table(t, mbs, dtype),
+                        )
+                        for t, c in stage_types[s]
+                    ],
+                )
+                for option in allowed
+            ]
+            for s in range(pp)
+        ]
+
+        def stage_end(s: int, i: int, t: float, plans: list[Any] = plans) -> int:
+            best = i
+            for option, items in plans[s]:
+                end = num_layers
+                for times, c, memory, cap, _ in items:
+                    end = min(
+                        end,
+                        bisect_right(times, times[i] + t / c) - 1,
+                        bisect_right(memory, memory[i] + cap) - 1,
+                    )
+                if option.streams and end - i < option.buckets:  # short stages gather a larger share
+                    for _, _, _, cap, table in items:
+                        while (
+                            end > i
+                            and stage_memory(table, i, end, option=option, dp=dp, in_flight=depth[s]) > cap
+                        ):
+                            end -= 1
+                best = max(best, end)
+            return best
+
+        found = bottleneck_split(
+            num_layers,
+            pp,
+            stage_end,
+            lo=ideal * SWEEP_LOW,
+            hi=ideal * SWEEP_HIGH,
+            fallback_hi=slowest * SWEEP_FALLBACK,
+        )
+        if found is not None:
+            return found[0]
+    return None
+
+
+def interleaved_chunks(setting: Setting) -> tuple[int, ...] | None:
+    """Split rule for interleaved 1F1B: chunk c runs on rank c % pp; the bottleneck sweep over the
+    chunks in pipeline order, by time only (each rank's memory is the memory rule's)."""
+    ctx, st, dtype = setting.ctx, setting.structure, setting.dtype
+    mbs, stages = st.micro_batch_size, setting.num_stages
+    chunk_types = [setting.stage_types(c) for c in range(stages)]
+    slowest = max(ctx.table(t, mbs).total[-1] * n for c in range(stages) for t, n in chunk_types[c])
+
+    def stage_end(s: int, i: int, t: float) -> int:
+        return min(ctx.table(ty, mbs, dtype).max_end(i, t / n) for ty, n in chunk_types[s])
+
+    found = bottleneck_split(ctx.model.num_layers, stages, stage_end, lo=0.0, hi=slowest * SWEEP_FALLBACK)
+    return None if found is None else found[0]

@@ -1,0 +1,64 @@
+"""The layers ``medley profile`` times, built as the runtime builds them
+(:mod:`medley.runtime.model`), with random inputs and a clock that waits for the device;
+shared by the plain measurement (:mod:`medley.profile.layers`) and the FSDP2 one
+(:mod:`medley.profile.fsdp`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from medley.runtime.model import Block, Embedding, Head, init_layer, token_loss_sum
+from medley.spec.model import ModelSpec
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfiledLayer:
+    """A layer module with its way of running one forward from an input."""
+
+    kind: str
+    module: nn.Module
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def build_layer(model: ModelSpec, kind: str, dtype: torch.dtype, device: torch.device) -> ProfiledLayer:
+    if kind == "embedding":
+        module: nn.Module = Embedding(model)
+        init_layer(module, 0, 0, model.num_blocks)
+        return ProfiledLayer(kind=kind, module=module.to(device, dtype), forward=lambda x, _t: module(x))
+    if kind == "block":
+        module = Block(model)
+        init_layer(module, 0, 1, model.num_blocks)
+        return ProfiledLayer(kind=kind, module=module.to(device, dtype), forward=lambda x, _t: module(x))
+    head = Head(model)
+    init_layer(head, 0, model.num_layers - 1, model.num_blocks)
+    tied = nn.Parameter(torch.randn(model.vocab_size, model.hidden_size) * 0.02) if head.out is None else None
+    head = head.to(device, dtype)
+    if tied is not None:
+        tied = nn.Parameter(tied.to(device, dtype))
+        head.register_parameter("tied_weight", tied)
+
+    def forward(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(head(x, tied), targets) / targets.numel()
+
+    return ProfiledLayer(kind=kind, module=head, forward=forward)
+
+
+def layer_inputs(model: ModelSpec, kind: str, mbs: int, seq: int, dtype: torch.dtype,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(mbs * 7919 + seq)
+    targets = torch.randint(0, model.vocab_size, (mbs, seq), generator=gen).to(device)
+    if kind == "embedding":
+        return torch.randint(0, model.vocab_size, (mbs, seq), generator=gen).to(device), targets
+    x = torch.randn(mbs, seq, model.hidden_size, generator=gen).to(device, dtype)
+    return x, targets
+
+
+def now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

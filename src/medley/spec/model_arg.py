@@ -1,0 +1,25 @@
+"""The ``--model`` argument: a preset name or a Hugging Face ``config.json`` (or its directory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from medley.errors import MedleyInputError
+from medley.spec.hf_config import load_hf_config
+from medley.spec.model import PRESETS, ModelSpec
+
+
+def get_model(name_or_path: str) -> ModelSpec:
+    """A preset by name (case-insensitive) or a model read from a local HF ``config.json``."""
+    preset = PRESETS.get(name_or_path.strip().lower())
+    if preset is not None:
+        return preset
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" or path.exists():
+        return load_hf_config(path)
+    raise MedleyInputError(
+        f"unknown model '{name_or_path}': give a preset ({', '.join(PRESETS)}) or the "
+        f"path of a Hugging Face config.json."
+    )

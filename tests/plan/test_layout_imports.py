@@ -1,0 +1,26 @@
+"""Reading a plan does not load the cost model or the simulator: the runtime builds its ranks
+from :mod:`medley.plan.layout` and :mod:`medley.plan.plan` only (checked in a fresh interpreter, so
+that modules other tests imported do not hide an import). The preflight memory check and the
+precision note of ``medley train`` do simulate, on purpose. The schedule's ZeRO placement reads the
+one table of ZeRO semantics (:mod:`medley.cost.zero_levels`) and the runtime the dtypes of the
+memory model (:mod:`medley.cost.zero_memory`): definitions, without a cost model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+FORBIDDEN = ("medley.sim", "medley.cost", "medley.plan.compile", "medley.plan.predict")
+ALLOWED = ("medley.cost", "medley.cost.interfaces", "medley.cost.zero_levels", "medley.cost.zero_memory")
+
+
+@pytest.mark.parametrize("module", ["medley.plan.layout", "medley.plan.plan", "medley.runtime.setup"])
+def test_plan_reading_path_imports_no_simulator(module: str) -> None:
+    code = (
+        f"import sys, {module}\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({FORBIDDEN!r}) and m not in {ALLOWED!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"{module} pulls in {out.stdout.strip()}"
