@@ -52,6 +52,11 @@ class StateBytesPerParam:
     weight_dtype: str
     grad_dtype: str
 
+    @property
+    def total(self) -> float:
+        """Bytes of the whole state per parameter, unsharded."""
+        return self.weights + self.grads + self.optimizer
+
 
 # fp16 mixed precision with Adam: the ZeRO paper's table above (fp16 weights and gradients, fp32
 # master, momentum and variance: 12 B), as DeepSpeed runs fp16 and medley's runtime runs fp16 plans.

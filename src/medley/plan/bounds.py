@@ -24,7 +24,7 @@ from itertools import accumulate
 from medley.cost import formulas
 from medley.cost.estimator import DTYPE_BYTES
 from medley.cost.interfaces import CostSource, Pass
-from medley.cost.zero_memory import stage_state_bytes
+from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
@@ -39,11 +39,14 @@ class LayerTable:
 
     ``total[j] - total[i]`` is F+B+W of layers i..j-1 for one micro-batch; ``forward`` the F part
     (what recomputation adds); ``act``/``act_rc`` activation bytes held per in-flight micro-batch
-    without/with recomputation; ``params`` parameters held (a tied head keeps its own copy).
+    without/with recomputation; ``params`` parameters held (a tied head keeps its own copy);
+    ``dtype`` the training precision the activation bytes and the model-state bytes per parameter
+    (:func:`medley.cost.zero_memory.state_bytes_per_param`) are counted in.
     """
 
     device_type: str
     micro_batch_size: int
+    dtype: str
     total: tuple[float, ...]
     total_rc: tuple[float, ...]
     forward: tuple[float, ...]
@@ -111,6 +114,7 @@ def layer_table(
     return LayerTable(
         device_type=device_type,
         micro_batch_size=micro_batch_size,
+        dtype=dtype,
         total=_prefix(total),
         total_rc=_prefix([t + f for t, f in zip(total, times[Pass.F], strict=True)]),
         forward=_prefix(times[Pass.F]),
@@ -136,12 +140,16 @@ class MemoryOption:
         return self.level == 3
 
 
-def memory_options(dp: int) -> tuple[MemoryOption, ...]:
-    """Cheapest first: plain state (ZeRO-1 when replicated, as sharding the optimizer is free
-    with bubble-placed collectives), streamed ZeRO-3, recomputation, both."""
+def memory_options(dp: int, *, replicated_level: int = 0) -> tuple[MemoryOption, ...]:
+    """Least memory-saving first: plain state; when replicated, ZeRO-1, streamed ZeRO-3, then
+    recomputation with ZeRO-1 or streamed ZeRO-3. Plain state and ZeRO-1 trade differently (ZeRO-1
+    steps only a shard but gathers the updated weights after the step, which nothing hides):
+    ``replicated_level`` 1 starts the ladder at ZeRO-1, for a builder to try both."""
     if dp == 1:
         return (MemoryOption(level=0), MemoryOption(level=0, recompute=True))
+    plain = (MemoryOption(level=0),) if replicated_level == 0 else ()
     return (
+        *plain,
         MemoryOption(level=1),
         MemoryOption(level=3, buckets=8),
         MemoryOption(level=1, recompute=True),
@@ -149,14 +157,16 @@ def memory_options(dp: int) -> tuple[MemoryOption, ...]:
     )
 
 
-def option_bytes_per_param(option: MemoryOption, dp: int, *, layers: int | None = None) -> float:
-    """Peak model-state bytes per parameter per device (mixed-precision Adam), with streamed
-    ZeRO-3's two live buckets counted at their share of a stage of ``layers`` layers (default: at
-    least ``option.buckets``)."""
+def option_bytes_per_param(option: MemoryOption, dp: int, *, dtype: str, layers: int | None = None) -> float:
+    """Peak model-state bytes per parameter per device in ``dtype`` (the memory model the
+    compiler books, :func:`medley.cost.zero_memory.stage_state_bytes`), with streamed ZeRO-3's two
+    live buckets counted at their share of a stage of ``layers`` layers (default: at least
+    ``option.buckets``)."""
     buckets = option.buckets if layers is None else min(option.buckets, max(1, layers))
     live = min(1.0, 2.0 / buckets) if option.level == 3 else 1.0
     return stage_state_bytes(
-        1.0, level=option.level, dp=dp, gathered_fraction=live, accumulation_fraction=live
+        1.0, level=option.level, dp=dp, gathered_fraction=live, accumulation_fraction=live,
+        per_param=state_bytes_per_param(dtype),
     ).peak
 
 
@@ -177,14 +187,14 @@ def stage_memory(
     params = table.params[j] - table.params[i]
     acts = table.act_rc if option.recompute else table.act
     act = acts[j] - acts[i]
-    state = params * option_bytes_per_param(option, dp, layers=j - i)
+    state = params * option_bytes_per_param(option, dp, dtype=table.dtype, layers=j - i)
     return state + flight.full * act + flight.after_b * (table.after_b[j] - table.after_b[i])
 
 
 def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: Flight) -> tuple[float, ...]:
     """c[j] with c[j] - c[i] = :func:`stage_memory` for stages of at least ``option.buckets`` layers
     (shorter streamed stages hold more: check them exactly)."""
-    a = option_bytes_per_param(option, dp)
+    a = option_bytes_per_param(option, dp, dtype=table.dtype)
     acts = table.act_rc if option.recompute else table.act
     return tuple(
         a * p + flight.full * x + flight.after_b * y

@@ -30,6 +30,7 @@ from typing import Any
 from medley.plan.bounds import (
     Flight,
     MemoryOption,
+    memory_options,
     pipeline_time,
 )
 from medley.plan.context import PlanContext, Signatures
@@ -47,6 +48,7 @@ class Setting:
         micro_batches: per replica; counts: per signature (its first replica's).
         flights: in-flight micro-batches per stage at the family's warm-up depths.
         dtype: training precision; virtual_stages: chunks per rank (interleaved 1F1B).
+        ladder: the memory options stages may take, least memory-saving first.
     """
 
     ctx: PlanContext
@@ -58,6 +60,7 @@ class Setting:
     flights: list[Flight]
     dtype: str
     virtual_stages: int
+    ladder: tuple[MemoryOption, ...]
 
     @property
     def num_stages(self) -> int:
@@ -235,6 +238,7 @@ def build(
     micro_batches: MicroBatchRule,
     estimate: EstimateRule = analytic,
     virtual_stages: int = 1,
+    replicated_level: int = 0,
 ) -> Candidate | None:
     """The candidate of ``family`` on ``structure`` under the given rules, or None when it cannot
     fit (or, for hetero-1f1b, would equal 1F1B).
@@ -242,7 +246,8 @@ def build(
     Micro-batches come first; then, for each round of the micro-batch rule, the in-flight depths
     of the family, the split and the memory options; the rule may then revise the micro-batches
     from the placed split. Raises what the cost source raises for a device type or micro-batch
-    size it cannot answer (``ValueError``)."""
+    size it cannot answer (``ValueError``). ``replicated_level``: where the memory ladder of
+    replicated stages starts (:func:`~medley.plan.bounds.memory_options`)."""
     st = structure
     dtype = ctx.dtype(st.assignment)
     signatures = ctx.signatures(st)
@@ -250,7 +255,7 @@ def build(
     counts_now = micro_batches.first(ctx, st, signatures, total)
     plan: StagePlan | None = None
     for _ in range(micro_batches.rounds):
-        setting = _setting(ctx, st, family, signatures, counts_now, dtype, virtual_stages)
+        setting = _setting(ctx, st, family, signatures, counts_now, dtype, virtual_stages, replicated_level)
         if setting is None:
             return None
         stage_layers = split(setting)
@@ -264,7 +269,8 @@ def build(
             break
         counts_now = new
     assert plan is not None
-    final = _setting(ctx, st, family, signatures, counts_now, dtype, virtual_stages, depths_required=False)
+    final = _setting(ctx, st, family, signatures, counts_now, dtype, virtual_stages, replicated_level,
+                     depths_required=False)
     assert final is not None
     knobs: dict[str, Any] = {}
     if family == "hetero-1f1b":
@@ -292,6 +298,7 @@ def _setting(
     micro_batches: tuple[int, ...],
     dtype: str,
     virtual_stages: int,
+    replicated_level: int,
     *,
     depths_required: bool = True,
 ) -> Setting | None:
@@ -309,4 +316,5 @@ def _setting(
         flights=flights(family, depths or (), max(counts)),
         dtype=dtype,
         virtual_stages=virtual_stages,
+        ladder=memory_options(st.dp, replicated_level=replicated_level),
     )

@@ -89,17 +89,26 @@ class Estimator(PlanContext):
     # --- one structure, one family -------------------------------------------------------------
     def candidate(self, st: Structure, family: str, *, virtual_stages: int = 2) -> Candidate | None:
         """The family's best split/options/micro-batches for ``st``, or None if it cannot fit."""
+        if family == "interleaved" and (st.pp < 2 or st.pp * virtual_stages > self.model.num_layers):
+            return None
+        best: Candidate | None = None
+        for level in (0, 1) if st.dp > 1 else (0,):  # replicated stages: plain state or ZeRO-1
+            candidate = self._candidate(st, family, virtual_stages, level)
+            if candidate is not None and (best is None or candidate.estimate_s < best.estimate_s):
+                best = candidate
+        return best
+
+    def _candidate(self, st: Structure, family: str, virtual_stages: int, level: int) -> Candidate | None:
         if family != "interleaved":
             return builder.build(
                 self, st, family, split=split_rules.bottleneck, memory=memory_rules.cheapest_per_stage,
-                micro_batches=builder.balanced_micro_batches(),
+                micro_batches=builder.balanced_micro_batches(), replicated_level=level,
             )
-        if st.pp < 2 or st.pp * virtual_stages > self.model.num_layers:
-            return None
-        base = self.candidate(st, "1f1b")
+        base = self._candidate(st, "1f1b", virtual_stages, level)
         if base is None:
             return None
         return builder.build(
             self, st, family, split=split_rules.interleaved_chunks, memory=memory_rules.cheapest_per_rank,
             micro_batches=builder.given_micro_batches(base.micro_batches), virtual_stages=virtual_stages,
+            replicated_level=level,
         )

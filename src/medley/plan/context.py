@@ -94,7 +94,7 @@ class PlanContext:
     def memory_prefix(
         self, device_type: str, mbs: int, dtype: str, option: MemoryOption, dp: int, flight: Flight
     ) -> tuple[float, ...]:
-        key = (device_type, mbs, option, dp, flight)
+        key = (device_type, mbs, dtype, option, dp, flight)
         prefix = self._memory_prefixes.get(key)
         if prefix is None:
             table = self.table(device_type, mbs, dtype)

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from medley.plan.bounds import MemoryOption, memory_options, stage_memory
+from medley.plan.bounds import MemoryOption, stage_memory
 from medley.plan.builder import MemoryRule, Setting, StagePlan
 
 
 def cheapest_per_stage(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
-    """Memory rule: each stage takes the cheapest option of :func:`memory_options` under which it
+    """Memory rule: each stage takes the first option of the setting's ladder under which it
     fits every device type that runs it."""
     ctx, st, dtype = setting.ctx, setting.structure, setting.dtype
     mbs, dp = st.micro_batch_size, st.dp
     types = ctx.cluster.device_types()
-    ladder = memory_options(dp)
+    ladder = setting.ladder
     options = []
     start = 0
     for s, n in enumerate(split):
@@ -52,7 +52,7 @@ def cheapest_per_rank(setting: Setting, split: tuple[int, ...]) -> StagePlan | N
     ctx, st, dtype, v = setting.ctx, setting.structure, setting.dtype, setting.virtual_stages
     mbs, pp, dp, stages = st.micro_batch_size, st.pp, st.dp, setting.num_stages
     m = max(setting.counts)
-    ladder = memory_options(dp)
+    ladder = setting.ladder
     options: list[MemoryOption | None] = [None] * stages
     starts = [sum(split[:c]) for c in range(stages)]
     for rank in range(pp):

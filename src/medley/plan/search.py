@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
+from medley.cost.zero_memory import state_bytes_per_param
 from medley.errors import MedleyInputError
 from medley.plan.baselines import run_baselines
 from medley.plan.bounds import aggregate_bound
@@ -279,7 +280,8 @@ def structure_bound(estimator: Estimator, st: Structure) -> float:
     micro-batches with no bubbles, stretched by a third of 1F1B's fill (zero-bubble's share), and
     by recomputation's extra forward when the first stage's device cannot hold one micro-batch's
     activations of every layer (what 1F1B's first stage keeps in flight) next to its share of the
-    model state. Infinite when even fully sharded state does not fit the cluster's devices."""
+    model state (in the plan's dtype, :func:`medley.cost.zero_memory.state_bytes_per_param`).
+    Infinite when even fully sharded state does not fit the cluster's devices."""
     mbs = st.micro_batch_size
     counts: dict[str, int] = {}
     for row in st.assignment:
@@ -290,8 +292,9 @@ def structure_bound(estimator: Estimator, st: Structure) -> float:
     m = -(-estimator.global_batch // mbs // st.dp)
     bound = estimator.global_batch / speed * (m + (st.pp - 1) / 3) / m
     first = estimator.cluster.devices[st.assignment[0][0]].type
-    table = estimator.table(first.name, mbs)
-    state = 16.0 * table.params[-1] / (st.pp * st.dp)
+    dtype = estimator.dtype(st.assignment)
+    table = estimator.table(first.name, mbs, dtype)
+    state = state_bytes_per_param(dtype).total * table.params[-1] / (st.pp * st.dp)
     capacity = first.memory_bytes * (1.0 - estimator.headroom)
     if state > capacity:
         return float("inf")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from medley.cost import formulas
+from medley.cost.zero_memory import state_bytes_per_param
 from medley.errors import MedleyInputError
 from medley.plan import builder, memory_rules, split_rules
 from medley.plan.bounds import MemoryOption, stage_memory
@@ -108,7 +109,7 @@ def shortfall_error(
         hints.append(f"lower --memory-headroom (now {constraints.memory_headroom:.0%})")
     if constraints.exclude_devices:
         hints.append("stop excluding devices with --exclude-devices (more devices shard ZeRO state further)")
-    state_gb = 16.0 * formulas.total_params(model) / GB
+    state_gb = state_bytes_per_param(lay.dtype).total * formulas.total_params(model) / GB
     total_gb = sum(cluster.devices[d].type.memory_gb for d in pools["all"])
     hints.append(f"a shorter --seq-len than {estimator.seq_len} (activations grow with it)")
     if state_gb > 0.5 * total_gb:

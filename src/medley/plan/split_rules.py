@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from medley.errors import MedleyInputError
-from medley.plan.bounds import bottleneck_split, memory_options, stage_memory
+from medley.plan.bounds import bottleneck_split, stage_memory
 from medley.plan.builder import Setting
 from medley.spec.model import ModelSpec
 
@@ -72,7 +72,7 @@ def bottleneck(setting: Setting) -> tuple[int, ...] | None:
     stage_types = [setting.stage_types(s) for s in range(pp)]
     types = ctx.cluster.device_types()
     caps = {t: types[t].memory_bytes * (1.0 - ctx.headroom) for sig, _ in setting.signatures for t in sig}
-    ladder = memory_options(dp)
+    ladder = setting.ladder
     num_layers = ctx.model.num_layers
     slowest = max(
         ctx.table(t, mbs).time(0, num_layers, recompute=True) * c

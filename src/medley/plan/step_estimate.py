@@ -2,7 +2,8 @@
 
 :func:`step_estimate`: the slowest replica's pipeline (:func:`medley.plan.bounds.pipeline_time`
 over its stages' F+B+W, its boundary transfers and streamed ZeRO-3 traffic) plus the worst stage's
-exposed data-parallel work (optimizer step, the gradient reduction past the stage's tail bubble).
+exposed data-parallel work (optimizer step, the gradient reduction past the stage's tail bubble,
+ZeRO-1/2's weight gather after the step).
 Only used to prune and order candidates; the simulator gives every reported figure.
 """
 
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 
 from medley.cost import formulas
 from medley.cost.interfaces import Collective
+from medley.cost.zero_levels import zero_level
+from medley.cost.zero_memory import state_bytes_per_param
 from medley.plan.bounds import MemoryOption, pipeline_time
 from medley.plan.compile import OPTIMIZER_STEP_BYTES_PER_PARAM
 from medley.plan.context import PlanContext, Signatures
@@ -99,9 +102,12 @@ def exposed_dp(
     micro_batches: Sequence[int],
     stage_time: float,
 ) -> float:
-    """Per stage: optimizer step, plus the reduction past the tail bubble, plus streamed ZeRO-3
-    gathers not hidden behind compute; the worst stage counts."""
+    """Per stage: optimizer step, plus the gradient reduction past the tail bubble, plus the
+    weight gather after the step at ZeRO-1/2 (nothing runs behind it), in the plan's dtype
+    (:mod:`medley.cost.zero_levels` says which collective each level runs); streamed ZeRO-3's
+    gathers are :func:`stream_times`'. The worst stage counts."""
     pp, dp = st.pp, st.dp
+    state = state_bytes_per_param(est.dtype(st.assignment))
     worst = 0.0
     start = 0
     for s, n in enumerate(split):
@@ -111,13 +117,15 @@ def exposed_dp(
         group = tuple(st.assignment[r][rank] for r in range(dp))
         bandwidth = min(est.cluster.devices[d].type.memory_bandwidth_gbps for d in group) * 1e9
         option = options[s]
-        shard = params / dp if option.level >= 1 else params
+        meaning = zero_level(option.level)
+        shard = params / dp if meaning.optimizer_on_shard else params
         exposed = shard * OPTIMIZER_STEP_BYTES_PER_PARAM / bandwidth
         if dp > 1:
-            grads = params * 2.0
-            reduce = est.comm.collective_time(Collective.ALL_REDUCE, group, grads)
+            reduce = est.comm.collective_time(meaning.reduction, group, params * state.grads)
             tail = rank * stage_time / 2.0
             if not option.streams:
                 exposed += max(0.0, reduce - tail)
+            if meaning.gathers_after_step:
+                exposed += est.comm.collective_time(Collective.ALL_GATHER, group, params * state.weights)
         worst = max(worst, exposed)
     return worst
