@@ -43,6 +43,7 @@ from medley.sim.program import (
 )
 from medley.sim.report import assemble_result
 from medley.sim.result import SimResult
+from medley.sim.run_state import RunRecord
 
 
 class SimulationError(RuntimeError):
@@ -212,6 +213,14 @@ class _Run:
         if stuck:
             raise SimulationError(self._deadlock_error(stuck))
 
+    def record(self) -> RunRecord:
+        return RunRecord(
+            prog=self.prog, busy=self.busy, compute=self.compute, mem_events=self.mem_events,
+            clock=self.clock, exposed_p2p=self.exposed_p2p, exposed_zero=self.exposed_zero,
+            xfer_start=self.xfer_start, coll_start=self.coll_start,
+            executed_ops=sum(len(ops) for ops in self.prog.ops),
+        )
+
     def _where(self, d: int) -> str:
         r, k = self.prog.replica_rank[d]
         return f"device {self.prog.device_ids[d]} (replica {r}, rank {k})"
@@ -252,7 +261,7 @@ def simulate(problem: SimProblem) -> SimResult:
         prog = build_program(problem)
         run = _Run(prog)
         run.run()
-        return assemble_result(problem, run)
+        return assemble_result(problem, run.record())
     finally:
         if was_enabled:
             gc.enable()

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from medley.schedule.ir import Action, Kind
 from medley.sim.problem import SimProblem
 from medley.sim.result import DeviceReport, SimResult, StageZeroReport, Transfer
-
-if TYPE_CHECKING:
-    from medley.sim.engine import _Run
+from medley.sim.run_state import RunRecord
 
 
-def assemble_result(problem: SimProblem, run: _Run) -> SimResult:
+def assemble_result(problem: SimProblem, run: RunRecord) -> SimResult:
     prog = run.prog
     xfer_end = [prog.times[slot] for slot in prog.xfer_slot]
     coll_end = [prog.times[slot] for slot in prog.coll_slot]
@@ -63,7 +59,7 @@ def assemble_result(problem: SimProblem, run: _Run) -> SimResult:
 
 
 def _zero_per_device(
-    run: _Run, coll_end: list[float]
+    run: RunRecord, coll_end: list[float]
 ) -> tuple[list[dict[int, float]], list[dict[int, float]]]:
     """Per device and stage: summed collective time, and the latest end of its collectives."""
     prog = run.prog
@@ -102,7 +98,7 @@ def _memory_series(static: float, events: list[tuple[float, float]]) -> tuple[li
     return times, levels
 
 
-def _transfers(run: _Run, xfer_end: list[float]) -> list[Transfer]:
+def _transfers(run: RunRecord, xfer_end: list[float]) -> list[Transfer]:
     prog = run.prog
     ids = prog.device_ids
     kinds = (Kind.SEND_F, Kind.SEND_B)

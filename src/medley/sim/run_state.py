@@ -1,0 +1,45 @@
+"""What one run of the event loop leaves behind: the record :mod:`medley.sim.report` reads.
+
+The engine (:mod:`medley.sim.engine`) fills a :class:`RunRecord` and hands it to the report; the
+report never sees the engine's working state, and neither module imports the other's names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from medley.schedule.ir import Action
+from medley.sim.program import Program
+
+
+@dataclass(kw_only=True, slots=True)
+class RunRecord:
+    """The finished timeline of one simulated step, indexed by dense device index.
+
+    Attributes:
+        prog: the flattened program that ran; ``prog.times`` holds every event's final time
+            (end of each F/B/BW, arrival of each transfer, end of each collective).
+        busy: per device, summed duration of its compute actions (F, B, W, BW, OPTIM).
+        compute: per device, (start, end, action) of each compute action in run order; the
+            i-th entry is the i-th ``OP_COMPUTE`` op of ``prog.ops[d]``.
+        mem_events: per device, (time, bytes) memory changes (negative: freed).
+        clock: per device, the end of its last compute action.
+        exposed_p2p: per device, compute wait past the producer's end for incoming transfers.
+        exposed_zero: per device and stage, compute wait on that stage's collectives.
+        xfer_start: per transfer id, when it started on its links.
+        coll_start: per collective instance, when it started.
+        executed_ops: ops the engine executed over all devices: compute actions, sends (the
+            lowered SENDs and those implied after a compute action), collective issues and local
+            ZeRO actions. RECVs are not ops (receives are posted early).
+    """
+
+    prog: Program
+    busy: list[float]
+    compute: list[list[tuple[float, float, Action]]]
+    mem_events: list[list[tuple[float, float]]]
+    clock: list[float]
+    exposed_p2p: list[float]
+    exposed_zero: list[dict[int, float]]
+    xfer_start: list[float]
+    coll_start: list[float]
+    executed_ops: int
