@@ -42,7 +42,7 @@ def test_transfer_takes_alpha_plus_bytes_over_beta_and_is_exposed_on_the_receive
     assert [(t[0], t[1], t[2], t[3]) for t in result.transfers] == [(0, 1, 1, 2.5), (1, 0, 5.5, 7)]
     assert ("p2p", 0, 1, 100.0) in comm.calls
     for report in result.devices:
-        assert report.exposed_p2p_s == pytest.approx(1.5)
+        assert report.exposed_transfer_s == pytest.approx(1.5)
         assert report.bubble_fraction == pytest.approx((6 - 1.5) / 9)
 
 

@@ -23,9 +23,6 @@ class RunRecord:
         compute: per device, (start, end, action) of each compute action in run order; the
             i-th entry is the i-th ``OP_COMPUTE`` op of ``prog.ops[d]``.
         mem_events: per device, (time, bytes) memory changes (negative: freed).
-        clock: per device, the end of its last compute action.
-        exposed_p2p: per device, compute wait past the producer's end for incoming transfers.
-        exposed_zero: per device and stage, compute wait on that stage's collectives.
         xfer_start: per transfer id, when it started on its links.
         coll_start: per collective instance, when it started.
         executed_ops: ops the engine executed over all devices: compute actions, sends (the
@@ -37,9 +34,6 @@ class RunRecord:
     busy: list[float]
     compute: list[list[tuple[float, float, Action]]]
     mem_events: list[list[tuple[float, float]]]
-    clock: list[float]
-    exposed_p2p: list[float]
-    exposed_zero: list[dict[int, float]]
     xfer_start: list[float]
     coll_start: list[float]
     executed_ops: int
