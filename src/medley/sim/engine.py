@@ -60,6 +60,8 @@ class _Run:
         self.clock = [0.0] * n  # compute stream free = program point
         self.blocked_on = [-1] * n
         self.busy = [0.0] * n
+        self.exposed_transfer = [0.0] * n
+        self.collective_waits: list[list[tuple[float, float, int]]] = [[] for _ in range(n)]
         self.compute: list[list[tuple[float, float, Action]]] = [[] for _ in range(n)]
         self.mem_events: list[list[tuple[float, float]]] = [[] for _ in range(n)]
         self.p2p_free = [0.0] * n
@@ -79,13 +81,13 @@ class _Run:
         prog = self.prog
         times, ops = prog.times, prog.ops[d]
         i, t, n = self.pc[d], self.clock[d], len(ops)
-        busy = self.busy[d]
+        busy, exposed_transfer = self.busy[d], self.exposed_transfer[d]
         timeline, mem = self.compute[d], self.mem_events[d]
         while i < n:
             op = ops[i]
             code = op[0]
             if code == OP_COMPUTE:
-                _, dur, dep, producer, local, zero_dep, out, mem_start, mem_end, action, _ = op
+                _, dur, dep, producer, local, zero_dep, out, mem_start, mem_end, action, zero_inst = op
                 arrival, ready_local, collective = times[dep], times[local], times[zero_dep]
                 if ready_local < 0 or (dep == producer and arrival < 0):
                     raise SimulationError(self._order_error(d, action))
@@ -95,13 +97,14 @@ class _Run:
                 if collective < 0:
                     self.blocked_on[d] = zero_dep
                     break
-                # What the wait before ``start`` is attributed to is the report's business
-                # (medley.sim.report); the hot loop only times.
-                start = t if t > ready_local else ready_local
-                if arrival > start:
-                    start = arrival
-                if collective > start:
-                    start = collective
+                base = t if t > ready_local else ready_local
+                data = base if base > arrival else arrival
+                start = data if data > collective else collective
+                if start > t:  # a wait, split as medley.sim.result says
+                    produced = times[producer]
+                    exposed_transfer += data - (base if base > produced else produced)
+                    if start > data:  # past the data: laid over the collectives by the report
+                        self.collective_waits[d].append((data, start, zero_inst))
                 t = start + dur
                 times[out] = t
                 busy += dur
@@ -127,7 +130,7 @@ class _Run:
                     mem.append((t, -op[2]))
             i += 1
         self.pc[d], self.clock[d] = i, t
-        self.busy[d] = busy
+        self.busy[d], self.exposed_transfer[d] = busy, exposed_transfer
 
     def _try_push(self, inst: int) -> None:
         prog = self.prog
@@ -211,6 +214,7 @@ class _Run:
     def record(self) -> RunRecord:
         return RunRecord(
             prog=self.prog, busy=self.busy, compute=self.compute, mem_events=self.mem_events,
+            exposed_transfer=self.exposed_transfer, collective_waits=self.collective_waits,
             xfer_start=self.xfer_start, coll_start=self.coll_start,
             executed_ops=sum(len(ops) for ops in self.prog.ops),
         )

@@ -6,7 +6,6 @@ from bisect import bisect_right
 
 from medley.schedule.ir import Action, Kind
 from medley.sim.problem import SimProblem
-from medley.sim.program import OP_COMPUTE
 from medley.sim.result import DeviceReport, SimResult, StageZeroReport, Transfer
 from medley.sim.run_state import RunRecord
 
@@ -65,14 +64,15 @@ class _Attribution:
     """Splits one device's idle time into bubble, exposed transfer, exposed ZeRO, exposed CLIP
     all-reduce and clipping barrier (the rules: :mod:`medley.sim.result`).
 
-    Each gap before a compute action is cut at the moment its data (activation, gradient, local
-    producer) was there: before that cut the action waited for data, after it for a collective.
-    The data wait is bubble up to the producer's end and exposed transfer from there to the
-    arrival. The collective wait, like the tail after the last compute action, is laid over the
-    device's own collectives, which run one at a time on its collective stream (sorted and
-    disjoint): time inside a ZeRO collective is exposed ZeRO (of that collective's stage), inside
-    a CLIP exposed CLIP; time before a collective starts, waiting for other members to issue it,
-    is the clipping barrier when that collective is a CLIP and bubble otherwise.
+    The engine has split each wait before a compute action at the moment its data (activation,
+    gradient, local producer) was there: before that, the wait is bubble up to the producer's end
+    and exposed transfer from there to the arrival (the engine sums the latter); after it, the
+    action waited for a collective (``RunRecord.collective_waits``). That collective wait, like
+    the tail after the last compute action, is laid over the device's own collectives, which run
+    one at a time on its collective stream (sorted and disjoint): time inside a ZeRO collective
+    is exposed ZeRO (of that collective's stage), inside a CLIP exposed CLIP; time before a
+    collective starts, waiting for other members to issue it, is the clipping barrier when that
+    collective is a CLIP and bubble otherwise. Bubble is what idle time remains.
     """
 
     def __init__(self, run: RunRecord, d: int, coll_end: list[float]) -> None:
@@ -83,7 +83,8 @@ class _Attribution:
         self.starts = [run.coll_start[i] for i in seq]
         self.ends = [coll_end[i] for i in seq]
         self.is_clip = [prog.coll_action[i].kind is Kind.CLIP for i in seq]
-        self.bubble = self.transfer = self.zero = self.clip = self.barrier = 0.0
+        self.transfer = run.exposed_transfer[d]
+        self.bubble = self.zero = self.clip = self.barrier = 0.0
         self.zero_by_stage: dict[int, float] = {}
         self.zero_comm: dict[int, float] = {}
         for i, start, end, clip in zip(seq, self.starts, self.ends, self.is_clip, strict=True):
@@ -92,41 +93,28 @@ class _Attribution:
                 self.zero_comm[stage] = self.zero_comm.get(stage, 0.0) + (end - start)
 
     def run(self, step: float) -> None:
-        prog = self.run_record.prog
-        times = prog.times
-        ops = [op for op in prog.ops[self.d] if op[0] == OP_COMPUTE]
-        prev = 0.0
-        for op, (start, end, _) in zip(ops, self.run_record.compute[self.d], strict=True):
-            if start > prev:
-                dep, producer, local, zero_inst = op[2], op[3], op[4], op[10]
-                data = min(start, max(prev, times[local], times[dep]))
-                if dep != producer:  # a remote producer: its transfer
-                    produced = min(data, max(prev, times[producer]))
-                    self.bubble += produced - prev
-                    self.transfer += data - produced
-                else:
-                    self.bubble += data - prev
-                if start > data:
-                    clip_after = zero_inst >= 0 and prog.coll_action[zero_inst].kind is Kind.CLIP
-                    self._over_collectives(data, start, clip_after)
-            prev = end
-        if step > prev:
-            self._over_collectives(prev, step, False)
+        record = self.run_record
+        actions = record.prog.coll_action
+        for data, start, inst in record.collective_waits[self.d]:
+            self._over_collectives(data, start, inst >= 0 and actions[inst].kind is Kind.CLIP)
+        timeline = record.compute[self.d]
+        last = timeline[-1][1] if timeline else 0.0
+        if step > last:
+            self._over_collectives(last, step, False)
+        idle = step - record.busy[self.d]
+        self.bubble = max(0.0, idle - self.transfer - self.zero - self.clip - self.barrier)
 
     def _over_collectives(self, lo: float, hi: float, clip_after: bool) -> None:
         """Attribute the idle span [lo, hi] by the device's collectives; any part after the last
         of them is the clipping barrier if ``clip_after`` (the blocking collective is a CLIP),
-        else bubble."""
+        else bubble (left to the remainder)."""
         prog = self.run_record.prog
         cursor = lo
         j = bisect_right(self.ends, lo)
         while j < len(self.inst) and self.starts[j] < hi and cursor < hi:
             begin, finish = max(cursor, self.starts[j]), min(hi, self.ends[j])
-            if begin > cursor:  # waiting for the other members to issue collective j
-                if self.is_clip[j]:
-                    self.barrier += begin - cursor
-                else:
-                    self.bubble += begin - cursor
+            if begin > cursor and self.is_clip[j]:  # waiting for the other ranks to reach CLIP
+                self.barrier += begin - cursor
             if finish > begin:
                 if self.is_clip[j]:
                     self.clip += finish - begin
@@ -136,11 +124,8 @@ class _Attribution:
                     self.zero_by_stage[stage] = self.zero_by_stage.get(stage, 0.0) + finish - begin
             cursor = max(cursor, finish)
             j += 1
-        if hi > cursor:
-            if clip_after:
-                self.barrier += hi - cursor
-            else:
-                self.bubble += hi - cursor
+        if hi > cursor and clip_after:
+            self.barrier += hi - cursor
 
 
 def _memory_series(static: float, events: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
