@@ -78,8 +78,8 @@ class _Run:
 
     def advance(self, d: int) -> None:
         """Run device d's program until it blocks on a communication that has not arrived."""
-        prog = self.prog
-        times, ops = prog.times, prog.ops[d]
+        prog, times = self.prog, self.prog.times
+        ops = prog.ops[d]
         i, t, n = self.pc[d], self.clock[d], len(ops)
         busy, exposed_transfer = self.busy[d], self.exposed_transfer[d]
         timeline, mem = self.compute[d], self.mem_events[d]
@@ -216,7 +216,7 @@ class _Run:
             prog=self.prog, busy=self.busy, compute=self.compute, mem_events=self.mem_events,
             exposed_transfer=self.exposed_transfer, collective_waits=self.collective_waits,
             xfer_start=self.xfer_start, coll_start=self.coll_start,
-            executed_ops=sum(len(ops) for ops in self.prog.ops),
+            executed_ops=sum(self.pc),  # each device's program counter: the ops it ran
         )
 
     def _where(self, d: int) -> str:
