@@ -113,3 +113,23 @@ def test_out_of_range_numbers_are_usage_errors_not_tracebacks(flag: str, value: 
                                 env={"COLUMNS": "200"})
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert f"Invalid value for '{flag}'" in result.output
+
+
+def test_opt350_parts_sum_to_the_step_and_the_drain_is_not_zero_time() -> None:
+    """A clipped 1F1B plan on the public OPT-350 profiles (A100 + V100): the report's parts sum
+    to the step on every device, exposed ZeRO stays within the device's stages' collective time,
+    and the last stage's wait for the first (the drain, until the world-wide CLIP) is the clipping
+    barrier, not ZeRO time (it used to show as ~300 ms of exposed ZeRO beside a 1 ms collective)."""
+    profiles = str(Path(__file__).parents[1] / "data" / "metis-opt-350")
+    code, out = _run("--cluster", "8xA100-40GB+8xV100-16GB", "--model", "opt-350m", "--pp", "4", "--dp", "4",
+                     "--micro-batches", "16", "--micro-batch-size", "2", "--profiles", profiles, "--json")
+    assert code == 0, out
+    data = json.loads(out)
+    comm = {s["stage"]: s["zero_comm_s"] for s in data["stages"]}
+    parts = ("compute_s", "bubble_s", "exposed_transfer_s", "exposed_zero_s", "exposed_clip_s",
+             "clip_barrier_s")
+    for device in data["devices"]:
+        assert sum(device[p] for p in parts) == pytest.approx(data["step_time_s"], abs=1e-9)
+        assert device["exposed_zero_s"] <= sum(comm[s] for s in device["stages"]) + 1e-9
+    last = [d for d in data["devices"] if d["rank"] == 3]
+    assert all(d["clip_barrier_s"] > 0.1 and d["exposed_zero_s"] < 0.01 for d in last)

@@ -42,7 +42,7 @@ def test_transfer_takes_alpha_plus_bytes_over_beta_and_is_exposed_on_the_receive
     assert [(t[0], t[1], t[2], t[3]) for t in result.transfers] == [(0, 1, 1, 2.5), (1, 0, 5.5, 7)]
     assert ("p2p", 0, 1, 100.0) in comm.calls
     for report in result.devices:
-        assert report.exposed_p2p_s == pytest.approx(1.5)
+        assert report.exposed_transfer_s == pytest.approx(1.5)
         assert report.bubble_fraction == pytest.approx((6 - 1.5) / 9)
 
 
@@ -110,3 +110,19 @@ def test_exact_fractions_hold_for_integer_durations():
     result = simulate(uniform_problem(two_stage_gpipe(m=3), f=2, b=1, w=2))
     report = result.devices[0]
     assert Fraction(report.idle_s) / Fraction(result.step_time_s) == Fraction(1, 4)
+
+
+def test_executed_ops_count_compute_and_sends_but_not_receives():
+    """The engine runs each compute action and each send (lowered or implied after its producer);
+    receives are posted early, never executed, so a lowered schedule reports the same count."""
+    from medley.schedule.generators import generate
+    from medley.schedule.ir import Kind
+
+    schedule = generate("1f1b", pp=3, micro_batches=4)
+    lowered = add_send_recv(schedule)
+    kinds = [a.kind for row in lowered.actions for a in row]
+    sends = kinds.count(Kind.SEND_F) + kinds.count(Kind.SEND_B)
+    assert kinds.count(Kind.RECV_F) + kinds.count(Kind.RECV_B) == sends > 0
+    compute = sum(len(row) for row in schedule.actions)
+    assert simulate(uniform_problem(schedule)).executed_ops == compute + sends
+    assert simulate(uniform_problem(lowered)).executed_ops == compute + sends

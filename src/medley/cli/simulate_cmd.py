@@ -58,8 +58,8 @@ def summary(layout: PlanLayout, cluster: Cluster, problem: SimProblem, result: S
                 "busy": report.busy_fraction,
                 "idle": report.idle_fraction,
                 "bubble": report.bubble_fraction,
-                "exposed_p2p_s": report.exposed_p2p_s,
-                "exposed_zero_s": report.exposed_zero_s,
+                # the step's parts on this device (seconds; they sum to step_time_s)
+                **{f"{part}_s": seconds for part, seconds in report.parts.items()},
                 "static_memory_gb": report.static_memory_bytes / GB,
                 "peak_memory_gb": report.peak_memory_bytes / GB,
                 "capacity_gb": capacity / GB,
@@ -102,7 +102,9 @@ def summary(layout: PlanLayout, cluster: Cluster, problem: SimProblem, result: S
 def print_summary(data: dict, console: Console) -> None:
     table = Table(
         title=f"{data['model']} · {data['schedule']} · pp={data['pp']} dp={data['dp']} "
-        f"· split {data['split']} · ZeRO {data['zero']} ({data['zero_placement']})"
+        f"· split {data['split']} · ZeRO {data['zero']} ({data['zero_placement']})",
+        caption="transfer, ZeRO, CLIP: idle while that communication runs and blocks the device (exposed); "
+        "CLIP wait: at the gradient-norm all-reduce for the other ranks; bubble: for other devices",
     )
     for col in (
         "device",
@@ -111,8 +113,10 @@ def print_summary(data: dict, console: Console) -> None:
         "stages",
         "busy",
         "bubble",
-        "exposed p2p",
-        "exposed ZeRO",
+        "transfer",
+        "ZeRO",
+        "CLIP",
+        "CLIP wait",
         "peak mem",
         "headroom",
     ):
@@ -126,14 +130,16 @@ def print_summary(data: dict, console: Console) -> None:
             ",".join(map(str, d["stages"])),
             f"{d['busy']:.1%}",
             f"{d['bubble']:.1%}",
-            f"{d['exposed_p2p_s'] * 1e3:.1f} ms",
+            f"{d['exposed_transfer_s'] * 1e3:.1f} ms",
             f"{d['exposed_zero_s'] * 1e3:.1f} ms",
+            f"{d['exposed_clip_s'] * 1e3:.1f} ms",
+            f"{d['clip_barrier_s'] * 1e3:.1f} ms",
             f"{d['peak_memory_gb']:.1f} GB",
             headroom,
         )
     print_table(console, table)
     if data["stages"]:
-        zt = Table(title="ZeRO communication per stage (worst device of the stage)")
+        zt = Table(title="ZeRO communication per stage (worst device of the stage; exposed <= collective)")
         for col in ("stage", "level", "layers", "collective time", "exposed"):
             zt.add_column(col, justify="right")
         for s in data["stages"]:

@@ -43,6 +43,7 @@ from medley.sim.program import (
 )
 from medley.sim.report import assemble_result
 from medley.sim.result import SimResult
+from medley.sim.run_state import RunRecord
 
 
 class SimulationError(RuntimeError):
@@ -59,8 +60,8 @@ class _Run:
         self.clock = [0.0] * n  # compute stream free = program point
         self.blocked_on = [-1] * n
         self.busy = [0.0] * n
-        self.exposed_p2p = [0.0] * n
-        self.exposed_zero: list[dict[int, float]] = [{} for _ in range(n)]
+        self.exposed_transfer = [0.0] * n
+        self.collective_waits: list[list[tuple[float, float, int]]] = [[] for _ in range(n)]
         self.compute: list[list[tuple[float, float, Action]]] = [[] for _ in range(n)]
         self.mem_events: list[list[tuple[float, float]]] = [[] for _ in range(n)]
         self.p2p_free = [0.0] * n
@@ -80,7 +81,7 @@ class _Run:
         prog, times = self.prog, self.prog.times
         ops = prog.ops[d]
         i, t, n = self.pc[d], self.clock[d], len(ops)
-        busy, exposed_p2p = self.busy[d], self.exposed_p2p[d]
+        busy, exposed_transfer = self.busy[d], self.exposed_transfer[d]
         timeline, mem = self.compute[d], self.mem_events[d]
         while i < n:
             op = ops[i]
@@ -99,13 +100,11 @@ class _Run:
                 base = t if t > ready_local else ready_local
                 data = base if base > arrival else arrival
                 start = data if data > collective else collective
-                if start > t:
+                if start > t:  # a wait, split as medley.sim.result says
                     produced = times[producer]
-                    exposed_p2p += data - (base if base > produced else produced)
-                    if start > data:
-                        stage = prog.coll_action[zero_inst].stage
-                        waits = self.exposed_zero[d]
-                        waits[stage] = waits.get(stage, 0.0) + start - data
+                    exposed_transfer += data - (base if base > produced else produced)
+                    if start > data:  # past the data: laid over the collectives by the report
+                        self.collective_waits[d].append((data, start, zero_inst))
                 t = start + dur
                 times[out] = t
                 busy += dur
@@ -131,7 +130,7 @@ class _Run:
                     mem.append((t, -op[2]))
             i += 1
         self.pc[d], self.clock[d] = i, t
-        self.busy[d], self.exposed_p2p[d] = busy, exposed_p2p
+        self.busy[d], self.exposed_transfer[d] = busy, exposed_transfer
 
     def _try_push(self, inst: int) -> None:
         prog = self.prog
@@ -212,6 +211,14 @@ class _Run:
         if stuck:
             raise SimulationError(self._deadlock_error(stuck))
 
+    def record(self) -> RunRecord:
+        return RunRecord(
+            prog=self.prog, busy=self.busy, compute=self.compute, mem_events=self.mem_events,
+            exposed_transfer=self.exposed_transfer, collective_waits=self.collective_waits,
+            xfer_start=self.xfer_start, coll_start=self.coll_start,
+            executed_ops=sum(self.pc),  # each device's program counter: the ops it ran
+        )
+
     def _where(self, d: int) -> str:
         r, k = self.prog.replica_rank[d]
         return f"device {self.prog.device_ids[d]} (replica {r}, rank {k})"
@@ -252,7 +259,7 @@ def simulate(problem: SimProblem) -> SimResult:
         prog = build_program(problem)
         run = _Run(prog)
         run.run()
-        return assemble_result(problem, run)
+        return assemble_result(problem, run.record())
     finally:
         if was_enabled:
             gc.enable()

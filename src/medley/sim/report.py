@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from bisect import bisect_right
 
 from medley.schedule.ir import Action, Kind
 from medley.sim.problem import SimProblem
 from medley.sim.result import DeviceReport, SimResult, StageZeroReport, Transfer
-
-if TYPE_CHECKING:
-    from medley.sim.engine import _Run
+from medley.sim.run_state import RunRecord
 
 
-def assemble_result(problem: SimProblem, run: _Run) -> SimResult:
+def assemble_result(problem: SimProblem, run: RunRecord) -> SimResult:
     prog = run.prog
     xfer_end = [prog.times[slot] for slot in prog.xfer_slot]
     coll_end = [prog.times[slot] for slot in prog.coll_slot]
-    step = max([*run.clock, *xfer_end, *coll_end, 0.0])
-    zero_comm, zero_tail = _zero_per_device(run, coll_end)
+    last_compute = [timeline[-1][1] if timeline else 0.0 for timeline in run.compute]
+    step = max([*last_compute, *xfer_end, *coll_end, 0.0])
     devices: list[DeviceReport] = []
     memory: dict[int, tuple[list[float], list[float]]] = {}
     compute: dict[int, list[tuple[float, float, Action]]] = {}
@@ -29,21 +27,20 @@ def assemble_result(problem: SimProblem, run: _Run) -> SimResult:
         static = problem.static_memory_bytes.get(device_id, 0.0)
         memory[device_id] = _memory_series(static, run.mem_events[d])
         compute[device_id] = timeline
-        exposed_zero = dict(run.exposed_zero[d])
-        for stage, tail in zero_tail[d].items():
-            exposed_zero[stage] = exposed_zero.get(stage, 0.0) + max(0.0, tail - last)
+        parts = _Attribution(run, d, coll_end)
+        parts.run(step)
         replica, rank = prog.replica_rank[d]
         devices.append(DeviceReport(
             device=device_id, replica=replica, rank=rank, busy_s=run.busy[d], idle_s=step - run.busy[d],
             head_idle_s=first, interior_idle_s=max(0.0, (last - first) - run.busy[d]),
-            tail_idle_s=step - last, exposed_p2p_s=run.exposed_p2p[d],
-            exposed_zero_s=sum(exposed_zero.values()), static_memory_bytes=static,
-            peak_memory_bytes=max(memory[device_id][1]), step_time_s=step,
+            tail_idle_s=step - last, bubble_s=parts.bubble, exposed_transfer_s=parts.transfer,
+            exposed_zero_s=parts.zero, exposed_clip_s=parts.clip, clip_barrier_s=parts.barrier,
+            static_memory_bytes=static, peak_memory_bytes=max(memory[device_id][1]), step_time_s=step,
         ))
-        for stage, comm_s in zero_comm[d].items():
+        for stage, comm_s in parts.zero_comm.items():
             report = zero.setdefault(stage, StageZeroReport(stage=stage, comm_s=0.0, exposed_s=0.0))
             report.comm_s = max(report.comm_s, comm_s)
-            report.exposed_s = max(report.exposed_s, exposed_zero.get(stage, 0.0))
+            report.exposed_s = max(report.exposed_s, parts.zero_by_stage.get(stage, 0.0))
     peak = sum(problem.peak_flops.get(device_id, 0.0) for device_id in prog.device_ids)
     return SimResult(
         step_time_s=step,
@@ -59,30 +56,76 @@ def assemble_result(problem: SimProblem, run: _Run) -> SimResult:
         ],
         memory=memory,
         link_names=list(prog.link_names),
+        executed_ops=run.executed_ops,
     )
 
 
-def _zero_per_device(
-    run: _Run, coll_end: list[float]
-) -> tuple[list[dict[int, float]], list[dict[int, float]]]:
-    """Per device and stage: summed collective time, and the latest end of its collectives."""
-    prog = run.prog
-    comm: list[dict[int, float]] = [{} for _ in prog.ops]
-    latest: list[dict[int, float]] = [{} for _ in prog.ops]
-    for inst, members in enumerate(prog.coll_members):
-        stage = prog.coll_action[inst].stage
-        for m in members:
-            comm[m][stage] = comm[m].get(stage, 0.0) + prog.coll_dur[inst]
-            latest[m][stage] = max(latest[m].get(stage, 0.0), coll_end[inst])
-    # Only the collective ending last on a device can be exposed past its last compute.
-    tails: list[dict[int, float]] = []
-    for ends in latest:
-        if ends:
-            stage = max(ends, key=ends.__getitem__)
-            tails.append({stage: ends[stage]})
-        else:
-            tails.append({})
-    return comm, tails
+class _Attribution:
+    """Splits one device's idle time into bubble, exposed transfer, exposed ZeRO, exposed CLIP
+    all-reduce and clipping barrier (the rules: :mod:`medley.sim.result`).
+
+    The engine has split each wait before a compute action at the moment its data (activation,
+    gradient, local producer) was there: before that, the wait is bubble up to the producer's end
+    and exposed transfer from there to the arrival (the engine sums the latter); after it, the
+    action waited for a collective (``RunRecord.collective_waits``). That collective wait, like
+    the tail after the last compute action, is laid over the device's own collectives, which run
+    one at a time on its collective stream (sorted and disjoint): time inside a ZeRO collective
+    is exposed ZeRO (of that collective's stage), inside a CLIP exposed CLIP; time before a
+    collective starts, waiting for other members to issue it, is the clipping barrier when that
+    collective is a CLIP and bubble otherwise. Bubble is what idle time remains.
+    """
+
+    def __init__(self, run: RunRecord, d: int, coll_end: list[float]) -> None:
+        self.run_record, self.d = run, d
+        prog = run.prog
+        seq = prog.coll_seq[d]
+        self.inst = seq
+        self.starts = [run.coll_start[i] for i in seq]
+        self.ends = [coll_end[i] for i in seq]
+        self.is_clip = [prog.coll_action[i].kind is Kind.CLIP for i in seq]
+        self.transfer = run.exposed_transfer[d]
+        self.bubble = self.zero = self.clip = self.barrier = 0.0
+        self.zero_by_stage: dict[int, float] = {}
+        self.zero_comm: dict[int, float] = {}
+        for i, start, end, clip in zip(seq, self.starts, self.ends, self.is_clip, strict=True):
+            if not clip:
+                stage = prog.coll_action[i].stage
+                self.zero_comm[stage] = self.zero_comm.get(stage, 0.0) + (end - start)
+
+    def run(self, step: float) -> None:
+        record = self.run_record
+        actions = record.prog.coll_action
+        for data, start, inst in record.collective_waits[self.d]:
+            self._over_collectives(data, start, inst >= 0 and actions[inst].kind is Kind.CLIP)
+        timeline = record.compute[self.d]
+        last = timeline[-1][1] if timeline else 0.0
+        if step > last:
+            self._over_collectives(last, step, False)
+        idle = step - record.busy[self.d]
+        self.bubble = max(0.0, idle - self.transfer - self.zero - self.clip - self.barrier)
+
+    def _over_collectives(self, lo: float, hi: float, clip_after: bool) -> None:
+        """Attribute the idle span [lo, hi] by the device's collectives; any part after the last
+        of them is the clipping barrier if ``clip_after`` (the blocking collective is a CLIP),
+        else bubble (left to the remainder)."""
+        prog = self.run_record.prog
+        cursor = lo
+        j = bisect_right(self.ends, lo)
+        while j < len(self.inst) and self.starts[j] < hi and cursor < hi:
+            begin, finish = max(cursor, self.starts[j]), min(hi, self.ends[j])
+            if begin > cursor and self.is_clip[j]:  # waiting for the other ranks to reach CLIP
+                self.barrier += begin - cursor
+            if finish > begin:
+                if self.is_clip[j]:
+                    self.clip += finish - begin
+                else:
+                    self.zero += finish - begin
+                    stage = prog.coll_action[self.inst[j]].stage
+                    self.zero_by_stage[stage] = self.zero_by_stage.get(stage, 0.0) + finish - begin
+            cursor = max(cursor, finish)
+            j += 1
+        if hi > cursor and clip_after:
+            self.barrier += hi - cursor
 
 
 def _memory_series(static: float, events: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
@@ -102,7 +145,7 @@ def _memory_series(static: float, events: list[tuple[float, float]]) -> tuple[li
     return times, levels
 
 
-def _transfers(run: _Run, xfer_end: list[float]) -> list[Transfer]:
+def _transfers(run: RunRecord, xfer_end: list[float]) -> list[Transfer]:
     prog = run.prog
     ids = prog.device_ids
     kinds = (Kind.SEND_F, Kind.SEND_B)
