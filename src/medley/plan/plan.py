@@ -40,8 +40,10 @@ class Prediction:
         step_time_s: simulated step time.
         tokens_per_s: tokens of the global batch per simulated second.
         mfu: model FLOPs utilisation against the dense peaks of the devices used.
-        bubble_fraction: mean idle share of the devices over the step.
-        exposed_comm_s: mean time per device spent waiting on communication.
+        bubble_fraction: mean share of the step the devices wait for other pipeline stages or
+            replicas (pipeline fill and drain, waits at collectives for slower members).
+        exposed_comm_s: mean time per device idle while its own communication runs (transfers
+            past the producer's finish, ZeRO collectives, the gradient-norm CLIP all-reduce).
         peak_memory_gb: simulated peak memory of each device used, by device id.
         cost_source: where the per-layer times came from (catalog estimate or a profile file).
     """
