@@ -62,7 +62,10 @@ def test_pass_keeps_compute_order_and_dp_groups_agree(plan) -> None:
         uneven = len({s.num_micro_batches for s in schedules}) > 1
         rounds = any(z.level == 3 and (policy == "naive" or z.gather_windows != 1) for z in zero)
         assert several_stages_per_rank and uneven and rounds, str(err)
-        assert "no common collective order" in str(err)
+        per_use = any(z.level == 3 and (policy == "naive" or z.gather_windows == 0) for z in zero)
+        # Per-micro-batch gathers there are refused up front (they can deadlock on P2P even where
+        # an issue order exists); other rounds only when no common order exists.
+        assert ("per micro-batch" if per_use else "no common collective order") in str(err)
         return
     for before, after in zip(schedules, placed, strict=True):
         assert after.compute_only().actions == before.compute_only().actions

@@ -13,7 +13,7 @@ from typing import Any
 from medley.errors import MedleyInputError
 from medley.schedule.generators import generate
 from medley.schedule.ir import PipelineSchedule
-from medley.schedule.zero import Placement, StageZero, place_collectives
+from medley.schedule.zero import CollectiveMismatchError, Placement, StageZero, place_collectives
 from medley.spec.model import ModelSpec
 
 
@@ -89,7 +89,11 @@ def build_schedules(layout: PlanLayout) -> list[PipelineSchedule]:
             f"--split gives {layout.num_stages} stages but schedule '{layout.schedule}' with pp={layout.pp} "
             f"has {schedules[0].num_stages}; give one layer count per stage"
         )
-    return place_collectives(
-        schedules, layout.zero, stage_layers=layout.stage_layers, policy=layout.placement,
-        clip_grad=layout.clip_grad or layout.tied_copies,
-    )
+    try:
+        return place_collectives(
+            schedules, layout.zero, stage_layers=layout.stage_layers, policy=layout.placement,
+            clip_grad=layout.clip_grad or layout.tied_copies,
+        )
+    except CollectiveMismatchError as err:
+        raise MedleyInputError(f"--zero / --zero-placement / --gather-windows (the plan's layout.zero): "
+                               f"{err}") from None

@@ -240,6 +240,7 @@ def place_collectives(
         )
     if any(s.stage_to_rank != first.stage_to_rank for s in schedules):
         raise ValueError("all replicas must place stages on pipeline ranks the same way")
+    _check_per_use_gathers(schedules, zero, policy)
     buckets = bucket_layers(stage_layers, zero, policy)
     bases = [[[a for a in row if a.kind not in COLLECTIVE_KINDS] for row in s.actions] for s in schedules]
     uses = [
@@ -270,6 +271,27 @@ def place_collectives(
         out.append(placed_sched)
     check_dp_consistency(out)
     return out
+
+
+def _check_per_use_gathers(
+    schedules: Sequence[PipelineSchedule], zero: Sequence[StageZero], policy: Placement
+) -> None:
+    """Refuse ZeRO-3 gathers per compute action (naive policy, or streamed) on a rank that holds
+    several stages when replicas run different micro-batch counts: the replica with fewer pads its
+    gather rounds at the end of its program, out of step with the other stages' transfers of its
+    own pipeline, which can deadlock (seen with interleaved 1F1B)."""
+    counts = {s.num_micro_batches for s in schedules}
+    first = schedules[0]
+    if len(counts) == 1 or all(len(first.stages_of_rank(r)) == 1 for r in range(first.num_ranks)):
+        return
+    for stage, setting in enumerate(zero):
+        meaning = zero_level(setting.level)
+        if meaning.gathers_for_compute and (policy is Placement.NAIVE or setting.streams):
+            raise CollectiveMismatchError(
+                f"stage {stage} gathers its ZeRO-3 weights per micro-batch (naive placement or "
+                f"gather_windows=0) on a rank that holds several stages, and replicas run "
+                f"{sorted(counts)} micro-batches; use gather_windows >= 1 with the bubble placement, "
+                "or equal micro-batch counts")
 
 
 def _behind_clip(row: list[Action], stage: int) -> list[Action]:
