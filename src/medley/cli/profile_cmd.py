@@ -99,6 +99,9 @@ def register(app: typer.Typer) -> None:
         comm_sizes: Annotated[
             str | None, typer.Option(help="Message bytes for --comm, e.g. 4096,1048576")
         ] = None,
+        overhead: Annotated[
+            bool, typer.Option(help="Also measure the runtime's cost per action and per transfer (CPU)")
+        ] = True,
         out: Annotated[Path, typer.Option(help="Profile file to write (JSON)")] = Path("profile.json"),
         as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON")] = False,
     ) -> None:
@@ -116,10 +119,11 @@ def register(app: typer.Typer) -> None:
         ranks = () if comm_ranks.strip() == "0" else _ints(comm_ranks, "--comm-ranks")
         spec = get_model(model)
         sizes, lens = _ints(micro_batch_sizes, "--micro-batch-sizes"), _ints(seq_len, "--seq-len")
-        with progress_steps(profile_steps(ranks), enabled=not as_json) as step:
+        overhead = overhead and device == "cpu"
+        with progress_steps(profile_steps(ranks, overhead=overhead), enabled=not as_json) as step:
             profile = run_profile(spec, device=device, device_type=device_type, micro_batch_sizes=sizes,
                                   seq_lens=lens, dtype=dtype, threads=max(1, threads), runs=max(1, runs),
-                                  comm_ranks=ranks, progress=step)
+                                  comm_ranks=ranks, progress=step, overhead=overhead)
         save_profile(profile, out)
         if as_json:
             typer.echo(json.dumps(profile.model_dump(mode="json"), indent=1))
