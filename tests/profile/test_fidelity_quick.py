@@ -1,8 +1,10 @@
-"""The fidelity harness end to end on two plans: profile, simulate, train for real, report.
+"""The fidelity harness end to end on two plans of the planner's regime: profile (with the
+runtime's overhead), simulate, train for real, report.
 
-Timing targets live in bench/fidelity.py; here the loop must run and produce every figure, and
-the memory model must agree with the runtime's measured peak (a deterministic count of live
-tensor bytes) within 15% on every rank.
+The step-time bound: the median of the two plans' errors against their fastest step stays within
+35% (a simulator off by half fails it, see test_fidelity_bounds.py); a machine busy with other
+work can spoil one run, so a failing run is repeated once before the test fails. Peak memory,
+a deterministic count of live tensor bytes, must agree within 15% on every rank.
 """
 
 from __future__ import annotations
@@ -12,29 +14,54 @@ from pathlib import Path
 
 import pytest
 
-from medley.profile.fidelity import FidelityCase
-from medley.profile.harness import TINY, harness_steps, run_harness
+from medley.profile.fidelity import FidelityCase, memory_failure, timing_failure
+from medley.profile.harness import TINY, harness_steps, profiles_for, run_cases, run_harness
+
+TIMING_BOUND = 0.35
+MEMORY_BOUND = 0.15
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(600)
 def test_two_plans_predicted_and_measured(tmp_path: Path) -> None:
     cases = [
-        FidelityCase(name="pp2", model=TINY, pp=2, dp=1, split="2,2", zero="0,0", seq_len=32),
-        FidelityCase(name="dp2-zero3", model=TINY, pp=1, dp=2, zero="3", seq_len=32, micro_batches="3"),
+        FidelityCase(
+            name="pp2-clip", model=TINY, pp=2, dp=1, split="2,2", zero="0,0", seq_len=32, clip_grad=True
+        ),
+        FidelityCase(
+            name="dp2-zero3-stream",
+            model=TINY,
+            pp=1,
+            dp=2,
+            zero="3",
+            buckets=4,
+            gather_windows=0,
+            seq_len=32,
+            micro_batches="3",
+            clip_grad=True,
+        ),
     ]
     steps: list[str] = []
-    results = run_harness(cases, tmp_path, name="quick", steps=4, comm_sizes=(4096, 65536),
-                          progress=steps.append)
+    results = run_harness(
+        cases, tmp_path, name="quick", steps=6, comm_sizes=(4096, 65536), progress=steps.append
+    )
     assert len(steps) == harness_steps(cases) and steps[-1].startswith("dp2-zero3")  # `fidelity` shows these
-    assert [r.case for r in results] == ["pp2", "dp2-zero3"]
+    assert [r.case for r in results] == ["pp2-clip", "dp2-zero3-stream"]
     for r in results:
         assert r.predicted_step_s > 0 and r.fastest_step_s > 0 and r.measured_step_s >= r.fastest_step_s
         assert r.cost_source == "profile:profile-cpu-tiny.json"
         assert sorted(r.measured_memory) == sorted(r.predicted_memory) == [0, 1]
-        for device, error in r.memory_errors.items():
-            assert abs(error) < 0.15, f"{r.case} device {device}: memory off by {error:+.1%}"
+        assert r.predicted_step_s > r.predicted_no_overhead_s  # the measured overhead entered the prediction
+        assert r.breakdown["compute_actions"] > 0 and "clip" in r.tags
+    assert memory_failure(results, bound=MEMORY_BOUND) is None
     report = json.loads((tmp_path / "quick.json").read_text())
     assert report["summary"]["cases"] == 2 and len(report["results"]) == 2
-    assert "| pp2 |" in (tmp_path / "quick.md").read_text()
+    assert report["meta"]["overhead"]["tiny"]["action_s"] > 0
+    assert "| pp2-clip |" in (tmp_path / "quick.md").read_text()
     profile = json.loads((tmp_path / "profile-cpu-tiny.json").read_text())
     assert profile["comm"]["link_by_ranks"].keys() == {"2"}
+    assert profile["overhead"]["figures"]["probe_layers_s"] > 0
+    failure = timing_failure(results, bound=TIMING_BOUND)
+    if failure is not None:  # once more, on the same profiles: the machine may have been busy
+        profiles = profiles_for(cases, tmp_path, reuse=True)
+        again = run_cases(cases, profiles, steps=6, refresh_layers=False)
+        assert timing_failure(again, bound=TIMING_BOUND) is None, f"twice: {failure}"

@@ -137,7 +137,9 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Path, typer.Option(help="Directory for the profiles and the report")] = Path(
             "out/fidelity"
         ),
-        quick: Annotated[bool, typer.Option(help="Two plans only (pp2 1F1B, dp2 ZeRO-1)")] = False,
+        quick: Annotated[
+            bool, typer.Option(help="Two plans only (clipped pp2 1F1B, dp2 streamed ZeRO-3)")
+        ] = False,
         cases: Annotated[str, typer.Option(help="Comma-separated case names (default: all)")] = "",
         steps: Annotated[
             int, typer.Option(help="Training steps per plan (the first min(5, steps/2) untimed)")
@@ -152,11 +154,9 @@ def register(app: typer.Typer) -> None:
         Profiles, simulates and trains plans on this machine's CPU and writes JSON + Markdown to
         --out (bench/fidelity.py runs the same)."""
         check_output_dir(out, flag="--out")
-        from medley.profile.harness import default_cases, harness_steps, run_harness
+        from medley.profile.harness import default_cases, harness_steps, quick_cases, run_harness
 
-        chosen = default_cases()
-        if quick:
-            chosen = chosen[:1] + chosen[3:4]
+        chosen = quick_cases() if quick else default_cases()
         if cases:
             wanted = set(cases.split(","))
             unknown = sorted(wanted - {c.name for c in chosen})
