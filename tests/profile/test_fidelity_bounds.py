@@ -98,7 +98,7 @@ def test_report_prose_is_computed_from_the_json() -> None:
         and "1 of 2 under-predicted" in text
     )
     assert "The worst step-time case is b" in text and "adds 30.0 ms" in text
-    assert "0.0% in fp32 (worst 0.0%), 30.0% in bf16 (worst 30.0%)" in text
+    assert "median |error| 0.0% in fp32 (worst 0.0%); median |error| 30.0% in bf16 (worst 30.0%)." in text
     assert "The worst peak-memory case is b device 0" in text
     assert "200 µs per compute action, 50 µs per transfer" in text
     assert "| bf16 | 1 | +50.0% |" in text

@@ -1,5 +1,6 @@
-"""The fidelity harness end to end on two plans of the planner's regime: profile (with the
-runtime's overhead), simulate, train for real, report.
+"""The fidelity harness end to end on two plans of the planner's regime (clipping; ZeRO-1 with
+layer buckets, the planner's first choice for two CPU ranks): profile (with the runtime's
+overhead), simulate, train for real, report.
 
 The step-time bound: the median of the two plans' errors against their fastest step stays within
 35% (a simulator off by half fails it, see test_fidelity_bounds.py); a machine busy with other
@@ -28,13 +29,12 @@ def test_two_plans_predicted_and_measured(tmp_path: Path) -> None:
             name="pp2-clip", model=TINY, pp=2, dp=1, split="2,2", zero="0,0", seq_len=32, clip_grad=True
         ),
         FidelityCase(
-            name="dp2-zero3-stream",
+            name="dp2-zero1-b4",
             model=TINY,
             pp=1,
             dp=2,
-            zero="3",
+            zero="1",
             buckets=4,
-            gather_windows=0,
             seq_len=32,
             micro_batches="3",
             clip_grad=True,
@@ -44,18 +44,18 @@ def test_two_plans_predicted_and_measured(tmp_path: Path) -> None:
     results = run_harness(
         cases, tmp_path, name="quick", steps=6, comm_sizes=(4096, 65536), progress=steps.append
     )
-    assert len(steps) == harness_steps(cases) and steps[-1].startswith("dp2-zero3")  # `fidelity` shows these
-    assert [r.case for r in results] == ["pp2-clip", "dp2-zero3-stream"]
+    assert len(steps) == harness_steps(cases) and steps[-1].startswith("dp2-zero1")  # `fidelity` shows these
+    assert [r.case for r in results] == ["pp2-clip", "dp2-zero1-b4"]
     for r in results:
         assert r.predicted_step_s > 0 and r.fastest_step_s > 0 and r.measured_step_s >= r.fastest_step_s
         assert r.cost_source == "profile:profile-cpu-tiny.json"
         assert sorted(r.measured_memory) == sorted(r.predicted_memory) == [0, 1]
-        assert r.predicted_step_s > r.predicted_no_overhead_s  # the measured overhead entered the prediction
+        assert r.predicted_step_s >= r.predicted_no_overhead_s  # the overhead only adds (0 if none measured)
         assert r.breakdown["compute_actions"] > 0 and "clip" in r.tags
     assert memory_failure(results, bound=MEMORY_BOUND) is None
     report = json.loads((tmp_path / "quick.json").read_text())
     assert report["summary"]["cases"] == 2 and len(report["results"]) == 2
-    assert report["meta"]["overhead"]["tiny"]["action_s"] > 0
+    assert report["meta"]["overhead"]["tiny"]["figures"]["slope_per_micro_batch_s"] > 0
     assert "| pp2-clip |" in (tmp_path / "quick.md").read_text()
     profile = json.loads((tmp_path / "profile-cpu-tiny.json").read_text())
     assert profile["comm"]["link_by_ranks"].keys() == {"2"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -138,7 +139,7 @@ def register(app: typer.Typer) -> None:
             "out/fidelity"
         ),
         quick: Annotated[
-            bool, typer.Option(help="Two plans only (clipped pp2 1F1B, dp2 streamed ZeRO-3)")
+            bool, typer.Option(help="Two plans only (clipped pp2 1F1B, dp2 ZeRO-1 in 4 buckets)")
         ] = False,
         cases: Annotated[str, typer.Option(help="Comma-separated case names (default: all)")] = "",
         steps: Annotated[
@@ -168,6 +169,7 @@ def register(app: typer.Typer) -> None:
             raise MedleyInputError(f"--steps {steps}: run at least 2 steps (the first ones are untimed)")
         with progress_steps(harness_steps(chosen, reuse_profiles=reuse_profiles)) as step:
             results = run_harness(chosen, out, name="fidelity", steps=steps, reuse_profiles=reuse_profiles,
+                                  meta={"command": " ".join(["medley", *sys.argv[1:]])},
                                   progress=step)
         table = Table(title=f"fidelity on this machine ({out / 'fidelity.md'})")
         for col in ("case", "predicted ms", "fastest ms", "error", "median ms", "worst memory error"):

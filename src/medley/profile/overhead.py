@@ -18,7 +18,10 @@ on the runtime itself:
   does (``isend``, ``recv`` into ``torch.empty``); half the round trip, less what the profile's
   two-rank link fit already charges for that message (when collectives were measured too).
 
-Both are clamped at 0 and stored in the profile's ``overhead`` (older profiles have none: 0).
+Both are clamped at 0 and stored in the profile's ``overhead`` (older profiles have none: 0). The
+per-action figure is a difference of two timings and can come out below 0: the layer profile's
+own fixed cost per layer pass (timers, allocator queries) then already covers the executor's;
+``figures["residual_per_action_s"]`` keeps the signed value.
 """
 
 from __future__ import annotations
@@ -89,9 +92,10 @@ def measure_action_overhead(*, dtype: str = "fp32", steps: int = 10, runs: int =
     # Before and after the runs: other work on a shared machine only adds time, so the lower.
     layer_s = min(before, layers_s())
     slope = (times[high] - times[low]) / (high - low)
-    per_action = max(0.0, (slope - layer_s) / 2)
-    return per_action, {"step_s": {str(m): t for m, t in times.items()}, "slope_per_micro_batch_s": slope,
-                        "probe_layers_s": layer_s}
+    residual = (slope - layer_s) / 2  # below 0 when the profile's own per-layer costs exceed the executor's
+    return max(0.0, residual), {"step_s": {str(m): t for m, t in times.items()},
+                                "slope_per_micro_batch_s": slope, "probe_layers_s": layer_s,
+                                "residual_per_action_s": residual}
 
 
 def _handoff_worker(rank: int, port: int, trips: int, rounds: int, out: str) -> None:

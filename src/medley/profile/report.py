@@ -124,10 +124,15 @@ def _summary(results: Sequence[FidelityResult]) -> list[str]:
         f"against the fastest step is {s['median_abs_no_overhead_error']:.1%} (worst "
         f"{s['worst_abs_no_overhead_error']:.1%}; {under_bare} of {len(results)} under-predicted).",
         "",
-        f"Peak memory per rank: median |error| {s['median_abs_memory_error_fp32']:.1%} in fp32 (worst "
-        f"{s['worst_abs_memory_error_fp32']:.1%}), {s['median_abs_memory_error_bf16']:.1%} in bf16 (worst "
-        f"{s['worst_abs_memory_error_bf16']:.1%}).",
+        "Peak memory per rank: " + "; ".join(_memory_phrase(s, dtype) for dtype in ("fp32", "bf16")) + ".",
     ]
+
+
+def _memory_phrase(summary: dict[str, float], dtype: str) -> str:
+    median = summary[f"median_abs_memory_error_{dtype}"]
+    if median != median:  # NaN: no case in this precision
+        return f"no {dtype} case"
+    return f"median |error| {median:.1%} in {dtype} (worst {summary[f'worst_abs_memory_error_{dtype}']:.1%})"
 
 
 def _by_tag(results: Sequence[FidelityResult]) -> list[str]:
@@ -173,7 +178,8 @@ def explain_worst(r: FidelityResult) -> str:
         )
         verb = "misses" if gap > 0 else "adds"
         share = [f"{abs(gap) / compute:.0%} of the predicted compute"] if compute > 0 else []
-        share += [f"{abs(gap) / comm:.0%} of the predicted exposed communication"] if comm > 0 else []
+        if 0 < abs(gap) <= comm:
+            share.append(f"{abs(gap) / comm:.0%} of the predicted exposed communication")
         parts.append(
             f"The prediction {verb} {_ms(abs(gap))} ms: " + (" or ".join(share) or "no modelled part") + "."
         )
@@ -192,8 +198,9 @@ def explain_worst(r: FidelityResult) -> str:
         parts.append(
             f"Measured, rank {slowest} was slowest (median {_ms(r.measured_by_device[slowest])} ms); "
             f"background load during the run {r.background_cores:.2f} cores, emulation sleeps "
-            f"{_ms(r.emulated_sleep_s)} ms per step; without the overhead term the prediction was "
-            f"{_ms(r.predicted_no_overhead_s)} ms ({_pct(r.no_overhead_error)})."
+            f"{_ms(r.emulated_sleep_s)} ms per step (the load-aware prediction is "
+            f"{_pct(r.loaded_step_error)} against the median step); without the overhead term the "
+            f"prediction was {_ms(r.predicted_no_overhead_s)} ms ({_pct(r.no_overhead_error)})."
         )
     return " ".join(parts)
 
@@ -215,10 +222,15 @@ def _overhead(meta: dict[str, Any]) -> list[str]:
     lines = []
     for key, fit in sorted((meta.get("overhead") or {}).items()):
         if fit:
+            figures = fit.get("figures", {})
+            residual = figures.get("residual_per_action_s")
+            signed = (
+                "" if residual is None else f" (measured residual {residual * 1e6:+.0f} µs, clamped at 0)"
+            )
             lines.append(
-                f"- profile {key}: {fit['action_s'] * 1e6:.0f} µs per compute action, "
+                f"- profile {key}: {fit['action_s'] * 1e6:.0f} µs per compute action{signed}, "
                 f"{fit['p2p_handoff_s'] * 1e6:.0f} µs per transfer beyond the link "
-                f"(hand-off measured {fit.get('figures', {}).get('handoff_s', 0.0) * 1e6:.0f} µs)."
+                f"(hand-off measured {figures.get('handoff_s', 0.0) * 1e6:.0f} µs)."
             )
         else:
             lines.append(f"- profile {key}: no overhead measured (predicted as 0).")
