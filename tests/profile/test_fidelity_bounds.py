@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from medley.profile.fidelity import FidelityResult, memory_failure, timing_failure
+from medley.cost.profiles import load_profile
+from medley.profile.fidelity import (
+    FidelityResult,
+    case_layout,
+    describe,
+    emulate,
+    memory_failure,
+    tags,
+    timing_failure,
+)
+from medley.profile.fidelity_cases import TINY, planned_cases
 from medley.profile.report import markdown_from_payload, payload_of
 
 
@@ -108,3 +119,14 @@ def test_report_prose_is_computed_from_the_json() -> None:
 def test_exact_predictions_pass_any_bound(bound: float) -> None:
     exact = [_result("a", predicted_ms=40.0, fastest_ms=40.0)]
     assert timing_failure(exact, bound=bound) is None
+
+
+def test_planned_case_runs_the_planners_plan(tmp_path: Path) -> None:
+    """A planned case is the planner's ranked plan on the emulated cluster, in the case's precision."""
+    profile = load_profile(Path(__file__).parents[2] / "bench" / "results" / "profile-cpu-tiny.json")
+    case = planned_cases(top=1)[0]
+    emulated, _ = emulate(case, profile, profile_name="p.json", directory=tmp_path, cores=2)
+    layout = case_layout(case, emulated)
+    assert layout.model == TINY and layout.dtype == "bf16" and layout.clip_grad  # the planner always clips
+    assert sum(layout.micro_batches) * layout.micro_batch_size == case.global_batch
+    assert "planner's plan" in tags(layout, case) and describe(layout).endswith("bf16")
