@@ -4,7 +4,9 @@ overhead), simulate, train for real, report.
 
 The step-time bound: the median of the two plans' errors against their fastest step stays within
 35% (a simulator off by half fails it, see test_fidelity_bounds.py); a machine busy with other
-work can spoil one run, so a failing run is repeated once before the test fails. Peak memory,
+work can spoil one run, so a failing run is repeated once before the test fails, and when other
+work used half a core or more during both attempts the timing check is skipped (saying so) rather
+than failed: such a machine cannot tell a good simulator from a bad one. Peak memory,
 a deterministic count of live tensor bytes, must agree within 15% on every rank.
 """
 
@@ -20,6 +22,7 @@ from medley.profile.harness import TINY, harness_steps, profiles_for, run_cases,
 
 TIMING_BOUND = 0.35
 MEMORY_BOUND = 0.15
+BUSY_CORES = 0.5  # other work (measured during a run) past which step times say nothing
 
 
 @pytest.mark.timeout(600)
@@ -64,4 +67,13 @@ def test_two_plans_predicted_and_measured(tmp_path: Path) -> None:
     if failure is not None:  # once more, on the same profiles: the machine may have been busy
         profiles = profiles_for(cases, tmp_path, reuse=True)
         again = run_cases(cases, profiles, steps=6, refresh_layers=False)
-        assert timing_failure(again, bound=TIMING_BOUND) is None, f"twice: {failure}"
+        second = timing_failure(again, bound=TIMING_BOUND)
+        busy = min(max(r.background_cores for r in attempt) for attempt in (results, again))
+        if second is not None and busy >= BUSY_CORES:
+            pytest.skip(
+                f"the bound is for a quiet machine; other work used up to {busy:.2f} cores "
+                f"during both attempts here: {second}"
+            )
+        assert second is None, (
+            f"twice, one attempt with at most {busy:.2f} cores of other work: {failure}; {second}"
+        )

@@ -121,7 +121,9 @@ def _stage_cost(
 
     Measured sources (profiles, see :class:`MeasuredCosts`) also give the fused backward time and
     activation bytes; the formulas answer otherwise. The first stage's input (token ids) takes no
-    gradient, so its split backward does everything at W, as torch and medley's runtime do.
+    gradient, so its split backward does everything at W, as torch and medley's runtime do. A
+    measured source may also give the runtime executor's cost per compute action
+    (``action_overhead_time``, see :mod:`medley.profile.overhead`), added once to each.
     """
     mbs, seq, model = layout.micro_batch_size, layout.seq_len, layout.model
     recompute = bool(layout.recompute and layout.recompute[stage])

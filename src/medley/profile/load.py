@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ class CpuUse:
     Attributes:
         wall_s: duration.
         machine_cores: busy cores of the machine, on average.
-        own_cores: cores used by this process and its finished children, on average.
+        own_cores: cores used by this process and its descendants, on average.
     """
 
     wall_s: float
@@ -38,17 +39,67 @@ def _busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def _own_seconds() -> float:
-    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+def _tree_ticks(root: int) -> dict[int, int]:
+    """CPU clock ticks (user + system) of every live descendant of ``root``, by pid."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        parents[int(entry)] = int(fields[1])
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])
+    tree, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - tree
+        tree |= frontier
+    return {pid: ticks[pid] for pid in tree}
+
+
+class _TreeSampler(threading.Thread):
+    """Samples the CPU time of this process's descendants until stopped: ranks started through a
+    fork server are its children, not ours, so ``getrusage`` never counts them."""
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.interval_s = interval_s
+        self.stopped = threading.Event()
+        self.first = _tree_ticks(os.getpid())  # what live descendants had used before the block
+        self.last = dict(self.first)
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            self.last.update(_tree_ticks(os.getpid()))
+
+    def seconds(self) -> float:
+        self.stopped.set()
+        self.join()
+        self.last.update(_tree_ticks(os.getpid()))
+        ticks = sum(t - self.first.get(pid, 0) for pid, t in self.last.items())
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _self_seconds() -> float:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return me.ru_utime + me.ru_stime
 
 
 @contextlib.contextmanager
 def cpu_meter() -> Iterator[list[CpuUse]]:
-    """Measure CPU use around a block; the result is appended to the list."""
+    """Measure CPU use around a block; the result is appended to the list. This process tree's
+    share counts this process and every descendant (sampled every 0.1 s: a process living less
+    than that may be missed)."""
     out: list[CpuUse] = []
-    wall, busy, own = time.perf_counter(), _busy_seconds(), _own_seconds()
+    sampler = _TreeSampler()
+    sampler.start()
+    wall, busy, own = time.perf_counter(), _busy_seconds(), _self_seconds()
     yield out
     elapsed = time.perf_counter() - wall
-    out.append(CpuUse(wall_s=elapsed, machine_cores=(_busy_seconds() - busy) / elapsed,
-                      own_cores=(_own_seconds() - own) / elapsed))
+    own_s = _self_seconds() - own + sampler.seconds()
+    out.append(
+        CpuUse(wall_s=elapsed, machine_cores=(_busy_seconds() - busy) / elapsed, own_cores=own_s / elapsed)
+    )

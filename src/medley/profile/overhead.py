@@ -42,9 +42,21 @@ from medley.profile.memory import quiet_median
 from medley.spec.model import ModelSpec
 
 # As small as the runtime allows (the synthetic data needs 256 token ids): next to no math.
-PROBE = ModelSpec(name="overhead-probe", vocab_size=256, hidden_size=8, num_blocks=1, num_heads=1,
-                  num_kv_heads=1, ffn_hidden_size=8, mlp="swiglu", norm="rmsnorm", position="rope",
-                  max_seq_len=8, tied_embeddings=False, bias=False)
+PROBE = ModelSpec(
+    name="overhead-probe",
+    vocab_size=256,
+    hidden_size=8,
+    num_blocks=1,
+    num_heads=1,
+    num_kv_heads=1,
+    ffn_hidden_size=8,
+    mlp="swiglu",
+    norm="rmsnorm",
+    position="rope",
+    max_seq_len=8,
+    tied_embeddings=False,
+    bias=False,
+)
 PROBE_SEQ_LEN = 4
 PROBE_MICRO_BATCHES = (2, 10)
 HANDOFF_BYTES = 4096  # a small activation: the hand-off, not the bandwidth
@@ -57,12 +69,24 @@ def _probe_plan(micro_batches: int, dtype: str):  # -> Plan (imported late: the 
     from medley.profile.run import CPU_DEVICE_TYPE
     from medley.spec.cluster import cluster_from_dict
 
-    cluster = cluster_from_dict({"name": "overhead-probe", "nodes": [
-        {"name": "rank0", "device": CPU_DEVICE_TYPE, "count": 1}]}, source="overhead probe")
+    cluster = cluster_from_dict(
+        {"name": "overhead-probe", "nodes": [{"name": "rank0", "device": CPU_DEVICE_TYPE, "count": 1}]},
+        source="overhead probe",
+    )
     cost = CatalogCostSource.for_cluster(PROBE, cluster, dtype="fp32")
-    layout = inline_layout(cluster=cluster, model=PROBE, cost=cost, pp=1, dp=1, schedule="1f1b",
-                           micro_batches=str(micro_batches), micro_batch_size=1, seq_len=PROBE_SEQ_LEN,
-                           zero="0", dtype=dtype)
+    layout = inline_layout(
+        cluster=cluster,
+        model=PROBE,
+        cost=cost,
+        pp=1,
+        dp=1,
+        schedule="1f1b",
+        micro_batches=str(micro_batches),
+        micro_batch_size=1,
+        seq_len=PROBE_SEQ_LEN,
+        zero="0",
+        dtype=dtype,
+    )
     return Plan(layout=layout, cluster=cluster, prediction=None)
 
 
@@ -71,8 +95,9 @@ def _step_time(micro_batches: int, *, dtype: str, steps: int) -> float:
     from medley.runtime.launch import train_local
     from medley.runtime.train import TrainConfig
 
-    config = TrainConfig(steps=2 * steps, clip_norm=None, data="synthetic", progress=False, dtype=dtype,
-                         warmup_steps=0)
+    config = TrainConfig(
+        steps=2 * steps, clip_norm=None, data="synthetic", progress=False, dtype=dtype, warmup_steps=0
+    )
     records = train_local(_probe_plan(micro_batches, dtype), config)
     return quiet_median([r.step_time_s for r in records[steps:]])
 
@@ -82,8 +107,9 @@ def measure_action_overhead(*, dtype: str = "fp32", steps: int = 10, runs: int =
     from medley.profile.layers import profile_layers
 
     def layers_s() -> float:  # F + BW of every probe layer, one micro-batch
-        layers = profile_layers(PROBE, micro_batch_sizes=[1], seq_lens=[PROBE_SEQ_LEN], dtype=dtype,
-                                runs=runs)
+        layers = profile_layers(
+            PROBE, micro_batch_sizes=[1], seq_lens=[PROBE_SEQ_LEN], dtype=dtype, runs=runs
+        )
         return sum(m.forward_s + m.backward_full_s for m in layers)
 
     low, high = PROBE_MICRO_BATCHES
@@ -93,9 +119,14 @@ def measure_action_overhead(*, dtype: str = "fp32", steps: int = 10, runs: int =
     layer_s = min(before, layers_s())
     slope = (times[high] - times[low]) / (high - low)
     residual = (slope - layer_s) / 2  # below 0 when the profile's own per-layer costs exceed the executor's
-    return max(0.0, residual), {"step_s": {str(m): t for m, t in times.items()},
-                                "slope_per_micro_batch_s": slope, "probe_layers_s": layer_s,
-                                "residual_per_action_s": residual}
+    return max(0.0, residual), {
+        "step_s": {str(m): t for m, t in times.items()},
+        "slope_per_micro_batch_s": slope,
+        "probe_layers_s": layer_s,
+        "residual_per_action_s": residual,
+        # what a step costs at no micro-batch: loop, optimizer, reductions
+        "step_intercept_s": times[low] - low * slope,
+    }
 
 
 def _handoff_worker(rank: int, port: int, trips: int, rounds: int, out: str) -> None:
@@ -132,13 +163,19 @@ def measure_handoff(*, trips: int = 50, rounds: int = 9) -> float:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "handoff.json"
-        mp.start_processes(_handoff_worker, args=(free_port(), trips, rounds, str(out)), nprocs=2, join=True,
-                           start_method="spawn")
+        mp.start_processes(
+            _handoff_worker,
+            args=(free_port(), trips, rounds, str(out)),
+            nprocs=2,
+            join=True,
+            start_method="spawn",
+        )
         return quiet_median(json.loads(out.read_text()))
 
 
-def measure_overhead(*, dtype: str = "fp32", comm: CommProfile | None = None, runs: int = 9,
-                     steps: int = 10) -> OverheadProfile:
+def measure_overhead(
+    *, dtype: str = "fp32", comm: CommProfile | None = None, runs: int = 9, steps: int = 10
+) -> OverheadProfile:
     """Both overheads; the hand-off's is what the two-rank link fit of ``comm`` does not already
     charge. ``runs``: timed repetitions per probe layer; ``steps``: timed steps per probe run."""
     from medley.profile.collectives import model_time
