@@ -1,8 +1,13 @@
-"""The fidelity harness end to end on two plans: profile, simulate, train for real, report.
+"""The fidelity harness end to end on two plans of the planner's regime (clipping; ZeRO-1 with
+layer buckets, the planner's first choice for two CPU ranks): profile (with the runtime's
+overhead), simulate, train for real, report.
 
-Timing targets live in bench/fidelity.py; here the loop must run and produce every figure, and
-the memory model must agree with the runtime's measured peak (a deterministic count of live
-tensor bytes) within 15% on every rank.
+The step-time bound: the median of the two plans' errors against their fastest step stays within
+35% (a simulator off by half fails it, see test_fidelity_bounds.py); a machine busy with other
+work can spoil one run, so a failing run is repeated once before the test fails, and when other
+work used half a core or more during both attempts the timing check is skipped (saying so) rather
+than failed: such a machine cannot tell a good simulator from a bad one. Peak memory,
+a deterministic count of live tensor bytes, must agree within 15% on every rank.
 """
 
 from __future__ import annotations
@@ -12,29 +17,63 @@ from pathlib import Path
 
 import pytest
 
-from medley.profile.fidelity import FidelityCase
-from medley.profile.harness import TINY, harness_steps, run_harness
+from medley.profile.fidelity import FidelityCase, memory_failure, timing_failure
+from medley.profile.harness import TINY, harness_steps, profiles_for, run_cases, run_harness
+
+TIMING_BOUND = 0.35
+MEMORY_BOUND = 0.15
+BUSY_CORES = 0.5  # other work (measured during a run) past which step times say nothing
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(600)
 def test_two_plans_predicted_and_measured(tmp_path: Path) -> None:
     cases = [
-        FidelityCase(name="pp2", model=TINY, pp=2, dp=1, split="2,2", zero="0,0", seq_len=32),
-        FidelityCase(name="dp2-zero3", model=TINY, pp=1, dp=2, zero="3", seq_len=32, micro_batches="3"),
+        FidelityCase(
+            name="pp2-clip", model=TINY, pp=2, dp=1, split="2,2", zero="0,0", seq_len=32, clip_grad=True
+        ),
+        FidelityCase(
+            name="dp2-zero1-b4",
+            model=TINY,
+            pp=1,
+            dp=2,
+            zero="1",
+            buckets=4,
+            seq_len=32,
+            micro_batches="3",
+            clip_grad=True,
+        ),
     ]
     steps: list[str] = []
-    results = run_harness(cases, tmp_path, name="quick", steps=4, comm_sizes=(4096, 65536),
-                          progress=steps.append)
-    assert len(steps) == harness_steps(cases) and steps[-1].startswith("dp2-zero3")  # `fidelity` shows these
-    assert [r.case for r in results] == ["pp2", "dp2-zero3"]
+    results = run_harness(
+        cases, tmp_path, name="quick", steps=6, comm_sizes=(4096, 65536), progress=steps.append
+    )
+    assert len(steps) == harness_steps(cases) and steps[-1].startswith("dp2-zero1")  # `fidelity` shows these
+    assert [r.case for r in results] == ["pp2-clip", "dp2-zero1-b4"]
     for r in results:
         assert r.predicted_step_s > 0 and r.fastest_step_s > 0 and r.measured_step_s >= r.fastest_step_s
         assert r.cost_source == "profile:profile-cpu-tiny.json"
         assert sorted(r.measured_memory) == sorted(r.predicted_memory) == [0, 1]
-        for device, error in r.memory_errors.items():
-            assert abs(error) < 0.15, f"{r.case} device {device}: memory off by {error:+.1%}"
+        assert r.predicted_step_s >= r.predicted_no_overhead_s  # the overhead only adds (0 if none measured)
+        assert r.breakdown["compute_actions"] > 0 and "clip" in r.tags
+    assert memory_failure(results, bound=MEMORY_BOUND) is None
     report = json.loads((tmp_path / "quick.json").read_text())
     assert report["summary"]["cases"] == 2 and len(report["results"]) == 2
-    assert "| pp2 |" in (tmp_path / "quick.md").read_text()
+    assert report["meta"]["overhead"]["tiny"]["figures"]["slope_per_micro_batch_s"] > 0
+    assert "| pp2-clip |" in (tmp_path / "quick.md").read_text()
     profile = json.loads((tmp_path / "profile-cpu-tiny.json").read_text())
     assert profile["comm"]["link_by_ranks"].keys() == {"2"}
+    assert profile["overhead"]["figures"]["probe_layers_s"] > 0
+    failure = timing_failure(results, bound=TIMING_BOUND)
+    if failure is not None:  # once more, on the same profiles: the machine may have been busy
+        profiles = profiles_for(cases, tmp_path, reuse=True)
+        again = run_cases(cases, profiles, steps=6, refresh_layers=False)
+        second = timing_failure(again, bound=TIMING_BOUND)
+        busy = min(max(r.background_cores for r in attempt) for attempt in (results, again))
+        if second is not None and busy >= BUSY_CORES:
+            pytest.skip(
+                f"the bound is for a quiet machine; other work used up to {busy:.2f} cores "
+                f"during both attempts here: {second}"
+            )
+        assert second is None, (
+            f"twice, one attempt with at most {busy:.2f} cores of other work: {failure}; {second}"
+        )

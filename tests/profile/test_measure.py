@@ -36,7 +36,7 @@ def test_layer_figures_follow_the_runtime_split() -> None:
 def test_profile_command_writes_a_loadable_file(tmp_path: Path) -> None:
     out = tmp_path / "tiny.json"
     args = ["profile", "--model", "tiny", "--micro-batch-sizes", "1,2", "--seq-len", "16", "--runs", "1",
-            "--comm-ranks", "0", "--out", str(out), "--json"]
+            "--no-overhead", "--comm-ranks", "0", "--out", str(out), "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     profile = load_profile(out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -99,6 +100,9 @@ def register(app: typer.Typer) -> None:
         comm_sizes: Annotated[
             str | None, typer.Option(help="Message bytes for --comm, e.g. 4096,1048576")
         ] = None,
+        overhead: Annotated[
+            bool, typer.Option(help="Also measure the runtime's cost per action and per transfer (CPU)")
+        ] = True,
         out: Annotated[Path, typer.Option(help="Profile file to write (JSON)")] = Path("profile.json"),
         as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON")] = False,
     ) -> None:
@@ -116,10 +120,11 @@ def register(app: typer.Typer) -> None:
         ranks = () if comm_ranks.strip() == "0" else _ints(comm_ranks, "--comm-ranks")
         spec = get_model(model)
         sizes, lens = _ints(micro_batch_sizes, "--micro-batch-sizes"), _ints(seq_len, "--seq-len")
-        with progress_steps(profile_steps(ranks), enabled=not as_json) as step:
+        overhead = overhead and device == "cpu"
+        with progress_steps(profile_steps(ranks, overhead=overhead), enabled=not as_json) as step:
             profile = run_profile(spec, device=device, device_type=device_type, micro_batch_sizes=sizes,
                                   seq_lens=lens, dtype=dtype, threads=max(1, threads), runs=max(1, runs),
-                                  comm_ranks=ranks, progress=step)
+                                  comm_ranks=ranks, progress=step, overhead=overhead)
         save_profile(profile, out)
         if as_json:
             typer.echo(json.dumps(profile.model_dump(mode="json"), indent=1))
@@ -133,7 +138,9 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Path, typer.Option(help="Directory for the profiles and the report")] = Path(
             "out/fidelity"
         ),
-        quick: Annotated[bool, typer.Option(help="Two plans only (pp2 1F1B, dp2 ZeRO-1)")] = False,
+        quick: Annotated[
+            bool, typer.Option(help="Two plans only (clipped pp2 1F1B, dp2 ZeRO-1 in 4 buckets)")
+        ] = False,
         cases: Annotated[str, typer.Option(help="Comma-separated case names (default: all)")] = "",
         steps: Annotated[
             int, typer.Option(help="Training steps per plan (the first min(5, steps/2) untimed)")
@@ -148,11 +155,9 @@ def register(app: typer.Typer) -> None:
         Profiles, simulates and trains plans on this machine's CPU and writes JSON + Markdown to
         --out (bench/fidelity.py runs the same)."""
         check_output_dir(out, flag="--out")
-        from medley.profile.harness import default_cases, harness_steps, run_harness
+        from medley.profile.harness import default_cases, harness_steps, quick_cases, run_harness
 
-        chosen = default_cases()
-        if quick:
-            chosen = chosen[:1] + chosen[3:4]
+        chosen = quick_cases() if quick else default_cases()
         if cases:
             wanted = set(cases.split(","))
             unknown = sorted(wanted - {c.name for c in chosen})
@@ -164,6 +169,7 @@ def register(app: typer.Typer) -> None:
             raise MedleyInputError(f"--steps {steps}: run at least 2 steps (the first ones are untimed)")
         with progress_steps(harness_steps(chosen, reuse_profiles=reuse_profiles)) as step:
             results = run_harness(chosen, out, name="fidelity", steps=steps, reuse_profiles=reuse_profiles,
+                                  meta={"command": " ".join(["medley", *sys.argv[1:]])},
                                   progress=step)
         table = Table(title=f"fidelity on this machine ({out / 'fidelity.md'})")
         for col in ("case", "predicted ms", "fastest ms", "error", "median ms", "worst memory error"):

@@ -49,8 +49,11 @@ class _GroupShape:
 class TopologyCommModel:
     """Times transfers and collectives between global device ids of ``cluster``."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, *, p2p_overhead_s: float = 0.0) -> None:
+        """``p2p_overhead_s``: added to every transfer between two devices (the runtime's hand-off
+        beyond the link, measured by ``medley profile``; 0 when unknown)."""
         self.cluster = cluster
+        self.p2p_overhead_s = p2p_overhead_s
         self._shapes: dict[tuple[int, ...], _GroupShape] = {}
         self._node_links: dict[tuple[str, str], tuple[float, float]] = {}
 
@@ -70,7 +73,7 @@ class TopologyCommModel:
         if src == dst:
             return 0.0
         bandwidth, latency = self._node_link(self.cluster.devices[src].node, self.cluster.devices[dst].node)
-        return latency + nbytes / bandwidth
+        return latency + nbytes / bandwidth + self.p2p_overhead_s
 
     def _shape(self, devices: tuple[int, ...]) -> _GroupShape:
         cached = self._shapes.get(devices)  # callers repeat the same tuples; skip the sort then

@@ -116,8 +116,21 @@ class OptimizerProfile(BaseModel):
     measurements: list[Annotated[tuple[StrictInt, StrictFloat], Strict(False)]] = []
 
 
+class OverheadProfile(BaseModel):
+    """What medley's runtime pays beyond the profiled layers and the link (see
+    :mod:`medley.profile.overhead`): ``action_s`` per compute action (the executor's bookkeeping),
+    ``p2p_handoff_s`` per point-to-point transfer (one gloo hand-off beyond the link's α-β time);
+    ``figures``: the measurements they come from."""
+
+    model_config = STRICT
+    action_s: float = Field(ge=0)
+    p2p_handoff_s: float = Field(ge=0)
+    figures: dict[str, Any] = {}
+
+
 class Profile(BaseModel):
-    """A profile file's contents (see the module docstring)."""
+    """A profile file's contents (see the module docstring). ``overhead`` is absent in profiles
+    written before it was measured: those predict no overhead."""
 
     model_config = STRICT
     format: Literal["medley-profile"]
@@ -134,6 +147,7 @@ class Profile(BaseModel):
     layers: list[LayerMeasurement] = Field(min_length=1)
     comm: CommProfile | None = None
     optimizer: OptimizerProfile | None = None
+    overhead: OverheadProfile | None = None
     notes: str = ""
 
     def model_spec(self) -> ModelSpec:
@@ -341,6 +355,18 @@ class ProfileCostSource:
             return None
         seconds = (fit.fixed_s + fit.per_param_s * params) * self.device_scale[device_type]
         return TimeEstimate(seconds=seconds, source=self.source)
+
+    def action_overhead_time(self, *, device_type: str) -> float | None:
+        """Seconds the runtime's executor adds to every compute action on ``device_type``, or None."""
+        fit = self.profile.overhead
+        if fit is None or device_type not in self.device_scale:
+            return None
+        return fit.action_s * self.device_scale[device_type]
+
+    def p2p_overhead_time(self) -> float | None:
+        """Seconds one point-to-point hand-off adds to a transfer beyond the link, or None."""
+        fit = self.profile.overhead
+        return None if fit is None else fit.p2p_handoff_s
 
     def activation_bytes(
         self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str

@@ -39,7 +39,9 @@ def _stage_cost(
 
     Measured sources (profiles, see :class:`MeasuredCosts`) also give the fused backward time and
     activation bytes; the formulas answer otherwise. The first stage's input (token ids) takes no
-    gradient, so its split backward does everything at W, as torch and medley's runtime do.
+    gradient, so its split backward does everything at W, as torch and medley's runtime do. A
+    measured source may also give the runtime executor's cost per compute action
+    (``action_overhead_time``, see :mod:`medley.profile.overhead`), added once to each.
     """
     mbs, seq, model = layout.micro_batch_size, layout.seq_len, layout.model
     recompute = bool(layout.recompute and layout.recompute[stage])
@@ -51,6 +53,8 @@ def _stage_cost(
     fsdp_time = getattr(cost, "fsdp_extra_time", None) if zero_level(level).optimizer_on_shard else None
     fsdp = {kind: 0.0 for kind in Pass}
     measured_bytes = getattr(cost, "activation_bytes", None)
+    per_action = getattr(cost, "action_overhead_time", None)
+    overhead = (per_action(device_type=device_type) or 0.0) if per_action is not None else 0.0
     for layer in layout.layer_range(stage):
         for kind in Pass:
             times[kind] += cost.layer_time(
@@ -89,6 +93,12 @@ def _stage_cost(
     if first and not fused:
         times[Pass.W], times[Pass.B] = times[Pass.W] + times[Pass.B], 0.0
         after_b = act
+    # The executor's bookkeeping, once per compute action: F, and B and W (BW counts B + W, so the
+    # fused backward carries it once).
+    times[Pass.F] += overhead
+    times[Pass.B] += overhead
+    if not fused:
+        times[Pass.W] += overhead
     params = _stage_params(layout, stage)
     state = state_bytes_per_param(layout.dtype)
     shards_grads = zero_level(level).shards_grads and layout.dp > 1
@@ -263,7 +273,7 @@ def compile_problem(
         devices=devices,
         stage_costs=stage_costs,
         static_memory_bytes=static_memory(layout, s2r, cost=cost, cluster=cluster),
-        comm=TopologyCommModel(cluster) if comm else None,
+        comm=TopologyCommModel(cluster, p2p_overhead_s=_p2p_overhead(cost)) if comm else None,
         peak_flops={d: cluster.devices[d].type.peak_flops(layout.dtype) for row in devices for d in row},
         model_flops_per_step=formulas.megatron_flops_per_step(
             layout.model, batch_size=sequences, seq_len=layout.seq_len
@@ -271,3 +281,9 @@ def compile_problem(
         tokens_per_step=float(layout.tokens_per_step),
         collectives=_CollectiveTable(layout, cluster, schedules[0], cost),
     )
+
+
+def _p2p_overhead(cost: CostSource) -> float:
+    """The runtime's hand-off per point-to-point transfer, from a measured source (else 0)."""
+    measured = getattr(cost, "p2p_overhead_time", None)
+    return (measured() or 0.0) if measured is not None else 0.0

@@ -5,25 +5,48 @@ the simulator predicts one step from the measured profile, then medley's runtime
 plan on this machine (gloo, one rank per device, emulation on) and reports step time (median over
 the steps after warm-up, max over ranks) and peak live tensor bytes per rank (the runtime's
 live-tensor probe step, :mod:`medley.runtime.memory`). Errors are (predicted - measured) / measured.
+A case is either written out (pp, dp, schedule, split, ZeRO, ...) or taken from ``medley plan``'s
+ranking on its emulated cluster (``from_planner``).
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import functools
 import os
-import resource
 import statistics
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from medley.cost.profiles import Profile
 from medley.plan.inline import inline_layout
+from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan
 from medley.plan.predict import predict
-from medley.profile.emulate import core_share, emulated_cluster
+from medley.profile.emulate import EmulatedCluster, core_share, emulated_cluster
+from medley.profile.fidelity_result import FidelityResult, memory_failure, summarize, timing_failure
+from medley.profile.load import cpu_meter
+from medley.schedule.ir import Kind
+from medley.sim.problem import SimProblem
+from medley.sim.result import SimResult
 from medley.spec.model import ModelSpec
+
+__all__ = [
+    "FidelityCase",
+    "FidelityResult",
+    "build_plan",
+    "case_layout",
+    "describe",
+    "emulate",
+    "memory_failure",
+    "run_case",
+    "summarize",
+    "tags",
+    "timing_failure",
+]
+
+PLANNER_MICRO_BATCH_SIZES = (1, 2)  # what the planner may choose for planned cases (all profiled)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,20 +56,28 @@ class FidelityCase:
     Attributes:
         name: label in the report.
         model: the model (``tiny`` or a small one).
-        pp, dp: pipeline ranks per replica, replicas.
-        schedule: schedule family; virtual_stages for interleaved.
+        pp, dp: pipeline ranks per replica, replicas (planned cases: ignored, the planner's).
+        schedule: schedule family; virtual_stages for interleaved; warmup: hetero-1F1B's
+            in-flight depth per stage (empty: 1F1B's).
         split: blocks (or layers) per stage, as ``--split`` takes it; None: balanced by speed.
         zero: ZeRO level per stage, as ``--zero`` takes it.
         micro_batches: per replica, as ``--micro-batches`` takes it (``"6,2"`` for uneven).
         micro_batch_size, seq_len: the shape of a micro-batch.
         slowdowns: emulated slowdown of each device (device ``k*dp + r`` runs replica r's rank k).
-        gather_windows: ZeRO-3 gather rounds (0 streams buckets).
+        buckets: ZeRO layer buckets per stage; gather_windows: ZeRO-3 gather rounds (0 streams).
+        recompute: blocks recompute their forward before the backward.
+        clip_grad: clip gradients by their global norm (the runtime clips at norm 1.0).
+        dtype: ``fp32``, or ``bf16`` (the runtime computes under CPU autocast; the simulator
+            reads a bf16 profile and the bf16 memory model).
+        from_planner: take the planner's plan of this rank (1 = best) for ``global_batch``
+            sequences on the emulated cluster instead of the fields above (0: not planned).
+        global_batch: sequences per step the planner plans for.
     """
 
     name: str
     model: ModelSpec
-    pp: int
-    dp: int
+    pp: int = 1
+    dp: int = 1
     schedule: str = "1f1b"
     split: str | None = None
     zero: str | None = None
@@ -55,142 +86,202 @@ class FidelityCase:
     seq_len: int = 128
     slowdowns: tuple[float, ...] = ()
     virtual_stages: int = 2
+    warmup: tuple[int, ...] = ()
     buckets: int = 1
     gather_windows: int = 1
+    recompute: bool = False
+    clip_grad: bool = False
+    dtype: str = "fp32"
+    from_planner: int = 0
+    global_batch: int = 8
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp
-
-
-@dataclass(kw_only=True)
-class FidelityResult:
-    """Predicted and measured figures of one case."""
-
-    case: str
-    plan: str
-    predicted_step_s: float
-    loaded_predicted_step_s: float
-    measured_step_s: float
-    fastest_step_s: float
-    predicted_memory: dict[int, float]
-    measured_memory: dict[int, float]
-    cost_source: str
-    compute_share: float
-    loaded_compute_share: float
-    background_cores: float
-    wall_s: float
-    step_times_s: list[float] = field(default_factory=list)
+        return len(self.slowdowns) if self.from_planner else self.pp * self.dp
 
     @property
-    def step_error(self) -> float:
-        return (self.predicted_step_s - self.measured_step_s) / self.measured_step_s
-
-    @property
-    def fastest_step_error(self) -> float:
-        """Quiet-machine prediction against the fastest measured step."""
-        return (self.predicted_step_s - self.fastest_step_s) / self.fastest_step_s
-
-    @property
-    def loaded_step_error(self) -> float:
-        return (self.loaded_predicted_step_s - self.measured_step_s) / self.measured_step_s
-
-    @property
-    def memory_errors(self) -> dict[int, float]:
-        return {d: (self.predicted_memory[d] - m) / m for d, m in self.measured_memory.items()
-                if m > 0 and d in self.predicted_memory}
-
-    @property
-    def worst_memory_error(self) -> float:
-        errors = self.memory_errors
-        return max(errors.values(), key=abs) if errors else float("nan")
+    def profile_sizes(self) -> tuple[int, ...]:
+        """Micro-batch sizes the case's profile must cover."""
+        return PLANNER_MICRO_BATCH_SIZES if self.from_planner else (self.micro_batch_size,)
 
 
-def describe(case: FidelityCase) -> str:
-    parts = [f"pp{case.pp} dp{case.dp}", case.schedule, f"mb {case.micro_batches}x{case.micro_batch_size}",
-             f"seq {case.seq_len}"]
-    if case.split:
-        parts.append(f"split {case.split}")
-    if case.zero:
-        parts.append(f"ZeRO {case.zero}")
-    if any(f != 1.0 for f in case.slowdowns):
-        parts.append("slow " + ",".join(f"{f:g}" for f in case.slowdowns))
+def describe(layout: PlanLayout, slowdowns: Sequence[float] = ()) -> str:
+    """The plan in words, from its layout (what ran, whoever chose it)."""
+    counts = sorted(set(layout.micro_batches))
+    mb = ",".join(map(str, layout.micro_batches)) if len(counts) > 1 else str(counts[0])
+    parts = [
+        f"pp{layout.pp} dp{layout.dp}",
+        layout.schedule,
+        f"mb {mb}x{layout.micro_batch_size}",
+        f"seq {layout.seq_len}",
+        "layers " + ",".join(map(str, layout.stage_layers)),
+        "ZeRO " + ",".join(str(z.level) for z in layout.zero),
+    ]
+    if warmup := layout.knobs.get("warmup"):
+        parts.append("warmup " + ",".join(map(str, warmup)))
+    if any(z.buckets > 1 for z in layout.zero):
+        parts.append("buckets " + ",".join(str(z.buckets) for z in layout.zero))
+    if any(z.streams for z in layout.zero):
+        parts.append("streamed")
+    if any(layout.recompute):
+        parts.append("recompute")
+    if layout.clip_grad:
+        parts.append("clip")
+    parts.append(layout.dtype)
+    if any(f != 1.0 for f in slowdowns):
+        parts.append("slow " + ",".join(f"{f:g}" for f in slowdowns))
     return ", ".join(parts)
 
 
-@dataclass(frozen=True, kw_only=True)
-class CpuUse:
-    """CPU time over a run: the whole machine's, this process tree's, and the rest (other users).
-
-    Attributes:
-        wall_s: duration.
-        machine_cores: busy cores of the machine, on average.
-        own_cores: cores used by this process and its finished children, on average.
-        background_cores: the rest: other processes sharing the machine.
-    """
-
-    wall_s: float
-    machine_cores: float
-    own_cores: float
-
-    @property
-    def background_cores(self) -> float:
-        return max(0.0, self.machine_cores - self.own_cores)
+def tags(layout: PlanLayout, case: FidelityCase) -> list[str]:
+    """What a plan exercises, as labels the report groups errors by."""
+    out = [f"{layout.pp * layout.dp} ranks", layout.schedule, layout.dtype]
+    out += ["pipeline"] if layout.pp > 1 else []
+    out += ["data parallel"] if layout.dp > 1 else []
+    levels = {z.level for z in layout.zero} if layout.dp > 1 else set()
+    out += [f"ZeRO-{level}" for level in sorted(levels)]
+    out += ["streamed ZeRO-3"] if layout.dp > 1 and any(z.streams for z in layout.zero) else []
+    out += ["buckets > 1"] if any(z.buckets > 1 for z in layout.zero) else []
+    out += ["recompute"] if any(layout.recompute) else []
+    out += ["clip"] if layout.clip_grad else []
+    out += ["uneven replicas"] if len(set(layout.micro_batches)) > 1 else []
+    out += ["emulated slow ranks"] if any(f != 1.0 for f in case.slowdowns) else []
+    out += ["planner's plan"] if case.from_planner else []
+    return out
 
 
-def _busy_seconds() -> float:
-    with open("/proc/stat") as handle:
-        fields = handle.readline().split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds() -> float:
-    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
-
-
-@contextlib.contextmanager
-def cpu_meter() -> Iterator[list[CpuUse]]:
-    """Measure CPU use around a block (Linux ``/proc/stat``); the result is appended to the list."""
-    out: list[CpuUse] = []
-    wall, busy, own = time.perf_counter(), _busy_seconds(), _own_seconds()
-    yield out
-    elapsed = time.perf_counter() - wall
-    out.append(CpuUse(wall_s=elapsed, machine_cores=(_busy_seconds() - busy) / elapsed,
-                      own_cores=(_own_seconds() - own) / elapsed))
-
-
-def build_plan(case: FidelityCase, profile: Profile, *, profile_name: str, directory: Path, cores: int,
-               background_cores: float = 0.0) -> tuple[Plan, float]:
-    """The case's plan on its emulated cluster, with the simulator's prediction.
-
-    Ranks are processes sharing ``cores`` with ``background_cores`` of other work; their compute
-    stretches by :func:`~medley.profile.emulate.core_share`. Returns the plan and that stretch.
-    """
+def emulate(
+    case: FidelityCase,
+    profile: Profile,
+    *,
+    profile_name: str,
+    directory: Path,
+    cores: int,
+    background_cores: float = 0.0,
+    used: Sequence[int] = (),
+) -> tuple[EmulatedCluster, float]:
+    """The case's emulated cluster and the compute stretch of its ranks sharing ``cores``
+    with ``background_cores`` of other work (:func:`~medley.profile.emulate.core_share`). Only
+    the devices in ``used`` (default: all) run ranks (a planner's plan may leave some out)."""
     slowdowns = case.slowdowns or (1.0,) * case.world
     if len(slowdowns) != case.world:
         raise ValueError(f"case {case.name}: {len(slowdowns)} slowdowns for {case.world} devices")
-    share = core_share(slowdowns, cores=cores, background_cores=background_cores)
-    emulated = emulated_cluster(profile, case.model, slowdowns, directory=directory,
-                                profile_name=profile_name, compute_share=share, name=f"emu-{case.name}")
-    layout = inline_layout(
-        cluster=emulated.cluster, model=case.model, cost=emulated.cost, pp=case.pp, dp=case.dp,
-        schedule=case.schedule, micro_batches=case.micro_batches, micro_batch_size=case.micro_batch_size,
-        seq_len=case.seq_len, virtual_stages=case.virtual_stages, split=case.split, zero=case.zero,
-        buckets=case.buckets, gather_windows=case.gather_windows, dtype=profile.dtype,
+    ranks = [slowdowns[d] for d in used] if used else slowdowns
+    share = core_share(ranks, cores=cores, background_cores=background_cores)
+    emulated = emulated_cluster(
+        profile,
+        case.model,
+        slowdowns,
+        directory=directory,
+        profile_name=profile_name,
+        compute_share=share,
+        name=f"emu-{case.name}",
     )
+    return emulated, share
+
+
+def case_layout(case: FidelityCase, emulated: EmulatedCluster) -> PlanLayout:
+    """The case's plan: written out, or the planner's (``medley plan``'s search) on ``emulated``."""
+    if case.from_planner:
+        from medley.plan.search import Constraints, search
+
+        result = search(
+            emulated.cluster,
+            case.model,
+            global_batch=case.global_batch,
+            seq_len=case.seq_len,
+            cost=emulated.cost,
+            top=case.from_planner,
+            constraints=Constraints(micro_batch_sizes=PLANNER_MICRO_BATCH_SIZES),
+        )
+        if len(result.plans) < case.from_planner:
+            raise ValueError(f"case {case.name}: the planner ranked only {len(result.plans)} plans")
+        layout = result.plans[case.from_planner - 1].plan.layout
+        return dataclasses.replace(layout, dtype=case.dtype)
+    layout = inline_layout(
+        cluster=emulated.cluster,
+        model=case.model,
+        cost=emulated.cost,
+        pp=case.pp,
+        dp=case.dp,
+        schedule=case.schedule,
+        micro_batches=case.micro_batches,
+        micro_batch_size=case.micro_batch_size,
+        seq_len=case.seq_len,
+        virtual_stages=case.virtual_stages,
+        split=case.split,
+        zero=case.zero,
+        buckets=case.buckets,
+        gather_windows=case.gather_windows,
+        recompute=case.recompute,
+        dtype=case.dtype,
+        clip_grad=case.clip_grad,
+    )
+    if case.warmup:
+        layout = dataclasses.replace(layout, knobs={**layout.knobs, "warmup": tuple(case.warmup)})
+    return layout
+
+
+def build_plan(
+    case: FidelityCase,
+    profile: Profile,
+    *,
+    profile_name: str,
+    directory: Path,
+    cores: int,
+    background_cores: float = 0.0,
+) -> tuple[Plan, float]:
+    """The case's plan on its emulated cluster with the simulator's prediction, and the ranks'
+    compute stretch (see :func:`emulate`)."""
+    emulated, share = emulate(
+        case,
+        profile,
+        profile_name=profile_name,
+        directory=directory,
+        cores=cores,
+        background_cores=background_cores,
+    )
+    layout = case_layout(case, emulated)
     prediction, _, _ = predict(layout, emulated.cluster, cost=emulated.cost)
     return Plan(layout=layout, cluster=emulated.cluster, prediction=prediction), share
 
 
-def run_case(case: FidelityCase, profile: Profile, *, profile_name: str, directory: Path, steps: int = 20,
-             warmup_steps: int = 5, cores: int | None = None) -> FidelityResult:
+def _breakdown(problem: SimProblem, result: SimResult, emulated: EmulatedCluster) -> dict[str, float]:
+    """The simulator's step on its busiest device."""
+    busiest = max(result.devices, key=lambda r: r.busy_s)
+    row = problem.schedules[busiest.replica].actions[busiest.rank]
+    actions = sum(1 for a in row if a.is_compute)
+    sends = sum(1 for a in row if a.kind in (Kind.SEND_F, Kind.SEND_B))
+    device_type = emulated.cluster.devices[busiest.device].type.name
+    per_action = emulated.cost.action_overhead_time(device_type=device_type) or 0.0
+    return {
+        "device": float(busiest.device),
+        "step_s": result.step_time_s,
+        "compute_s": busiest.busy_s,
+        "overhead_s": actions * per_action,
+        "bubble_s": max(0.0, busiest.idle_s - busiest.exposed_p2p_s - busiest.exposed_zero_s),
+        "exposed_p2p_s": busiest.exposed_p2p_s,
+        "exposed_zero_s": busiest.exposed_zero_s,
+        "compute_actions": float(actions),
+        "transfers": float(sends),
+    }
+
+
+def run_case(
+    case: FidelityCase,
+    profile: Profile,
+    *,
+    profile_name: str,
+    directory: Path,
+    steps: int = 20,
+    warmup_steps: int = 5,
+    cores: int | None = None,
+) -> FidelityResult:
     """Predict, then train ``steps`` steps for real; the first ``warmup_steps`` are not timed.
 
     The prediction assumes the machine's cores serve only these ranks; the run measures what
-    else used the CPU meanwhile, and ``loaded_*`` re-predicts with that background load. Other
-    jobs can only add time, so the fastest step stands for the machine without them
+    else used the CPU meanwhile, and ``loaded_*`` re-predicts the same plan with that background
+    load. Other jobs can only add time, so the fastest step stands for the machine without them
     (``fastest_step_s``); the median is reported too. The first steps run slower while glibc's
     allocator adapts its mmap threshold to the step's large tensors (page faults), hence
     ``warmup_steps``. (Pinning each rank to one core was tried and made steps slower: the gloo
@@ -200,41 +291,53 @@ def run_case(case: FidelityCase, profile: Profile, *, profile_name: str, directo
     from medley.runtime.train import TrainConfig
 
     cores = cores or os.cpu_count() or 1
-    plan, share = build_plan(case, profile, profile_name=profile_name, directory=directory, cores=cores)
-    assert plan.prediction is not None
-    config = TrainConfig(steps=steps, emulate=True, clip_norm=None, data="synthetic", measure_memory=True,
-                         progress=False, dtype=profile.dtype, warmup_steps=0)
+    place = functools.partial(emulate, case, profile_name=profile_name, directory=directory, cores=cores)
+    layout = case_layout(case, place(profile)[0])
+    used = sorted({d for row in layout.assignment for d in row})
+    emulated, share = place(profile, used=used)
+    prediction, problem, result = predict(layout, emulated.cluster, cost=emulated.cost)
+    breakdown = _breakdown(problem, result, emulated)
+    bare, _ = place(profile.model_copy(update={"overhead": None}), used=used)
+    no_overhead, _, _ = predict(layout, bare.cluster, cost=bare.cost)
+    plan = Plan(layout=layout, cluster=emulated.cluster, prediction=prediction)
+    config = TrainConfig(
+        steps=steps,
+        emulate=True,
+        clip_norm=1.0 if layout.clip_grad else None,
+        data="synthetic",
+        measure_memory=True,
+        progress=False,
+        dtype=case.dtype,
+        warmup_steps=0,
+    )
     with cpu_meter() as use:
         records = train_local(plan, config)
-    loaded, loaded_share = build_plan(case, profile, profile_name=profile_name, directory=directory,
-                                      cores=cores, background_cores=use[0].background_cores)
-    assert loaded.prediction is not None
-    times = [r.step_time_s for r in records[warmup_steps:]] or [r.step_time_s for r in records]
-    memory = {int(d): float(b) for d, b in records[-1].peak_memory_bytes.items()}
+    loaded, loaded_share = place(profile, used=used, background_cores=use[0].background_cores)
+    loaded_prediction, _, _ = predict(layout, loaded.cluster, cost=loaded.cost)
+    timed = records[warmup_steps:] or records
+    times = [r.step_time_s for r in timed]
+    devices = sorted({d for r in timed for d in r.step_time_by_device})
     return FidelityResult(
-        case=case.name, plan=describe(case), predicted_step_s=plan.prediction.step_time_s,
-        loaded_predicted_step_s=loaded.prediction.step_time_s,
-        measured_step_s=statistics.median(times), fastest_step_s=min(times),
-        predicted_memory={d: gb * 1e9 for d, gb in plan.prediction.peak_memory_gb.items()},
-        measured_memory=memory, cost_source=plan.prediction.cost_source, compute_share=share,
-        loaded_compute_share=loaded_share, background_cores=use[0].background_cores, wall_s=use[0].wall_s,
+        case=case.name,
+        plan=describe(layout, case.slowdowns),
+        dtype=case.dtype,
+        predicted_step_s=prediction.step_time_s,
+        predicted_no_overhead_s=no_overhead.step_time_s,
+        loaded_predicted_step_s=loaded_prediction.step_time_s,
+        measured_step_s=statistics.median(times),
+        fastest_step_s=min(times),
+        predicted_memory={d: gb * 1e9 for d, gb in prediction.peak_memory_gb.items()},
+        measured_memory={int(d): float(b) for d, b in records[-1].peak_memory_bytes.items()},
+        cost_source=prediction.cost_source,
+        compute_share=share,
+        loaded_compute_share=loaded_share,
+        background_cores=use[0].background_cores,
+        wall_s=use[0].wall_s,
         step_times_s=[r.step_time_s for r in records],
+        breakdown=breakdown,
+        measured_by_device={
+            int(d): statistics.median(r.step_time_by_device.get(d, 0.0) for r in timed) for d in devices
+        },
+        emulated_sleep_s=statistics.median(r.emulated_sleep_s for r in timed),
+        tags=tags(layout, case),
     )
-
-
-def summarize(results: Sequence[FidelityResult]) -> dict[str, float]:
-    steps = [abs(r.step_error) for r in results]
-    loaded = [abs(r.loaded_step_error) for r in results]
-    fastest = [abs(r.fastest_step_error) for r in results]
-    memory = [abs(e) for r in results for e in r.memory_errors.values()]
-    return {
-        "cases": len(results),
-        "median_abs_step_error": statistics.median(steps) if steps else float("nan"),
-        "worst_abs_step_error": max(steps) if steps else float("nan"),
-        "median_abs_fastest_step_error": statistics.median(fastest) if fastest else float("nan"),
-        "worst_abs_fastest_step_error": max(fastest) if fastest else float("nan"),
-        "median_abs_loaded_step_error": statistics.median(loaded) if loaded else float("nan"),
-        "worst_abs_loaded_step_error": max(loaded) if loaded else float("nan"),
-        "median_abs_memory_error": statistics.median(memory) if memory else float("nan"),
-        "worst_abs_memory_error": max(memory) if memory else float("nan"),
-    }

@@ -1,8 +1,8 @@
 """The fidelity harness end to end: profile the models, then predict and run every case, then report.
 
-``bench/fidelity.py`` runs :func:`default_cases` (tiny and small models; pp, dp, uneven split,
-1F1B / GPipe / ZB-H1 / interleaved, ZeRO 0-3, uneven micro-batches, emulated slow ranks, 2 and 4
-ranks); the tests run two of them quickly.
+``bench/fidelity.py`` runs :func:`~medley.profile.fidelity_cases.default_cases`; the tests run two
+plans quickly. One profile per (model, precision) is measured first, with the gloo collectives
+and the runtime's overhead measured once and shared by every profile.
 """
 
 from __future__ import annotations
@@ -10,117 +10,176 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from medley.cost.profiles import Profile, load_profile, save_profile
 from medley.profile.fidelity import FidelityCase, FidelityResult, run_case
+from medley.profile.fidelity_cases import SMALL, TINY, default_cases, quick_cases
+from medley.profile.overhead import measure_overhead
 from medley.profile.report import machine, write_report
 from medley.profile.run import run_profile
-from medley.spec.model import ModelSpec
-from medley.spec.model_arg import get_model
 
-# A "small" LLaMA-style model: ~10x the tiny preset's compute per block, still seconds per run on CPU.
-SMALL = ModelSpec(name="small", vocab_size=256, hidden_size=256, num_blocks=4, num_heads=8, num_kv_heads=4,
-                  ffn_hidden_size=688, mlp="swiglu", norm="rmsnorm", position="rope", max_seq_len=256,
-                  tied_embeddings=False, bias=False)
-TINY = get_model("tiny")
 PROFILE_RUNS = 9  # timed runs per layer and shape (medians of the faster half)
 
+__all__ = [
+    "PROFILE_RUNS",
+    "SMALL",
+    "TINY",
+    "default_cases",
+    "harness_steps",
+    "profile_key",
+    "profiles_for",
+    "quick_cases",
+    "run_harness",
+]
 
-def default_cases() -> list[FidelityCase]:
-    """Fourteen plans over both models."""
-    tiny, small = TINY, SMALL
-    return [
-        FidelityCase(name="tiny-pp2-1f1b", model=tiny, pp=2, dp=1, split="2,2", zero="0,0"),
-        FidelityCase(name="tiny-pp2-gpipe-uneven", model=tiny, pp=2, dp=1, schedule="gpipe", split="1,3",
-                     zero="0,0"),
-        FidelityCase(name="tiny-pp2-zbh1", model=tiny, pp=2, dp=1, schedule="zb-h1", split="2,2", zero="0,0"),
-        FidelityCase(name="tiny-dp2-zero1", model=tiny, pp=1, dp=2, zero="1"),
-        FidelityCase(name="tiny-dp2-zero3", model=tiny, pp=1, dp=2, zero="3"),
-        FidelityCase(name="tiny-dp2-zero2-mb6+2", model=tiny, pp=1, dp=2, zero="2", micro_batches="6,2"),
-        FidelityCase(name="tiny-pp2-slow2", model=tiny, pp=2, dp=1, split="3,1", zero="0,0",
-                     slowdowns=(1.0, 2.0)),
-        FidelityCase(name="small-pp2-1f1b", model=small, pp=2, dp=1, split="2,2", zero="0,0",
-                     micro_batch_size=1),
-        FidelityCase(name="small-dp2-zero2", model=small, pp=1, dp=2, zero="2", micro_batch_size=1),
-        FidelityCase(name="small-pp2-slow1-zbh1", model=small, pp=2, dp=1, schedule="zb-h1", split="1,3",
-                     zero="0,0", micro_batch_size=1, slowdowns=(2.0, 1.0)),
-        FidelityCase(name="tiny-pp2-interleaved", model=tiny, pp=2, dp=1, schedule="interleaved",
-                     split="1,1,1,1", zero="0,0,0,0"),
-        FidelityCase(name="tiny-pp2dp2-zero1", model=tiny, pp=2, dp=2, split="2,2", zero="1,1"),
-        FidelityCase(name="tiny-pp4-1f1b", model=tiny, pp=4, dp=1, split="1,1,1,1", zero="0,0,0,0",
-                     micro_batches="8", micro_batch_size=1),
-        FidelityCase(name="small-pp2dp2-zero3,2-mb6+2-slow", model=small, pp=2, dp=2, split="2,2",
-                     zero="3,2", micro_batches="6,2", micro_batch_size=1, slowdowns=(1.0, 1.5, 1.0, 1.5)),
-    ]
+
+def profile_key(case: FidelityCase) -> str:
+    """Which profile a case reads: its model's, in its precision (fp32 keys are the model's name)."""
+    return case.model.name if case.dtype == "fp32" else f"{case.model.name}-{case.dtype}"
 
 
 def harness_steps(cases: Sequence[FidelityCase], *, reuse_profiles: bool = False) -> int:
     """How many progress steps :func:`run_harness` reports at most (profiles it reuses are skipped)."""
     per_case = 1 if reuse_profiles else 2
-    return len({c.model.name for c in cases}) + per_case * len(cases)
+    return len({profile_key(c) for c in cases}) + per_case * len(cases)
 
 
-def profiles_for(cases: Sequence[FidelityCase], directory: Path, *, comm_ranks: Sequence[int] = (2, 4),
-                 comm_sizes: Sequence[int] | None = None, runs: int = PROFILE_RUNS, reuse: bool = False,
-                 progress: Callable[[str], None] | None = None) -> dict[str, tuple[Profile, str]]:
-    """One CPU profile per model of ``cases``, at the shapes they use (collectives measured once)."""
+def profiles_for(
+    cases: Sequence[FidelityCase],
+    directory: Path,
+    *,
+    comm_ranks: Sequence[int] = (2, 4),
+    comm_sizes: Sequence[int] | None = None,
+    runs: int = PROFILE_RUNS,
+    reuse: bool = False,
+    overhead: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, tuple[Profile, str]]:
+    """One CPU profile per :func:`profile_key` of ``cases``, at the shapes they use, saved as
+    ``profile-cpu-<key>.json``. The collectives are measured once, the runtime's overhead
+    (``overhead``) once per precision."""
     out: dict[str, tuple[Profile, str]] = {}
     comm = None
-    for model in {c.model.name: c.model for c in cases}.values():
-        name = f"profile-cpu-{model.name}.json"
+    overheads: dict[str, Any] = {}
+    for key, first in {profile_key(c): c for c in cases}.items():
+        name = f"profile-cpu-{key}.json"
         path = directory / name
         if reuse and path.exists():
-            out[model.name] = (load_profile(path), name)
+            out[key] = (load_profile(path), name)
             continue
-        shapes = [c for c in cases if c.model.name == model.name]
+        shapes = [c for c in cases if profile_key(c) == key]
         if progress is not None:
-            progress(f"profiling {model.name} on this CPU")
-        profile = run_profile(model, micro_batch_sizes=sorted({c.micro_batch_size for c in shapes}),
-                              seq_lens=sorted({c.seq_len for c in shapes}), runs=runs,
-                              comm_ranks=() if comm is not None else comm_ranks, comm_sizes=comm_sizes)
+            progress(f"profiling {key} on this CPU")
+        profile = run_profile(
+            first.model,
+            micro_batch_sizes=sorted({s for c in shapes for s in c.profile_sizes}),
+            seq_lens=sorted({c.seq_len for c in shapes}),
+            runs=runs,
+            dtype=first.dtype,
+            comm_ranks=() if comm is not None else comm_ranks,
+            comm_sizes=comm_sizes,
+        )
         if comm is None:
             comm = profile.comm
         else:
             profile = profile.model_copy(update={"comm": comm})
+        if overhead and first.dtype not in overheads:
+            # Against the shared link fit, so that every profile's hand-off excess is the same one.
+            overheads[first.dtype] = measure_overhead(dtype=first.dtype, comm=comm, runs=runs)
+        profile = profile.model_copy(update={"overhead": overheads.get(first.dtype)})
         save_profile(profile, path)
-        out[model.name] = (profile, name)
+        out[key] = (profile, name)
     return out
 
 
-def run_harness(cases: Sequence[FidelityCase], out_dir: Path, *, name: str = "fidelity", steps: int = 20,
-                reuse_profiles: bool = False, comm_sizes: Sequence[int] | None = None,
-                notes: str = "", refresh_layers: bool | None = None,
-                progress: Callable[[str], None] | None = None) -> list[FidelityResult]:
+def run_harness(
+    cases: Sequence[FidelityCase],
+    out_dir: Path,
+    *,
+    name: str = "fidelity",
+    steps: int = 20,
+    reuse_profiles: bool = False,
+    comm_sizes: Sequence[int] | None = None,
+    refresh_layers: bool | None = None,
+    meta: Mapping[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[FidelityResult]:
     """Profile, predict and run ``cases``; writes ``<name>.json`` and ``<name>.md`` to ``out_dir``.
 
-    ``refresh_layers`` re-measures the case's layers right before its run (the collectives are
-    measured once): on a shared machine the CPU's speed drifts 10-20% over minutes, which a
-    profile taken at the start of a long harness run cannot see. It defaults to on unless
-    ``reuse_profiles`` asks for the saved profiles as they are. ``progress(description)`` is called
-    as each of :func:`harness_steps` steps starts."""
+    ``refresh_layers`` re-measures the case's layers right before its run (the collectives and
+    the overhead are measured once): on a shared machine the CPU's speed drifts 10-20% over
+    minutes, which a profile taken at the start of a long harness run cannot see. It defaults to
+    on unless ``reuse_profiles`` asks for the saved profiles as they are. ``meta`` joins the
+    report's metadata (the bench's commit and command). ``progress(description)`` is called as
+    each of :func:`harness_steps` steps starts."""
     if refresh_layers is None:
         refresh_layers = not reuse_profiles
     out_dir.mkdir(parents=True, exist_ok=True)
-    profiles = profiles_for(cases, out_dir, reuse=reuse_profiles, comm_sizes=comm_sizes, progress=progress,
-                            comm_ranks=sorted({2, *(c.world for c in cases if c.world > 1)}))
+    profiles = profiles_for(
+        cases,
+        out_dir,
+        reuse=reuse_profiles,
+        comm_sizes=comm_sizes,
+        progress=progress,
+        comm_ranks=sorted({2, *(c.world for c in cases if c.world > 1)}),
+    )
+    results = run_cases(cases, profiles, steps=steps, refresh_layers=refresh_layers, progress=progress)
+    report_meta = machine() | {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "profiles": sorted({p for _, p in profiles.values()}),
+        "steps": steps,
+        "niceness": os.nice(0),
+        "overhead": {
+            key: p.overhead.model_dump(mode="json") if p.overhead else None
+            for key, (p, _) in profiles.items()
+        },
+    }
+    write_report(
+        results,
+        report_meta | dict(meta or {}),
+        json_path=out_dir / f"{name}.json",
+        md_path=out_dir / f"{name}.md",
+    )
+    return results
+
+
+def run_cases(
+    cases: Sequence[FidelityCase],
+    profiles: Mapping[str, tuple[Profile, str]],
+    *,
+    steps: int,
+    refresh_layers: bool,
+    progress: Callable[[str], None] | None = None,
+) -> list[FidelityResult]:
+    """Predict and run every case with its profile (its layers re-measured first when asked)."""
     step = progress or (lambda _description: None)
     results = []
     with tempfile.TemporaryDirectory(prefix="medley-emulated-") as emulated:  # generated device catalogs
         for case in cases:
-            profile, profile_name = profiles[case.model.name]
+            profile, profile_name = profiles[profile_key(case)]
             if refresh_layers:
                 step(f"{case.name}: re-profiling its layers")
-                fresh = run_profile(case.model, micro_batch_sizes=[case.micro_batch_size],
-                                    seq_lens=[case.seq_len], runs=PROFILE_RUNS, comm_ranks=())
-                profile = fresh.model_copy(update={"comm": profile.comm})
+                fresh = run_profile(
+                    case.model,
+                    micro_batch_sizes=list(case.profile_sizes),
+                    seq_lens=[case.seq_len],
+                    runs=PROFILE_RUNS,
+                    comm_ranks=(),
+                    dtype=case.dtype,
+                )
+                profile = fresh.model_copy(update={"comm": profile.comm, "overhead": profile.overhead})
             step(f"{case.name}: simulating and training {steps} steps")
-            results.append(run_case(case, profile, profile_name=profile_name, directory=Path(emulated),
-                                    steps=steps, warmup_steps=min(5, steps // 2)))
-    meta = machine() | {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                        "profiles": sorted({p for _, p in profiles.values()}), "steps": steps,
-                        "niceness": os.nice(0)}
-    write_report(results, meta, json_path=out_dir / f"{name}.json", md_path=out_dir / f"{name}.md",
-                 notes=notes)
+            results.append(
+                run_case(
+                    case,
+                    profile,
+                    profile_name=profile_name,
+                    directory=Path(emulated),
+                    steps=steps,
+                    warmup_steps=min(5, steps // 2),
+                )
+            )
     return results

@@ -26,10 +26,9 @@ from scipy.optimize import nnls
 from medley.cost.profiles import LayerMeasurement, OptimizerProfile
 from medley.profile.layer_build import ProfiledLayer, build_layer, layer_inputs, now
 from medley.profile.memory import allocated_bytes, quiet_median
+from medley.runtime.sharding import TORCH_DTYPES
 from medley.runtime.torch_adapter import backward_input, backward_weight
 from medley.spec.model import ModelSpec
-
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _memory(device: torch.device) -> int:

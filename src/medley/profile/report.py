@@ -1,4 +1,9 @@
-"""Write fidelity results as JSON and a Markdown table (bench/results/fidelity.*)."""
+"""Write fidelity results as JSON and a Markdown report (bench/results/fidelity.*).
+
+The Markdown is rendered from the JSON payload alone (:func:`markdown`): every figure in its
+prose, every median, the worst case and what its error comes from, is computed from the rows, so
+the text cannot contradict the table. ``bench/fidelity.py --render-only`` re-renders a saved JSON.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,79 +21,260 @@ import torch
 
 from medley.profile.fidelity import FidelityResult, summarize
 
+READING = """\
+How to read this. *predicted*: the simulator on the emulated cluster (profile times x slowdown,
+gloo α-β link, plus the runtime's overhead per compute action and per transfer that the profile
+measured), assuming the cores serve only these ranks (with more ranks than cores, every compute is
+stretched by Σ 1/slowdown / cores). *no ovh*: the same prediction without that overhead.
+*fastest*: the fastest timed step (other jobs on a shared machine can only add time); *median*:
+the median step; *loaded*: re-simulated with the background CPU load measured during the run (bg
+cores). Errors are (predicted - measured) / measured. Memory: peak live tensor bytes per rank from
+the runtime's probe step (medley.runtime.memory) against the simulator's peak. The plan column is
+the plan as it ran (layers per stage include the embedding and the head); planner's plans are
+the top-ranked plans of `medley plan` (its search) on the emulated cluster named by the case."""
+
 
 def machine() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "cores": os.cpu_count(), "machine": platform.machine(),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    return {
+        "host": socket.gethostname(),
+        "cores": os.cpu_count(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+def result_row(r: FidelityResult) -> dict[str, Any]:
+    row = dataclasses.asdict(r)
+    for key in ("predicted_memory", "measured_memory", "measured_by_device"):
+        row[key] = {str(k): v for k, v in getattr(r, key).items()}
+    row.update(
+        step_error=r.step_error,
+        fastest_step_error=r.fastest_step_error,
+        loaded_step_error=r.loaded_step_error,
+        no_overhead_error=r.no_overhead_error,
+        memory_errors={str(k): v for k, v in r.memory_errors.items()},
+    )
+    return row
+
+
+def results_from_rows(rows: Sequence[dict[str, Any]]) -> list[FidelityResult]:
+    """The results a payload's ``results`` rows hold."""
+    names = {f.name for f in dataclasses.fields(FidelityResult)}
+    results = []
+    for row in rows:
+        fields = {k: v for k, v in row.items() if k in names}
+        for key in ("predicted_memory", "measured_memory", "measured_by_device"):
+            fields[key] = {int(d): float(b) for d, b in fields.get(key, {}).items()}
+        results.append(FidelityResult(**fields))
+    return results
+
+
+def results_from_json(path: Path) -> tuple[list[FidelityResult], dict[str, Any]]:
+    """The results and metadata of a written report (to render it again)."""
+    payload = json.loads(Path(path).read_text())
+    return results_from_rows(payload["results"]), payload["meta"]
 
 
 def _pct(x: float) -> str:
     return f"{x:+.1%}"
 
 
-def result_row(r: FidelityResult) -> dict[str, Any]:
-    row = dataclasses.asdict(r)
-    row["predicted_memory"] = {str(k): v for k, v in r.predicted_memory.items()}
-    row["measured_memory"] = {str(k): v for k, v in r.measured_memory.items()}
-    row.update(step_error=r.step_error, fastest_step_error=r.fastest_step_error,
-               loaded_step_error=r.loaded_step_error,
-               memory_errors={str(k): v for k, v in r.memory_errors.items()})
-    return row
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
 
 
-def markdown(results: Sequence[FidelityResult], meta: dict[str, Any], notes: str = "") -> str:
-    summary = summarize(results)
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _table(results: Sequence[FidelityResult]) -> list[str]:
     lines = [
-        "# Fidelity: simulator prediction vs medley's runtime on this machine",
-        "",
-        f"Machine: {meta.get('host')}, {meta.get('cores')} cores, torch {meta.get('torch')}; "
-        f"date {meta.get('date', '?')}. Profiles: {', '.join(meta.get('profiles', []))}.",
-        "",
-        "| case | plan | predicted ms | fastest ms | err | median ms | err | loaded pred ms | err "
-        "| bg cores | peak MB pred / meas per rank | worst mem err |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| case | plan | predicted ms | no ovh ms | fastest ms | err | no ovh err | median ms | err "
+        "| loaded err | bg cores | peak MB pred / meas per rank | worst mem err |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in results:
-        memory = " · ".join(f"{r.predicted_memory.get(d, 0) / 1e6:.2f}/{m / 1e6:.2f}"
-                            for d, m in sorted(r.measured_memory.items()))
+        memory = " · ".join(
+            f"{r.predicted_memory.get(d, 0) / 1e6:.2f}/{m / 1e6:.2f}"
+            for d, m in sorted(r.measured_memory.items())
+        )
         lines.append(
-            f"| {r.case} | {r.plan} | {r.predicted_step_s * 1e3:.1f} | {r.fastest_step_s * 1e3:.1f} "
-            f"| {_pct(r.fastest_step_error)} | {r.measured_step_s * 1e3:.1f} | {_pct(r.step_error)} "
-            f"| {r.loaded_predicted_step_s * 1e3:.1f} | {_pct(r.loaded_step_error)} "
-            f"| {r.background_cores:.2f} | {memory} | {_pct(r.worst_memory_error)} |")
-    lines += [
+            f"| {r.case} | {r.plan} | {_ms(r.predicted_step_s)} | {_ms(r.predicted_no_overhead_s)} "
+            f"| {_ms(r.fastest_step_s)} | {_pct(r.fastest_step_error)} | {_pct(r.no_overhead_error)} "
+            f"| {_ms(r.measured_step_s)} | {_pct(r.step_error)} | {_pct(r.loaded_step_error)} "
+            f"| {r.background_cores:.2f} | {memory} | {_pct(r.worst_memory_error)} |"
+        )
+    return lines
+
+
+def _summary(results: Sequence[FidelityResult]) -> list[str]:
+    s = summarize(results)
+    under = sum(r.fastest_step_error < 0 for r in results)
+    under_bare = sum(r.no_overhead_error < 0 for r in results)
+    return [
+        f"Step time over {len(results)} cases: median |error| "
+        f"{s['median_abs_fastest_step_error']:.1%} against "
+        f"the fastest step (worst {s['worst_abs_fastest_step_error']:.1%}; median signed error "
+        f"{s['median_fastest_step_error']:+.1%}, {under} of {len(results)} under-predicted), "
+        f"{s['median_abs_step_error']:.1%} against the median step (worst {s['worst_abs_step_error']:.1%}), "
+        f"{s['median_abs_loaded_step_error']:.1%} for the load-aware prediction against the median step "
+        f"(worst {s['worst_abs_loaded_step_error']:.1%}). Without the measured overhead the median |error| "
+        f"against the fastest step is {s['median_abs_no_overhead_error']:.1%} (worst "
+        f"{s['worst_abs_no_overhead_error']:.1%}; {under_bare} of {len(results)} under-predicted).",
         "",
-        f"Median |error| of step time: {summary['median_abs_fastest_step_error']:.1%} against the "
-        f"fastest step (worst {summary['worst_abs_fastest_step_error']:.1%}), "
-        f"{summary['median_abs_step_error']:.1%} against the median step "
-        f"(worst {summary['worst_abs_step_error']:.1%}), "
-        f"{summary['median_abs_loaded_step_error']:.1%} for the load-aware prediction against the median "
-        f"(worst {summary['worst_abs_loaded_step_error']:.1%}). Peak memory: median |error| "
-        f"{summary['median_abs_memory_error']:.1%}, worst {summary['worst_abs_memory_error']:.1%}.",
+        "Peak memory per rank: " + "; ".join(_memory_phrase(s, dtype) for dtype in ("fp32", "bf16")) + ".",
+    ]
+
+
+def _memory_phrase(summary: dict[str, float], dtype: str) -> str:
+    median = summary[f"median_abs_memory_error_{dtype}"]
+    if median != median:  # NaN: no case in this precision
+        return f"no {dtype} case"
+    return f"median |error| {median:.1%} in {dtype} (worst {summary[f'worst_abs_memory_error_{dtype}']:.1%})"
+
+
+def _by_tag(results: Sequence[FidelityResult]) -> list[str]:
+    tags = sorted({t for r in results for t in r.tags})
+    if not tags:
+        return []
+    lines = [
+        "Where the step-time error lives (cases with each feature; errors against the fastest step):",
+        "",
+        "| feature | cases | median error | median abs error | worst abs error | median abs mem err |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for tag in tags:
+        rows = [r for r in results if tag in r.tags]
+        errors = [r.fastest_step_error for r in rows]
+        memory = [abs(e) for r in rows for e in r.memory_errors.values()]
+        lines.append(
+            f"| {tag} | {len(rows)} | {_pct(_median(errors))} | {_median([abs(e) for e in errors]):.1%} "
+            f"| {max(abs(e) for e in errors):.1%} | {_median(memory):.1%} |"
+        )
+    return lines
+
+
+def explain_worst(r: FidelityResult) -> str:
+    """The worst case's error in the terms of its own data: the simulator's breakdown of its
+    busiest device against the measured gap."""
+    b = r.breakdown
+    gap = r.fastest_step_s - r.predicted_step_s
+    comm = b.get("exposed_p2p_s", 0.0) + b.get("exposed_zero_s", 0.0)
+    compute = b.get("compute_s", 0.0)
+    parts = [
+        f"The worst step-time case is {r.case} ({r.plan}): predicted {_ms(r.predicted_step_s)} ms against "
+        f"{_ms(r.fastest_step_s)} ms fastest ({_pct(r.fastest_step_error)}; median step "
+        f"{_ms(r.measured_step_s)} ms)."
+    ]
+    if b:
+        parts.append(
+            f"On its busiest device (device {int(b['device'])}) the simulator's step is "
+            f"{_ms(compute)} ms of compute ({int(b['compute_actions'])} compute actions, "
+            f"{_ms(b['overhead_s'])} ms of them the measured per-action overhead), "
+            f"{_ms(b['bubble_s'])} ms of bubble, {_ms(b['exposed_p2p_s'])} ms waiting on "
+            f"transfers ({int(b['transfers'])} sent) and {_ms(b['exposed_zero_s'])} ms on ZeRO collectives."
+        )
+        verb = "misses" if gap > 0 else "adds"
+        share = [f"{abs(gap) / compute:.0%} of the predicted compute"] if compute > 0 else []
+        if 0 < abs(gap) <= comm:
+            share.append(f"{abs(gap) / comm:.0%} of the predicted exposed communication")
+        parts.append(
+            f"The prediction {verb} {_ms(abs(gap))} ms: " + (" or ".join(share) or "no modelled part") + "."
+        )
+        if gap > 0 and comm > 0 and abs(gap) > comm:
+            parts.append(
+                "The gap exceeds all the exposed communication the simulator predicts, so the compute "
+                "(or waits the simulator does not see) must run slower than profiled."
+            )
+        elif gap > 0 and comm == 0:
+            parts.append(
+                "The simulator predicts no exposed communication here: the gap is compute running "
+                "slower than profiled, or waits the simulator does not see."
+            )
+    if r.measured_by_device:
+        slowest = max(r.measured_by_device, key=lambda d: r.measured_by_device[d])
+        parts.append(
+            f"Measured, rank {slowest} was slowest (median {_ms(r.measured_by_device[slowest])} ms); "
+            f"background load during the run {r.background_cores:.2f} cores, emulation sleeps "
+            f"{_ms(r.emulated_sleep_s)} ms per step (the load-aware prediction is "
+            f"{_pct(r.loaded_step_error)} against the median step); without the overhead term the "
+            f"prediction was {_ms(r.predicted_no_overhead_s)} ms ({_pct(r.no_overhead_error)})."
+        )
+    return " ".join(parts)
+
+
+def _worst_memory(results: Sequence[FidelityResult]) -> str:
+    rows = [(abs(e), r, d, e) for r in results for d, e in r.memory_errors.items()]
+    if not rows:
+        return ""
+    _, r, device, error = max(rows, key=lambda row: row[0])
+    return (
+        f"The worst peak-memory case is {r.case} device {device}: predicted "
+        f"{r.predicted_memory[device] / 1e6:.2f} MB against "
+        f"{r.measured_memory[device] / 1e6:.2f} MB measured "
+        f"({_pct(error)}, {r.dtype})."
+    )
+
+
+def _overhead(meta: dict[str, Any]) -> list[str]:
+    lines = []
+    for key, fit in sorted((meta.get("overhead") or {}).items()):
+        if fit:
+            figures = fit.get("figures", {})
+            residual = figures.get("residual_per_action_s")
+            signed = (
+                "" if residual is None else f" (measured residual {residual * 1e6:+.0f} µs, clamped at 0)"
+            )
+            lines.append(
+                f"- profile {key}: {fit['action_s'] * 1e6:.0f} µs per compute action{signed}, "
+                f"{fit['p2p_handoff_s'] * 1e6:.0f} µs per transfer beyond the link "
+                f"(hand-off measured {figures.get('handoff_s', 0.0) * 1e6:.0f} µs)."
+            )
+        else:
+            lines.append(f"- profile {key}: no overhead measured (predicted as 0).")
+    return ["Runtime overhead the profiles measured (medley.profile.overhead):", "", *lines] if lines else []
+
+
+def markdown_from_payload(payload: dict[str, Any]) -> str:
+    """The report, from the JSON payload :func:`write_report` writes, and nothing else."""
+    meta, results = payload["meta"], results_from_rows(payload["results"])
+    title = "# Fidelity: simulator prediction vs medley's runtime on this machine"
+    if meta.get("quick"):
+        title += " (quick subset)"
+    lines = [
+        title,
+        "",
+        f"Machine: {meta.get('host')}, {meta.get('cores')} cores, torch {meta.get('torch')}; date "
+        f"{meta.get('date', '?')}; {meta.get('steps', '?')} steps per case. Profiles: "
+        f"{', '.join(meta.get('profiles', []))}.",
+        f"Commit {meta.get('commit', 'not recorded')}; command `{meta.get('command', 'not recorded')}`.",
+        "",
+        *_table(results),
+        "",
+        *_summary(results),
         "",
     ]
-    if notes:
-        lines += [notes.strip(), ""]
+    if results:
+        worst = max(results, key=lambda r: abs(r.fastest_step_error))
+        lines += [explain_worst(worst), "", _worst_memory(results), ""]
+    lines += [*_by_tag(results), "", *_overhead(meta), "", READING, ""]
     return "\n".join(lines)
 
 
-def results_from_json(path: Path) -> tuple[list[FidelityResult], dict[str, Any]]:
-    """The results and metadata of a written report (to render it again)."""
-    payload = json.loads(Path(path).read_text())
-    names = {f.name for f in dataclasses.fields(FidelityResult)}
-    results = []
-    for row in payload["results"]:
-        fields = {k: v for k, v in row.items() if k in names}
-        for key in ("predicted_memory", "measured_memory"):
-            fields[key] = {int(d): float(b) for d, b in fields[key].items()}
-        results.append(FidelityResult(**fields))
-    return results, payload["meta"]
+def markdown(results: Sequence[FidelityResult], meta: dict[str, Any]) -> str:
+    return markdown_from_payload(payload_of(results, meta))
 
 
-def write_report(results: Sequence[FidelityResult], meta: dict[str, Any], *, json_path: Path, md_path: Path,
-                 notes: str = "") -> None:
+def payload_of(results: Sequence[FidelityResult], meta: dict[str, Any]) -> dict[str, Any]:
+    return {"meta": meta, "summary": summarize(results), "results": [result_row(r) for r in results]}
+
+
+def write_report(
+    results: Sequence[FidelityResult], meta: dict[str, Any], *, json_path: Path, md_path: Path
+) -> None:
+    """Write the JSON, then render the Markdown from what was written."""
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"meta": meta, "summary": summarize(results), "results": [result_row(r) for r in results]}
-    json_path.write_text(json.dumps(payload, indent=1) + "\n")
-    md_path.write_text(markdown(results, meta, notes))
+    json_path.write_text(json.dumps(payload_of(results, meta), indent=1) + "\n")
+    md_path.write_text(markdown_from_payload(json.loads(json_path.read_text())))

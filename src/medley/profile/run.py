@@ -13,17 +13,16 @@ import torch
 from medley.cost.profiles import PROFILE_FORMAT, PROFILE_VERSION, Profile, model_dict
 from medley.errors import MedleyInputError
 from medley.profile.collectives import comm_profile, measure_collectives
-from medley.profile.layers import TORCH_DTYPES, profile_layers, profile_optimizer
-from medley.spec.catalog import device_type_for_cuda, get_device_type
+from medley.profile.layers import profile_layers, profile_optimizer
+from medley.runtime.sharding import TORCH_DTYPES
+from medley.spec.catalog import CPU_DEVICE_TYPE, device_type_for_cuda, get_device_type
 from medley.spec.cluster_schema import printable
 from medley.spec.model import ModelSpec
 
-CPU_DEVICE_TYPE = "CPU-8GB"  # the catalog's generic CPU core (medley runs one rank per core)
 
-
-def profile_steps(comm_ranks: Sequence[int]) -> int:
+def profile_steps(comm_ranks: Sequence[int], *, overhead: bool = False) -> int:
     """How many progress steps :func:`run_profile` reports."""
-    return 3 if comm_ranks else 2
+    return 2 + bool(comm_ranks) + overhead
 
 
 def _device_detail(device: str) -> str:
@@ -63,9 +62,14 @@ def run_profile(
     micro_batch_sizes: Sequence[int] = (1, 2, 4), seq_lens: Sequence[int] = (128,), dtype: str = "fp32",
     threads: int = 1, warmup: int = 2, runs: int = 5, comm_ranks: Sequence[int] = (2, 4),
     comm_sizes: Sequence[int] | None = None, progress: Callable[[str], None] | None = None,
+    overhead: bool = False,
 ) -> Profile:
     """Measure ``model``'s layers on ``device`` (and gloo collectives when ``comm_ranks`` is given).
-    ``progress(description)`` is called as each of :func:`profile_steps` steps starts."""
+    ``overhead``: also the runtime's per-action and per-transfer overhead
+    (:mod:`medley.profile.overhead`, CPU only). ``progress(description)`` is called as each of
+    :func:`profile_steps` steps starts."""
+    if overhead and device != "cpu":
+        raise MedleyInputError("--overhead is measured on CPU ranks (gloo) only; pass --no-overhead")
     if device not in ("cpu", "cuda"):
         raise MedleyInputError(f"--device '{device}' must be cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
@@ -90,12 +94,18 @@ def run_profile(
         step(f"measuring gloo collectives over {', '.join(map(str, comm_ranks))} ranks")
         kwargs = {} if comm_sizes is None else {"sizes": comm_sizes}
         comm = comm_profile(measure_collectives(ranks=comm_ranks, **kwargs), backend="gloo")
+    measured_overhead = None
+    if overhead:
+        from medley.profile.overhead import measure_overhead
+
+        step("measuring the runtime's overhead per action and per transfer")
+        measured_overhead = measure_overhead(dtype=dtype, comm=comm, runs=runs)
     return Profile(
         format=PROFILE_FORMAT, version=PROFILE_VERSION,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         host=socket.gethostname(), device_type=name, device_kind=device, device_detail=_device_detail(device),
         torch_version=torch.__version__, dtype=dtype, threads=threads, model=model_dict(model), layers=layers,
-        comm=comm, optimizer=optimizer,
+        comm=comm, optimizer=optimizer, overhead=measured_overhead,
         notes=f"times: medians of the faster half of {runs} runs after {warmup} warm-up runs; torch threads "
               f"{threads}; load average when done {_loadavg()}",
     )

@@ -20,6 +20,7 @@ from medley.errors import MedleyInputError
 from medley.spec.cluster_schema import STRICT, describe_validation_error, printable
 
 BUILTIN_CATALOG = Path(__file__).with_name("devices.toml")
+CPU_DEVICE_TYPE = "CPU-8GB"  # the catalog's generic CPU core (medley runs one rank per core)
 Confidence = Literal["high", "medium", "low"]
 
 

@@ -1,0 +1,144 @@
+"""What one fidelity case measured against what the simulator predicted, and the figures over
+many cases (:func:`summarize`) and the bounds a test holds them to (:func:`timing_failure`,
+:func:`memory_failure`)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class FidelityResult:
+    """Predicted and measured figures of one case.
+
+    Attributes:
+        case, plan: the case's name and its plan in words (:func:`describe`).
+        dtype: the precision it ran in.
+        predicted_step_s: the simulator's step on a quiet machine; loaded_predicted_step_s: the
+            same with the background load measured during the run.
+        predicted_no_overhead_s: the quiet prediction without the profile's per-action overhead.
+        measured_step_s, fastest_step_s: median and fastest timed step.
+        predicted_memory, measured_memory: peak bytes per device id.
+        breakdown: the simulator's step on its busiest device: ``device``, ``compute_s`` (of it
+            ``overhead_s``: per-action overhead), ``bubble_s``, ``exposed_p2p_s``,
+            ``exposed_zero_s``, ``compute_actions``, ``transfers`` (sent by that device).
+        measured_by_device: each rank's median timed step, by device id.
+        emulated_sleep_s: median per step of the longest emulation sleep of any rank.
+        cost_source, compute_share, loaded_compute_share, background_cores, wall_s: how it was
+            predicted and run (see :func:`run_case`); step_times_s: every step measured.
+        tags: what the plan exercises (:func:`tags`), to group errors by.
+    """
+
+    case: str
+    plan: str
+    predicted_step_s: float
+    loaded_predicted_step_s: float
+    measured_step_s: float
+    fastest_step_s: float
+    predicted_memory: dict[int, float]
+    measured_memory: dict[int, float]
+    cost_source: str
+    compute_share: float
+    loaded_compute_share: float
+    background_cores: float
+    wall_s: float
+    step_times_s: list[float] = field(default_factory=list)
+    dtype: str = "fp32"
+    predicted_no_overhead_s: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)
+    measured_by_device: dict[int, float] = field(default_factory=dict)
+    emulated_sleep_s: float = 0.0
+    tags: list[str] = field(default_factory=list)
+
+    @property
+    def step_error(self) -> float:
+        return (self.predicted_step_s - self.measured_step_s) / self.measured_step_s
+
+    @property
+    def fastest_step_error(self) -> float:
+        """Quiet-machine prediction against the fastest measured step."""
+        return (self.predicted_step_s - self.fastest_step_s) / self.fastest_step_s
+
+    @property
+    def no_overhead_error(self) -> float:
+        """The prediction without the per-action overhead, against the fastest step."""
+        return (self.predicted_no_overhead_s - self.fastest_step_s) / self.fastest_step_s
+
+    @property
+    def loaded_step_error(self) -> float:
+        return (self.loaded_predicted_step_s - self.measured_step_s) / self.measured_step_s
+
+    @property
+    def memory_errors(self) -> dict[int, float]:
+        return {
+            d: (self.predicted_memory[d] - m) / m
+            for d, m in self.measured_memory.items()
+            if m > 0 and d in self.predicted_memory
+        }
+
+    @property
+    def worst_memory_error(self) -> float:
+        errors = self.memory_errors
+        return max(errors.values(), key=abs) if errors else float("nan")
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _worst(values: Sequence[float]) -> float:
+    return max(values) if values else float("nan")
+
+
+def summarize(results: Sequence[FidelityResult]) -> dict[str, float]:
+    steps = [abs(r.step_error) for r in results]
+    loaded = [abs(r.loaded_step_error) for r in results]
+    fastest = [abs(r.fastest_step_error) for r in results]
+    bare = [abs(r.no_overhead_error) for r in results if r.predicted_no_overhead_s > 0]
+    memory = {
+        dtype: [abs(e) for r in results if r.dtype == dtype for e in r.memory_errors.values()]
+        for dtype in ("fp32", "bf16")
+    }
+    everything = memory["fp32"] + memory["bf16"]
+    return {
+        "cases": len(results),
+        "median_abs_step_error": _median(steps),
+        "worst_abs_step_error": _worst(steps),
+        "median_abs_fastest_step_error": _median(fastest),
+        "worst_abs_fastest_step_error": _worst(fastest),
+        "median_fastest_step_error": _median([r.fastest_step_error for r in results]),
+        "median_abs_no_overhead_error": _median(bare),
+        "worst_abs_no_overhead_error": _worst(bare),
+        "median_abs_loaded_step_error": _median(loaded),
+        "worst_abs_loaded_step_error": _worst(loaded),
+        "median_abs_memory_error": _median(everything),
+        "worst_abs_memory_error": _worst(everything),
+        "median_abs_memory_error_fp32": _median(memory["fp32"]),
+        "worst_abs_memory_error_fp32": _worst(memory["fp32"]),
+        "median_abs_memory_error_bf16": _median(memory["bf16"]),
+        "worst_abs_memory_error_bf16": _worst(memory["bf16"]),
+    }
+
+
+def timing_failure(results: Sequence[FidelityResult], *, bound: float) -> str | None:
+    """Why the median |step-time error| against the fastest step exceeds ``bound``, or None."""
+    median = _median([abs(r.fastest_step_error) for r in results])
+    if median <= bound:
+        return None
+    cases = ", ".join(
+        f"{r.case} {r.predicted_step_s * 1e3:.1f} ms predicted vs {r.fastest_step_s * 1e3:.1f} ms "
+        f"fastest ({r.fastest_step_error:+.0%})"
+        for r in results
+    )
+    return f"median |step-time error| {median:.0%} exceeds {bound:.0%}: {cases}"
+
+
+def memory_failure(results: Sequence[FidelityResult], *, bound: float) -> str | None:
+    """The first rank whose peak-memory error exceeds ``bound``, or None."""
+    for r in results:
+        for device, error in sorted(r.memory_errors.items()):
+            if abs(error) > bound:
+                return f"{r.case} device {device}: peak memory off by {error:+.1%} (bound {bound:.0%})"
+    return None

@@ -1,0 +1,187 @@
+"""What medley's runtime pays per action beyond the profiled layers: the executor's bookkeeping per
+compute action and one gloo hand-off per point-to-point transfer.
+
+The layer profile times each layer's forward and backward alone; the runtime's executor also
+looks up and stores tensors, detaches inputs, enters autocast and runs its emulation and
+memory hooks around every compute action, and each pipeline transfer is an ``isend`` on one rank
+and a ``recv`` into a fresh buffer on the other. Neither is in the layer times nor in the α-β link,
+so nearly every step-time prediction came out short (bench/results/fidelity.md). Both are measured here,
+on the runtime itself:
+
+* **per compute action**: a one-rank plan of :data:`PROBE` (a model too small to compute anything,
+  so that a step is nearly all bookkeeping) trains with :data:`PROBE_MICRO_BATCHES` micro-batch
+  counts; the step time's slope per micro-batch, less the probe's own profiled layer times (F and
+  fused backward of every layer, the lower of a measurement before and one after the runs), over
+  the two compute actions (F, BW) of a micro-batch (what the step loop does per micro-batch, the
+  loss and the batch's slicing, is booked with them);
+* **per hand-off**: two gloo ranks pass a small tensor back and forth exactly as the executor
+  does (``isend``, ``recv`` into ``torch.empty``); half the round trip, less what the profile's
+  two-rank link fit already charges for that message (when collectives were measured too).
+
+Both are clamped at 0 and stored in the profile's ``overhead`` (older profiles have none: 0). The
+per-action figure is a difference of two timings and can come out below 0: the layer profile's
+own fixed cost per layer pass (timers, allocator queries) then already covers the executor's;
+``figures["residual_per_action_s"]`` keeps the signed value.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from medley.cost.profiles import CommProfile, OverheadProfile
+from medley.profile.memory import quiet_median
+from medley.spec.model import ModelSpec
+
+# As small as the runtime allows (the synthetic data needs 256 token ids): next to no math.
+PROBE = ModelSpec(
+    name="overhead-probe",
+    vocab_size=256,
+    hidden_size=8,
+    num_blocks=1,
+    num_heads=1,
+    num_kv_heads=1,
+    ffn_hidden_size=8,
+    mlp="swiglu",
+    norm="rmsnorm",
+    position="rope",
+    max_seq_len=8,
+    tied_embeddings=False,
+    bias=False,
+)
+PROBE_SEQ_LEN = 4
+PROBE_MICRO_BATCHES = (2, 10)
+HANDOFF_BYTES = 4096  # a small activation: the hand-off, not the bandwidth
+
+
+def _probe_plan(micro_batches: int, dtype: str):  # -> Plan (imported late: the planner is heavy)
+    from medley.cost.estimator import CatalogCostSource
+    from medley.plan.inline import inline_layout
+    from medley.plan.plan import Plan
+    from medley.spec.catalog import CPU_DEVICE_TYPE
+    from medley.spec.cluster_load import cluster_from_dict
+
+    cluster = cluster_from_dict(
+        {"name": "overhead-probe", "nodes": [{"name": "rank0", "device": CPU_DEVICE_TYPE, "count": 1}]},
+        source="overhead probe",
+    )
+    cost = CatalogCostSource.for_cluster(PROBE, cluster, dtype="fp32")
+    layout = inline_layout(
+        cluster=cluster,
+        model=PROBE,
+        cost=cost,
+        pp=1,
+        dp=1,
+        schedule="1f1b",
+        micro_batches=str(micro_batches),
+        micro_batch_size=1,
+        seq_len=PROBE_SEQ_LEN,
+        zero="0",
+        dtype=dtype,
+    )
+    return Plan(layout=layout, cluster=cluster, prediction=None)
+
+
+def _step_time(micro_batches: int, *, dtype: str, steps: int) -> float:
+    """Median step time of the probe plan over ``steps`` steps after as many warm-up steps."""
+    from medley.runtime.launch import train_local
+    from medley.runtime.train import TrainConfig
+
+    config = TrainConfig(
+        steps=2 * steps, clip_norm=None, data="synthetic", progress=False, dtype=dtype, warmup_steps=0
+    )
+    records = train_local(_probe_plan(micro_batches, dtype), config)
+    return quiet_median([r.step_time_s for r in records[steps:]])
+
+
+def measure_action_overhead(*, dtype: str = "fp32", steps: int = 10, runs: int = 9) -> tuple[float, dict]:
+    """(seconds of executor bookkeeping per compute action, the figures it comes from)."""
+    from medley.profile.layers import profile_layers
+
+    def layers_s() -> float:  # F + BW of every probe layer, one micro-batch
+        layers = profile_layers(
+            PROBE, micro_batch_sizes=[1], seq_lens=[PROBE_SEQ_LEN], dtype=dtype, runs=runs
+        )
+        return sum(m.forward_s + m.backward_full_s for m in layers)
+
+    low, high = PROBE_MICRO_BATCHES
+    before = layers_s()
+    times = {m: _step_time(m, dtype=dtype, steps=steps) for m in (low, high)}
+    # Before and after the runs: other work on a shared machine only adds time, so the lower.
+    layer_s = min(before, layers_s())
+    slope = (times[high] - times[low]) / (high - low)
+    residual = (slope - layer_s) / 2  # below 0 when the profile's own per-layer costs exceed the executor's
+    return max(0.0, residual), {
+        "step_s": {str(m): t for m, t in times.items()},
+        "slope_per_micro_batch_s": slope,
+        "probe_layers_s": layer_s,
+        "residual_per_action_s": residual,
+        # what a step costs at no micro-batch: loop, optimizer, reductions
+        "step_intercept_s": times[low] - low * slope,
+    }
+
+
+def _handoff_worker(rank: int, port: int, trips: int, rounds: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        shape = (HANDOFF_BYTES // 4,)
+        tensor = torch.ones(shape)
+        peer = 1 - rank
+        samples = []
+        for i in range(rounds + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(trips):
+                if rank == 0:  # as RankExecutor._send and ._recv do
+                    work = dist.isend(tensor, dst=peer, tag=1)
+                    dist.recv(torch.empty(shape), src=peer, tag=2)
+                    work.wait()
+                else:
+                    dist.recv(torch.empty(shape), src=peer, tag=1)
+                    dist.isend(tensor, dst=peer, tag=2).wait()
+            if i >= 2:
+                samples.append((time.perf_counter() - t0) / trips / 2)
+        if rank == 0:
+            Path(out).write_text(json.dumps(samples))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_handoff(*, trips: int = 50, rounds: int = 9) -> float:
+    """Seconds of one transfer of :data:`HANDOFF_BYTES` between two gloo ranks, executor-style."""
+    from medley.profile.collectives import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "handoff.json"
+        mp.start_processes(
+            _handoff_worker,
+            args=(free_port(), trips, rounds, str(out)),
+            nprocs=2,
+            join=True,
+            start_method="spawn",
+        )
+        return quiet_median(json.loads(out.read_text()))
+
+
+def measure_overhead(
+    *, dtype: str = "fp32", comm: CommProfile | None = None, runs: int = 9, steps: int = 10
+) -> OverheadProfile:
+    """Both overheads; the hand-off's is what the two-rank link fit of ``comm`` does not already
+    charge. ``runs``: timed repetitions per probe layer; ``steps``: timed steps per probe run."""
+    from medley.profile.collectives import model_time
+
+    action_s, figures = measure_action_overhead(dtype=dtype, runs=runs, steps=steps)
+    handoff = measure_handoff()
+    link_s = model_time("send_recv", 2, float(HANDOFF_BYTES), comm.link_for(2)) if comm is not None else 0.0
+    figures |= {"handoff_s": handoff, "handoff_link_model_s": link_s, "handoff_bytes": HANDOFF_BYTES}
+    return OverheadProfile(action_s=action_s, p2p_handoff_s=max(0.0, handoff - link_s), figures=figures)

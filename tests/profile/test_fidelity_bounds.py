@@ -1,0 +1,132 @@
+"""The fidelity checks fail a broken simulator, and the report's prose comes from its data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from medley.cost.profiles import load_profile
+from medley.profile.fidelity import (
+    FidelityResult,
+    case_layout,
+    describe,
+    emulate,
+    memory_failure,
+    tags,
+    timing_failure,
+)
+from medley.profile.fidelity_cases import TINY, planned_cases
+from medley.profile.report import markdown_from_payload, payload_of
+
+
+def _result(
+    name: str,
+    *,
+    predicted_ms: float,
+    fastest_ms: float,
+    memory: tuple[float, float] = (1e6, 1e6),
+    dtype: str = "fp32",
+) -> FidelityResult:
+    return FidelityResult(
+        case=name,
+        plan="pp2 dp1",
+        predicted_step_s=predicted_ms / 1e3,
+        loaded_predicted_step_s=predicted_ms / 1e3,
+        measured_step_s=fastest_ms * 1.1 / 1e3,
+        fastest_step_s=fastest_ms / 1e3,
+        predicted_memory={0: memory[0]},
+        measured_memory={0: memory[1]},
+        cost_source="profile:p.json",
+        compute_share=1.0,
+        loaded_compute_share=1.0,
+        background_cores=0.1,
+        wall_s=1.0,
+        dtype=dtype,
+        predicted_no_overhead_s=predicted_ms * 0.8 / 1e3,
+        tags=["pipeline", dtype],
+        breakdown={
+            "device": 0.0,
+            "compute_s": predicted_ms * 0.8 / 1e3,
+            "overhead_s": 1e-3,
+            "bubble_s": 0.0,
+            "exposed_p2p_s": predicted_ms * 0.2 / 1e3,
+            "exposed_zero_s": 0.0,
+            "compute_actions": 8.0,
+            "transfers": 4.0,
+        },
+    )
+
+
+def test_a_simulator_off_by_half_fails_the_timing_bound() -> None:
+    halved = [
+        _result("a", predicted_ms=20.0, fastest_ms=40.0),
+        _result("b", predicted_ms=30.0, fastest_ms=60.0),
+    ]
+    failure = timing_failure(halved, bound=0.35)
+    assert failure is not None and "50%" in failure and "a 20.0 ms predicted vs 40.0 ms fastest" in failure
+    doubled = [
+        _result("a", predicted_ms=80.0, fastest_ms=40.0),
+        _result("b", predicted_ms=60.0, fastest_ms=60.0),
+    ]
+    assert timing_failure(doubled, bound=0.35) is not None  # median of 100% and 0%
+    close = [
+        _result("a", predicted_ms=36.0, fastest_ms=40.0),
+        _result("b", predicted_ms=70.0, fastest_ms=60.0),
+    ]
+    assert timing_failure(close, bound=0.35) is None
+
+
+def test_memory_bound_names_the_rank() -> None:
+    assert (
+        memory_failure([_result("a", predicted_ms=1.0, fastest_ms=1.0, memory=(1.1e6, 1e6))], bound=0.15)
+        is None
+    )
+    failure = memory_failure(
+        [_result("a", predicted_ms=1.0, fastest_ms=1.0, memory=(0.5e6, 1e6))], bound=0.15
+    )
+    assert failure == "a device 0: peak memory off by -50.0% (bound 15%)"
+
+
+def test_report_prose_is_computed_from_the_json() -> None:
+    results = [
+        _result("a", predicted_ms=36.0, fastest_ms=40.0),
+        _result("b", predicted_ms=90.0, fastest_ms=60.0, memory=(1.3e6, 1e6), dtype="bf16"),
+    ]
+    meta = {
+        "host": "h",
+        "cores": 2,
+        "commit": "abc123",
+        "command": "python bench/fidelity.py",
+        "overhead": {"tiny": {"action_s": 2e-4, "p2p_handoff_s": 5e-5, "figures": {"handoff_s": 3e-4}}},
+    }
+    text = markdown_from_payload(json.loads(json.dumps(payload_of(results, meta))))
+    assert "Commit abc123; command `python bench/fidelity.py`" in text
+    # medians of |-10%| and |+50%|: 30%; one of two under-predicted
+    assert (
+        "median |error| 30.0% against the fastest step (worst 50.0%" in text
+        and "1 of 2 under-predicted" in text
+    )
+    assert "The worst step-time case is b" in text and "adds 30.0 ms" in text
+    assert "median |error| 0.0% in fp32 (worst 0.0%); median |error| 30.0% in bf16 (worst 30.0%)." in text
+    assert "The worst peak-memory case is b device 0" in text
+    assert "200 µs per compute action, 50 µs per transfer" in text
+    assert "| bf16 | 1 | +50.0% |" in text
+
+
+@pytest.mark.parametrize("bound", [0.0, 0.1])
+def test_exact_predictions_pass_any_bound(bound: float) -> None:
+    exact = [_result("a", predicted_ms=40.0, fastest_ms=40.0)]
+    assert timing_failure(exact, bound=bound) is None
+
+
+def test_planned_case_runs_the_planners_plan(tmp_path: Path) -> None:
+    """A planned case is the planner's ranked plan on the emulated cluster, in the case's precision."""
+    profile = load_profile(Path(__file__).parents[2] / "bench" / "results" / "profile-cpu-tiny.json")
+    case = planned_cases(top=1)[0]
+    emulated, _ = emulate(case, profile, profile_name="p.json", directory=tmp_path, cores=2)
+    layout = case_layout(case, emulated)
+    assert layout.model == TINY and layout.dtype == "bf16" and layout.clip_grad  # the planner always clips
+    assert sum(layout.micro_batches) * layout.micro_batch_size == case.global_batch
+    assert "planner's plan" in tags(layout, case) and describe(layout).endswith("bf16")
