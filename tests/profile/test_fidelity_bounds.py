@@ -51,7 +51,7 @@ def _result(
             "compute_s": predicted_ms * 0.8 / 1e3,
             "overhead_s": 1e-3,
             "bubble_s": 0.0,
-            "exposed_p2p_s": predicted_ms * 0.2 / 1e3,
+            "exposed_transfer_s": predicted_ms * 0.2 / 1e3,
             "exposed_zero_s": 0.0,
             "compute_actions": 8.0,
             "transfers": 4.0,

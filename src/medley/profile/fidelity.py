@@ -259,9 +259,11 @@ def _breakdown(problem: SimProblem, result: SimResult, emulated: EmulatedCluster
         "step_s": result.step_time_s,
         "compute_s": busiest.busy_s,
         "overhead_s": actions * per_action,
-        "bubble_s": max(0.0, busiest.idle_s - busiest.exposed_p2p_s - busiest.exposed_zero_s),
-        "exposed_p2p_s": busiest.exposed_p2p_s,
+        "bubble_s": busiest.bubble_s,
+        "exposed_transfer_s": busiest.exposed_transfer_s,
         "exposed_zero_s": busiest.exposed_zero_s,
+        "exposed_clip_s": busiest.exposed_clip_s,
+        "clip_barrier_s": busiest.clip_barrier_s,
         "compute_actions": float(actions),
         "transfers": float(sends),
     }

@@ -22,8 +22,9 @@ class FidelityResult:
         measured_step_s, fastest_step_s: median and fastest timed step.
         predicted_memory, measured_memory: peak bytes per device id.
         breakdown: the simulator's step on its busiest device: ``device``, ``compute_s`` (of it
-            ``overhead_s``: per-action overhead), ``bubble_s``, ``exposed_p2p_s``,
-            ``exposed_zero_s``, ``compute_actions``, ``transfers`` (sent by that device).
+            ``overhead_s``: per-action overhead), ``bubble_s``, ``exposed_transfer_s``,
+            ``exposed_zero_s``, ``exposed_clip_s``, ``clip_barrier_s`` (the simulator's parts),
+            ``compute_actions``, ``transfers`` (sent by that device).
         measured_by_device: each rank's median timed step, by device id.
         emulated_sleep_s: median per step of the longest emulation sleep of any rank.
         cost_source, compute_share, loaded_compute_share, background_cores, wall_s: how it was

@@ -161,7 +161,7 @@ def explain_worst(r: FidelityResult) -> str:
     busiest device against the measured gap."""
     b = r.breakdown
     gap = r.fastest_step_s - r.predicted_step_s
-    comm = b.get("exposed_p2p_s", 0.0) + b.get("exposed_zero_s", 0.0)
+    comm = b.get("exposed_transfer_s", 0.0) + b.get("exposed_zero_s", 0.0) + b.get("exposed_clip_s", 0.0)
     compute = b.get("compute_s", 0.0)
     parts = [
         f"The worst step-time case is {r.case} ({r.plan}): predicted {_ms(r.predicted_step_s)} ms against "
@@ -173,8 +173,10 @@ def explain_worst(r: FidelityResult) -> str:
             f"On its busiest device (device {int(b['device'])}) the simulator's step is "
             f"{_ms(compute)} ms of compute ({int(b['compute_actions'])} compute actions, "
             f"{_ms(b['overhead_s'])} ms of them the measured per-action overhead), "
-            f"{_ms(b['bubble_s'])} ms of bubble, {_ms(b['exposed_p2p_s'])} ms waiting on "
-            f"transfers ({int(b['transfers'])} sent) and {_ms(b['exposed_zero_s'])} ms on ZeRO collectives."
+            f"{_ms(b['bubble_s'])} ms of bubble, {_ms(b['exposed_transfer_s'])} ms waiting on "
+            f"transfers ({int(b['transfers'])} sent), {_ms(b['exposed_zero_s'])} ms on ZeRO collectives, "
+            f"{_ms(b.get('exposed_clip_s', 0.0))} ms in the gradient-norm all-reduce and "
+            f"{_ms(b.get('clip_barrier_s', 0.0))} ms waiting there for other ranks."
         )
         verb = "misses" if gap > 0 else "adds"
         share = [f"{abs(gap) / compute:.0%} of the predicted compute"] if compute > 0 else []
