@@ -78,6 +78,17 @@ def test_a_simulator_off_by_half_fails_the_timing_bound() -> None:
     assert timing_failure(close, bound=0.35) is None
 
 
+def test_a_simulator_off_by_four_fails_the_quick_tests_sanity_bound() -> None:
+    from test_fidelity_quick import TIMING_BOUND
+
+    quartered = [_result("a", predicted_ms=9.0, fastest_ms=40.0),
+                 _result("b", predicted_ms=14.0, fastest_ms=60.0)]
+    assert timing_failure(quartered, bound=TIMING_BOUND) is not None
+    seen = [_result("a", predicted_ms=35.0, fastest_ms=100.0),
+            _result("b", predicted_ms=46.0, fastest_ms=100.0)]
+    assert timing_failure(seen, bound=TIMING_BOUND) is None  # -65% and -54%, quiet runs of the quick plans
+
+
 def test_memory_bound_names_the_rank() -> None:
     assert (
         memory_failure([_result("a", predicted_ms=1.0, fastest_ms=1.0, memory=(1.1e6, 1e6))], bound=0.15)
