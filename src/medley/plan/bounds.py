@@ -188,12 +188,20 @@ def stage_memory(
     acts = table.act_rc if option.recompute else table.act
     act = acts[j] - acts[i]
     state = params * option_bytes_per_param(option, dp, dtype=table.dtype, layers=j - i)
-    return state + flight.full * act + flight.after_b * (table.after_b[j] - table.after_b[i])
+    # A recomputing block holds its forward's activations again during its backward (as the
+    # compiler books, plan.compile.recompute_workspace): the largest block's, once.
+    rerun = 0.0
+    if option.recompute:
+        act, kept = table.act, table.act_rc
+        extra = (act[k + 1] - act[k] - (kept[k + 1] - kept[k]) for k in range(i, j))
+        rerun = max(extra, default=0.0)
+    return state + flight.full * act + flight.after_b * (table.after_b[j] - table.after_b[i]) + rerun
 
 
 def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: Flight) -> tuple[float, ...]:
     """c[j] with c[j] - c[i] = :func:`stage_memory` for stages of at least ``option.buckets`` layers
-    (shorter streamed stages hold more: check them exactly)."""
+    (shorter streamed stages hold more, and recomputing stages one block's activations more:
+    check them exactly)."""
     a = option_bytes_per_param(option, dp, dtype=table.dtype)
     acts = table.act_rc if option.recompute else table.act
     return tuple(

@@ -146,11 +146,13 @@ def static_memory(
 
     A measured source may also know the backward's transient workspace per layer (temporaries and
     gradients of intermediates, beyond the held activations); one backward runs at a time, so
-    each device reserves its largest layer's."""
+    each device reserves its largest layer's. A recomputing block also holds its whole forward's
+    activations again while its backward runs (:func:`recompute_workspace`)."""
     out: dict[int, float] = {}
     workspace: dict[int, float] = {}
     measured = getattr(cost, "workspace_bytes", None)
     for stage in range(layout.num_stages):
+        recompute = bool(layout.recompute and layout.recompute[stage])
         state = stage_state_bytes(_stage_params(layout, stage), level=layout.zero[stage].level, dp=layout.dp,
                                   per_param=state_bytes_per_param(layout.dtype))
         held = state.resident
@@ -160,15 +162,34 @@ def static_memory(
         for replica in range(layout.dp):
             device = layout.assignment[replica][stage_to_rank[stage]]
             out[device] = out.get(device, 0.0) + held
-            if measured is None or cluster is None:
+            if cluster is None:
                 continue
             name = cluster.devices[device].type.name
             for layer in layout.layer_range(stage):
-                extra = measured(
-                    layer, micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len, device_type=name
-                )
-                workspace[device] = max(workspace.get(device, 0.0), extra or 0.0)
+                extra = 0.0
+                if measured is not None:
+                    extra = measured(layer, micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len,
+                                     device_type=name) or 0.0
+                if recompute:
+                    extra += recompute_workspace(layout, cost, layer, name)
+                workspace[device] = max(workspace.get(device, 0.0), extra)
     return {device: held + workspace.get(device, 0.0) for device, held in out.items()}
+
+
+def recompute_workspace(layout: PlanLayout, cost: CostSource | None, layer: int, device_type: str) -> float:
+    """Bytes a recomputing block holds again during its backward: its forward's activations
+    (measured where the source knows them), beyond the input it kept; 0 for other layers."""
+    model, mbs, seq = layout.model, layout.micro_batch_size, layout.seq_len
+    if model.layer_kind(layer) != "block":
+        return 0.0
+    measured = getattr(cost, "activation_bytes", None)
+    found = measured(layer, micro_batch_size=mbs, seq_len=seq, device_type=device_type) if measured else None
+    dtype_bytes = DTYPE_BYTES[layout.dtype]
+    full = found[0] if found else formulas.layer_activation_bytes(
+        model, layer, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes)
+    kept = formulas.layer_activation_bytes(model, layer, micro_batch_size=mbs, seq_len=seq,
+                                           dtype_bytes=dtype_bytes, recompute=True)
+    return max(0.0, full - kept)
 
 
 def _fsdp_keeps_shards(layout: PlanLayout) -> bool:
