@@ -55,8 +55,9 @@ class TrainConfig:
         progress: show a progress bar on rank 0.
         measure_memory: peak memory per rank: CUDA's counter every step; on CPU one untimed probe
             step after the last one, reported in every record.
-        dtype: ``fp32``, ``bf16`` or ``fp16`` (half-precision compute under autocast, fp32 master
-            weights, gradient reductions and optimizer; fp16 with dynamic loss scaling); None: the
+        dtype: ``fp32``, ``bf16`` or ``fp16`` (half-precision compute under autocast on fp32
+            master weights and optimizer; weights gathered and gradients reduced in the dtypes of
+            ``medley.cost.zero_memory``; fp16 with dynamic loss scaling); None: the
             plan's precision on CUDA, fp32 on CPU. Rank 0 says so when it is not the plan's.
         loss_scale_init: fp16: the loss scale of the first step (torch GradScaler's 2**16).
         loss_scale_backoff: fp16: the scale is multiplied by this after a step whose gradients

@@ -1,7 +1,10 @@
 """The precision a run computes in, and fp16's dynamic loss scale.
 
-bf16 and fp16 runs compute under ``torch.autocast`` on fp32 master weights; gradients,
-their reductions and the optimizer stay fp32. fp16 has a narrow range, so its runs scale the loss
+bf16 and fp16 runs compute under ``torch.autocast`` on fp32 master weights, which the optimizer
+steps in fp32; ZeRO-1/2/3 stages gather their weights in the compute dtype and every stage reduces
+gradients in the dtype :func:`medley.cost.zero_memory.state_bytes_per_param` names (fp32 for bf16,
+fp16 for fp16), as the simulator counts (:func:`medley.runtime.sharding.shard_stage`). fp16 has a
+narrow range, so its runs scale the loss
 before backward (:class:`LossScaler`, torch ``GradScaler``'s policy: start at 2**16, halve on an
 overflow, double after ``growth_interval`` finite steps in a row).
 
