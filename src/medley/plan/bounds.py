@@ -192,8 +192,8 @@ def stage_memory(
     # compiler books, plan.compile.recompute_workspace): the largest block's, once.
     rerun = 0.0
     if option.recompute:
-        act, kept = table.act, table.act_rc
-        extra = (act[k + 1] - act[k] - (kept[k + 1] - kept[k]) for k in range(i, j))
+        full, kept = table.act, table.act_rc
+        extra = (full[k + 1] - full[k] - (kept[k + 1] - kept[k]) for k in range(i, j))
         rerun = max(extra, default=0.0)
     return state + flight.full * act + flight.after_b * (table.after_b[j] - table.after_b[i]) + rerun
 
