@@ -1,0 +1,57 @@
+"""The planner's exact stage check and the compiler book the same memory for a recomputing stage:
+model state, the kept inputs of every in-flight micro-batch, and once the largest block's forward
+activations, which its backward holds again."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from medley.cost import formulas
+from medley.cost.estimator import CatalogCostSource
+from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
+from medley.plan.bounds import MemoryOption, layer_table, stage_memory
+from medley.plan.compile import recompute_workspace, static_memory
+from medley.plan.layout import PlanLayout
+from medley.schedule.zero import StageZero
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
+
+MODEL = get_model("llama-2-7b")
+MBS, SEQ = 1, 1024
+
+
+def _table():
+    cluster = parse_cluster_arg("1xA100-80GB")
+    cost = CatalogCostSource.for_cluster(MODEL, cluster)
+    return layer_table(MODEL, cost, device_type="A100-80GB", micro_batch_size=MBS, seq_len=SEQ, dtype="bf16")
+
+
+@pytest.mark.parametrize(("i", "j"), [(1, 5), (0, 3), (30, 34)])
+def test_recompute_adds_the_largest_blocks_activations_once(i: int, j: int) -> None:
+    table = _table()
+    plain = stage_memory(table, i, j, option=MemoryOption(level=0), dp=1, in_flight=3.0)
+    rc = stage_memory(table, i, j, option=MemoryOption(level=0, recompute=True), dp=1, in_flight=3.0)
+    state = stage_state_bytes(table.params[j] - table.params[i], level=0, dp=1,
+                              per_param=state_bytes_per_param("bf16")).peak
+    full = [formulas.layer_activation_bytes(MODEL, k, micro_batch_size=MBS, seq_len=SEQ, dtype_bytes=2)
+            for k in range(i, j)]
+    kept = [formulas.layer_activation_bytes(MODEL, k, micro_batch_size=MBS, seq_len=SEQ, dtype_bytes=2,
+                                            recompute=True) for k in range(i, j)]
+    assert plain == pytest.approx(state + 3.0 * sum(full))
+    assert rc == pytest.approx(state + 3.0 * sum(kept) + max(f - k for f, k in zip(full, kept, strict=True)))
+
+
+def test_the_compiler_books_the_same_transient() -> None:
+    layout = PlanLayout(model=MODEL, pp=1, dp=1, assignment=((0,),), stage_layers=(MODEL.num_layers,),
+                        schedule="1f1b", micro_batches=(2,), micro_batch_size=MBS, seq_len=SEQ,
+                        zero=(StageZero(level=0),), recompute=(True,), dtype="bf16")
+    cluster = parse_cluster_arg("1xA100-80GB")
+    cost = CatalogCostSource.for_cluster(MODEL, cluster)
+    table = _table()
+    rerun = max(recompute_workspace(layout, cost, k, "A100-80GB") for k in range(MODEL.num_layers))
+    block = table.act[2] - table.act[1] - (table.act_rc[2] - table.act_rc[1])
+    assert rerun == pytest.approx(block) and rerun > 0
+    plain = static_memory(replace(layout, recompute=(False,)), [0], cost=cost, cluster=cluster)
+    assert static_memory(layout, [0], cost=cost, cluster=cluster)[0] == pytest.approx(plain[0] + rerun)
