@@ -50,7 +50,9 @@ class ZeroLevel:
     Attributes:
         level: 0..3.
         shards_optimizer / shards_grads / shards_weights: which model state is sharded over the
-            stage's dp group between steps (the memory model reads these).
+            stage's dp group between steps (the memory model reads these); with the optimizer
+            sharded each member steps only its shard, and the runtime holds the parameters as
+            FSDP2 shards.
         reduction: the collective of ``REDUCE_GRAD``.
         gradient_windows: whether a step may reduce several times (sharding the accumulation):
             level 2's ``grad_windows``; level 3 reduces once per gather round.
@@ -68,11 +70,6 @@ class ZeroLevel:
     gradient_windows: bool
     gathers_for_compute: bool
     gathers_after_step: bool
-
-    @property
-    def optimizer_on_shard(self) -> bool:
-        """Each member steps only its shard (the runtime then holds parameters as FSDP2 shards)."""
-        return self.shards_optimizer
 
     def collective(self, kind: str) -> tuple[Collective | None, Payload | None]:
         """The collective and payload of a schedule action of ``kind`` (``UNSHARD``,

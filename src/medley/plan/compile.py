@@ -50,7 +50,7 @@ def _stage_cost(
     fused_known = measured_act = True
     dtype_bytes = DTYPE_BYTES[layout.dtype]
     full_time = getattr(cost, "backward_full_time", None)
-    fsdp_time = getattr(cost, "fsdp_extra_time", None) if zero_level(level).optimizer_on_shard else None
+    fsdp_time = getattr(cost, "fsdp_extra_time", None) if zero_level(level).shards_optimizer else None
     fsdp = {kind: 0.0 for kind in Pass}
     measured_bytes = getattr(cost, "activation_bytes", None)
     per_action = getattr(cost, "action_overhead_time", None)
@@ -258,11 +258,11 @@ class _CollectiveTable:
             buffer = 0.0
             if runtime_buffers:
                 # Level 0: the flat all-reduce buffer and the reduced copy; FSDP2: the new shard.
-                buffer = (params / layout.dp if meaning.optimizer_on_shard else 2 * params) * per_param
+                buffer = (params / layout.dp if meaning.shards_optimizer else 2 * params) * per_param
             return CollectiveCost(group=group, op=op, nbytes=params * per_param, free_bytes=freed,
                                   alloc_bytes=buffer)
         device = self.cluster.devices[layout.assignment[replica][rank]].type
-        shard = params / layout.dp if meaning.optimizer_on_shard else params
+        shard = params / layout.dp if meaning.shards_optimizer else params
         measured = self.optimizer_time(shard, device_type=device.name) if self.optimizer_time else None
         if measured is not None:
             step_s = measured.seconds

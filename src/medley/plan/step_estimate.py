@@ -118,7 +118,7 @@ def exposed_dp(
         bandwidth = min(est.cluster.devices[d].type.memory_bandwidth_gbps for d in group) * 1e9
         option = options[s]
         meaning = zero_level(option.level)
-        shard = params / dp if meaning.optimizer_on_shard else params
+        shard = params / dp if meaning.shards_optimizer else params
         exposed = shard * OPTIMIZER_STEP_BYTES_PER_PARAM / bandwidth
         if dp > 1:
             reduce = est.comm.collective_time(meaning.reduction, group, params * state.grads)

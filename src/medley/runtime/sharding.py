@@ -93,7 +93,7 @@ class ShardedStage:
     @property
     def sharded(self) -> bool:
         """Whether parameters, their gradients and optimizer state are FSDP2 shards (levels 1-3)."""
-        return self.meaning.optimizer_on_shard
+        return self.meaning.shards_optimizer
 
     def unshard(self, bucket: int | None) -> None:
         """All-gather the bucket's weights: before compute (level 3) or after its step (1-2)."""
@@ -270,7 +270,7 @@ def shard_stage(
     groups = bucket_layer_groups(sorted(layers), bucket_layers)
     dp_group = dp_mesh.get_group() if dp_mesh is not None and dp_mesh.size() > 1 else None
     units: list[FSDPModule] = []
-    if meaning.optimizer_on_shard:
+    if meaning.shards_optimizer:
         for group in groups:
             wrapped = fully_shard([layers[i] for i in group], mesh=dp_mesh, reshard_after_forward=False,
                                   **_policy(mixed))
