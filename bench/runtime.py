@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch.multiprocessing as mp
+from provenance import provenance
 
 OUT = Path(__file__).parent / "results"
 
@@ -101,6 +102,7 @@ def markdown(overheads: dict, memory: list, meta: dict) -> str:
         "",
         f"Machine: {meta['host']}, {meta['cores']} cores, torch {meta['torch']}, {meta['date']}; "
         f"{meta['rounds']} rounds x {meta['steps']} steps per side, alternating.",
+        f"Commit {meta['commit']}; command `{meta['command']}`.",
         "",
         "| configuration | ranks | medley median ms | torch median ms | ratio | medley fastest ms "
         "| torch fastest ms | ratio of fastest |",
@@ -144,21 +146,21 @@ def main() -> None:
     except OSError:
         pass
     from medley.profile.fidelity import FidelityCase, run_case
-    from medley.profile.harness import TINY, profiles_for
+    from medley.profile.harness import TINY, profiles_for, provenance_note
     from medley.profile.report import machine, result_row
 
     args.out.mkdir(parents=True, exist_ok=True)
     emulated = Path(tempfile.mkdtemp(prefix="medley-emulated-"))  # generated device catalogs
     mem_cases = memory_cases()
-    profiles = profiles_for(
-        [*mem_cases, FidelityCase(name="t", model=TINY, pp=2, dp=1)], args.out, reuse=args.reuse_profiles
-    )
+    made = provenance()
+    profiles = profiles_for([*mem_cases, FidelityCase(name="t", model=TINY, pp=2, dp=1)], args.out,
+                            reuse=args.reuse_profiles, notes=provenance_note(made))
     overheads = run_overhead(overhead_cases(profiles, emulated), args.rounds, args.steps, emulated)
     memory = []
     for case in mem_cases:
         profile, name = profiles[case.model.name]
         memory.append(run_case(case, profile, profile_name=name, directory=emulated, steps=3, warmup_steps=1))
-    meta = machine() | {
+    meta = machine() | made | {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "rounds": args.rounds,
         "steps": args.steps,
