@@ -14,6 +14,7 @@ from medley.errors import MedleyInputError
 from medley.schedule.generators import generate
 from medley.schedule.ir import PipelineSchedule
 from medley.schedule.zero import CollectiveMismatchError, Placement, StageZero, place_collectives
+from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
 
@@ -35,6 +36,10 @@ class PlanLayout:
         dtype: training precision of weights and activations (bf16, fp16 or fp32).
         clip_grad: clip gradients by their global norm; every optimizer step then waits for a
             world-wide all-reduce (``CLIP``) after the last gradient reduction of the step.
+        tp: tensor-parallel degree of each pipeline rank (Megatron-style, within one node); empty:
+            1 everywhere. Pipeline rank k of replica r runs on the ``tp[k]`` consecutive device ids
+            from ``assignment[r][k]`` (:meth:`group`); an interleaved rank's stages share its
+            degree, and every replica uses the same degrees.
     """
 
     model: ModelSpec
@@ -52,6 +57,7 @@ class PlanLayout:
     dtype: str = "bf16"
     knobs: dict[str, Any] = field(default_factory=dict)
     clip_grad: bool = False
+    tp: tuple[int, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -72,6 +78,69 @@ class PlanLayout:
     @property
     def tokens_per_step(self) -> int:
         return sum(self.micro_batches) * self.micro_batch_size * self.seq_len
+
+    def tp_of(self, pipeline_rank: int) -> int:
+        """Tensor-parallel degree of ``pipeline_rank`` (1 where the plan has no ``tp``)."""
+        return self.tp[pipeline_rank] if self.tp else 1
+
+    def stage_tp(self, stage: int) -> int:
+        """Tensor-parallel degree of global stage ``stage`` (that of the pipeline rank holding it)."""
+        return self.tp_of(stage % self.pp)
+
+    def group(self, replica: int, pipeline_rank: int) -> tuple[int, ...]:
+        """Device ids of replica ``replica``'s pipeline rank ``pipeline_rank``, TP rank order."""
+        first = self.assignment[replica][pipeline_rank]
+        return tuple(range(first, first + self.tp_of(pipeline_rank)))
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Every device the plan uses, replica by replica, pipeline rank by rank, TP rank by rank."""
+        return tuple(d for r in range(self.dp) for k in range(self.pp) for d in self.group(r, k))
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan runs on: ``dp`` x the sum of the pipeline ranks' TP degrees."""
+        return self.dp * sum(self.tp_of(k) for k in range(self.pp))
+
+
+TP_DEGREES = (1, 2, 4, 8)
+
+
+def check_tp(layout: PlanLayout, cluster: Cluster) -> None:
+    """Refuse a ``tp`` the cluster or the model cannot run: one degree per pipeline rank, each in
+    :data:`TP_DEGREES`, dividing the model's heads, KV heads and MLP width, and every TP group on
+    one node, of one device type, inside the cluster. Errors name ``--tp`` / ``layout.tp``."""
+    if not layout.tp:
+        return
+    where = "--tp (the plan's layout.tp)"
+    if len(layout.tp) != layout.pp:
+        raise MedleyInputError(f"{where}: {len(layout.tp)} degrees for pp {layout.pp}; give one per "
+                               "pipeline rank")
+    model = layout.model
+    for k, t in enumerate(layout.tp):
+        if t not in TP_DEGREES:
+            raise MedleyInputError(f"{where}: degree {t} of pipeline rank {k} is not one of {TP_DEGREES}")
+        for name, size in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
+                           ("ffn_hidden_size", model.ffn_hidden_size)):
+            if size % t:
+                raise MedleyInputError(f"{where}: degree {t} does not divide the model's {name} ({size}); "
+                                       "choose a degree that does")
+    for r in range(layout.dp):
+        for k in range(layout.pp):
+            group = layout.group(r, k)
+            if group[-1] >= cluster.num_devices:
+                raise MedleyInputError(f"{where}: replica {r} pipeline rank {k} needs devices {group[0]}.."
+                                       f"{group[-1]} but the cluster has {cluster.num_devices}; lower tp")
+            members = [cluster.devices[d] for d in group]
+            if len({d.node for d in members}) > 1 or len({d.type.name for d in members}) > 1:
+                raise MedleyInputError(
+                    f"{where}: replica {r} pipeline rank {k} would span devices {group[0]}..{group[-1]}, "
+                    "which are not one node of one device type; a TP group is consecutive device "
+                    "ids on one node of one type: start it elsewhere (--devices) or lower tp")
+    used = layout.devices
+    if len(set(used)) != len(used):
+        raise MedleyInputError(f"{where}: the TP groups overlap (a device appears twice); start each "
+                               "group past the previous one's last device")
 
 
 def build_schedules(layout: PlanLayout) -> list[PipelineSchedule]:

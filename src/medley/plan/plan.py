@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from medley.errors import MedleyInputError
 from medley.fileio import read_toml, write_atomically
-from medley.plan.layout import PlanLayout, build_schedules
+from medley.plan.layout import PlanLayout, build_schedules, check_tp
 from medley.schedule.zero import Placement, StageZero
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import cluster_from_dict
@@ -67,7 +67,7 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.layout.pp * self.layout.dp
+        return self.layout.world_size
 
 
 class _ZeroSpec(BaseModel):
@@ -94,6 +94,7 @@ class _LayoutSpec(BaseModel):
     recompute: list[bool] = []
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     clip_grad: bool = False
+    tp: list[int] = []
 
 
 class _PredictionSpec(BaseModel):
@@ -143,6 +144,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "clip_grad": layout.clip_grad,
         },
     }
+    if layout.tp:
+        out["layout"]["tp"] = list(layout.tp)
     if plan.prediction is not None:
         pred = dataclasses.asdict(plan.prediction)
         pred["peak_memory_gb"] = {str(k): v for k, v in plan.prediction.peak_memory_gb.items()}
@@ -227,8 +230,10 @@ def _layout_from_spec(spec: _LayoutSpec, model: ModelSpec, cluster: Cluster, sou
         dtype=spec.dtype,
         knobs=dict(spec.knobs),
         clip_grad=spec.clip_grad,
+        tp=tuple(spec.tp),
     )
     try:
+        check_tp(layout, cluster)
         build_schedules(layout)
     except MedleyInputError as err:
         raise MedleyInputError(f"{source}: table 'layout': {err}") from None
