@@ -12,7 +12,7 @@ import tomli_w
 from medley.cost.estimator import CatalogCostSource
 from medley.errors import MedleyInputError
 from medley.plan.inline import inline_layout
-from medley.plan.layout import PlanLayout, check_tp
+from medley.plan.layout import PlanLayout, check_tp, tp_sources
 from medley.plan.plan import Plan, load_plan, save_plan
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
@@ -80,3 +80,10 @@ def test_plan_file_carries_tp_and_refuses_a_bad_one(tmp_path: Path) -> None:
     with pytest.raises(MedleyInputError) as err:
         load_plan(tmp_path / "bad.toml")
     assert "bad.toml" in str(err.value) and "--tp" in str(err.value)
+
+
+def test_each_receiving_rank_has_one_source() -> None:
+    assert tp_sources(senders=2, receivers=2) == (0, 1)
+    assert tp_sources(senders=2, receivers=1) == (0,)
+    assert tp_sources(senders=1, receivers=4) == (0, 0, 0, 0)
+    assert tp_sources(senders=4, receivers=2) == (0, 1)

@@ -106,6 +106,17 @@ class PlanLayout:
 TP_DEGREES = (1, 2, 4, 8)
 
 
+def tp_sources(*, senders: int, receivers: int) -> tuple[int, ...]:
+    """Which TP rank of a sending group feeds each TP rank of a receiving group at a pipeline hop.
+
+    A stage's output (after its last row-parallel layer's all-reduce) and the gradient of its
+    input are whole on every TP rank of its group, so receiving rank ``j`` takes the tensor from
+    sending rank ``j % senders``: one transfer per receiving rank, equal degrees pair rank with
+    rank, and a sender past the receivers' count sends nothing. Activations (forward) and input
+    gradients (backward) follow the same rule with the roles swapped."""
+    return tuple(j % senders for j in range(receivers))
+
+
 def check_tp(layout: PlanLayout, cluster: Cluster) -> None:
     """Refuse a ``tp`` the cluster or the model cannot run: one degree per pipeline rank, each in
     :data:`TP_DEGREES`, dividing the model's heads, KV heads and MLP width, and every TP group on

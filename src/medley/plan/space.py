@@ -47,7 +47,11 @@ class Constraints:
 
 @dataclass(frozen=True, kw_only=True)
 class Structure:
-    """Devices and their roles, before the split and the schedule are chosen."""
+    """Devices and their roles, before the split and the schedule are chosen.
+
+    ``assignment[r][k]`` is the first device of replica r's pipeline rank k; ``tp[k]`` (empty: 1
+    everywhere) its tensor-parallel degree, the group being consecutive device ids
+    (:meth:`medley.plan.layout.PlanLayout.group`)."""
 
     pool: str
     strategy: str
@@ -55,6 +59,7 @@ class Structure:
     dp: int
     assignment: tuple[tuple[int, ...], ...]
     micro_batch_size: int
+    tp: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +102,7 @@ class Candidate:
             # Training clips by the global norm (medley train's default, as in Megatron and
             # torchtitan): every plan is timed with the CLIP barrier before its optimizer steps.
             clip_grad=True,
+            tp=st.tp,
         )
 
     @property
@@ -105,6 +111,7 @@ class Candidate:
         st = self.structure
         return (
             st.assignment,
+            st.tp,
             st.micro_batch_size,
             self.family,
             tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(self.knobs.items())),
