@@ -46,7 +46,7 @@ def _stage_cost(
     mbs, seq, model = layout.micro_batch_size, layout.seq_len, layout.model
     recompute = bool(layout.recompute and layout.recompute[stage])
     times = {kind: 0.0 for kind in Pass}
-    act = after_b = fused_s = 0.0
+    act = after_b = fused_s = refwd = 0.0
     fused_known = measured_act = True
     dtype_bytes = DTYPE_BYTES[layout.dtype]
     full_time = getattr(cost, "backward_full_time", None)
@@ -57,9 +57,11 @@ def _stage_cost(
     overhead = (per_action(device_type=device_type) or 0.0) if per_action is not None else 0.0
     for layer in layout.layer_range(stage):
         for kind in Pass:
-            times[kind] += cost.layer_time(
-                layer, kind, micro_batch_size=mbs, seq_len=seq, device_type=device_type
-            ).seconds
+            seconds = cost.layer_time(layer, kind, micro_batch_size=mbs, seq_len=seq,
+                                      device_type=device_type).seconds
+            times[kind] += seconds
+            if kind is Pass.F and recompute and model.layer_kind(layer) == "block":
+                refwd += seconds  # blocks (not embedding or head) run their forward again
             if fsdp_time is not None:
                 extra = fsdp_time(layer, kind, micro_batch_size=mbs, seq_len=seq, device_type=device_type)
                 fsdp[kind] += extra or 0.0
@@ -83,11 +85,16 @@ def _stage_cost(
     if measured_act and not first:
         # Measured layers count what their forward adds; the received input is held on top.
         act, after_b = act + boundary, after_b + boundary
-    if recompute:  # the forward runs again right before B
-        times[Pass.B] += times[Pass.F]
     if fused and fused_known and times[Pass.B] + times[Pass.W] > 0:
         scale = fused_s / (times[Pass.B] + times[Pass.W])  # one autograd call costs less than two
         times[Pass.B], times[Pass.W] = times[Pass.B] * scale, times[Pass.W] * scale
+    if recompute:
+        # The forward runs again inside each backward call that needs the block's activations:
+        # torch's non-reentrant checkpoint recomputes once per call, so split B and W each pay it
+        # (the first stage's split backward is one call, at W).
+        times[Pass.B] += refwd
+        if not fused and not first:
+            times[Pass.W] += refwd
     for kind in Pass:  # FSDP2's hooks on ZeRO-2/3 stages (measured sources only)
         times[kind] += fsdp[kind]
     if first and not fused:
