@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from medley.cost import formulas
 from medley.cost.interfaces import Pass
 from medley.cost.profiles import ProfileCostSource, load_profile
 from medley.plan.compile import compile_problem
@@ -57,3 +58,23 @@ def test_split_backward_reruns_it_in_b_and_in_w() -> None:
     assert again[0][2] - plain[0][2] == pytest.approx(first, rel=1e-9) and again[0][1] == plain[0][1] == 0
     assert again[1][1] - plain[1][1] == pytest.approx(last, rel=1e-9)
     assert again[1][2] - plain[1][2] == pytest.approx(last, rel=1e-9)
+
+
+
+def test_recomputing_stage_keeps_measured_bytes_of_embedding_and_head() -> None:
+    """Only blocks recompute: they keep their input (the formula), the head keeps what the
+    profile measured."""
+    profile = load_profile(PROFILE)
+    cost = ProfileCostSource(profile=profile, name=PROFILE.name, model=TINY)
+    nodes = [{"name": "cpus", "device": CPU_DEVICE_TYPE, "count": 2}]
+    cluster = cluster_from_dict({"name": "cpus", "nodes": nodes}, source="test")
+    layout = inline_layout(
+        cluster=cluster, model=TINY, cost=cost, pp=2, dp=1, schedule="1f1b", micro_batches="2",
+        micro_batch_size=1, seq_len=128, zero="0,0", split="2,4", dtype="fp32", recompute=True,
+    )
+    last = compile_problem(layout, cluster, cost).stage_costs[0][1]
+    kept = sum(formulas.layer_activation_bytes(TINY, layer, micro_batch_size=1, seq_len=128, dtype_bytes=4,
+                                               recompute=True) for layer in range(2, 5))
+    head = cost.activation_bytes(5, micro_batch_size=1, seq_len=128, device_type=CPU_DEVICE_TYPE)
+    assert TINY.layer_kind(5) == "head" and head is not None
+    assert last.activation_bytes == pytest.approx(kept + head[0], rel=1e-12)

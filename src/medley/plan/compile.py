@@ -71,7 +71,8 @@ def _stage_cost(
         fused_known = fused_known and full is not None
         fused_s += full.seconds if full is not None else 0.0
         found = None
-        if measured_bytes is not None and not recompute:
+        # Recomputing blocks keep their input only (a formula); embedding and head do not recompute.
+        if measured_bytes is not None and not (recompute and model.layer_kind(layer) == "block"):
             found = measured_bytes(layer, micro_batch_size=mbs, seq_len=seq, device_type=device_type)
         measured_act = measured_act and found is not None
         act += found[0] if found else formulas.layer_activation_bytes(

@@ -85,7 +85,8 @@ class CollectiveCost:
             the world waits for, :func:`medley.cost.tied.tied_sum_seconds`; it is timed on the
             CLIP's streams, not on the links of the two stages' devices).
         alloc_bytes: memory added on this device when the action starts (UNSHARD: gathered
-            weights).
+            weights; REDUCE_GRAD: the runtime's reduction buffers, booked by the first reduction
+            of the stage's bucket in the step only, since later ones accumulate into them).
         free_bytes: memory released on this device when the action ends (RESHARD: gathered
             weights; REDUCE_GRAD: the full gradient buffer, down to the shard held in static).
     """

@@ -234,6 +234,10 @@ class _Builder:
         key3 = (action.kind, _group_stage(action), action.bucket)
         nth = occurrences.get(key3, 0)
         occurrences[key3] = nth + 1
+        if action.kind is Kind.REDUCE_GRAD and nth > 0:
+            # A bucket's reduction buffers exist once per step: later reductions of the same
+            # bucket (streamed ZeRO-3, gradient windows) accumulate into them.
+            cost = replace(cost, alloc_bytes=0.0)
         inst = self.instance(cost.group, action, nth, cost.op, cost.nbytes, cost.compute_s)
         slot_in_group = self.prog.coll_members[inst].index(device)
         self.prog.coll_alloc[inst][slot_in_group] = cost.alloc_bytes
