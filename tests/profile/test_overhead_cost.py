@@ -101,3 +101,24 @@ def test_profiles_without_overhead_load_and_predict_none(tmp_path: Path) -> None
         source.action_overhead_time(device_type=CPU_DEVICE_TYPE) is None
         and source.p2p_overhead_time() is None
     )
+
+
+def test_each_zero_gather_and_reduction_carries_the_measured_call_overhead() -> None:
+    """Streamed ZeRO-3 on one stage puts every gather and reduction between two compute actions
+    (each compute waits for its gathers, which queue behind the previous reductions), so the step
+    grows by the overhead times the gathers and reductions of the step: one of each per bucket
+    per compute action (with clipping, the optimizer steps wait for every reduction)."""
+    cluster, micro_batches, buckets, overhead = _cluster(2), 3, 3, 2e-3
+    steps = []
+    for collective_s in (0.0, overhead):
+        profile = load_profile(PROFILE).model_copy(update={
+            "overhead": OverheadProfile(action_s=0.0, p2p_handoff_s=0.0, collective_s=collective_s)})
+        cost = ProfileCostSource(profile=profile, name=PROFILE.name, model=TINY)
+        layout = inline_layout(
+            cluster=cluster, model=TINY, cost=cost, pp=1, dp=2, schedule="1f1b",
+            micro_batches=f"{micro_batches},{micro_batches}", micro_batch_size=1, seq_len=128, zero="3",
+            buckets=buckets, gather_windows=0, dtype="fp32", clip_grad=True,
+        )
+        steps.append(predict(layout, cluster, cost=cost)[0].step_time_s)
+    calls = 2 * micro_batches * buckets * 2  # (F, BW) x micro-batches x buckets x (gather, reduction)
+    assert steps[1] - steps[0] == pytest.approx(overhead * calls, rel=1e-9)

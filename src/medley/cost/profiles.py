@@ -119,12 +119,15 @@ class OptimizerProfile(BaseModel):
 class OverheadProfile(BaseModel):
     """What medley's runtime pays beyond the profiled layers and the link (see
     :mod:`medley.profile.overhead`): ``action_s`` per compute action (the executor's bookkeeping),
-    ``p2p_handoff_s`` per point-to-point transfer (one gloo hand-off beyond the link's α-β time);
+    ``p2p_handoff_s`` per point-to-point transfer (one gloo hand-off beyond the link's α-β time),
+    ``collective_s`` per ZeRO collective call (FSDP2's copies and bookkeeping around a gather or
+    a reduction beyond the link's α-β time; 0 in profiles that predate it);
     ``figures``: the measurements they come from."""
 
     model_config = STRICT
     action_s: float = Field(ge=0)
     p2p_handoff_s: float = Field(ge=0)
+    collective_s: float = Field(default=0.0, ge=0)
     figures: dict[str, Any] = {}
 
 
@@ -367,6 +370,11 @@ class ProfileCostSource:
         """Seconds one point-to-point hand-off adds to a transfer beyond the link, or None."""
         fit = self.profile.overhead
         return None if fit is None else fit.p2p_handoff_s
+
+    def collective_overhead_time(self) -> float | None:
+        """Seconds the runtime adds to each ZeRO gather or reduction beyond the link, or None."""
+        fit = self.profile.overhead
+        return None if fit is None else fit.collective_s
 
     def activation_bytes(
         self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str

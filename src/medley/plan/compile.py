@@ -223,6 +223,9 @@ class _CollectiveTable:
         self.layout, self.cluster, self.schedule = layout, cluster, schedule
         self.state = state_bytes_per_param(layout.dtype)
         self.optimizer_time = getattr(cost, "optimizer_time", None)
+        measured = getattr(cost, "collective_overhead_time", None)
+        # The runtime's work around each gather or reduction call (measured sources only).
+        self.call_overhead = (measured() or 0.0) if measured is not None else 0.0
         self.comm = TopologyCommModel(cluster)
         self._cache: dict[tuple[int, Kind, int, int | None], CollectiveCost] = {}
 
@@ -256,7 +259,8 @@ class _CollectiveTable:
                 gathered = 0.0  # levels 1-2 refresh weights that stay gathered all step
             if action.kind is Kind.RESHARD:
                 return CollectiveCost(group=group, op=None, free_bytes=gathered)
-            return CollectiveCost(group=group, op=op, nbytes=params * per_param, alloc_bytes=gathered)
+            return CollectiveCost(group=group, op=op, nbytes=params * per_param, alloc_bytes=gathered,
+                                  compute_s=self.call_overhead)
         if action.kind is Kind.REDUCE_GRAD:
             freed = 0.0
             if meaning.shards_grads and layout.dp > 1:
@@ -268,7 +272,7 @@ class _CollectiveTable:
                 # Level 0: the flat all-reduce buffer and the reduced copy; FSDP2: the new shard.
                 buffer = (params / layout.dp if meaning.shards_optimizer else 2 * params) * per_param
             return CollectiveCost(group=group, op=op, nbytes=params * per_param, free_bytes=freed,
-                                  alloc_bytes=buffer)
+                                  alloc_bytes=buffer, compute_s=self.call_overhead)
         device = self.cluster.devices[layout.assignment[replica][rank]].type
         shard = params / layout.dp if meaning.shards_optimizer else params
         measured = self.optimizer_time(shard, device_type=device.name) if self.optimizer_time else None

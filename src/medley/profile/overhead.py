@@ -1,5 +1,6 @@
 """What medley's runtime pays per action beyond the profiled layers: the executor's bookkeeping per
-compute action and one gloo hand-off per point-to-point transfer.
+compute action, one gloo hand-off per point-to-point transfer and FSDP2's work around each ZeRO
+collective call.
 
 The layer profile times each layer's forward and backward alone; the runtime's executor also
 looks up and stores tensors, detaches inputs, enters autocast and runs its emulation and
@@ -16,12 +17,15 @@ on the runtime itself:
   loss and the batch's slicing, is booked with them);
 * **per hand-off**: two gloo ranks pass a small tensor back and forth exactly as the executor
   does (``isend``, ``recv`` into ``torch.empty``); half the round trip, less what the profile's
-  two-rank link fit already charges for that message (when collectives were measured too).
+  two-rank link fit already charges for that message (when collectives were measured too);
+* **per ZeRO collective call**: the probe as streamed ZeRO-3 on two ranks, one bucket per layer
+  (:func:`measure_collective_overhead`).
 
-Both are clamped at 0 and stored in the profile's ``overhead`` (older profiles have none: 0). The
-per-action figure is a difference of two timings and can come out below 0: the layer profile's
+All are clamped at 0 and stored in the profile's ``overhead`` (older profiles have none: 0). The
+per-action and per-call figures are differences of timings and can come out below 0: the layer profile's
 own fixed cost per layer pass (timers, allocator queries) then already covers the executor's;
-``figures["residual_per_action_s"]`` keeps the signed value.
+``figures["residual_per_action_s"]`` and ``figures["residual_per_collective_s"]`` keep the
+signed values.
 """
 
 from __future__ import annotations
@@ -62,7 +66,9 @@ PROBE_MICRO_BATCHES = (2, 10)
 HANDOFF_BYTES = 4096  # a small activation: the hand-off, not the bandwidth
 
 
-def _probe_plan(micro_batches: int, dtype: str):  # -> Plan (imported late: the planner is heavy)
+def _probe_plan(micro_batches: int, dtype: str, *, dp: int = 1, streamed_zero3: bool = False):  # -> Plan
+    """The probe on ``dp`` CPU ranks; ``streamed_zero3``: one ZeRO-3 bucket per layer, gathered
+    before and reduced after every compute action (imported late: the planner is heavy)."""
     from medley.cost.estimator import CatalogCostSource
     from medley.plan.inline import inline_layout
     from medley.plan.plan import Plan
@@ -70,7 +76,7 @@ def _probe_plan(micro_batches: int, dtype: str):  # -> Plan (imported late: the 
     from medley.spec.cluster_load import cluster_from_dict
 
     cluster = cluster_from_dict(
-        {"name": "overhead-probe", "nodes": [{"name": "rank0", "device": CPU_DEVICE_TYPE, "count": 1}]},
+        {"name": "overhead-probe", "nodes": [{"name": "rank0", "device": CPU_DEVICE_TYPE, "count": dp}]},
         source="overhead probe",
     )
     cost = CatalogCostSource.for_cluster(PROBE, cluster, dtype="fp32")
@@ -79,18 +85,22 @@ def _probe_plan(micro_batches: int, dtype: str):  # -> Plan (imported late: the 
         model=PROBE,
         cost=cost,
         pp=1,
-        dp=1,
+        dp=dp,
         schedule="1f1b",
-        micro_batches=str(micro_batches),
+        micro_batches=",".join([str(micro_batches)] * dp),
         micro_batch_size=1,
         seq_len=PROBE_SEQ_LEN,
-        zero="0",
+        zero="3" if streamed_zero3 else "0",
+        buckets=PROBE.num_layers if streamed_zero3 else 1,
+        gather_windows=0 if streamed_zero3 else 1,
         dtype=dtype,
     )
     return Plan(layout=layout, cluster=cluster, prediction=None)
 
 
-def _step_time(micro_batches: int, *, dtype: str, steps: int) -> float:
+def _step_time(
+    micro_batches: int, *, dtype: str, steps: int, dp: int = 1, streamed_zero3: bool = False
+) -> float:
     """Median step time of the probe plan over ``steps`` steps after as many warm-up steps."""
     from medley.runtime.launch import train_local
     from medley.runtime.train import TrainConfig
@@ -98,7 +108,8 @@ def _step_time(micro_batches: int, *, dtype: str, steps: int) -> float:
     config = TrainConfig(
         steps=2 * steps, clip_norm=None, data="synthetic", progress=False, dtype=dtype, warmup_steps=0
     )
-    records = train_local(_probe_plan(micro_batches, dtype), config)
+    plan = _probe_plan(micro_batches, dtype, dp=dp, streamed_zero3=streamed_zero3)
+    records = train_local(plan, config)
     return quiet_median([r.step_time_s for r in records[steps:]])
 
 
@@ -126,6 +137,53 @@ def measure_action_overhead(*, dtype: str = "fp32", steps: int = 10, runs: int =
         "residual_per_action_s": residual,
         # what a step costs at no micro-batch: loop, optimizer, reductions
         "step_intercept_s": times[low] - low * slope,
+    }
+
+
+def measure_collective_overhead(
+    *, action_s: float, comm: CommProfile | None, dtype: str = "fp32", steps: int = 10, runs: int = 9
+) -> tuple[float, dict]:
+    """(seconds the runtime adds to each ZeRO collective call beyond the link fit, its figures).
+
+    The probe runs on two ranks as streamed ZeRO-3 with one bucket per layer, so every compute
+    action gathers every layer before it and reduce-scatters every layer after it (FSDP2's
+    copy-in, copy-out and bookkeeping around each gloo call). The step time's slope per
+    micro-batch less the layers under FSDP2 (:func:`~medley.profile.fsdp.measure_fsdp`), the two
+    actions' executor overhead (``action_s``) and the link fit's time for every gather and
+    reduction, over the micro-batch's collective calls, is the cost per call."""
+    from medley.cost import formulas
+    from medley.cost.zero_memory import state_bytes_per_param
+    from medley.profile.collectives import model_time
+    from medley.profile.fsdp import measure_fsdp
+    from medley.runtime.sharding import TORCH_DTYPES
+
+    def layers_s() -> float:  # F + BW of every probe layer under FSDP2, one micro-batch
+        return sum(sum(measure_fsdp(PROBE, PROBE.layer_kind(layer), micro_batch_size=1, seq_len=PROBE_SEQ_LEN,
+                                    dtype=TORCH_DTYPES[dtype], runs=runs))
+                   for layer in range(PROBE.num_layers))
+
+    state = state_bytes_per_param(dtype)
+    low, high = PROBE_MICRO_BATCHES
+    before = layers_s()
+    times = {m: _step_time(m, dtype=dtype, steps=steps, dp=2, streamed_zero3=True) for m in (low, high)}
+    layer_s = min(before, layers_s())
+    slope = (times[high] - times[low]) / (high - low)
+    link = comm.link_for(2) if comm is not None else None
+    link_s = 0.0
+    for layer in range(PROBE.num_layers):  # each compute action (F, BW) gathers and reduces every layer
+        params = float(formulas.stage_held_params(PROBE, layer, layer + 1))
+        if link is not None:
+            link_s += 2 * (model_time("all_gather", 2, params * state.weights, link)
+                           + model_time("reduce_scatter", 2, params * state.grads, link))
+    calls = 2 * 2 * PROBE.num_layers
+    residual = (slope - layer_s - 2 * action_s - link_s) / calls
+    return max(0.0, residual), {
+        "zero3_step_s": {str(m): t for m, t in times.items()},
+        "zero3_slope_per_micro_batch_s": slope,
+        "zero3_probe_layers_s": layer_s,
+        "zero3_link_model_s": link_s,
+        "collective_calls_per_micro_batch": calls,
+        "residual_per_collective_s": residual,
     }
 
 
@@ -184,4 +242,7 @@ def measure_overhead(
     handoff = measure_handoff()
     link_s = model_time("send_recv", 2, float(HANDOFF_BYTES), comm.link_for(2)) if comm is not None else 0.0
     figures |= {"handoff_s": handoff, "handoff_link_model_s": link_s, "handoff_bytes": HANDOFF_BYTES}
-    return OverheadProfile(action_s=action_s, p2p_handoff_s=max(0.0, handoff - link_s), figures=figures)
+    collective_s, more = measure_collective_overhead(action_s=action_s, comm=comm, dtype=dtype, steps=steps,
+                                                     runs=runs)
+    return OverheadProfile(action_s=action_s, p2p_handoff_s=max(0.0, handoff - link_s),
+                           collective_s=collective_s, figures=figures | more)

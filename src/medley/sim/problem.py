@@ -83,7 +83,9 @@ class CollectiveCost:
             latest REDUCE_GRAD of the same stage (and bucket, if it names one) listed before it.
             CLIP: seconds added to the collective's duration (the tied embeddings' gradient sum
             the world waits for, :func:`medley.cost.tied.tied_sum_seconds`; it is timed on the
-            CLIP's streams, not on the links of the two stages' devices).
+            CLIP's streams, not on the links of the two stages' devices). UNSHARD, REDUCE_GRAD:
+            seconds added to the collective's duration too (the runtime's work around the call,
+            ``OverheadProfile.collective_s``).
         alloc_bytes: memory added on this device when the action starts (UNSHARD: gathered
             weights; REDUCE_GRAD: the runtime's reduction buffers, booked by the first reduction
             of the stage's bucket in the step only, since later ones accumulate into them).
