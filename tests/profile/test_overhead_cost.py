@@ -106,8 +106,9 @@ def test_profiles_without_overhead_load_and_predict_none(tmp_path: Path) -> None
 def test_each_zero_gather_and_reduction_carries_the_measured_call_overhead() -> None:
     """Streamed ZeRO-3 on one stage puts every gather and reduction between two compute actions
     (each compute waits for its gathers, which queue behind the previous reductions), so the step
-    grows by the overhead times the gathers and reductions of the step: one of each per bucket
-    per compute action (with clipping, the optimizer steps wait for every reduction)."""
+    grows by the overhead times the gathers and reductions of the step: a gather per bucket per
+    compute action, a reduction per bucket per backward (with clipping, the optimizer steps wait
+    for every reduction)."""
     cluster, micro_batches, buckets, overhead = _cluster(2), 3, 3, 2e-3
     steps = []
     for collective_s in (0.0, overhead):
@@ -120,5 +121,5 @@ def test_each_zero_gather_and_reduction_carries_the_measured_call_overhead() -> 
             buckets=buckets, gather_windows=0, dtype="fp32", clip_grad=True,
         )
         steps.append(predict(layout, cluster, cost=cost)[0].step_time_s)
-    calls = 2 * micro_batches * buckets * 2  # (F, BW) x micro-batches x buckets x (gather, reduction)
+    calls = 3 * micro_batches * buckets  # per micro-batch and bucket: F and BW gather, BW reduces
     assert steps[1] - steps[0] == pytest.approx(overhead * calls, rel=1e-9)

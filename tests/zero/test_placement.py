@@ -139,6 +139,27 @@ def test_uneven_replicas_issue_the_same_collectives() -> None:
         assert sum(1 for a in placed[1].actions[rank] if a.kind is Kind.REDUCE_GRAD) == 8
 
 
+def test_streamed_zero3_reduces_after_weight_gradients_only_when_replicas_agree() -> None:
+    """Equal replicas: a reduction follows only the actions that make weight gradients (BW under
+    1F1B, W under ZB-H1), none follows a forward or an input-gradient B. Uneven replicas keep one
+    reduction per action, so that every round is alike and the short replica can pad."""
+    streamed = [StageZero(level=3, buckets=2, gather_windows=0)] * 2
+    for family, grads in (("1f1b", Kind.BW), ("zb-h1", Kind.W)):
+        [sched] = place_collectives(_replicas(family, 2, [4]), streamed, stage_layers=[2, 2])
+        for row in sched.actions:
+            computes = [a for a in row if a.is_compute]
+            reduces = [a for a in row if a.kind is Kind.REDUCE_GRAD]
+            assert len(reduces) == 2 * sum(1 for a in computes if a.kind is grads)
+            for i, a in enumerate(row):
+                if a.kind is Kind.REDUCE_GRAD:
+                    last = next(b for b in reversed(row[:i]) if b.is_compute)
+                    assert last.kind is grads
+    placed = place_collectives(_replicas("1f1b", 2, [4, 2]), streamed, stage_layers=[2, 2])
+    for rank in range(2):
+        assert collective_sequence(placed[0], rank) == collective_sequence(placed[1], rank)
+        assert sum(1 for a in placed[0].actions[rank] if a.kind is Kind.REDUCE_GRAD) == 2 * 8
+
+
 def test_check_zero_placement_names_rank_action_and_rule() -> None:
     [sched] = place_collectives(_replicas("1f1b", 1, [2]), [StageZero(level=3)], stage_layers=[2])
     broken = sched.with_actions([[a for a in sched.actions[0] if a.kind is not Kind.UNSHARD]])

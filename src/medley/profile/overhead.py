@@ -146,8 +146,8 @@ def measure_collective_overhead(
     """(seconds the runtime adds to each ZeRO collective call beyond the link fit, its figures).
 
     The probe runs on two ranks as streamed ZeRO-3 with one bucket per layer, so every compute
-    action gathers every layer before it and reduce-scatters every layer after it (FSDP2's
-    copy-in, copy-out and bookkeeping around each gloo call). The step time's slope per
+    action gathers every layer before it and every backward reduce-scatters every layer after it
+    (FSDP2's copy-in, copy-out and bookkeeping around each gloo call). The step time's slope per
     micro-batch less the layers under FSDP2 (:func:`~medley.profile.fsdp.measure_fsdp`), the two
     actions' executor overhead (``action_s``) and the link fit's time for every gather and
     reduction, over the micro-batch's collective calls, is the cost per call."""
@@ -170,12 +170,12 @@ def measure_collective_overhead(
     slope = (times[high] - times[low]) / (high - low)
     link = comm.link_for(2) if comm is not None else None
     link_s = 0.0
-    for layer in range(PROBE.num_layers):  # each compute action (F, BW) gathers and reduces every layer
+    for layer in range(PROBE.num_layers):  # F and BW gather every layer, BW reduces it
         params = float(formulas.stage_held_params(PROBE, layer, layer + 1))
         if link is not None:
-            link_s += 2 * (model_time("all_gather", 2, params * state.weights, link)
-                           + model_time("reduce_scatter", 2, params * state.grads, link))
-    calls = 2 * 2 * PROBE.num_layers
+            link_s += (2 * model_time("all_gather", 2, params * state.weights, link)
+                       + model_time("reduce_scatter", 2, params * state.grads, link))
+    calls = 3 * PROBE.num_layers
     residual = (slope - layer_s - 2 * action_s - link_s) / calls
     return max(0.0, residual), {
         "zero3_step_s": {str(m): t for m, t in times.items()},

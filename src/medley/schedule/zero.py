@@ -107,14 +107,18 @@ Placed = list[tuple[int, Action]]
 
 
 def _stage_collectives(
-    row: list[Action], stage: int, setting: StageZero, nbuckets: int, policy: Placement, naive_rounds: int
+    row: list[Action], stage: int, setting: StageZero, nbuckets: int, policy: Placement, naive_rounds: int,
+    *, same_rounds: bool = False,
 ) -> Placed:
     """Collectives of ``stage`` on one rank, in issue order, with their natural slots.
 
     The stage's sequence must not depend on the replica's micro-batch count, so there is one
     window structure per stage: level-3 gather rounds under the bubble policy (each round ends
     with its gradient reduction), reduction windows at levels 0-2. Under the naive policy a
-    replica with fewer compute actions pads its gathers to ``naive_rounds``.
+    replica with fewer compute actions pads its gathers to ``naive_rounds``. ``same_rounds``: every
+    replica runs the same kinds of compute action on this stage in the same order, so streamed
+    ZeRO-3 reduces only after the actions that make weight gradients (W, BW) and never pads;
+    otherwise it reduces after every action, keeping each round alike.
     """
     uses = [i for i, a in enumerate(row) if a.is_compute and a.stage == stage]
     grads = [i for i in uses if row[i].kind in (Kind.W, Kind.BW)]
@@ -131,7 +135,8 @@ def _stage_collectives(
         # One gather round per compute action, FSDP-style; streaming also reduces as it goes.
         after_use = frees + reduces if streams else frees
         for i in uses:
-            out += [(2 * i, a) for a in gathers] + [(2 * i + 1, a) for a in after_use]
+            after = frees if same_rounds and streams and i not in grads else after_use
+            out += [(2 * i, a) for a in gathers] + [(2 * i + 1, a) for a in after]
         out += [(end, a) for _ in range(naive_rounds - len(uses)) for a in gathers + after_use]
         if not streams:
             out += [(end, a) for a in reduces]
@@ -247,6 +252,10 @@ def place_collectives(
         max(sum(1 for row in b for a in row if a.stage == s) for b in bases) for s in range(first.num_stages)
     ]
     reference = max(range(len(schedules)), key=lambda r: (sum(map(len, bases[r])), -r))
+    same_rounds = [
+        len({tuple(a.kind for row in b for a in row if a.stage == s) for b in bases}) == 1
+        for s in range(first.num_stages)
+    ]
 
     def pinned(action: Action) -> bool:  # a ZeRO-3 gather: compute waits for it, it cannot be late
         return action.kind is Kind.UNSHARD and zero_level(zero[action.stage].level).gathers_for_compute
@@ -255,7 +264,8 @@ def place_collectives(
     for rank in range(first.num_ranks):
         chains = [
             [
-                _stage_collectives(base[rank], stage, zero[stage], len(buckets[stage]), policy, uses[stage])
+                _stage_collectives(base[rank], stage, zero[stage], len(buckets[stage]), policy, uses[stage],
+                                   same_rounds=same_rounds[stage])
                 for stage in first.stages_of_rank(rank)
             ]
             for base in bases
