@@ -26,8 +26,22 @@ def backward_input(
 
 
 def backward_weight(weights: Iterable[torch.nn.Parameter], state: list[dict[str, Any]]) -> None:
-    """Weight gradients from the state saved by :func:`backward_input`, accumulated into ``.grad``."""
-    stage_backward_weight(iter(weights), state)
+    """Weight gradients from the state saved by :func:`backward_input`, accumulated into ``.grad``.
+
+    torch runs one ``autograd.grad`` per parameter group, and each call reruns every checkpointed
+    block it crosses: a recomputing stage then ran its blocks' forward once per group (9 times
+    per block of the tiny model). The groups are merged into one call, so the rerun happens once;
+    each intermediate is listed once, its saved gradient clamped as torch clamps a group's."""
+    merged: dict[str, list[Any]] = {"params": [], "intermediates": [], "grads": []}
+    seen: set[int] = set()
+    for group in state:
+        merged["params"] += group["params"]
+        for intermediate, grads in zip(group["intermediates"], group["grads"], strict=True):
+            if id(intermediate) not in seen:
+                seen.add(id(intermediate))
+                merged["intermediates"].append(intermediate)
+                merged["grads"].append(grads)
+    stage_backward_weight(iter(weights), [merged] if merged["params"] else [])
 
 
 def fsdp_param_groups(module: FSDPModule) -> list[Any]:
