@@ -90,6 +90,15 @@ class PlacementEntry:
         return {**asdict(self), "stages": list(self.stages)}
 
 
+def world_size_terms(plan: Plan) -> str:
+    """How the plan's rank count comes about, for messages: ``pp P x dp D`` without TP, else
+    ``dp D x (tp t0 + t1 + ...)``, the sum of the pipeline ranks' TP degrees."""
+    layout = plan.layout
+    if set(layout.tp) <= {1}:
+        return f"pp {layout.pp} x dp {layout.dp}"
+    return f"dp {layout.dp} x (tp {' + '.join(str(layout.tp_of(k)) for k in range(layout.pp))})"
+
+
 def plan_devices(plan: Plan) -> list[int]:
     """The device ids the plan uses (every device of every TP group), ascending."""
     return sorted(plan.layout.devices)

@@ -19,7 +19,7 @@ from medley.runtime import placement
 from medley.runtime.executor import RankExecutor, with_default_collectives
 from medley.runtime.groups import RankGroups, RankPlace, RankTable, make_groups
 from medley.runtime.model import token_loss_sum
-from medley.runtime.placement import PlacementEntry
+from medley.runtime.placement import PlacementEntry, world_size_terms
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 from medley.runtime.stages import build_local_stages
 from medley.runtime.tied import build_tied_grads
@@ -72,15 +72,6 @@ def check_plan(plan: Plan, world_size: int) -> None:
         raise MedleyInputError(
             f"layout.seq_len {layout.seq_len} (--seq-len) exceeds the longest sequence of model "
             f"'{model.name}', {model.max_seq_len} (max_seq_len); use --seq-len {model.max_seq_len} or less")
-
-
-def world_size_terms(plan: Plan) -> str:
-    """How the plan's rank count comes about: ``dp D x pp P`` without TP, else ``dp D x (t0 + t1 +
-    ...)``, the sum of the pipeline ranks' TP degrees."""
-    layout = plan.layout
-    if not layout.tp or set(layout.tp) == {1}:
-        return f"pp {layout.pp} x dp {layout.dp}"
-    return f"dp {layout.dp} x (tp {' + '.join(str(layout.tp_of(k)) for k in range(layout.pp))})"
 
 
 def _device() -> torch.device:
