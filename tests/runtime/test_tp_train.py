@@ -18,6 +18,8 @@ from train_plans import config, tied_tiny, tp_plan
 from typer.testing import CliRunner
 
 from medley.cli.main import app
+from medley.runtime.checkpoint import latest_checkpoint
+from medley.runtime.hf_export import export_hf
 from medley.runtime.launch import train_local
 from medley.runtime.reference import reference_losses
 
@@ -62,6 +64,22 @@ def test_a_tp2_checkpoint_resumes_under_tp1(tp_run, tmp_path) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_tp2_starts_from_hugging_face_weights(tp_run, tmp_path) -> None:
+    """The tp run's last checkpoint exported as a Hugging Face directory and read by a tp2 ZeRO-1
+    run (each TP rank reads whole layers, then keeps its slice): the reference's losses from the
+    same weights, which are not the seeded ones."""
+    directory, _ = tp_run
+    hf = export_hf(latest_checkpoint(directory), tmp_path / "hf")
+    plan = tp_plan(tp=(2,), split="6", zero="1", schedule="1f1b", micro_batches="4", model=tied_tiny())
+    run = config(steps=2, init_from=hf, checkpoint_every=0, measure_memory=False)
+    records = train_local(plan, run)
+    want = reference_losses(plan.layout, run)
+    assert max(abs(r.loss - w) for r, w in zip(records, want, strict=True)) <= TOL
+    seeded = reference_losses(plan.layout, config(steps=1))
+    assert abs(records[0].loss - seeded[0]) > 1e-3, "the run must start from the exported weights"
+
+
+@pytest.mark.timeout(240)
 def test_medley_train_runs_a_plan_file_with_tp(tmp_path: Path) -> None:
     """Pipeline rank 0 on devices 2, 3 (tp2), pipeline rank 1 on device 0: three ranks."""
     plan = node_plan(cluster_file(tmp_path, node_toml("four", 4)), pp=2, dp=1, assignment=((2, 0),),
@@ -75,6 +93,7 @@ def test_medley_train_runs_a_plan_file_with_tp(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["train", "--plan", str(path), "--local-ranks", "3", "--steps", "2",
                                       "--json"])
     assert result.exit_code == 0, result.output
-    placement = json.loads(result.stdout[result.stdout.index("{"):])["placement"]
-    assert [(e["device"], e["pipeline_rank"], e["tp_rank"], e["stages"]) for e in placement] == [
+    out = json.loads(result.stdout[result.stdout.index("{"):])
+    assert [(e["device"], e["pipeline_rank"], e["tp_rank"], e["stages"]) for e in out["placement"]] == [
         (0, 1, 0, [1]), (2, 0, 0, [0]), (3, 0, 1, [0])]
+    assert sorted(out["records"][0]["peak_memory_bytes"]) == ["0", "2", "3"]  # the CPU probe, per device
