@@ -71,6 +71,13 @@ def four_rank_cases() -> list[Case]:
              zero=(0, 3, 1, 2), schedules=[gen("interleaved", pp=2, micro_batches=4)]),
         Case(name="tp2xpp2-zbh1-zero3,0", pp=2, dp=1, tp=(2, 2), split=(3, 3), zero=(3, 0),
              schedules=[zb_h1(2, 4)]),
+        Case(name="tp2xdp2-1f1b-zero2-uneven-mb", pp=1, dp=2, tp=(2,), split=(6,), zero=(2,),
+             schedules=[gen("1f1b", pp=1, micro_batches=1), gen("1f1b", pp=1, micro_batches=3)]),
+        # TP groups not in rank order: TP rank 0 of pipeline rank 0 is global rank 3.
+        Case(name="tp2xpp2-1f1b-zero1,3-assignment-3,2;1,0", pp=2, dp=1, tp=(2, 2), split=(2, 4),
+             zero=(1, 3), schedules=[gen("1f1b", pp=2, micro_batches=3)], table=(((3, 2), (1, 0)),)),
+        Case(name="tp2xdp2-zero1-assignment-2,1;3,0", pp=1, dp=2, tp=(2,), split=(6,), zero=(1,),
+             schedules=[gen("gpipe", pp=1, micro_batches=2)] * 2, table=(((2, 1),), ((3, 0),))),
     ]
 
 

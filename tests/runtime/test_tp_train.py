@@ -1,6 +1,7 @@
-"""Training with tensor parallelism (gloo, CPU): a tied-embedding model on tp2 x pp2 trains as one
-process (AdamW, clipping active: the global norm counts TP shards once each and replicated
-parameters once), its checkpoint resumes under tp1, and ``medley train`` runs a plan file with
+"""Training with tensor parallelism (gloo, CPU): a tied-embedding model on tp2 x pp2 and the tiny
+model on tp2 x dp2 train as one process (AdamW, clipping active: the global norm counts TP shards
+once each and replicated parameters once), the first's checkpoint resumes under tp1 and its
+Hugging Face export starts a tp2 run, and ``medley train`` runs a plan file with
 tp per stage on dp x sum(tp) ranks (and says so when given another count).
 """
 
@@ -46,6 +47,16 @@ def test_tp2_x_pp2_trains_as_one_process(tp_run) -> None:
     assert max(abs(r.loss - w) for r, w in zip(records, want, strict=True)) <= TOL
     assert all(r.grad_norm > 1.0 for r in records[:2]), "clipping must be active in this test"
     assert sorted((e.pipeline_rank, e.tp_rank) for e in records.placement) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+@pytest.mark.timeout(240)
+def test_tp2_x_dp2_trains_as_one_process() -> None:
+    """ZeRO-1 over the replicas of each TP rank, replicas with 3 and 1 micro-batches, clipping on."""
+    plan = tp_plan(tp=(2,), dp=2, split="6", zero="1", schedule="1f1b", micro_batches="3,1")
+    records = train_local(plan, config(steps=3, checkpoint_every=0, measure_memory=False))
+    want = reference_losses(plan.layout, config(steps=3))
+    assert max(abs(r.loss - w) for r, w in zip(records, want, strict=True)) <= TOL
+    assert records[0].grad_norm > 1.0, "clipping must be active in this test"
 
 
 @pytest.mark.timeout(240)

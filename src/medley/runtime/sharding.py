@@ -7,6 +7,11 @@ group, so ``REDUCE_GRAD`` is one reduce-scatter per bucket, ``OPTIM`` steps the 
 ``UNSHARD`` after it (levels 1-2) or before compute (level 3) is one all-gather per bucket;
 level 0 all-reduces a bucket's flattened gradients and steps whole parameters.
 
+Under tensor parallelism (:mod:`medley.runtime.tensor_parallel`) the dp group is that of the
+rank's TP rank (the same TP rank of every replica): FSDP2 shards the TP-sharded parameters
+(DTensors on the ``tp`` dimension of the pipeline rank's (dp, tp) mesh) over ``dp`` on top, 2-D
+as torchtitan does, and level 0 all-reduces their local slices.
+
 Every reduction is a SUM: the loss is already scaled by 1 / global token count, so replicas with
 unlike micro-batch counts add up to the single-device gradient (gloo has no PREMUL_SUM).
 FSDP's own hooks never communicate: gradient sync is off and nothing reshards by itself.
