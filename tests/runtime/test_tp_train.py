@@ -1,6 +1,6 @@
 """Training with tensor parallelism (gloo, CPU): a tied-embedding model on tp2 x pp2 and the tiny
-model on tp2 x dp2 train as one process (AdamW, clipping active: the global norm counts TP shards
-once each and replicated parameters once), the first's checkpoint resumes under tp1 and its
+model on tp2 x dp2 train (and evaluate) as one process (AdamW, clipping active: the global norm
+counts TP shards once each and replicated parameters once), the first's checkpoint resumes under tp1 and its
 Hugging Face export starts a tp2 run, and ``medley train`` runs a plan file with
 tp per stage on dp x sum(tp) ranks (and says so when given another count).
 """
@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from launch_plans import cluster_file, node_toml, plan_file
 from launch_plans import tiny_plan as node_plan
@@ -22,7 +23,7 @@ from medley.cli.main import app
 from medley.runtime.checkpoint import latest_checkpoint
 from medley.runtime.hf_export import export_hf
 from medley.runtime.launch import train_local
-from medley.runtime.reference import reference_losses
+from medley.runtime.reference import reference_losses, reference_run
 
 TOL = 1e-5
 # tp2 on both pipeline ranks, the embedding and its tied head copy on TP groups, ZeRO 0 then 3.
@@ -50,13 +51,20 @@ def test_tp2_x_pp2_trains_as_one_process(tp_run) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_tp2_x_dp2_trains_as_one_process() -> None:
-    """ZeRO-1 over the replicas of each TP rank, replicas with 3 and 1 micro-batches, clipping on."""
+def test_tp2_x_dp2_trains_and_evaluates_as_one_process(tmp_path) -> None:
+    """ZeRO-1 over the replicas of each TP rank, replicas with 3 and 1 micro-batches, clipping on;
+    the validation loss (forward only) after the last step too."""
+    rng = np.random.default_rng(0)
+    rng.integers(0, 256, 20_000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    rng.integers(0, 256, 2_000, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    settings = dict(data=str(tmp_path / "train.bin"), val_data=str(tmp_path / "val.bin"), eval_every=3,
+                    steps=3, checkpoint_every=0, measure_memory=False, clip_norm=0.5)
     plan = tp_plan(tp=(2,), dp=2, split="6", zero="1", schedule="1f1b", micro_batches="3,1")
-    records = train_local(plan, config(steps=3, checkpoint_every=0, measure_memory=False))
-    want = reference_losses(plan.layout, config(steps=3))
-    assert max(abs(r.loss - w) for r, w in zip(records, want, strict=True)) <= TOL
-    assert records[0].grad_norm > 1.0, "clipping must be active in this test"
+    records = train_local(plan, config(**settings))
+    want = reference_run(plan.layout, config(**settings))
+    assert max(abs(r.loss - w) for r, w in zip(records, want.losses, strict=True)) <= TOL
+    assert abs(records[-1].eval_loss - want.eval_losses[2]) <= TOL
+    assert all(r.grad_norm > 0.5 for r in records), "clipping must be active in this test"
 
 
 @pytest.mark.timeout(240)
