@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 
 from medley.runtime.executor import MicroBatches, RankExecutor, with_default_collectives
+from medley.runtime.groups import RankTable, make_groups, row_major_table
 from medley.runtime.model import Decoder, token_loss_sum
-from medley.runtime.stages import RankTable, build_local_stages, make_mesh, rank_place, row_major_table
+from medley.runtime.stages import build_local_stages
+from medley.runtime.tensor_parallel import is_tp_sharded
 from medley.schedule.ir import Kind, PipelineSchedule
 from medley.spec.model_arg import get_model
 
@@ -27,8 +29,9 @@ SEQ, MBS, SEED, LR = 16, 2, 7, 0.1
 @dataclass(kw_only=True)
 class Case:
     """One plan: ``schedules[r]`` is replica r's program (micro-batch counts may differ);
-    ``table[r][p]`` the global rank on pipeline rank p of replica r (None: row-major). On one
-    machine playing every node rank i is device i, so the table is the plan's assignment."""
+    ``table[r][p]`` the global ranks (TP rank order) on pipeline rank p of replica r (None:
+    row-major); ``tp`` the TP degree of each pipeline rank (empty: 1). On one machine playing every
+    node rank i is device i, so the table is the plan's device groups."""
 
     name: str
     pp: int
@@ -38,10 +41,11 @@ class Case:
     schedules: list[PipelineSchedule] = field(default_factory=list)
     table: RankTable | None = None
     dtype: str = "fp32"  # the run's precision (the equality cases are fp32)
+    tp: tuple[int, ...] = ()
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp
+        return self.dp * (sum(self.tp) if self.tp else self.pp)
 
 
 def global_batch(micro_batches: list[int], step: int) -> torch.Tensor:
@@ -73,25 +77,35 @@ def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
     return max((got[n] - want[n]).abs().max().item() for n in got)
 
 
+def tp_figures(stages: dict, tp: int) -> dict[str, float]:
+    """Whether TP really cut this rank's blocks: ``tp_sharded`` counts its TP-sharded parameters,
+    ``tp_missing`` is 1 when its degree is above 1 and a block's linear weight is whole."""
+    linear = [p for stage in stages.values() for name, p in stage.named_parameters_local()
+              if name.startswith("blocks.") and "norm" not in name]
+    sharded = sum(is_tp_sharded(p) for p in linear)
+    return {"tp_sharded": float(sharded), "tp_missing": float(tp > 1 and sharded < len(linear))}
+
+
 def run_case(case: Case) -> dict:
     spec = get_model("tiny")
-    mesh = make_mesh(case.table or row_major_table(case.pp, case.dp))
-    place = rank_place(mesh)
+    groups = make_groups(case.table or row_major_table(case.pp, case.dp, case.tp))
+    place = groups.place
     micro_batches = [s.num_micro_batches for s in case.schedules]
     schedule = with_default_collectives(case.schedules[place.replica])
     sgd = dict(lr=LR)
-    stages = build_local_stages(spec, schedule=schedule, split=case.split, zero=case.zero, mesh=mesh,
+    stages = build_local_stages(spec, schedule=schedule, split=case.split, zero=case.zero, groups=groups,
                                 seed=SEED, optimizer_class=torch.optim.SGD, optimizer_kwargs=sgd)
     n_tokens = sum(micro_batches) * MBS * SEQ
     # The first step stops before OPTIM so that gradients can be compared.
     no_optim = [[a for a in row if a.kind is not Kind.OPTIM] for row in schedule.actions]
     executor = RankExecutor(
         schedule=schedule.with_actions(no_optim), pipeline_rank=place.pipeline_rank, stages=stages,
-        pp_group=mesh["pp"].get_group(), activation_shape=(MBS, SEQ, spec.hidden_size),
+        pipeline=groups.pipeline,
+        tp_rank=place.tp_rank, activation_shape=(MBS, SEQ, spec.hidden_size),
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens)
     reference = Decoder(spec, seed=SEED)
     ref_opt = torch.optim.SGD(reference.parameters(), **sgd)
-    result = {"grad": 0.0, "loss": 0.0, "param1": 0.0, "param2": 0.0}
+    result = {"grad": 0.0, "loss": 0.0, "param1": 0.0, "param2": 0.0, **tp_figures(stages, groups.tp)}
     for step in range(2):
         tokens = global_batch(micro_batches, step)
         losses = executor.run_step(replica_batch(tokens, micro_batches, place.replica))

@@ -32,15 +32,17 @@ def cluster_file(directory: Path, *nodes: str, name: str = "cluster.toml") -> Pa
 
 
 def tiny_plan(cluster: Path, *, pp: int, dp: int, assignment: tuple[tuple[int, ...], ...],
-              split: str, micro_batches: str = "2", zero: str | None = None) -> Plan:
-    """A tiny-model plan on ``cluster`` whose replica r runs pipeline rank k on ``assignment[r][k]``."""
+              split: str, micro_batches: str = "2", zero: str | None = None,
+              tp: tuple[int, ...] = ()) -> Plan:
+    """A tiny-model plan on ``cluster`` whose replica r runs pipeline rank k on ``assignment[r][k]``
+    (with ``tp``: on the ``tp[k]`` devices from there)."""
     spec = load_cluster(cluster)
     model = get_model("tiny")
     layout = inline_layout(cluster=spec, model=model, cost=CatalogCostSource.for_cluster(model, spec), pp=pp,
                            dp=dp, schedule="1f1b", micro_batches=micro_batches,
                            micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN, split=split,
                            zero=zero or ",".join(["1"] * pp))
-    return Plan(layout=dataclasses.replace(layout, assignment=assignment), cluster=spec)
+    return Plan(layout=dataclasses.replace(layout, assignment=assignment, tp=tp), cluster=spec)
 
 
 def plan_file(directory: Path, plan: Plan, name: str = "plan.toml") -> Path:

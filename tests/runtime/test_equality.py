@@ -125,12 +125,12 @@ def placed_cases() -> list[Case]:
     return [
         Case(name="pp2xdp2-1f1b-zero3,1-assignment-3,0;1,2", pp=2, dp=2, split=(3, 3), zero=(3, 1),
              schedules=[gen("1f1b", pp=2, micro_batches=4), gen("1f1b", pp=2, micro_batches=2)],
-             table=((3, 0), (1, 2))),
+             table=(((3,), (0,)), ((1,), (2,)))),
         Case(name="pp2xdp2-interleaved-zero2,3,0,1-assignment-1,0;3,2", pp=2, dp=2, split=(1, 2, 2, 1),
              zero=(2, 3, 0, 1), schedules=[gen("interleaved", pp=2, micro_batches=4)] * 2,
-             table=((1, 0), (3, 2))),
+             table=(((1,), (0,)), ((3,), (2,)))),
         Case(name="pp4-zbh1-zero0-assignment-2,0,3,1", pp=4, dp=1, split=(1, 2, 2, 1), zero=(0, 0, 0, 0),
-             schedules=[zb_h1(4, 5)], table=((2, 0, 3, 1),)),
+             schedules=[zb_h1(4, 5)], table=(((2,), (0,), (3,), (1,)),)),
     ]
 
 

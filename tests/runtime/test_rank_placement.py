@@ -43,7 +43,7 @@ def node_identities(order: list[tuple[str, int]], local_world: dict[str, int]) -
 
 def test_one_machine_rank_i_is_plan_device_i(tmp_path: Path) -> None:
     plan = two_node_plan(tmp_path)
-    assert rank_table(plan, on_one_machine(4)) == ((3, 0), (1, 2))
+    assert rank_table(plan, on_one_machine(4)) == (((3,), (0,)), ((1,), (2,)))
 
 
 def test_two_nodes_in_any_rank_order(tmp_path: Path) -> None:
@@ -51,7 +51,7 @@ def test_two_nodes_in_any_rank_order(tmp_path: Path) -> None:
     plan = two_node_plan(tmp_path)
     order = [("three", 2), ("one", 0), ("three", 0), ("three", 1)]  # ranks 0..3
     # device 3 = rank 0, device 0 = rank 1, device 1 = rank 2, device 2 = rank 3
-    assert rank_table(plan, node_identities(order, {"one": 1, "three": 3})) == ((0, 1), (2, 3))
+    assert rank_table(plan, node_identities(order, {"one": 1, "three": 3})) == (((0,), (1,)), ((2,), (3,)))
 
 
 @settings(max_examples=25, deadline=None)
@@ -62,8 +62,20 @@ def test_every_position_gets_the_rank_on_its_planned_device(tmp_path_factory, or
     device_of = {"one": [0], "three": [1, 2, 3]}
     for r, row in enumerate(plan.layout.assignment):
         for p, device in enumerate(row):
-            node, local = order[table[r][p]]
+            node, local = order[table[r][p][0]]
             assert device_of[node][local] == device
+
+
+def test_tp_groups_take_every_device_of_their_group(tmp_path: Path) -> None:
+    """tp (2, 1): pipeline rank 0 runs on devices 2 and 3 (its group from assignment 2), pipeline
+    rank 1 on device 0; on one machine rank i is the i-th plan device (0, 2, 3)."""
+    path = cluster_file(tmp_path, node_toml("four", 4))
+    plan = tiny_plan(path, pp=2, dp=1, assignment=((2, 0),), split="2,2", tp=(2, 1))
+    assert rank_table(plan, on_one_machine(3)) == (((1, 2), (0,)),)
+    order = [("four", 2), ("four", 1), ("four", 0)]  # local rank i is the node's i-th plan device
+    assert rank_table(plan, node_identities(order, {"four": 3})) == (((1, 0), (2,)),)
+    with pytest.raises(MedleyInputError, match=r"plan device 3 .*pipeline rank 0 of replica 0\) has no rank"):
+        rank_table(plan, on_one_machine(2))
 
 
 def one_line(err: pytest.ExceptionInfo) -> str:
@@ -111,7 +123,7 @@ def test_a_gpu_not_of_the_planned_type(tmp_path: Path) -> None:
                            "rank 0 of replica 0) here but cuda:1 is 'Tesla T4' with 15.7 GB: ")
     identities[1] = identities[0].__class__(**{**identities[1].__dict__, "gpu_name": "NVIDIA A100-SXM4-80GB",
                                                "gpu_memory_bytes": A100_BYTES})
-    assert rank_table(plan, identities) == ((1, 0),)
+    assert rank_table(plan, identities) == (((1,), (0,)),)
 
 
 def test_which_node_this_machine_is(tmp_path: Path) -> None:

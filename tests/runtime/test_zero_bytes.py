@@ -54,7 +54,8 @@ def simulated_bytes(pp: int, dp: int, zero: str, micro_batches: str, buckets: in
                     key = f"rank{device}.{cost_of.op.value}"
                     want[key] = want.get(key, 0.0) + cost_of.nbytes
     case = Case(name="", pp=pp, dp=dp, split=layout.stage_layers, zero=tuple(z.level for z in layout.zero),
-                schedules=problem.schedules, table=layout.assignment, dtype=dtype)
+                schedules=problem.schedules, dtype=dtype, tp=layout.tp,
+                table=tuple(tuple(layout.group(r, k) for k in range(pp)) for r in range(dp)))
     return case, want
 
 

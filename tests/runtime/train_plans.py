@@ -10,7 +10,9 @@ import torch
 
 from medley.cost.estimator import CatalogCostSource
 from medley.plan.inline import inline_layout
+from medley.plan.layout import check_tp
 from medley.plan.plan import Plan
+from medley.runtime.groups import row_major_table
 from medley.runtime.model import TIED_WEIGHT
 from medley.runtime.train import TrainConfig
 from medley.spec.cluster_load import parse_cluster_arg
@@ -21,14 +23,26 @@ SEQ_LEN, MICRO_BATCH_SIZE, SEED = 32, 2, 3
 
 
 def tiny_plan(*, pp: int, dp: int, split: str, zero: str, schedule: str, micro_batches: str,
-              buckets: int = 1, model: ModelSpec | None = None, **inline: object) -> Plan:
-    cluster = parse_cluster_arg(f"{pp * dp}xA100-80GB")
+              buckets: int = 1, model: ModelSpec | None = None, devices: int | None = None,
+              **inline: object) -> Plan:
+    cluster = parse_cluster_arg(f"{devices or pp * dp}xA100-80GB")
     model = model or get_model("tiny")
     layout = inline_layout(
         cluster=cluster, model=model, cost=CatalogCostSource.for_cluster(model, cluster), pp=pp, dp=dp,
         schedule=schedule, micro_batches=micro_batches, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN,
         split=split, zero=zero, buckets=buckets, **inline)
     return Plan(layout=layout, cluster=cluster)
+
+
+def tp_plan(*, tp: tuple[int, ...], dp: int = 1, **plan: object) -> Plan:
+    """:func:`tiny_plan` with TP degree ``tp[k]`` on pipeline rank k, on ``dp * sum(tp)`` devices of
+    one node: replica r's pipeline rank k on the consecutive devices after those of rank k - 1."""
+    base = tiny_plan(pp=len(tp), dp=dp, devices=dp * sum(tp), **plan)
+    table = row_major_table(len(tp), dp, tp)  # device ids in the order the plan's devices go
+    layout = dataclasses.replace(base.layout, tp=tuple(tp),
+                                 assignment=tuple(tuple(group[0] for group in row) for row in table))
+    check_tp(layout, base.cluster)
+    return Plan(layout=layout, cluster=base.cluster)
 
 
 def config(**overrides: object) -> TrainConfig:

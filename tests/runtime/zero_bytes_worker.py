@@ -12,9 +12,10 @@ import torch.distributed as dist
 from equality_worker import LR, MBS, SEED, SEQ, Case, global_batch, replica_batch
 
 from medley.runtime.executor import RankExecutor, with_default_collectives
+from medley.runtime.groups import make_groups
 from medley.runtime.model import token_loss_sum
 from medley.runtime.sharding import TORCH_DTYPES
-from medley.runtime.stages import build_local_stages, make_mesh, rank_place
+from medley.runtime.stages import build_local_stages
 from medley.spec.model_arg import get_model
 
 # torch.distributed call -> (collective kind as the simulator names it, position and name of the
@@ -66,17 +67,18 @@ def count_case(case: Case) -> dict:
     """Bytes per collective kind of this rank's second step (the first one warms up), keyed
     ``rank<global rank>.<kind>`` so the launcher's per-figure max keeps every rank's."""
     spec = get_model("tiny")
-    mesh = make_mesh(case.table)
-    place = rank_place(mesh)
+    groups = make_groups(case.table)
+    place = groups.place
     micro_batches = [s.num_micro_batches for s in case.schedules]
     schedule = with_default_collectives(case.schedules[place.replica])
-    stages = build_local_stages(spec, schedule=schedule, split=case.split, zero=case.zero, mesh=mesh,
+    stages = build_local_stages(spec, schedule=schedule, split=case.split, zero=case.zero, groups=groups,
                                 seed=SEED, optimizer_class=torch.optim.SGD, optimizer_kwargs=dict(lr=LR),
                                 precision=case.dtype)
     n_tokens = sum(micro_batches) * MBS * SEQ
     half = None if case.dtype == "fp32" else TORCH_DTYPES[case.dtype]
     executor = RankExecutor(
-        schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pp_group=mesh["pp"].get_group(),
+        schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pipeline=groups.pipeline,
+        tp_rank=place.tp_rank,
         activation_shape=(MBS, SEQ, spec.hidden_size), dtype=TORCH_DTYPES[case.dtype], autocast_dtype=half,
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens)
     totals: dict[str, int] = {}

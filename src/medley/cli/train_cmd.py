@@ -19,6 +19,7 @@ from rich.table import Table
 from medley.cli import hf_cmd
 from medley.cli.errors import MedleyInputError, exit_on_input_error
 from medley.plan.plan import Plan
+from medley.runtime.placement import world_size_terms
 
 DEFAULT_DEVICE = "A100-80GB"
 
@@ -151,7 +152,8 @@ def run_stopping_cleanly(plan: Plan, config, *, local_ranks: int | None):  # noq
 
 def run_json(records) -> dict[str, list[dict]]:  # noqa: ANN001 - a launch.TrainRun (lazy torch import)
     """``{"records": [step records], "placement": [{"rank", "node", "device", "replica",
-    "pipeline_rank", "stages"}, ...]}``: the placement as the ranks measured it, by global rank."""
+    "pipeline_rank", "stages", "tp_rank"}, ...]}``: the placement as the ranks measured it, by
+    global rank."""
     rows = [r.as_json() for r in records]
     return {"records": rows, "placement": [entry.as_json() for entry in getattr(records, "placement", [])]}
 
@@ -276,9 +278,8 @@ def register(app: typer.Typer) -> None:
                 buckets=buckets, gather_windows=gather_windows, clip_grad=bool(clip_norm),
                 assignment=assignment, dtype=inline_dtype(dtype, local_ranks=local_ranks))
         if local_ranks is not None and local_ranks != the_plan.world_size:
-            layout = the_plan.layout
             raise MedleyInputError(
-                f"--local-ranks {local_ranks}: the plan needs pp {layout.pp} x dp {layout.dp} = "
+                f"--local-ranks {local_ranks}: the plan needs {world_size_terms(the_plan)} = "
                 f"{the_plan.world_size} ranks; pass --local-ranks {the_plan.world_size}")
         from medley.runtime.config import load_data
 

@@ -46,7 +46,7 @@ def _timed_step(fn) -> float:
 class _TorchSide:
     """The plan's stage on this rank, run by torch's schedule class."""
 
-    def __init__(self, plan: Plan, mesh, replica: int, pipeline_rank: int, seed: int) -> None:
+    def __init__(self, plan: Plan, groups, replica: int, pipeline_rank: int, seed: int) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
         from medley.runtime.model import Decoder, token_loss_sum
@@ -57,14 +57,14 @@ class _TorchSide:
         self.module = Decoder(layout.model, first_layer=start, last_layer=stop, seed=seed)
         self.first, self.last = pipeline_rank == 0, pipeline_rank == layout.pp - 1
         stage = PipelineStage(self.module, pipeline_rank, layout.pp, torch.device("cpu"),
-                              group=mesh["pp"].get_group())
+                              group=groups.replica_group)
         n_tokens = layout.tokens_per_step
         schedule_class = getattr(schedules, TORCH_SCHEDULES[layout.schedule])
         self.schedule = schedule_class(stage, n_microbatches=layout.micro_batches[replica],
                                        loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens,
                                        scale_grads=False)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-4)
-        self.dp_group = mesh["dp"].get_group() if layout.dp > 1 else None
+        self.dp_group = groups.dp_mesh.get_group() if layout.dp > 1 else None
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         if self.first:
@@ -91,7 +91,7 @@ def _run_case(case: RuntimeCase, rounds: int, steps: int, seed: int) -> dict:
 
     plan, layout = case.plan, case.plan.layout
     setup = build_rank(plan, seed=seed, optimizer_class=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-4})
-    theirs = _TorchSide(plan, setup.mesh, setup.replica, setup.pipeline_rank, seed)
+    theirs = _TorchSide(plan, setup.groups, setup.replica, setup.pipeline_rank, seed)
     source = load_source("synthetic", seq_len=layout.seq_len)
     sequences = sum(layout.micro_batches) * layout.micro_batch_size
     batches = []

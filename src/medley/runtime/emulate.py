@@ -18,7 +18,7 @@ from medley.plan.plan import Plan
 def slowdown_factors(plan: Plan, overrides: Mapping[int, float] | None = None) -> dict[int, float]:
     """Factor per device id of the plan (>= 1 by default; overrides are taken as given)."""
     layout, devices = plan.layout, plan.cluster.devices
-    used = sorted({d for row in layout.assignment for d in row})
+    used = sorted(layout.devices)  # every device of every TP group
     peaks = {d: devices[d].type.peak_flops(layout.dtype) for d in used}
     fastest = max(peaks.values())
     factors = {d: fastest / peak for d, peak in peaks.items()}

@@ -2,10 +2,13 @@
 
 Per action: ``F`` forward (the last stage also applies the loss), ``BW`` full backward, ``B`` the
 input-gradient half and ``W`` the weight-gradient half of a split backward, ``SEND_*``/``RECV_*``
-point-to-point transfers on the pipeline group (tagged, so interleaved stages never mix up their
-messages), and the ZeRO collectives of :mod:`medley.runtime.sharding`. Adjacent stages on the same
-rank hand activations and gradients over in memory. Nothing happens that the list does not say,
-so every member of a DP group issues the collectives the schedule placed, in the same order.
+point-to-point transfers to the global ranks of the peer stage's TP group (tagged, so
+interleaved stages never mix up their messages; between TP groups of unlike degrees receiving TP
+rank j takes the tensor from sending TP rank ``tp_sources(...)[j]``, forward and backward alike,
+:func:`medley.plan.layout.tp_sources`), and the ZeRO collectives of
+:mod:`medley.runtime.sharding`. Adjacent stages on the same rank hand activations and gradients
+over in memory. Nothing happens that the list does not say, so every member of a DP group issues
+the collectives the schedule placed, in the same order.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from medley.plan.layout import tp_sources
 from medley.runtime.sharding import ShardedStage
 from medley.runtime.torch_adapter import backward_input, backward_weight
 from medley.schedule.ir import (
@@ -63,7 +67,9 @@ class RankExecutor:
         schedule: the replica's schedule (with P2P and collective actions already placed).
         pipeline_rank: this rank's index inside the replica.
         stages: this rank's stages by global stage index.
-        pp_group: the replica's pipeline process group.
+        pipeline: the global ranks of each pipeline rank of the replica, in TP rank order
+            (``RankGroups.pipeline``); transfers go over the world group to these ranks.
+        tp_rank: this rank's place in its TP group.
         activation_shape: [micro_batch_size, seq, hidden] of the tensors passed between stages.
         loss_fn: loss of one micro-batch from logits and targets, already scaled for the global batch.
         dtype: dtype of the activations and gradients passed between stages (the compute dtype;
@@ -86,15 +92,17 @@ class RankExecutor:
     """
 
     def __init__(self, *, schedule: PipelineSchedule, pipeline_rank: int, stages: dict[int, ShardedStage],
-                 pp_group: dist.ProcessGroup, activation_shape: Sequence[int], loss_fn: LossFn,
+                 pipeline: Sequence[Sequence[int]], activation_shape: Sequence[int], loss_fn: LossFn,
                  dtype: torch.dtype = torch.float32, autocast_dtype: torch.dtype | None = None,
                  slowdown: float = 1.0, on_clip: Callable[[], None] | None = None,
                  before_optim: Callable[[int, int | None], None] | None = None,
-                 before_clip: Callable[[], None] | None = None, device: torch.device | None = None) -> None:
+                 before_clip: Callable[[], None] | None = None, device: torch.device | None = None,
+                 tp_rank: int = 0) -> None:
         self.schedule = schedule
         self.rank = pipeline_rank
         self.stages = stages
-        self.pp_group = pp_group
+        self.pipeline = tuple(tuple(group) for group in pipeline)
+        self.tp_rank = tp_rank
         self.activation_shape = tuple(activation_shape)
         self.loss_fn = loss_fn
         self.dtype = dtype
@@ -248,8 +256,19 @@ class RankExecutor:
     def _tag(self, stage: int, mb: int, grad: bool) -> int:
         return (stage * 2 + int(grad)) * self.schedule.num_micro_batches + mb
 
-    def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(self.pp_group, self.schedule.stage_to_rank[stage])
+    def _group(self, stage: int) -> tuple[int, ...]:
+        """Global ranks of the TP group holding ``stage`` in this replica."""
+        return self.pipeline[self.schedule.stage_to_rank[stage]]
+
+    def _destinations(self, peer_stage: int) -> list[int]:
+        """The ranks of ``peer_stage`` this rank sends to: those whose source it is."""
+        theirs = self._group(peer_stage)
+        sources = tp_sources(senders=len(self.pipeline[self.rank]), receivers=len(theirs))
+        return [rank for rank, source in zip(theirs, sources, strict=True) if source == self.tp_rank]
+
+    def _source(self, peer_stage: int) -> int:
+        theirs = self._group(peer_stage)
+        return theirs[tp_sources(senders=len(theirs), receivers=len(self.pipeline[self.rank]))[self.tp_rank]]
 
     def _send(self, action: Action) -> None:
         st, mb, peer_stage = self.state[action.stage], action.micro_batch, p2p_peer_stage(action)
@@ -258,8 +277,8 @@ class RankExecutor:
         else:
             tensor, tag = st.input_grads.pop(mb), self._tag(peer_stage, mb, grad=True)
         tensor = tensor.to(self.dtype).contiguous()
-        work = dist.isend(tensor, dst=self._peer(peer_stage), group=self.pp_group, tag=tag)
-        self.pending_sends.append(work)
+        for peer in self._destinations(peer_stage):
+            self.pending_sends.append(dist.isend(tensor, dst=peer, tag=tag))
 
     def _recv(self, action: Action) -> None:
         st, mb = self.state[action.stage], action.micro_batch
@@ -270,7 +289,7 @@ class RankExecutor:
             tag = self._tag(peer_stage, mb, grad=False)
         else:
             tag = self._tag(action.stage, mb, grad=True)
-        dist.recv(buffer, src=self._peer(peer_stage), group=self.pp_group, tag=tag)
+        dist.recv(buffer, src=self._source(peer_stage), tag=tag)
         if action.kind is Kind.RECV_F:
             st.inputs[mb] = buffer
         else:

@@ -38,7 +38,7 @@ from medley.plan.plan import Plan
 from medley.runtime import placement
 from medley.runtime.lifecycle import die_with_parent
 from medley.runtime.nodes import ONE_THREAD_ENV
-from medley.runtime.placement import PlacementEntry
+from medley.runtime.placement import PlacementEntry, world_size_terms
 from medley.runtime.train import StepRecord, TrainConfig, load_data, train
 
 PROCESS_GROUP_TIMEOUT_S = 120
@@ -160,7 +160,7 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, m
     nprocs = plan.world_size if nprocs is None else nprocs
     if nprocs != plan.world_size:
         raise MedleyInputError(
-            f"--local-ranks {nprocs}: the plan needs pp {plan.layout.pp} x dp {plan.layout.dp} = "
+            f"--local-ranks {nprocs}: the plan needs {world_size_terms(plan)} = "
             f"{plan.world_size} ranks; pass --local-ranks {plan.world_size}")
     # Check the data and build any token cache here, once, before a rank starts (they map it).
     load_data(config, seq_len=plan.layout.seq_len, vocab_size=plan.layout.model.vocab_size)

@@ -77,9 +77,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, spec.num_heads, spec.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism (medley.runtime.tensor_parallel) q/k/v hold this TP
+        # rank's heads only (num_heads / tp, num_kv_heads / tp).
+        q = self.wq(x).view(batch, seq, -1, spec.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, spec.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, spec.head_dim).transpose(1, 2)
         if spec.position == "rope":
             cos, sin = rope_tables(seq, spec)
             cos, sin = cos.to(q.dtype), sin.to(q.dtype)
@@ -92,7 +94,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.window_mask(seq, window, x.device))
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, spec.q_dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
     @staticmethod

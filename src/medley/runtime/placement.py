@@ -11,8 +11,9 @@ node takes the i-th plan device of the whole cluster.
 
 At start-up every rank says who it is (:class:`RankIdentity`, one ``all_gather_object`` before any
 model is built) and :func:`rank_table` turns the identities into ``table[replica][pipeline rank]``
-= global rank, so ``assignment[r][p]`` runs stage(s) of pipeline rank ``p`` of replica ``r``
-whatever order the launcher gave the ranks. A planned device without a rank, a rank without a plan
+= the global ranks on the devices of ``layout.group(r, p)`` (TP rank order), so the TP group
+starting at ``assignment[r][p]`` runs stage(s) of pipeline rank ``p`` of replica ``r`` whatever
+order the launcher gave the ranks. A planned device without a rank, a rank without a plan
 device, two ranks on one device or a GPU that is not the planned type is one error naming the
 node, the local rank, what was planned and what was found; every rank raises the same one.
 
@@ -74,6 +75,7 @@ class PlacementEntry:
         device: its plan device id.
         replica: the replica it computes for; pipeline_rank: its position in that replica.
         stages: the global stages it built.
+        tp_rank: its place in its pipeline rank's TP group.
     """
 
     rank: int
@@ -82,14 +84,24 @@ class PlacementEntry:
     replica: int
     pipeline_rank: int
     stages: tuple[int, ...]
+    tp_rank: int = 0
 
     def as_json(self) -> dict[str, object]:
         return {**asdict(self), "stages": list(self.stages)}
 
 
+def world_size_terms(plan: Plan) -> str:
+    """How the plan's rank count comes about, for messages: ``pp P x dp D`` without TP, else
+    ``dp D x (tp t0 + t1 + ...)``, the sum of the pipeline ranks' TP degrees."""
+    layout = plan.layout
+    if set(layout.tp) <= {1}:
+        return f"pp {layout.pp} x dp {layout.dp}"
+    return f"dp {layout.dp} x (tp {' + '.join(str(layout.tp_of(k)) for k in range(layout.pp))})"
+
+
 def plan_devices(plan: Plan) -> list[int]:
-    """The device ids the plan uses, ascending."""
-    return sorted({device for row in plan.layout.assignment for device in row})
+    """The device ids the plan uses (every device of every TP group), ascending."""
+    return sorted(plan.layout.devices)
 
 
 def plan_devices_by_node(plan: Plan) -> dict[str, list[int]]:
@@ -149,8 +161,10 @@ def planned_device(plan: Plan, identity: RankIdentity) -> int | None:
 
 
 def _position(plan: Plan) -> dict[int, tuple[int, int]]:
-    """(replica, pipeline rank) of each plan device."""
-    return {device: (r, p) for r, row in enumerate(plan.layout.assignment) for p, device in enumerate(row)}
+    """(replica, pipeline rank) of each plan device (each device of its TP group)."""
+    layout = plan.layout
+    return {device: (r, p) for r in range(layout.dp) for p in range(layout.pp)
+            for device in layout.group(r, p)}
 
 
 def _check_gpu(plan: Plan, identity: RankIdentity, device: int) -> None:
@@ -182,8 +196,9 @@ def _missing(plan: Plan, device: int, identities: Sequence[RankIdentity],
         "or medley launch)")
 
 
-def rank_table(plan: Plan, identities: Sequence[RankIdentity]) -> tuple[tuple[int, ...], ...]:
-    """``table[replica][pipeline rank]``: the global rank on the plan's device for that position."""
+def rank_table(plan: Plan, identities: Sequence[RankIdentity]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """``table[replica][pipeline rank]``: the global ranks on the plan's devices for that position
+    (those of ``layout.group(replica, pipeline rank)``, in TP rank order)."""
     for identity in sorted(identities, key=lambda i: i.rank):
         if identity.error is not None:
             raise MedleyInputError(f"rank {identity.rank}: {identity.error}")
@@ -200,7 +215,9 @@ def rank_table(plan: Plan, identities: Sequence[RankIdentity]) -> tuple[tuple[in
     for device in plan_devices(plan):
         if device not in owner:
             raise _missing(plan, device, identities, by_node)
-    return tuple(tuple(owner[d].rank for d in row) for row in plan.layout.assignment)
+    layout = plan.layout
+    return tuple(tuple(tuple(owner[d].rank for d in layout.group(r, p)) for p in range(layout.pp))
+                 for r in range(layout.dp))
 
 
 def device_table(plan: Plan, identities: Sequence[RankIdentity]) -> list[int]:

@@ -11,17 +11,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from medley.errors import MedleyInputError
 from medley.plan.layout import build_schedules
 from medley.plan.plan import Plan
 from medley.runtime import placement
 from medley.runtime.executor import RankExecutor, with_default_collectives
+from medley.runtime.groups import RankGroups, RankPlace, RankTable, make_groups
 from medley.runtime.model import token_loss_sum
-from medley.runtime.placement import PlacementEntry
+from medley.runtime.placement import PlacementEntry, world_size_terms
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
-from medley.runtime.stages import RankPlace, RankTable, build_local_stages, make_mesh, rank_place
+from medley.runtime.stages import build_local_stages
 from medley.runtime.tied import build_tied_grads
 from medley.schedule.zero import CollectiveMismatchError, check_zero_placement
 
@@ -31,11 +31,13 @@ class RankSetup:
     """This rank's share of the plan.
 
     Attributes:
-        replica: data-parallel replica index; pipeline_rank: rank inside the replica (both from
-            the plan's assignment and this rank's device, not from the launcher's rank order).
+        replica: data-parallel replica index; pipeline_rank: rank inside the replica; tp_rank: rank
+            inside the pipeline rank's TP group (all from the plan's assignment and tp and this
+            rank's device, not from the launcher's rank order).
         device: where this rank computes (cuda:LOCAL_RANK under nccl, else cpu).
         device_of_rank: the plan's device id of every global rank.
-        mesh: the (dp, pp) mesh over the rank table (each group in the plan's order).
+        groups: its process groups over the rank table (each in the plan's order): its pipeline
+            rank's (dp, tp) mesh, its replica's group, the table.
         stages: this rank's stages by global stage index.
         executor: runs this rank's program of its replica's schedule.
         placement: where every rank runs, as each one measured it (by global rank).
@@ -43,9 +45,10 @@ class RankSetup:
 
     replica: int
     pipeline_rank: int
+    tp_rank: int
     device: torch.device
     device_of_rank: list[int]
-    mesh: DeviceMesh
+    groups: RankGroups
     stages: dict[int, ShardedStage]
     executor: RankExecutor
     placement: list[PlacementEntry]
@@ -56,9 +59,9 @@ def check_plan(plan: Plan, world_size: int) -> None:
     layout, model = plan.layout, plan.layout.model
     if world_size != plan.world_size:
         raise MedleyInputError(
-            f"the plan needs pp {layout.pp} x dp {layout.dp} = {plan.world_size} ranks but {world_size} were "
+            f"the plan needs {world_size_terms(plan)} = {plan.world_size} ranks but {world_size} were "
             f"started; launch {plan.world_size} (torchrun --nproc-per-node {plan.world_size}, or "
-            f"--local-ranks {plan.world_size}) or change layout.pp / layout.dp")
+            f"--local-ranks {plan.world_size}) or change layout.pp / layout.dp / layout.tp")
     if layout.schedule == "bidirectional":
         raise MedleyInputError("layout.schedule 'bidirectional' (the model held twice) is not run by the "
                                "runtime; choose another schedule")
@@ -90,7 +93,7 @@ def _report(plan: Plan, place: RankPlace, *, device_id: int, stages: list[int]) 
     """Every rank's placement as it built it (collective), kept for the launcher to return."""
     entry = PlacementEntry(rank=dist.get_rank(), node=plan.cluster.devices[device_id].node, device=device_id,
                            replica=place.replica, pipeline_rank=place.pipeline_rank,
-                           stages=tuple(stages))
+                           stages=tuple(stages), tp_rank=place.tp_rank)
     entries = placement.gather_entries(entry)
     placement.report(entries)
     return entries
@@ -117,8 +120,8 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
     check_plan(plan, dist.get_world_size())
     layout = dataclasses.replace(plan.layout, clip_grad=clip_grad)
     schedules = build_schedules(layout)
-    mesh = make_mesh(table, device.type)
-    place = rank_place(mesh)
+    groups = make_groups(table, device.type)
+    place = groups.place
     schedule = with_default_collectives(schedules[place.replica])
     levels = [z.level for z in layout.zero]
     try:
@@ -128,21 +131,23 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
     if device.type == "cuda":
         torch.set_default_device(device)
     stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers, zero=levels,
-                                mesh=mesh, seed=seed, optimizer_class=optimizer_class,
+                                groups=groups, seed=seed, optimizer_class=optimizer_class,
                                 optimizer_kwargs=optimizer_kwargs, recompute=layout.recompute,
                                 init_from=init_from, precision=dtype)
     n_tokens = layout.tokens_per_step
     me = devices[dist.get_rank()]
     factor = 1.0 if slowdown is None else slowdown[me]
     executor = RankExecutor(
-        schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pp_group=mesh["pp"].get_group(),
+        schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pipeline=groups.pipeline,
+        tp_rank=place.tp_rank,
         activation_shape=(layout.micro_batch_size, layout.seq_len, layout.model.hidden_size),
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens,
         autocast_dtype=None if dtype == "fp32" else TORCH_DTYPES[dtype], dtype=TORCH_DTYPES[dtype],
         slowdown=factor, device=device)
     if layout.tied_copies:
-        tied_grads = build_tied_grads(table, schedules, place, stages, levels)
+        tied_grads = build_tied_grads(groups, schedules, stages, levels)
         executor.before_clip = None if tied_grads is None else tied_grads.sum_grads
     entries = _report(plan, place, device_id=me, stages=sorted(stages))
-    return RankSetup(replica=place.replica, pipeline_rank=place.pipeline_rank, device=device,
-                     device_of_rank=devices, mesh=mesh, stages=stages, executor=executor, placement=entries)
+    return RankSetup(replica=place.replica, pipeline_rank=place.pipeline_rank, tp_rank=place.tp_rank,
+                     device=device, device_of_rank=devices, groups=groups, stages=stages, executor=executor,
+                     placement=entries)

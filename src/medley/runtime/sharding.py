@@ -7,6 +7,11 @@ group, so ``REDUCE_GRAD`` is one reduce-scatter per bucket, ``OPTIM`` steps the 
 ``UNSHARD`` after it (levels 1-2) or before compute (level 3) is one all-gather per bucket;
 level 0 all-reduces a bucket's flattened gradients and steps whole parameters.
 
+Under tensor parallelism (:mod:`medley.runtime.tensor_parallel`) the dp group is that of the
+rank's TP rank (the same TP rank of every replica): FSDP2 shards the TP-sharded parameters
+(DTensors on the ``tp`` dimension of the pipeline rank's (dp, tp) mesh) over ``dp`` on top, 2-D
+as torchtitan does, and level 0 all-reduces their local slices.
+
 Every reduction is a SUM: the loss is already scaled by 1 / global token count, so replicas with
 unlike micro-batch counts add up to the single-device gradient (gloo has no PREMUL_SUM).
 FSDP's own hooks never communicate: gradient sync is off and nothing reshards by itself.
@@ -23,10 +28,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from medley.cost.zero_levels import ZeroLevel, zero_level
 from medley.cost.zero_memory import state_bytes_per_param
 from medley.runtime.model import Decoder, shared_name
+from medley.runtime.tensor_parallel import is_tp_sharded
 from medley.runtime.torch_adapter import fsdp_reduce_grad, fsdp_unsharded_params
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,6 +77,8 @@ class ShardedStage:
             their gradient equals the original's once summed, so the norm counts it there only.
         reduce_dtype: the dtype gradients are reduced in (level 0's all-reduce; FSDP2's own
             policy at levels 1-3).
+        tp_rank: this rank's place in its TP group: parameters that are not TP-sharded (norms,
+            embedding, head) are the same on every TP rank, so only TP rank 0 counts them in the norm.
     """
 
     module: Decoder
@@ -81,6 +90,7 @@ class ShardedStage:
     bucket_names: list[list[str]]
     copies: frozenset[nn.Parameter] = frozenset()
     reduce_dtype: torch.dtype = torch.float32
+    tp_rank: int = 0
     # Level 0: gradients already all-reduced this step; a stage may reduce in several windows.
     reduced: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)
     # Level 3: buckets whose weights are gathered now (compute needs all of them).
@@ -170,12 +180,13 @@ class ShardedStage:
     def grad_sq_norm(self, bucket: int | None, *, replica: int) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (fp64): its shards at levels 1-3;
         at level 0 every replica holds the whole gradient, so only replica 0 counts it. A
-        tied copy (:attr:`copies`) is counted where its original is."""
+        tied copy (:attr:`copies`) is counted where its original is; a TP-sharded gradient on
+        every TP rank (each holds its own slice), any other on TP rank 0 only."""
         total = torch.zeros((), dtype=torch.float64)
         if not self.sharded and replica > 0:
             return total
         for param, grad in self._final_grads(bucket):
-            if param in self.copies:
+            if param in self.copies or (self.tp_rank > 0 and not is_tp_sharded(grad)):
                 continue
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             total += local.double().square().sum()
@@ -237,13 +248,17 @@ class ShardedStage:
     def _all_reduce(self, params: list[nn.Parameter]) -> None:
         if self.dp_group is None or not params:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        # TP-sharded gradients (DTensors) reduce their local slices: the dp group holds one TP rank.
+        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads]).to(self.reduce_dtype)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
         offset = 0
         for param, grad in zip(params, grads, strict=True):
             summed = flat[offset:offset + grad.numel()].view_as(grad).to(grad.dtype, copy=True)
             offset += grad.numel()
+            if isinstance(param, DTensor):
+                summed = DTensor.from_local(summed, param.device_mesh, param.placements, run_check=False,
+                                            shape=param.shape, stride=param.stride())
             previous = self.reduced.get(param)
             self.reduced[param] = summed if previous is None else previous + summed
             param.grad = None
@@ -252,6 +267,7 @@ class ShardedStage:
 def shard_stage(
     module: Decoder, *, zero: int, bucket_layers: Sequence[int] | None, dp_mesh: DeviceMesh | None,
     optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any], precision: str = "fp32",
+    tp_rank: int = 0,
 ) -> ShardedStage:
     """Apply the stage's ZeRO level to ``module`` and build its optimizers (over the parameter
     shards for levels 1-3, over whole parameters for level 0).
@@ -293,10 +309,14 @@ def shard_stage(
     optimizers = [optimizer_class(params, **optimizer_kwargs) for params in buckets]
     stage = ShardedStage(module=module, zero=zero, buckets=buckets, fsdp_units=units, dp_group=dp_group,
                          optimizers=optimizers, bucket_names=bucket_names, copies=copies,
-                         reduce_dtype=TORCH_DTYPES[state.grad_dtype])
+                         reduce_dtype=TORCH_DTYPES[state.grad_dtype], tp_rank=tp_rank)
     if meaning.gathers_after_step:  # weights stay gathered between steps at levels 1-2
         stage.unshard(None)
     return stage
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _policy(mixed: MixedPrecisionPolicy | None) -> dict[str, MixedPrecisionPolicy]:

@@ -13,6 +13,10 @@ The sum is taken on the gradients as OPTIM applies them: full all-reduced ones a
 replica index, so both stages' shards of a replica hold the same rows). When either of the two
 stages is sharded, each copy contributes the rows of its replica's shard (a full gradient its
 slice of them) and a full gradient then gathers the summed rows over its stage's dp group.
+
+Under tensor parallelism the embedding and the head are replicated on their stage's TP ranks
+(their gradients agree there): TP rank 0 of each end takes part in the sum as above, then each
+end's TP group broadcasts the result from its TP rank 0.
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from medley.cost.zero_levels import zero_level
+from medley.runtime.groups import RankGroups, RankTable
 from medley.runtime.model import TIED_WEIGHT
 from medley.runtime.sharding import ShardedStage, shard_rows
-from medley.runtime.stages import RankPlace, RankTable
 from medley.schedule.ir import PipelineSchedule
 
 
@@ -42,6 +46,8 @@ class TiedGrads:
             then runs on the rows of this replica's shard.
         replica: this rank's replica (its index in the dp groups).
         dp: the number of replicas.
+        tp_group: this rank's TP group when its degree is above 1 and the sum is not local (the
+            result is broadcast there from TP rank 0); tp_rank: its place in it.
     """
 
     params: list[tuple[ShardedStage, torch.nn.Parameter]]
@@ -49,10 +55,19 @@ class TiedGrads:
     by_rows: bool
     replica: int
     dp: int
+    tp_group: dist.ProcessGroup | None = None
+    tp_rank: int = 0
 
     def sum_grads(self) -> None:
         """Replace each copy's reduced gradient by the sum of both copies' gradients."""
         grads = [_local(stage, param) for stage, param in self.params]
+        if self.tp_rank == 0 or self.group is None:  # a local sum: every TP rank does its own
+            self._sum(grads)
+        if self.tp_group is not None:
+            for grad in grads:
+                dist.broadcast(grad, group=self.tp_group, group_src=0)
+
+    def _sum(self, grads: list[torch.Tensor]) -> None:
         pieces = [self._rows(stage, grad) if self.by_rows else grad
                   for (stage, _), grad in zip(self.params, grads, strict=True)]
         if self.group is None:
@@ -92,28 +107,33 @@ def _local(stage: ShardedStage, param: torch.nn.Parameter) -> torch.Tensor:
 
 
 def tied_ranks(table: RankTable, schedules: list[PipelineSchedule]) -> list[tuple[int, int]]:
-    """Per replica, the global ranks of its first and its last stage (the same rank possibly)."""
+    """Per replica, the global ranks of TP rank 0 of its first and of its last stage (the same
+    rank possibly)."""
     pairs = []
     for replica, row in enumerate(table):
         stage_to_rank = schedules[replica].stage_to_rank
-        pairs.append((row[stage_to_rank[0]], row[stage_to_rank[-1]]))
+        pairs.append((row[stage_to_rank[0]][0], row[stage_to_rank[-1]][0]))
     return pairs
 
 
-def build_tied_grads(table: RankTable, schedules: list[PipelineSchedule], place: RankPlace,
-                     stages: dict[int, ShardedStage], zero: Sequence[int]) -> TiedGrads | None:
+def build_tied_grads(groups: RankGroups, schedules: list[PipelineSchedule], stages: dict[int, ShardedStage],
+                     zero: Sequence[int]) -> TiedGrads | None:
     """The tied-gradient sum of this rank (``zero``: the ZeRO level of each stage), or None when
     it holds neither end (collective: every rank creates every replica's group, in replica order)."""
+    table, place = groups.table, groups.place
     pairs = tied_ranks(table, schedules)
-    groups = [dist.new_group(list(pair), sort_ranks=False) if pair[0] != pair[1] else None for pair in pairs]
+    pair_groups = [dist.new_group(list(pair), sort_ranks=False) if pair[0] != pair[1] else None
+                   for pair in pairs]
     last = schedules[place.replica].num_stages - 1
     params = [(stages[s], _tied_param(stages[s])) for s in (0, last) if s in stages]
     if not params:
         return None
     dp = len(table)
     by_rows = dp > 1 and (zero_level(zero[0]).shards_optimizer or zero_level(zero[-1]).shards_optimizer)
-    return TiedGrads(params=params, group=groups[place.replica], by_rows=by_rows, replica=place.replica,
-                     dp=dp)
+    group = pair_groups[place.replica]
+    tp_group = groups.tp_mesh.get_group() if groups.tp > 1 and group is not None else None
+    return TiedGrads(params=params, group=group, by_rows=by_rows, replica=place.replica, dp=dp,
+                     tp_group=tp_group, tp_rank=place.tp_rank)
 
 
 def _tied_param(stage: ShardedStage) -> torch.nn.Parameter:

@@ -109,10 +109,11 @@ class _Loop:
                      "global_batch": self.sequences,
                      "hf_dir": None if config.hf_dir is None else str(Path(config.hf_dir).resolve()),
                      "plan": {"pp": layout.pp, "dp": layout.dp, "split": list(layout.stage_layers),
-                              "zero": [z.level for z in layout.zero]}}
+                              "zero": [z.level for z in layout.zero],
+                              "tp": [layout.tp_of(k) for k in range(layout.pp)]}}
         flops = formulas.megatron_flops_per_step(layout.model, batch_size=self.sequences,
                                                  seq_len=layout.seq_len)
-        devices = [plan.cluster.devices[d].type for row in layout.assignment for d in row]
+        devices = [plan.cluster.devices[d].type for d in layout.devices]
         peak = sum(t.peak_flops(resolve_dtype(plan, config)) for t in devices)
         self.flops_per_peak = flops / peak if setup.device.type == "cuda" and peak > 0 else None
 
@@ -243,7 +244,7 @@ class _Loop:
             torch.cuda.synchronize(setup.device)
         elapsed = time.perf_counter() - started
         peak = cuda_peak_bytes(setup.device) if setup.device.type == "cuda" else 0
-        loss_sum = float(sum(loss.item() for loss in losses))
+        loss_sum = self._own(losses)
         return torch.tensor([loss_sum, float(self.sq_norm), elapsed, setup.executor.emulated_sleep_s, peak,
                              setup.executor.loss_scale, float(self.skipped_steps)], dtype=torch.float64)
 
@@ -257,8 +258,13 @@ class _Loop:
             tokens = self.source.eval_batch(index, sequences=self.sequences).to(self.setup.device)
             batch = replica_slice(tokens, micro_batches=layout.micro_batches,
                                   micro_batch_size=layout.micro_batch_size, replica=self.setup.replica)
-            total += float(sum(loss.item() for loss in self.setup.executor.run_forward(batch)))
+            total += self._own(self.setup.executor.run_forward(batch))
         return torch.tensor([total], dtype=torch.float64)
+
+    def _own(self, losses: list[torch.Tensor]) -> float:
+        """The losses this rank adds to the step's statistics: every TP rank of the last stage
+        computes them alike, so TP rank 0 alone counts them."""
+        return float(sum(loss.item() for loss in losses)) if self.setup.tp_rank == 0 else 0.0
 
     def _clip(self) -> None:
         """The CLIP action: global norm by one all-reduce over the world, unscaled and clipped like

@@ -1,0 +1,54 @@
+"""Megatron-style tensor parallelism of a stage's blocks, with torch's ``parallelize_module``.
+
+Per block (as torchtitan's LLaMA, without sequence parallelism): attention q/k/v and the MLP's
+gate/up column-wise (each TP rank holds ``num_heads / tp`` query heads, ``num_kv_heads / tp``
+KV heads and ``ffn / tp`` MLP columns), the attention output and MLP down projections
+row-wise: one all-reduce after attention and one after the MLP in forward, and in backward one on
+each of the two block-input gradients (the column-wise layers' replicated inputs). Norms, the
+embedding and the head stay plain tensors, the same on every TP rank: their inputs and output
+gradients are whole (replicated) on each, so their gradients agree and need no TP reduction.
+
+Every TP rank builds the whole layer from the seeded initialisation (bit-identical on each) and
+keeps its own slice (``src_data_rank=None``: no broadcast).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from medley.runtime.model import Decoder
+
+TP_DIM = "tp"
+
+
+def block_plan(swiglu: bool) -> dict[str, ColwiseParallel | RowwiseParallel]:
+    """The parallel style of each linear layer of a block (by its name inside the block)."""
+    plan: dict[str, ColwiseParallel | RowwiseParallel] = {
+        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(),
+    }
+    if swiglu:
+        plan["mlp.gate"] = ColwiseParallel()
+    return plan
+
+
+def parallelize_blocks(module: Decoder, tp_mesh: DeviceMesh) -> None:
+    """Shard every block of ``module`` over ``tp_mesh`` (a 1-D mesh named ``tp``), in place."""
+    if tp_mesh.size() == 1:
+        return
+    spec = module.spec
+    for name, size in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
+                       ("ffn_hidden_size", spec.ffn_hidden_size)):
+        if size % tp_mesh.size():
+            raise ValueError(f"TP degree {tp_mesh.size()} does not divide the model's {name} ({size})")
+    for block in module.blocks.values():
+        parallelize_module(block, tp_mesh, block_plan(spec.mlp == "swiglu"), src_data_rank=None)
+
+
+def is_tp_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (a parameter or its gradient, FSDP-sharded or not) is cut over a TP mesh:
+    each TP rank then holds other values, where a replicated one is the same on all of them."""
+    return isinstance(tensor, DTensor) and TP_DIM in (tensor.device_mesh.mesh_dim_names or ())
