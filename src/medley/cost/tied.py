@@ -10,6 +10,13 @@ from medley.cost.zero_levels import zero_level
 from medley.spec.model import ModelSpec
 
 
+def tied_sum_by_rows(zero: Sequence[int], dp: int) -> bool:
+    """Whether the tied gradients are summed by rows: each member of the first or the last stage's
+    dp group sums only its shard's rows (that end is ZeRO-1/2/3 with dp > 1), the other end then
+    gathering the summed rows. The runtime sums exactly as this says."""
+    return dp > 1 and (zero_level(zero[0]).shards_optimizer or zero_level(zero[-1]).shards_optimizer)
+
+
 def tied_sum_seconds(comm: TopologyCommModel, *, model: ModelSpec, assignment: Sequence[Sequence[int]],
                      stage_to_rank: Sequence[int], zero: Sequence[int], grad_bytes: float) -> float:
     """Seconds the step's ``CLIP`` waits for the tied gradients' sum (the slowest replica's):
@@ -21,7 +28,7 @@ def tied_sum_seconds(comm: TopologyCommModel, *, model: ModelSpec, assignment: S
         return 0.0
     dp = len(assignment)
     full = model.vocab_size * model.embed_dim * grad_bytes
-    by_rows = dp > 1 and (zero_level(zero[0]).shards_optimizer or zero_level(zero[-1]).shards_optimizer)
+    by_rows = tied_sum_by_rows(zero, dp)
     first, last = stage_to_rank[0], stage_to_rank[-1]
     pairs = [(row[first], row[last]) for row in assignment]
     worst = max(comm.collective_time(Collective.ALL_REDUCE, pair, full / dp if by_rows else full)

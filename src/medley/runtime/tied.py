@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from medley.cost.zero_levels import zero_level
+from medley.cost.tied import tied_sum_by_rows
 from medley.runtime.groups import RankGroups, RankTable
 from medley.runtime.model import TIED_WEIGHT
 from medley.runtime.sharding import ShardedStage, shard_rows
@@ -129,7 +129,7 @@ def build_tied_grads(groups: RankGroups, schedules: list[PipelineSchedule], stag
     if not params:
         return None
     dp = len(table)
-    by_rows = dp > 1 and (zero_level(zero[0]).shards_optimizer or zero_level(zero[-1]).shards_optimizer)
+    by_rows = tied_sum_by_rows(zero, dp)
     group = pair_groups[place.replica]
     tp_group = groups.tp_mesh.get_group() if groups.tp > 1 and group is not None else None
     return TiedGrads(params=params, group=group, by_rows=by_rows, replica=place.replica, dp=dp,
