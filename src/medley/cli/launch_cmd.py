@@ -31,6 +31,7 @@ from medley.runtime.nodes import (
     node_launches,
     slurm_script,
 )
+from medley.runtime.placement import world_size_terms
 
 LOCAL_ENV = {VISIBLE_ENV: "", ONE_THREAD_ENV: "1"}  # gloo on CPU, a core per rank
 _RDZV_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -80,9 +81,8 @@ def local_settings(plan_path: Path, train_args: list[str]) -> LaunchSettings:
 def describe(plan_path: Path, plan: Plan, launches: list[NodeLaunch]) -> str:
     """The commands for people: a header, then per node its host, devices and command line."""
     endpoint = launches[0].argv[launches[0].argv.index("--rdzv-endpoint") + 1]
-    lines = [f"{plan_path}: {len(launches)} nodes, {plan.world_size} ranks (pp {plan.layout.pp} x dp "
-             f"{plan.layout.dp}); rendezvous {endpoint} (c10d). Run on each node, with the plan file at that "
-             "path there:"]
+    lines = [f"{plan_path}: {len(launches)} nodes, {plan.world_size} ranks ({world_size_terms(plan)}); "
+             f"rendezvous {endpoint} (c10d). Run on each node, with the plan file at that path there:"]
     for launch in launches:
         host = launch.host or "host not given"
         lines += ["", f"# node {launch.node} ({host}): devices {','.join(map(str, launch.devices))}",
