@@ -9,12 +9,12 @@
   alone, the fastest result kept), and ``megatron-lm-style-all-devices``, on every device in
   cluster order.
 * ``metis-style``: Metis' search space: device groups per stage following an order of the device
-  types (every order is tried), the data-parallel degree of the stage groups (powers of two and
-  the largest that fits; one degree for all stages, as medley's replicas share their pipeline:
-  Metis' per-stage dp x tp needs tp per stage), layers in proportion to each stage's compute
-  capacity moved off stages short of memory (Metis' layer load balancer), micro-batches per
-  replica by replica speed, 1F1B, ZeRO-1 with its collectives after the step (no bubble
-  placement).
+  types (every order is tried), the data-parallel degree of the stage groups (the largest that fits,
+  and a power of two using at least half as many devices; one degree for all stages, as medley's
+  replicas share their pipeline: Metis' per-stage dp x tp needs tp per stage), layers in proportion
+  to each stage's compute capacity moved off stages short of memory (Metis' layer load balancer),
+  micro-batches per replica by replica speed, 1F1B, ZeRO-1 with its collectives after the step (no
+  bubble placement).
 * ``fastest-type-only``: the planner's own candidates (every structure, every allowed schedule
   family, split and memory per stage) on the fastest device type's devices alone.
 
@@ -223,12 +223,14 @@ def megatron_lm_style(
 
 # --- Metis ----------------------------------------------------------------------------------------
 def _dp_values(most: int, micro_batches: int) -> list[int]:
-    """Metis' data-parallel degrees per stage group: powers of two up to ``most``, and ``most``."""
+    """Metis' data-parallel degrees of the stage groups: ``most`` (all the devices pp allows, at
+    most one per micro-batch) and the powers of two that still use at least half as many."""
     top = min(most, micro_batches)
     values = {top}
     power = 1
     while power < top:
-        values.add(power)
+        if 2 * power >= top:
+            values.add(power)
         power *= 2
     return sorted(values, reverse=True)
 
@@ -267,21 +269,33 @@ def _metis_groups(
 def metis_style(
     ctx: PlanContext, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
 ) -> RankedPlan | None:
-    """Metis' best plan on ``devices`` (see the module's docstring)."""
-    scored: Scored = []
+    """Metis' best plan on ``devices`` (see the module's docstring).
+
+    Its layer load balancer is costly on large clusters, so structures are balanced in the order
+    of a quick estimate (the capacity split under ZeRO-1 alone, before any layer moves) and the
+    search stops once that quick estimate cannot beat the FINALISTS-th balanced one (balancing
+    only moves layers off memory-short stages and recomputes where nothing fits: it rarely makes
+    a structure faster)."""
+    quick: Scored = []
     for st in _metis_groups(ctx, devices, sizes, constraints):
-        add_candidate(
-            scored,
-            lambda st=st: builder.build(
-                ctx,
-                st,
-                "1f1b",
-                split=split_rules.by_stage_capacity,
-                memory=memory_rules.rebalanced_uniform_fit(_zero1_options(st.dp)),
-                micro_batches=builder.by_replica_speed(),
-            ),
-        )
+        add_candidate(quick, lambda st=st: _metis(ctx, st, memory_rules.fixed(_zero1_options(st.dp)[0])))
+    quick.sort(key=lambda x: (x[0], x[1]))
+    scored: Scored = []
+    for bound, _, first in quick:
+        done = sorted(e for e, _, _ in scored)
+        if len(done) >= FINALISTS and bound >= done[FINALISTS - 1]:
+            break
+        st = first.structure
+        add_candidate(scored, lambda st=st: _metis(
+            ctx, st, memory_rules.rebalanced_uniform_fit(_zero1_options(st.dp))))
     return simulate_finalists(ctx, scored, constraints, (Placement.NAIVE,))
+
+
+def _metis(ctx: PlanContext, st: Structure, memory: MemoryRule) -> Candidate | None:
+    return builder.build(
+        ctx, st, "1f1b", split=split_rules.by_stage_capacity, memory=memory,
+        micro_batches=builder.by_replica_speed(),
+    )
 
 
 # --- fastest type only ----------------------------------------------------------------------------
