@@ -7,7 +7,8 @@
     python bench/planner.py --sizes 16,64 --models llama-2-7b,llama-2-13b --ablation-up-to 64
 
 Writes bench/results/planner.json and bench/results/planner.md (bench/planner_report.py; sections
-not run keep their rows and the commit and command they were measured with). Clusters are
+not run keep their rows and the commit and command they were measured with, and so do the search
+rows of sizes and models not run: each search row records its own). Clusters are
 synthetic but shaped like examples/large-1024.toml: nodes of 8 devices, racks of up to 8 nodes of
 one type (200 Gb/s), two zones (100 Gb/s inside, 25 Gb/s and 1 ms between them), prices per
 device hour. Costs are the catalog estimate unless a case names the public Metis-format profiles.
@@ -312,14 +313,18 @@ def main() -> None:
     # Sections not run now keep their rows and the provenance they were measured with.
     data["provenance"] = {**data.get("provenance", {}), **{s: provenance() for s in sections}}
     if "search" in sections:
-        data["search"] = []
+        # Rows of other sizes and models keep their figures (and their own provenance, if any).
+        rows = {(r["devices"], r["model"]): r for r in data.get("search", [])}
         for size in map(int, args.sizes.split(",")):
             for model in args.models.split(","):
                 row = search_case(
                     size, model, singles=size <= args.singles_up_to, ablation=size <= args.ablation_up_to
                 )
+                row["provenance"] = provenance()
                 print(json.dumps(row), flush=True)
-                data["search"].append(row)
+                rows[(size, model)] = row
+        data["search"] = sorted(rows.values(), key=lambda r: (r["devices"], MODELS.index(r["model"])
+                                                               if r["model"] in MODELS else len(MODELS)))
     if "pruning" in sections:
         data["pruning"] = []
         for case in pruning_cases():

@@ -22,7 +22,7 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 def _provenance(data: dict) -> list[str]:
     lines = []
-    for section in ("search", "pruning", "bound"):
+    for section in ("pruning", "bound"):
         made = data.get("provenance", {}).get(section)
         if data.get(section):
             how = (f"commit `{made['commit']}`, command `{made['command']}`" if made
@@ -98,9 +98,17 @@ def _search_table(data: dict) -> list[str]:
             f"{r['plan']} | {r['tokens_per_s']:,.0f} | " + " | ".join(_fmt(v.get(n)) for n in NAMES)
             + f" | {_fmt(r.get('versus_best_single_type'))} | {r['aggregate_fraction']:.0%} |"
         )
-    old = [r for r in data["search"] if r.get("fits") and "baselines" not in r]
+    made = sorted({f"`{r['provenance']['commit']}`" for r in data["search"] if r.get("provenance")})
+    if made:
+        lines += ["", f"Rows measured at {', '.join(made)}, each with its own command in the JSON."]
+    old = [r for r in data["search"] if "baselines" not in r]
     if old:
-        lines += ["", f"{len(old)} rows were measured with the former baselines (their columns show '-')."]
+        lines += [
+            "",
+            f"{len(old)} rows ({', '.join(str(d) for d in sorted({r['devices'] for r in old}))} devices) "
+            "are from before the baselines took their systems' shapes (commit not recorded; their "
+            "baseline columns show '-'): rerun them with `python bench/planner.py --sections search`.",
+        ]
     return [*lines, ""]
 
 
