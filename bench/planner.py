@@ -267,7 +267,7 @@ def bound_case(label: str, cluster: Cluster, model_name: str, per_device: int) -
     model = get_model(model_name)
     global_batch = per_device * cluster.num_devices
     result = search(cluster, model, global_batch=global_batch, seq_len=2048, top=1)
-    found = [b.tokens_per_s for b in result.baselines.values() if b is not None]
+    found = {n: b.tokens_per_s for n, b in result.baselines.items() if b is not None}
     return {
         "case": label,
         "model": model_name,
@@ -276,7 +276,9 @@ def bound_case(label: str, cluster: Cluster, model_name: str, per_device: int) -
         "tokens_per_s": result.best.tokens_per_s,
         "aggregate_tokens_per_s": result.aggregate_tokens_per_s,
         "aggregate_fraction": result.best.tokens_per_s / result.aggregate_tokens_per_s,
-        "versus_best_baseline": result.best.tokens_per_s / max(found) if found else None,
+        "versus_best_baseline": result.best.tokens_per_s / max(found.values()) if found else None,
+        "best_baseline": max(found, key=lambda n: found[n]) if found else None,
+        "best_plan": shape(result.best),
     }
 
 

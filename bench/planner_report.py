@@ -38,8 +38,8 @@ def _fitting(data: dict) -> list[dict]:
 
 def summary(data: dict) -> list[str]:
     """Sentences whose every figure comes from ``data``."""
-    out = []
     rows = _fitting(data)
+    out = [f"Search rows measured with the current baselines: {len(rows)} that fit."] if rows else []
     for name in NAMES:
         ratios = [r["versus"][name] for r in rows if r["versus"].get(name) is not None]
         if ratios:
@@ -73,7 +73,17 @@ def summary(data: dict) -> list[str]:
         )
     fractions = [r["aggregate_fraction"] for r in rows]
     if fractions:
-        out.append(f"- Fraction of the aggregate bound: {min(fractions):.0%} to {max(fractions):.0%}.")
+        out.append(
+            f"- Fraction of the aggregate bound: {min(fractions):.0%} to {max(fractions):.0%} over the same "
+            f"{len(fractions)} search rows."
+        )
+    behind = [r for r in data.get("bound", []) if (r.get("versus_best_baseline") or 2.0) < 1.0]
+    for r in behind:
+        out.append(
+            f"- Behind a baseline: {r['case']}, {r['samples_per_device']} samples per device: the best "
+            f"plan is {r['versus_best_baseline']:.3f}x of {r.get('best_baseline') or 'the best baseline'} "
+            "(the planner's search misses that baseline's plan)."
+        )
     return out
 
 
@@ -92,7 +102,7 @@ def _search_table(data: dict) -> list[str]:
                 "fits nowhere | - | " + "- | " * len(NAMES) + "- | - |"
             )
             continue
-        v = r.get("versus", {})
+        v = r["versus"] if "baselines" in r else {}  # older rows measured the former baselines
         lines.append(
             f"| {r['devices']} | {r['types']} | {r['model']} | {r['search_cpu_s']:.1f} | {r['simulated']} | "
             f"{r['plan']} | {r['tokens_per_s']:,.0f} | " + " | ".join(_fmt(v.get(n)) for n in NAMES)
