@@ -39,7 +39,7 @@ def _fitting(data: dict) -> list[dict]:
 def summary(data: dict) -> list[str]:
     """Sentences whose every figure comes from ``data``."""
     rows = _fitting(data)
-    out = [f"Search rows measured with the current baselines: {len(rows)} that fit."] if rows else []
+    out = [f"Search rows measured with the current baselines: {len(rows)} that fit.", ""] if rows else []
     for name in NAMES:
         ratios = [r["versus"][name] for r in rows if r["versus"].get(name) is not None]
         if ratios:
