@@ -1,20 +1,29 @@
-"""Planner benchmark: search time, speed-up over the baselines, optimality gap, bound fraction.
+"""Planner benchmark: search time, speed-up over the baselines, where the gain comes from
+(ablation), loss from pruning against a reference search, fraction of the aggregate bound.
 
-    timeout 5400 python bench/planner.py                   # everything (long on a busy machine)
-    python bench/planner.py --sections gap,bound           # the small instances only
-    python bench/planner.py --sizes 16,64 --models llama-2-7b,llama-2-13b
+    timeout 14400 python bench/planner.py                      # everything (hours on a busy machine)
+    python bench/planner.py --sections pruning,bound            # the small instances only
+    python bench/planner.py --sections search --sizes 16 --models llama-2-7b   # one small case
+    python bench/planner.py --sizes 16,64 --models llama-2-7b,llama-2-13b --ablation-up-to 64
 
-Writes bench/results/planner.json and bench/results/planner.md. Clusters are synthetic but shaped
-like examples/large-1024.toml: nodes of 8 devices, racks of up to 8 nodes of one type (200 Gb/s),
-two zones (100 Gb/s inside, 25 Gb/s and 1 ms between them), prices per device hour. Costs are the
-catalog estimate unless a case names the public Metis-format profiles. Sections:
+Writes bench/results/planner.json and bench/results/planner.md (bench/planner_report.py; sections
+not run keep their rows and the commit and command they were measured with, and so do the search
+rows of sizes and models not run: each search row records its own). Clusters are
+synthetic but shaped like examples/large-1024.toml: nodes of 8 devices, racks of up to 8 nodes of
+one type (200 Gb/s), two zones (100 Gb/s inside, 25 Gb/s and 1 ms between them), prices per
+device hour. Costs are the catalog estimate unless a case names the public Metis-format profiles.
+Sections:
 
 1. ``search``: search time (one process, one core, baselines excluded) for 16/64/256/1024 devices
    of 2-4 types and LLaMA-2-7B, 13B, 70B and GPT-3-175B at two sequences per device; the best
-   plan's simulated throughput, its ratio to each baseline and to the best single-type plan
-   (searched separately with the other types excluded), and its fraction of the aggregate bound.
-2. ``gap``: on instances of up to 16 devices, the planner's best against an exhaustive search that
-   simulates every candidate of the planner's space (every structure x family, no pruning).
+   plan's simulated throughput, its ratio to each baseline (:mod:`medley.plan.baselines`) and to
+   the best single-type plan (searched separately with the other types excluded), its fraction of
+   the aggregate bound, and (up to ``--ablation-up-to`` devices) the ablation
+   (:mod:`medley.plan.ablation`): each freedom's constrained search and share of the gain.
+2. ``pruning``: on instances of up to 16 devices, the planner's best against the reference search
+   (:mod:`medley.plan.reference`, ``--reference-budget`` seconds each). The reference is not
+   exhaustive over tp (nor, beyond its small seeds, over splits x memory options), hence "loss from
+   pruning", not "optimality gap".
 3. ``bound``: fraction of the aggregate bound against samples per device (LLaMA-2-7B, 2,048
    tokens per sequence).
 """
@@ -28,15 +37,18 @@ import platform
 import time
 from pathlib import Path
 
+from planner_report import markdown
 from provenance import provenance
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.metis import MetisCostSource
 from medley.errors import MedleyInputError
+from medley.plan.ablation import ablate
+from medley.plan.baselines import run_baselines
 from medley.plan.candidates import Estimator
-from medley.plan.ranking import rank_plan
-from medley.plan.search import device_pools, family_variants, search
-from medley.plan.space import DEFAULT_FAMILIES, MICRO_BATCH_SIZES, Constraints
+from medley.plan.reference import reference_search
+from medley.plan.search import search
+from medley.plan.space import MICRO_BATCH_SIZES, Constraints
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import cluster_from_dict, parse_cluster_arg
 from medley.spec.model_arg import get_model
@@ -101,7 +113,7 @@ def _single_type_best(cluster: Cluster, model, global_batch: int, seq_len: int, 
     return best
 
 
-def search_case(num_devices: int, model_name: str, *, singles: bool) -> dict:
+def search_case(num_devices: int, model_name: str, *, singles: bool, ablation: bool) -> dict:
     cluster = synthetic_cluster(num_devices, SIZES[num_devices])
     model = get_model(model_name)
     seq_len, global_batch = seq_len_of(model_name), 2 * num_devices
@@ -129,12 +141,10 @@ def search_case(num_devices: int, model_name: str, *, singles: bool) -> dict:
         return row
     row.update(search_cpu_s=time.process_time() - start, search_wall_s=time.perf_counter() - wall, fits=True)
     best = result.best
-    layout = best.plan.layout
     row.update(
         tokens_per_s=best.tokens_per_s,
         step_time_s=best.prediction.step_time_s,
-        plan=f"{best.candidate.structure.pool} pp={layout.pp} dp={layout.dp} {layout.schedule} "
-        f"mbs={layout.micro_batch_size}",
+        plan=shape(best),
         simulated=len(result.simulated),
         structures=result.structures_estimated,
         aggregate_fraction=best.tokens_per_s / result.aggregate_tokens_per_s,
@@ -142,17 +152,20 @@ def search_case(num_devices: int, model_name: str, *, singles: bool) -> dict:
     estimator = Estimator(
         cluster, model, cost, seq_len=seq_len, global_batch=global_batch, memory_headroom=0.05
     )
-    from medley.plan.baselines import run_baselines
-
     sizes = tuple(s for s in MICRO_BATCH_SIZES if global_batch % s == 0)
     t0 = time.perf_counter()
-    baselines = run_baselines(estimator, list(range(cluster.num_devices)), sizes, Constraints())
+    result.baselines = run_baselines(estimator, list(range(cluster.num_devices)), sizes, Constraints())
     row["baselines_wall_s"] = time.perf_counter() - t0
+    row["baselines"] = {n: (None if b is None else shape(b)) for n, b in result.baselines.items()}
     row["versus"] = {
-        n: (None if b is None else best.tokens_per_s / b.tokens_per_s) for n, b in baselines.items()
+        n: (None if b is None else best.tokens_per_s / b.tokens_per_s) for n, b in result.baselines.items()
     }
-    found = [b.tokens_per_s for b in baselines.values() if b is not None]
+    found = [b.tokens_per_s for b in result.baselines.values() if b is not None]
     row["versus_best_baseline"] = best.tokens_per_s / max(found) if found else None
+    if ablation:
+        t0 = time.perf_counter()
+        row["ablation"] = ablation_row(ablate(result))
+        row["ablation_wall_s"] = time.perf_counter() - t0
     if singles:
         single, name = _single_type_best(cluster, model, global_batch, seq_len, cost)
         row["best_single_type"] = name
@@ -160,36 +173,31 @@ def search_case(num_devices: int, model_name: str, *, singles: bool) -> dict:
     return row
 
 
-def exhaustive_best(cluster: Cluster, model, global_batch: int, seq_len: int, cost) -> tuple[float, int]:
-    """Simulate every candidate of the planner's space (no pruning); best feasible tokens/s."""
-    estimator = Estimator(
-        cluster, model, cost, seq_len=seq_len, global_batch=global_batch, memory_headroom=0.05
-    )
-    devices = list(range(cluster.num_devices))
-    pools = device_pools(cluster, devices, estimator)
-    sizes = tuple(s for s in MICRO_BATCH_SIZES if global_batch % s == 0)
-    best, count = 0.0, 0
-    seen = set()
-    for structure in estimator.structures(pools, max_pp=model.num_layers, micro_batch_sizes=sizes):
-        for family, knobs in family_variants(DEFAULT_FAMILIES):
-            try:
-                candidate = estimator.candidate(structure, family, **knobs)
-            except ValueError:
-                continue
-            if candidate is None or candidate.key in seen:
-                continue
-            seen.add(candidate.key)
-            try:
-                ranked = rank_plan(candidate, candidate.layout(model, seq_len), cluster, cost, 0.05)
-            except ValueError:  # a layout the compiler rejects
-                continue
-            count += 1
-            if ranked.fits:
-                best = max(best, ranked.tokens_per_s)
-    return best, count
+def shape(plan) -> str:
+    """Pool, pp x dp (tp where not 1), schedule and micro-batch size of a ranked plan."""
+    layout = plan.plan.layout
+    pool = plan.candidate.structure.pool
+    tp = "" if all(t == 1 for t in layout.tp) else f" tp={','.join(map(str, layout.tp))}"
+    return f"{pool} pp={layout.pp} dp={layout.dp}{tp} {layout.schedule} mbs={layout.micro_batch_size}"
 
 
-def gap_cases() -> list[tuple[str, Cluster, str, int, str]]:
+def ablation_row(ablation) -> dict:
+    return {
+        "best_baseline": ablation.baseline,
+        "best_baseline_step_time_s": ablation.baseline_step_s,
+        "steps": {
+            step.name: {
+                "step_time_s": step.step_time_s,
+                "share_of_gain": step.share_of_gain,
+                "plan": None if step.plan is None else shape(step.plan),
+                "note": step.note,
+            }
+            for step in ablation.steps
+        },
+    }
+
+
+def pruning_cases() -> list[tuple[str, Cluster, str, int, str]]:
     return [
         (
             "8xA100-40GB+8xV100-16GB, Metis profiles",
@@ -210,7 +218,9 @@ def gap_cases() -> list[tuple[str, Cluster, str, int, str]]:
     ]
 
 
-def gap_case(label: str, cluster: Cluster, model_name: str, global_batch: int, source: str) -> dict:
+def pruning_case(
+    label: str, cluster: Cluster, model_name: str, global_batch: int, source: str, *, budget_s: float
+) -> dict:
     model = get_model(model_name)
     seq_len = 2048
     catalog = CatalogCostSource.for_cluster(model, cluster)
@@ -220,20 +230,27 @@ def gap_case(label: str, cluster: Cluster, model_name: str, global_batch: int, s
         cluster, model, global_batch=global_batch, seq_len=seq_len, cost=cost, top=1, baselines=False
     )
     planner_s = time.perf_counter() - wall
-    wall = time.perf_counter()
-    exhaustive, count = exhaustive_best(cluster, model, global_batch, seq_len, cost)
+    reference = reference_search(
+        cluster, model, global_batch=global_batch, seq_len=seq_len, cost=cost, budget_s=budget_s
+    )
+    found = reference.best.tokens_per_s if reference.best is not None else 0.0
     return {
         "case": label,
         "model": model_name,
         "global_batch": global_batch,
         "costs": source,
         "planner_tokens_per_s": result.best.tokens_per_s,
+        "planner_plan": shape(result.best),
         "planner_wall_s": planner_s,
         "planner_simulated": len(result.simulated),
-        "exhaustive_tokens_per_s": exhaustive,
-        "exhaustive_simulated": count,
-        "exhaustive_wall_s": time.perf_counter() - wall,
-        "gap": 1.0 - result.best.tokens_per_s / exhaustive if exhaustive else None,
+        "reference_tokens_per_s": found,
+        "reference_plan": None if reference.best is None else shape(reference.best),
+        "reference_estimated": reference.estimated,
+        "reference_simulated": reference.simulated,
+        "reference_enumerated_seeds": reference.enumerated,
+        "reference_complete": reference.complete,
+        "reference_wall_s": reference.seconds,
+        "loss_from_pruning": 1.0 - result.best.tokens_per_s / found if found else None,
     }
 
 
@@ -250,7 +267,7 @@ def bound_case(label: str, cluster: Cluster, model_name: str, per_device: int) -
     model = get_model(model_name)
     global_batch = per_device * cluster.num_devices
     result = search(cluster, model, global_batch=global_batch, seq_len=2048, top=1)
-    found = [b.tokens_per_s for b in result.baselines.values() if b is not None]
+    found = {n: b.tokens_per_s for n, b in result.baselines.items() if b is not None}
     return {
         "case": label,
         "model": model_name,
@@ -259,82 +276,15 @@ def bound_case(label: str, cluster: Cluster, model_name: str, per_device: int) -
         "tokens_per_s": result.best.tokens_per_s,
         "aggregate_tokens_per_s": result.aggregate_tokens_per_s,
         "aggregate_fraction": result.best.tokens_per_s / result.aggregate_tokens_per_s,
-        "versus_best_baseline": result.best.tokens_per_s / max(found) if found else None,
+        "versus_best_baseline": result.best.tokens_per_s / max(found.values()) if found else None,
+        "best_baseline": max(found, key=lambda n: found[n]) if found else None,
+        "best_plan": shape(result.best),
     }
-
-
-def _fmt(value, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def markdown(data: dict) -> str:
-    lines = ["# Planner benchmark", "", f"Machine: {data['machine']}", ""]
-    for section in ("search", "gap", "bound"):
-        made = data.get("provenance", {}).get(section)
-        if data.get(section):
-            how = (f"commit `{made['commit']}`, command `{made['command']}`" if made
-                   else "commit not recorded (measured before results recorded it)")
-            lines.append(f"- {section}: {how}")
-    lines.append("")
-    if data.get("search"):
-        lines += [
-            "## Search time and plan quality (2 sequences per device, catalog costs)",
-            "",
-            "| devices | types | model | search s (cpu) | simulated | best plan | tokens/s | "
-            "vs megatron-style | vs fastest-type | vs metis-style | vs best single-type | of bound |",
-            "|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in data["search"]:
-            if not r.get("fits"):
-                lines.append(
-                    f"| {r['devices']} | {r['types']} | {r['model']} | {r['search_cpu_s']:.1f} | - | "
-                    f"fits nowhere | - | - | - | - | - | - |"
-                )
-                continue
-            v = r["versus"]
-            lines.append(
-                f"| {r['devices']} | {r['types']} | {r['model']} | {r['search_cpu_s']:.1f} | "
-                f"{r['simulated']} | {r['plan']} | {r['tokens_per_s']:,.0f} | {_fmt(v['megatron-style'])} | "
-                f"{_fmt(v['fastest-type-only'])} | {_fmt(v['metis-style'])} | "
-                f"{_fmt(r.get('versus_best_single_type'))} | {r['aggregate_fraction']:.0%} |"
-            )
-        lines.append("")
-    if data.get("gap"):
-        lines += [
-            "## Optimality gap against exhaustive simulation of the planner's space",
-            "",
-            "| case | model | global batch | costs | planner tokens/s | exhaustive tokens/s | gap | "
-            "planner sims | exhaustive sims |",
-            "|---|---|---:|---|---:|---:|---:|---:|---:|",
-        ]
-        for r in data["gap"]:
-            lines.append(
-                f"| {r['case']} | {r['model']} | {r['global_batch']} | {r['costs']} | "
-                f"{r['planner_tokens_per_s']:,.0f} | {r['exhaustive_tokens_per_s']:,.0f} | "
-                f"{_fmt(r['gap'], '.1%')} | {r['planner_simulated']} | {r['exhaustive_simulated']} |"
-            )
-        lines.append("")
-    if data.get("bound"):
-        lines += [
-            "## Fraction of the aggregate bound",
-            "",
-            "| cluster | model | samples per device | tokens/s | aggregate bound | fraction | "
-            "vs best baseline |",
-            "|---|---|---:|---:|---:|---:|---:|",
-        ]
-        for r in data["bound"]:
-            lines.append(
-                f"| {r['case']} | {r['model']} | {r['samples_per_device']} | {r['tokens_per_s']:,.0f} | "
-                f"{r['aggregate_tokens_per_s']:,.0f} | {r['aggregate_fraction']:.0%} | "
-                f"{_fmt(r['versus_best_baseline'])} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="search,gap,bound")
+    parser.add_argument("--sections", default="search,pruning,bound")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument(
@@ -342,6 +292,12 @@ def main() -> None:
         type=int,
         default=256,
         help="compare with the best single-type plan on clusters up to this size",
+    )
+    parser.add_argument(
+        "--ablation-up-to", type=int, default=256, help="run the ablation on clusters up to this size"
+    )
+    parser.add_argument(
+        "--reference-budget", type=float, default=300.0, help="seconds of reference search per pruning case"
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "planner.json")
     args = parser.parse_args()
@@ -352,21 +308,31 @@ def main() -> None:
     }
     if args.out.exists():
         data = {**json.loads(args.out.read_text()), **data}
+    # The former "gap" section enumerated structure x family only (one split and one memory option
+    # per pair): the pruning section replaces it.
+    data.pop("gap", None)
+    data.get("provenance", {}).pop("gap", None)
     # Sections not run now keep their rows and the provenance they were measured with.
     data["provenance"] = {**data.get("provenance", {}), **{s: provenance() for s in sections}}
     if "search" in sections:
-        data["search"] = []
+        # Rows of other sizes and models keep their figures (and their own provenance, if any).
+        rows = {(r["devices"], r["model"]): r for r in data.get("search", [])}
         for size in map(int, args.sizes.split(",")):
             for model in args.models.split(","):
-                row = search_case(size, model, singles=size <= args.singles_up_to)
+                row = search_case(
+                    size, model, singles=size <= args.singles_up_to, ablation=size <= args.ablation_up_to
+                )
+                row["provenance"] = provenance()
                 print(json.dumps(row), flush=True)
-                data["search"].append(row)
-    if "gap" in sections:
-        data["gap"] = []
-        for case in gap_cases():
-            row = gap_case(*case)
+                rows[(size, model)] = row
+        data["search"] = sorted(rows.values(), key=lambda r: (r["devices"], MODELS.index(r["model"])
+                                                               if r["model"] in MODELS else len(MODELS)))
+    if "pruning" in sections:
+        data["pruning"] = []
+        for case in pruning_cases():
+            row = pruning_case(*case, budget_s=args.reference_budget)
             print(json.dumps(row), flush=True)
-            data["gap"].append(row)
+            data["pruning"].append(row)
     if "bound" in sections:
         data["bound"] = []
         for case in bound_cases():

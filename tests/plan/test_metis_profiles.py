@@ -12,6 +12,7 @@ from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Pass
 from medley.cost.metis import MetisCostSource, ProfileRangeError, load_metis_profile
 from medley.errors import MedleyInputError
+from medley.plan.baselines import NAMES
 from medley.plan.compile import compile_problem
 from medley.plan.search import search
 from medley.spec.cluster_load import parse_cluster_arg
@@ -117,7 +118,7 @@ def test_opt350_plan_fits_and_beats_every_baseline(opt_result) -> None:
     cluster = opt_result.cluster
     for report in best.result.devices:
         assert report.peak_memory_bytes <= cluster.devices[report.device].type.memory_bytes
-    assert set(opt_result.baselines) == {"megatron-style", "fastest-type-only", "metis-style"}
+    assert set(opt_result.baselines) == set(NAMES)
     for name, baseline in opt_result.baselines.items():
         assert baseline is not None, name
         # On this instance the optimum is pure data parallelism with micro-batches split by speed,

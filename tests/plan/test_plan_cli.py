@@ -9,6 +9,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from medley.cli.main import app
+from medley.plan.baselines import NAMES
 from medley.plan.plan import load_plan
 from medley.schedule.torch_csv import read_torch_csv
 from medley.schedule.validate import validate
@@ -44,7 +45,7 @@ def test_plan_json_out_and_show(tmp_path: Path) -> None:
     data = json.loads(out)
     assert 1 <= len(data["plans"]) <= 3
     best = data["plans"][0]
-    assert set(best["versus_baselines"]) == {"megatron-style", "fastest-type-only", "metis-style"}
+    assert set(best["versus_baselines"]) == set(NAMES)
     assert 0 < best["aggregate_fraction"] <= 1
     assert set(best["headroom_gb_by_type"]) <= {"A100-80GB", "V100-32GB"}
     plan = load_plan(plan_file)

@@ -9,6 +9,7 @@ from itertools import combinations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from medley.plan.baselines import NAMES
 from medley.plan.bounds import bottleneck_split
 from medley.plan.explain import explain
 from medley.plan.layout import build_schedules
@@ -135,17 +136,23 @@ def test_distribute_gives_everyone_one_and_follows_the_weights(total, weights) -
 def test_baselines_follow_their_definitions() -> None:
     spec = parse_cluster_arg("2xA100-80GB+2xV100-32GB")
     result = search(spec, TINY, global_batch=16, seq_len=64, top=1)
-    megatron = result.baselines["megatron-style"]
-    assert megatron is not None
-    lay = megatron.plan.layout
-    assert lay.schedule == "1f1b" and len(set(lay.micro_batches)) == 1
-    assert max(lay.stage_layers) - min(lay.stage_layers) <= 1
-    assert all(z.level == (1 if lay.dp > 1 else 0) for z in lay.zero)
+    assert tuple(result.baselines) == NAMES
+    for name in ("megatron-lm-style-one-type", "megatron-lm-style-all-devices"):
+        megatron = result.baselines[name]
+        assert megatron is not None, name
+        lay = megatron.plan.layout
+        assert lay.schedule in ("1f1b", "interleaved") and len(set(lay.micro_batches)) == 1
+        assert max(lay.stage_layers) - min(lay.stage_layers) <= 1
+        assert all(z.level == (1 if lay.dp > 1 else 0) for z in lay.zero)
+    one_type = result.baselines["megatron-lm-style-one-type"]
+    assert one_type is not None
+    assert len({spec.devices[d].type.name for row in one_type.plan.layout.assignment for d in row}) == 1
     fastest = result.baselines["fastest-type-only"]
     assert fastest is not None
     assert {spec.devices[d].type.name for row in fastest.plan.layout.assignment for d in row} == {"A100-80GB"}
     metis = result.baselines["metis-style"]
     assert metis is not None and metis.plan.layout.placement.value == "naive"
+    assert metis.plan.layout.schedule == "1f1b"
     assert result.best.tokens_per_s >= max(b.tokens_per_s for b in result.baselines.values() if b)
 
 

@@ -25,6 +25,7 @@ from medley.cli.simulate_cmd import (
     write_pictures,
 )
 from medley.fileio import check_output_dir, check_output_file
+from medley.plan.ablation import Ablation, ablate
 from medley.plan.inline import parse_int_list
 from medley.plan.plan import load_plan, save_plan
 from medley.plan.predict import layer_sources, predict
@@ -74,19 +75,56 @@ def _plan_row(plan: RankedPlan, result: SearchResult) -> dict:
     }
 
 
+def _baseline_row(plan: RankedPlan, result: SearchResult) -> dict:
+    """A baseline's simulated figures and the shape its system gave it."""
+    layout, cluster = plan.plan.layout, result.cluster
+    return {
+        "tokens_per_s": plan.tokens_per_s,
+        "step_time_s": plan.prediction.step_time_s,
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "tp": [layout.tp_of(k) for k in range(layout.pp)],
+        "schedule": layout.schedule,
+        "knobs": dict(layout.knobs),
+        "device_types": sorted({cluster.devices[d].type.name for row in layout.assignment for d in row}),
+        "devices_used": len(layout.devices),
+        "micro_batch_size": layout.micro_batch_size,
+        "micro_batches": list(layout.micro_batches),
+        "split": list(layout.stage_layers),
+        "zero": [z.level for z in layout.zero],
+        "recompute": list(layout.recompute),
+        "placement": layout.placement.value,
+    }
+
+
+def _shape(plan: RankedPlan) -> str:
+    layout = plan.plan.layout
+    return f"pp={layout.pp} dp={layout.dp} {layout.schedule}"
+
+
+def ablation_data(ablation: Ablation) -> dict:
+    """The ablation's figures: each constrained search's step time and share of the gain."""
+    return {
+        "best_step_time_s": ablation.best_step_s,
+        "best_baseline": ablation.baseline,
+        "best_baseline_step_time_s": ablation.baseline_step_s,
+        "steps": [
+            {
+                "without": step.name,
+                "removed": step.removed,
+                "step_time_s": step.step_time_s,
+                "share_of_gain": step.share_of_gain,
+                "note": step.note,
+                "plan": None if step.plan is None else _shape(step.plan),
+            }
+            for step in ablation.steps
+        ],
+    }
+
+
 def result_data(result: SearchResult) -> dict:
     baselines = {
-        name: (
-            None
-            if b is None
-            else {
-                "tokens_per_s": b.tokens_per_s,
-                "step_time_s": b.prediction.step_time_s,
-                "pp": b.plan.layout.pp,
-                "dp": b.plan.layout.dp,
-            }
-        )
-        for name, b in result.baselines.items()
+        name: None if b is None else _baseline_row(b, result) for name, b in result.baselines.items()
     }
     return {
         "model": result.model.name,
@@ -155,17 +193,36 @@ def print_result(data: dict, console: Console) -> None:
     print_table(console, figures)
     print_table(console, shapes)
     for name, b in data["baselines"].items():
-        text = (
-            "no plan fits"
-            if b is None
-            else f"{b['tokens_per_s']:,.0f} tokens/s ({b['step_time_s']:.3f} s, pp={b['pp']} dp={b['dp']})"
-        )
+        text = "no plan fits"
+        if b is not None:
+            tp = "" if set(b["tp"]) == {1} else f" tp={_short(b['tp'])}"
+            text = (
+                f"{b['tokens_per_s']:,.0f} tokens/s ({b['step_time_s']:.3f} s, pp={b['pp']} dp={b['dp']}{tp} "
+                f"{b['schedule']} on {'+'.join(b['device_types'])})"
+            )
         console.print(f"baseline {name}: {text}")
     console.print(
         f"aggregate bound: {data['aggregate_bound_tokens_per_s']:,.0f} tokens/s · {data['simulated']} plans "
         f"simulated exactly out of {data['structures']} structures · ZeRO: level per stage, 3s = streamed "
         "ZeRO-3, r = recomputation"
     )
+    if "ablation" in data:
+        print_ablation(data["ablation"], console)
+
+
+def print_ablation(ablation: dict, console: Console) -> None:
+    """One line per constrained search: its step time and its share of the gain."""
+    base = ablation["best_baseline"]
+    gain = (
+        f"over {base} ({ablation['best_baseline_step_time_s']:.3f} s)" if base else "(no baseline fits)"
+    )
+    best = ablation["best_step_time_s"]
+    console.print(f"ablation: best plan {best:.3f} s; where its gain {gain} comes from (each alone):")
+    for step in ablation["steps"]:
+        seconds = "no plan fits" if step["step_time_s"] is None else f"{step['step_time_s']:.3f} s"
+        share = "" if step["share_of_gain"] is None else f", {step['share_of_gain']:.0%} of the gain"
+        note = f" ({step['note']})" if step["note"] else ""
+        console.print(f"  without {step['without']} ({step['removed']}): {seconds}{share}{note}")
 
 
 def _constraints(
@@ -228,6 +285,10 @@ def register(app: typer.Typer) -> None:
         micro_batch_sizes: Annotated[
             str | None, typer.Option(help="Micro-batch sizes to consider, e.g. 1,2,4")
         ] = None,
+        ablation: Annotated[
+            bool,
+            typer.Option("--ablation", help="Search again without each freedom: where the gain comes from"),
+        ] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON")] = False,
     ) -> None:
         """Search the fastest (or cheapest) plans and rank them by exact simulation."""
@@ -260,6 +321,8 @@ def register(app: typer.Typer) -> None:
                 progress=progress,
             )
         data = result_data(result)
+        if ablation:
+            data["ablation"] = ablation_data(ablate(result))
         if explain:
             from medley.plan.explain import explain as explain_best
 

@@ -1,47 +1,93 @@
-"""Baselines over the same simulator, for the benchmark and ``--explain``.
+"""Baselines over the same simulator, each in the shape a practitioner of its system would run it.
 
-* ``megatron-style``: what a homogeneous planner does. Uniform layer split, 1F1B, equal
-  micro-batches, ZeRO-1 (Megatron's distributed optimizer), devices in cluster order; pp x dp and
-  micro-batch size chosen as if every device were the slowest (and smallest) type present. Full
-  recomputation only when nothing fits without it.
-* ``fastest-type-only``: the same, on the fastest type's devices alone (the slower ones idle).
-* ``metis-style``: heterogeneity-aware balancing as Metis does it, without ZeRO co-design: device
-  groups by type along the pipeline, layers in proportion to each stage's compute capacity (then moved off
-  stages short of memory), micro-batches per replica in proportion to replica speed, ZeRO-1 on
-  every stage with collectives placed after the step (no bubble placement).
+* ``megatron-lm-style``: Megatron-LM's own planning: a uniform layer split, the same
+  micro-batch count on every replica, ZeRO-1 (the distributed optimizer; full recomputation on
+  every stage only when nothing fits without it), 1F1B or interleaved 1F1B (2 or 4 chunks per
+  rank), and the best of a tp x pp x dp grid (the largest dp the devices and the micro-batch count
+  allow, ranks in Megatron's order: tp fastest, then dp, then pp). Run twice:
+  ``megatron-lm-style-one-type``, on the best single-type sub-cluster (each device type's devices
+  alone, the fastest result kept), and ``megatron-lm-style-all-devices``, on every device in
+  cluster order.
+* ``metis-style``: Metis' search space: device groups per stage following an order of the device
+  types (every order is tried), the data-parallel degree of the stage groups (the largest that fits,
+  and a power of two using at least half as many devices; one degree for all stages, as medley's
+  replicas share their pipeline: Metis' per-stage dp x tp needs tp per stage), layers in proportion
+  to each stage's compute capacity moved off stages short of memory (Metis' layer load balancer),
+  micro-batches per replica by replica speed, 1F1B, ZeRO-1 with its collectives after the step (no
+  bubble placement).
+* ``fastest-type-only``: the planner's own candidates (every structure, every allowed schedule
+  family, split and memory per stage) on the fastest device type's devices alone.
 
-Each baseline estimates its own choices analytically, simulates its best three exactly and keeps
-the fastest that fits (a generous reading of each: the simulator picks among their finalists).
-Both are configurations of :func:`medley.plan.builder.build`.
+Each baseline estimates its choices analytically, simulates its best FINALISTS (and the best of
+each schedule family) exactly and keeps the fastest that fits (a generous reading: the simulator
+picks among their finalists). Megatron and the fastest-type-only plan keep the better of the two
+ZeRO collective placements (Megatron overlaps its gradient reduction with the backward).
+
+Tensor parallelism: the Megatron grid's tp dimension is :data:`TP_GRID` (tp = 1 only, until the
+cost model and simulator time TP; then the degrees of ``medley.plan.layout.TP_DEGREES`` that
+:func:`medley.plan.layout.check_tp` accepts on a node), and Metis' per-stage tp joins
+:func:`_metis_groups` the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from itertools import permutations
 
+from medley.errors import MedleyInputError
 from medley.plan import builder, memory_rules, split_rules
 from medley.plan.bounds import MemoryOption
+from medley.plan.builder import MemoryRule, Setting, StagePlan
+from medley.plan.candidates import Estimator
 from medley.plan.context import PlanContext
 from medley.plan.ranking import RankedPlan, rank_plan
 from medley.plan.space import PP_CHOICES, Candidate, Constraints, Structure
 from medley.schedule.zero import Placement
 
 FINALISTS = 3
+"""Candidates simulated per baseline by estimate (besides the best of each schedule family)."""
+MEGATRON_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
+"""Megatron-LM's pipeline schedules: 1F1B, and interleaved 1F1B with 2 or 4 chunks per rank."""
+TP_GRID = (1,)
+"""Megatron's tp degrees: 1 until tensor parallelism is timed by the cost model and simulator."""
+INTERLEAVED_CHUNKS = (2, 4)
+"""Chunks per rank tried for interleaved 1F1B by the fastest-type-only baseline."""
+MAX_TYPE_ORDERS = 24
+"""Most device-type orders Metis-style tries (every order of up to four types)."""
+
+NAMES = ("megatron-lm-style-one-type", "megatron-lm-style-all-devices", "metis-style", "fastest-type-only")
+"""The baselines' names, in table order."""
+
+Scored = list[tuple[float, int, Candidate]]
 
 
 def run_baselines(
-    ctx: PlanContext, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
+    ctx: Estimator, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
 ) -> dict[str, RankedPlan | None]:
-    cluster = ctx.cluster
-    speed = {d: ctx.table(cluster.devices[d].type.name, 1).total[-1] for d in devices}
-    fastest = min(speed.values())
-    fast_devices = [d for d in devices if speed[d] == fastest]
+    """Every baseline of :data:`NAMES` over ``devices`` (None where none of its plans fits)."""
+    by_type = devices_by_type(ctx, devices)
+    fastest = min(by_type, key=lambda t: (ctx.table(t, 1).total[-1], t))
+    singles = [megatron_lm_style(ctx, ids, sizes, constraints) for ids in by_type.values()]
     return {
-        "megatron-style": megatron_style(ctx, devices, sizes, constraints),
-        "fastest-type-only": megatron_style(ctx, fast_devices, sizes, constraints),
+        "megatron-lm-style-one-type": _fastest(singles),
+        "megatron-lm-style-all-devices": megatron_lm_style(ctx, devices, sizes, constraints),
         "metis-style": metis_style(ctx, devices, sizes, constraints),
+        "fastest-type-only": fastest_type_only(ctx, by_type[fastest], sizes, constraints),
     }
+
+
+def devices_by_type(ctx: PlanContext, devices: Sequence[int]) -> dict[str, list[int]]:
+    """Devices by type name, types and devices in cluster order."""
+    out: dict[str, list[int]] = {}
+    for d in sorted(devices):
+        out.setdefault(ctx.cluster.devices[d].type.name, []).append(d)
+    return out
+
+
+def _fastest(plans: Sequence[RankedPlan | None]) -> RankedPlan | None:
+    found = [p for p in plans if p is not None]
+    return max(found, key=lambda p: p.tokens_per_s) if found else None
 
 
 def _pp_values(ctx: PlanContext, n: int, constraints: Constraints) -> list[int]:
@@ -49,107 +95,225 @@ def _pp_values(ctx: PlanContext, n: int, constraints: Constraints) -> list[int]:
     return [pp for pp in PP_CHOICES if pp <= limit]
 
 
-def _plain_options(dp: int) -> tuple[MemoryOption, MemoryOption]:
+def _zero1_options(dp: int) -> tuple[MemoryOption, MemoryOption]:
     """ZeRO-1 when replicated (Megatron's distributed optimizer), full recomputation only when
     nothing fits without it."""
     level = 1 if dp > 1 else 0
     return MemoryOption(level=level), MemoryOption(level=level, recompute=True)
 
 
-def _finish(
+def one_option_for_all(choices: Sequence[MemoryOption] | None = None) -> MemoryRule:
+    """Memory rule: the first of ``choices`` (default: the setting's ladder) under which every
+    stage fits its devices (at the family's in-flight depth), the same option on every stage."""
+
+    def rule(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
+        ladder = setting.ladder if choices is None else tuple(choices)
+        narrowed = replace(setting, ladder=ladder)
+        interleaved = setting.family == "interleaved"
+        per_stage = memory_rules.cheapest_per_rank if interleaved else memory_rules.cheapest_per_stage
+        plan = per_stage(narrowed, split)
+        if plan is None:
+            return None
+        worst = max(plan.options, key=ladder.index)
+        return StagePlan(stage_layers=plan.stage_layers, options=(worst,) * len(plan.options))
+
+    return rule
+
+
+def add_candidate(scored: Scored, make: Callable[[], Candidate | None]) -> None:
+    """Append the candidate ``make`` builds, if any (a cost source that cannot answer a
+    micro-batch size raises ValueError: that candidate is skipped)."""
+    try:
+        candidate = make()
+    except ValueError:
+        return
+    if candidate is not None:
+        scored.append((candidate.estimate_s, len(scored), candidate))
+
+
+def simulate_finalists(
     ctx: PlanContext,
-    scored: list[tuple[float, int, Candidate]],
+    scored: Scored,
     constraints: Constraints,
-    placement: Placement = Placement.BUBBLE,
+    placements: Sequence[Placement],
+    finalists: int = FINALISTS,
 ) -> RankedPlan | None:
-    scored.sort(key=lambda x: (x[0], x[1]))
+    """Simulate the ``finalists`` best by estimate and the best of each family under each of
+    ``placements``; the fastest that fits (None when none does)."""
+    scored = sorted(scored, key=lambda x: (x[0], x[1]))
+    chosen: dict[object, Candidate] = {}
+    for _, _, candidate in scored[:finalists]:
+        chosen.setdefault(candidate.key, candidate)
+    families: set[tuple[str, int]] = set()
+    for _, _, candidate in scored:
+        variant = (candidate.family, int(candidate.knobs.get("virtual_stages", 1)))
+        if variant not in families:
+            families.add(variant)
+            chosen.setdefault(candidate.key, candidate)
     best = None
-    for _, _, candidate in scored[:FINALISTS]:
-        layout = candidate.layout(ctx.model, ctx.seq_len)
-        if placement is not Placement.BUBBLE:
-            layout = replace(layout, placement=placement)
-        ranked = rank_plan(candidate, layout, ctx.cluster, ctx.cost, constraints.memory_headroom)
-        if ranked.fits and (best is None or ranked.tokens_per_s > best.tokens_per_s):
-            best = ranked
+    for candidate in chosen.values():
+        base = candidate.layout(ctx.model, ctx.seq_len)
+        for placement in placements:
+            layout = base if placement is base.placement else replace(base, placement=placement)
+            try:
+                ranked = rank_plan(candidate, layout, ctx.cluster, ctx.cost, constraints.memory_headroom)
+            except (ValueError, MedleyInputError):  # a layout the compiler rejects
+                continue
+            if ranked.fits and (best is None or ranked.tokens_per_s > best.tokens_per_s):
+                best = ranked
     return best
 
 
-def megatron_style(
+# --- Megatron-LM ----------------------------------------------------------------------------------
+def _megatron_dp(devices: int, micro_batches: int) -> int:
+    """The largest dp the devices allow that divides the micro-batch count (Megatron runs the
+    same count on every replica)."""
+    dp = min(devices, micro_batches)
+    while dp > 1 and micro_batches % dp:
+        dp -= 1
+    return max(dp, 1)
+
+
+def megatron_structures(
+    ctx: PlanContext, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
+) -> Iterator[Structure]:
+    """Megatron's tp x pp x dp grid over ``devices`` in cluster order (group of replica r's rank
+    k: the (k*dp + r)-th run of tp devices)."""
+    ordered = sorted(devices)
+    for tp in TP_GRID:
+        for pp in _pp_values(ctx, len(ordered) // tp, constraints):
+            for mbs in sizes:
+                dp = _megatron_dp(len(ordered) // (tp * pp), ctx.global_batch // mbs)
+                if dp < 1 or ctx.global_batch // mbs < 1:
+                    continue
+                yield Structure(
+                    pool="megatron-lm-style",
+                    strategy="cluster-order",
+                    pp=pp,
+                    dp=dp,
+                    assignment=tuple(tuple(ordered[(k * dp + r) * tp] for k in range(pp)) for r in range(dp)),
+                    micro_batch_size=mbs,
+                    tp=() if tp == 1 else (tp,) * pp,
+                )
+
+
+def megatron_lm_style(
     ctx: PlanContext, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
 ) -> RankedPlan | None:
-    cluster = ctx.cluster
-    types = {cluster.devices[d].type.name for d in devices}
-    slowest = max(types, key=lambda t: (ctx.table(t, 1).total[-1], t))
-    capacity = min(ctx.capacity(d) for d in devices)
-    ordered = sorted(devices)
-    scored: list[tuple[float, int, Candidate]] = []
-    index = 0
-    for pp in _pp_values(ctx, len(devices), constraints):
-        for mbs in sizes:
-            total = ctx.global_batch // mbs
-            dp = min(len(devices) // pp, total)
-            while dp > 1 and total % dp:
-                dp -= 1  # Megatron needs equal micro-batches per replica
-            index += 1
-            assignment = tuple(tuple(ordered[k * dp + r] for k in range(pp)) for r in range(dp))
-            structure = Structure(
-                pool="baseline",
-                strategy="cluster-order",
-                pp=pp,
-                dp=dp,
-                assignment=assignment,
-                micro_batch_size=mbs,
-            )
-            try:
-                candidate = builder.build(
-                    ctx,
-                    structure,
-                    "1f1b",
-                    split=split_rules.uniform,
-                    memory=memory_rules.first_uniform_fit(
-                        _plain_options(dp), device_type=slowest, capacity=capacity
-                    ),
-                    micro_batches=builder.equal_micro_batches(),
-                    estimate=builder.homogeneous_1f1b(slowest),
-                )
-            except ValueError:  # the cost source cannot answer this micro-batch size
+    """Megatron-LM's best grid point on ``devices`` (see the module's docstring)."""
+    scored: Scored = []
+    for st in megatron_structures(ctx, devices, sizes, constraints):
+        for family, chunks in MEGATRON_SCHEDULES:
+            if family == "interleaved" and (st.pp < 2 or st.pp * chunks > ctx.model.num_layers):
                 continue
-            if candidate is not None:
-                scored.append((candidate.estimate_s, index, candidate))
-    return _finish(ctx, scored, constraints)
+            add_candidate(
+                scored,
+                lambda st=st, family=family, chunks=chunks: builder.build(
+                    ctx,
+                    st,
+                    family,
+                    split=split_rules.uniform,
+                    memory=one_option_for_all(_zero1_options(st.dp)),
+                    micro_batches=builder.equal_micro_batches(),
+                    virtual_stages=chunks,
+                ),
+            )
+    return simulate_finalists(ctx, scored, constraints, (Placement.BUBBLE, Placement.NAIVE))
+
+
+# --- Metis ----------------------------------------------------------------------------------------
+def _dp_values(most: int, micro_batches: int) -> list[int]:
+    """Metis' data-parallel degrees of the stage groups: ``most`` (all the devices pp allows, at
+    most one per micro-batch) and the powers of two that still use at least half as many."""
+    top = min(most, micro_batches)
+    values = {top}
+    power = 1
+    while power < top:
+        if 2 * power >= top:
+            values.add(power)
+        power *= 2
+    return sorted(values, reverse=True)
+
+
+def _type_orders(ctx: PlanContext, by_type: dict[str, list[int]]) -> list[list[int]]:
+    """Devices in every order of the device types (the first MAX_TYPE_ORDERS, fastest first)."""
+    types = sorted(by_type, key=lambda t: (ctx.table(t, 1).total[-1], t))
+    orders = list(permutations(types))[:MAX_TYPE_ORDERS]
+    return [[d for t in order for d in by_type[t]] for order in orders]
+
+
+def _metis_groups(
+    ctx: PlanContext, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
+) -> Iterator[Structure]:
+    """Metis' structures: for each type order, pp, micro-batch size and dp, the stage groups
+    as consecutive runs of dp devices of that order (tp per stage joins here)."""
+    seen: set[tuple[object, ...]] = set()
+    for order in _type_orders(ctx, devices_by_type(ctx, devices)):
+        for pp in _pp_values(ctx, len(order), constraints):
+            for mbs in sizes:
+                for dp in _dp_values(len(order) // pp, ctx.global_batch // mbs):
+                    assignment = ctx.assign(order, pp, dp, "stage-major")
+                    if (assignment, mbs) in seen:
+                        continue
+                    seen.add((assignment, mbs))
+                    yield Structure(
+                        pool="metis-style",
+                        strategy="type-order",
+                        pp=pp,
+                        dp=dp,
+                        assignment=assignment,
+                        micro_batch_size=mbs,
+                    )
 
 
 def metis_style(
     ctx: PlanContext, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
 ) -> RankedPlan | None:
-    cluster = ctx.cluster
-    by_speed = sorted(devices, key=lambda d: (ctx.table(cluster.devices[d].type.name, 1).total[-1], d))
-    scored: list[tuple[float, int, Candidate]] = []
-    index = 0
-    for pp in _pp_values(ctx, len(devices), constraints):
-        for mbs in sizes:
-            index += 1
-            total = ctx.global_batch // mbs
-            dp = min(len(devices) // pp, total)
-            structure = Structure(
-                pool="baseline",
-                strategy="stage-major",
-                pp=pp,
-                dp=dp,
-                assignment=ctx.assign(by_speed, pp, dp, "stage-major"),
-                micro_batch_size=mbs,
-            )
-            try:
-                candidate = builder.build(
-                    ctx,
-                    structure,
-                    "1f1b",
-                    split=split_rules.by_stage_capacity,
-                    memory=memory_rules.rebalanced_uniform_fit(_plain_options(dp)),
-                    micro_batches=builder.by_replica_speed(),
-                )
-            except ValueError:
+    """Metis' best plan on ``devices`` (see the module's docstring).
+
+    Its layer load balancer is costly on large clusters, so structures are balanced in the order
+    of a quick estimate (the capacity split under ZeRO-1 alone, before any layer moves) and the
+    search stops once that quick estimate cannot beat the FINALISTS-th balanced one (balancing
+    only moves layers off memory-short stages and recomputes where nothing fits: it rarely makes
+    a structure faster)."""
+    quick: Scored = []
+    for st in _metis_groups(ctx, devices, sizes, constraints):
+        add_candidate(quick, lambda st=st: _metis(ctx, st, memory_rules.fixed(_zero1_options(st.dp)[0])))
+    quick.sort(key=lambda x: (x[0], x[1]))
+    scored: Scored = []
+    for bound, _, first in quick:
+        done = sorted(e for e, _, _ in scored)
+        if len(done) >= FINALISTS and bound >= done[FINALISTS - 1]:
+            break
+        st = first.structure
+        add_candidate(scored, lambda st=st: _metis(
+            ctx, st, memory_rules.rebalanced_uniform_fit(_zero1_options(st.dp))))
+    return simulate_finalists(ctx, scored, constraints, (Placement.NAIVE,))
+
+
+def _metis(ctx: PlanContext, st: Structure, memory: MemoryRule) -> Candidate | None:
+    return builder.build(
+        ctx, st, "1f1b", split=split_rules.by_stage_capacity, memory=memory,
+        micro_batches=builder.by_replica_speed(),
+    )
+
+
+# --- fastest type only ----------------------------------------------------------------------------
+def fastest_type_only(
+    ctx: Estimator, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
+) -> RankedPlan | None:
+    """The planner's own candidates on ``devices`` (one device type), every allowed family."""
+    max_pp = min(constraints.max_pp or ctx.model.num_layers, ctx.model.num_layers)
+    variants = [
+        (family, chunks)
+        for family in constraints.schedules
+        for chunks in (INTERLEAVED_CHUNKS if family == "interleaved" else (1,))
+    ]
+    scored: Scored = []
+    for st in ctx.structures({"fastest-type-only": list(devices)}, max_pp=max_pp, micro_batch_sizes=sizes):
+        for family, chunks in variants:
+            if family != "1f1b" and st.pp == 1:
                 continue
-            if candidate is not None:
-                scored.append((candidate.estimate_s, index, candidate))
-    return _finish(ctx, scored, constraints, placement=Placement.NAIVE)
+            knobs = {"virtual_stages": chunks} if family == "interleaved" else {}
+            add_candidate(scored, lambda st=st, f=family, knobs=knobs: ctx.candidate(st, f, **knobs))
+    return simulate_finalists(ctx, scored, constraints, (Placement.BUBBLE, Placement.NAIVE))

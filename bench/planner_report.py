@@ -1,0 +1,206 @@
+"""The planner benchmark's Markdown (bench/planner.py): every figure, in the tables and in the
+summary's sentences, is read from the JSON data."""
+
+from __future__ import annotations
+
+from statistics import median
+
+from medley.plan.ablation import STEPS
+from medley.plan.baselines import NAMES
+
+STEP_TITLES = {
+    "schedule": "1F1B only",
+    "heterogeneity": "homogeneous treatment",
+    "zero-and-placement": "one ZeRO option, naive placement",
+    "tp": "tp 1",
+}
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _provenance(data: dict) -> list[str]:
+    lines = []
+    for section in ("pruning", "bound"):
+        made = data.get("provenance", {}).get(section)
+        if data.get(section):
+            how = (f"commit `{made['commit']}`, command `{made['command']}`" if made
+                   else "commit not recorded (measured before results recorded it)")
+            lines.append(f"- {section}: {how}")
+    return lines
+
+
+def _fitting(data: dict) -> list[dict]:
+    """Search rows that fit and were measured with the current baselines."""
+    return [r for r in data.get("search", []) if r.get("fits") and "baselines" in r]
+
+
+def summary(data: dict) -> list[str]:
+    """Sentences whose every figure comes from ``data``."""
+    rows = _fitting(data)
+    out = [f"Search rows measured with the current baselines: {len(rows)} that fit.", ""] if rows else []
+    for name in NAMES:
+        ratios = [r["versus"][name] for r in rows if r["versus"].get(name) is not None]
+        if ratios:
+            out.append(
+                f"- vs {name}: median {median(ratios):.2f}x, least {min(ratios):.2f}x, most "
+                f"{max(ratios):.2f}x over {len(ratios)} cases "
+                f"({len(rows) - len(ratios)} where it fits nowhere)."
+            )
+    mixed = [r for r in rows if r["devices"] >= 64 and r["types"] > 1]
+    goal = [r for r in mixed if (r["versus"].get(NAMES[0]) or float("inf")) >= 1.3]
+    if mixed:
+        out.append(
+            f"- Goal >= 1.3x {NAMES[0]} on every mixed case of >= 64 devices: met on {len(goal)} of "
+            f"{len(mixed)} (a baseline that fits nowhere counts as met)."
+        )
+    ablated = [r["ablation"] for r in rows if r.get("ablation")]
+    for step in STEPS:
+        shares = [a["steps"][step]["share_of_gain"] for a in ablated
+                  if a["steps"][step]["share_of_gain"] is not None]
+        if shares:
+            out.append(
+                f"- Taking away {step} alone ({STEP_TITLES[step]}): median {median(shares):.0%} of the "
+                f"gain over the best baseline (range {min(shares):.0%} to {max(shares):.0%}, "
+                f"{len(shares)} cases)."
+            )
+    losses = [r["loss_from_pruning"] for r in data.get("pruning", []) if r["loss_from_pruning"] is not None]
+    if losses:
+        out.append(
+            f"- Loss from pruning against the reference search: median {median(losses):.1%}, worst "
+            f"{max(losses):.1%} over {len(losses)} cases."
+        )
+    fractions = [r["aggregate_fraction"] for r in rows]
+    if fractions:
+        out.append(
+            f"- Fraction of the aggregate bound: {min(fractions):.0%} to {max(fractions):.0%} over the same "
+            f"{len(fractions)} search rows."
+        )
+    behind = [r for r in data.get("bound", []) if (r.get("versus_best_baseline") or 2.0) < 1.0]
+    for r in behind:
+        out.append(
+            f"- Behind a baseline: {r['case']}, {r['samples_per_device']} samples per device: the best "
+            f"plan is {r['versus_best_baseline']:.3f}x of {r.get('best_baseline') or 'the best baseline'} "
+            "(the planner's search misses that baseline's plan)."
+        )
+    return out
+
+
+def _search_table(data: dict) -> list[str]:
+    lines = [
+        "## Search time and plan quality (2 sequences per device, catalog costs)",
+        "",
+        "| devices | types | model | search s (cpu) | simulated | best plan | tokens/s | "
+        + " | ".join(f"vs {n}" for n in NAMES) + " | vs best single-type | of bound |",
+        "|---:|---:|---|---:|---:|---|---:|" + "---:|" * len(NAMES) + "---:|---:|",
+    ]
+    for r in data["search"]:
+        if not r.get("fits"):
+            lines.append(
+                f"| {r['devices']} | {r['types']} | {r['model']} | {r['search_cpu_s']:.1f} | - | "
+                "fits nowhere | - | " + "- | " * len(NAMES) + "- | - |"
+            )
+            continue
+        v = r["versus"] if "baselines" in r else {}  # older rows measured the former baselines
+        lines.append(
+            f"| {r['devices']} | {r['types']} | {r['model']} | {r['search_cpu_s']:.1f} | {r['simulated']} | "
+            f"{r['plan']} | {r['tokens_per_s']:,.0f} | " + " | ".join(_fmt(v.get(n)) for n in NAMES)
+            + f" | {_fmt(r.get('versus_best_single_type'))} | {r['aggregate_fraction']:.0%} |"
+        )
+    made = sorted({f"`{r['provenance']['commit']}`" for r in data["search"] if r.get("provenance")})
+    if made:
+        lines += ["", f"Rows measured at {', '.join(made)}, each with its own command in the JSON."]
+    old = [r for r in data["search"] if "baselines" not in r]
+    if old:
+        lines += [
+            "",
+            f"{len(old)} rows ({', '.join(str(d) for d in sorted({r['devices'] for r in old}))} devices) "
+            "are from before the baselines took their systems' shapes (commit not recorded; their "
+            "baseline columns show '-'): rerun them with `python bench/planner.py --sections search`.",
+        ]
+    return [*lines, ""]
+
+
+def _ablation_table(data: dict) -> list[str]:
+    rows = [r for r in _fitting(data) if r.get("ablation")]
+    if not rows:
+        return []
+    lines = [
+        "## Ablation: each freedom taken away alone (a constrained search each, simulated)",
+        "",
+        "Step seconds of the best plan found without the freedom, and in brackets its share of the best "
+        "plan's gain over the best baseline, ln(step / best) / ln(baseline / best). Shares of independent "
+        "removals need not add up; above 100% the constrained plan is slower than the best baseline; "
+        "below 0% the constrained search found a plan the planner's pruning missed.",
+        "",
+        "| devices | model | best s | best baseline | baseline s | "
+        + " | ".join(STEP_TITLES[s] for s in STEPS) + " |",
+        "|---:|---|---:|---|---:|" + "---:|" * len(STEPS),
+    ]
+    for r in rows:
+        a = r["ablation"]
+        cells = []
+        for step in STEPS:
+            got = a["steps"][step]
+            share = "" if got["share_of_gain"] is None else f" ({got['share_of_gain']:.0%})"
+            cells.append(f"{_fmt(got['step_time_s'], '.3f')}{share}")
+        lines.append(
+            f"| {r['devices']} | {r['model']} | {r['step_time_s']:.3f} | {a['best_baseline'] or '-'} | "
+            f"{_fmt(a['best_baseline_step_time_s'], '.3f')} | " + " | ".join(cells) + " |"
+        )
+    return [*lines, ""]
+
+
+def _pruning_table(data: dict) -> list[str]:
+    lines = [
+        "## Loss from pruning against the reference search",
+        "",
+        "Not an optimality gap: the reference (medley.plan.reference) searches every structure, family, "
+        "split rule, micro-batch rule and ZeRO ladder, enumerates all splits x memory options per stage of "
+        "its small seeds and searches locally around the others, but not tp.",
+        "",
+        "| case | model | global batch | costs | planner tokens/s | reference tokens/s | loss | "
+        "planner sims | reference sims | seeds enumerated | complete | reference s |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in data["pruning"]:
+        lines.append(
+            f"| {r['case']} | {r['model']} | {r['global_batch']} | {r['costs']} | "
+            f"{r['planner_tokens_per_s']:,.0f} | {r['reference_tokens_per_s']:,.0f} | "
+            f"{_fmt(r['loss_from_pruning'], '.1%')} | {r['planner_simulated']} | "
+            f"{r['reference_simulated']} | "
+            f"{r['reference_enumerated_seeds']} | {'yes' if r['reference_complete'] else 'budget spent'} | "
+            f"{r['reference_wall_s']:.0f} |"
+        )
+    return [*lines, ""]
+
+
+def _bound_table(data: dict) -> list[str]:
+    lines = [
+        "## Fraction of the aggregate bound",
+        "",
+        "| cluster | model | samples per device | tokens/s | aggregate bound | fraction | vs best baseline |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in data["bound"]:
+        lines.append(
+            f"| {r['case']} | {r['model']} | {r['samples_per_device']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['aggregate_tokens_per_s']:,.0f} | {r['aggregate_fraction']:.0%} | "
+            f"{_fmt(r['versus_best_baseline'])} |"
+        )
+    return [*lines, ""]
+
+
+def markdown(data: dict) -> str:
+    lines = ["# Planner benchmark", "", f"Machine: {data['machine']}", "", *_provenance(data), ""]
+    said = summary(data)
+    if said:
+        lines += ["## Summary", "", *said, ""]
+    if data.get("search"):
+        lines += _search_table(data) + _ablation_table(data)
+    if data.get("pruning"):
+        lines += _pruning_table(data)
+    if data.get("bound"):
+        lines += _bound_table(data)
+    return "\n".join(lines)

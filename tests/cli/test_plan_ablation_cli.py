@@ -1,0 +1,47 @@
+"""``medley plan``'s baselines carry their shapes and names, and ``--ablation`` prints one line
+per constrained search with the figures its JSON holds."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from medley.cli.main import app
+from medley.plan.ablation import STEPS
+from medley.plan.baselines import NAMES
+
+ARGS = ["plan", "--cluster", "4xA100-80GB+4xV100-32GB", "--model", "tiny", "--global-batch", "32",
+        "--seq-len", "128", "--top", "1", "--ablation"]
+
+
+def _run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
+    return result.exit_code, result.output
+
+
+def test_plan_json_names_the_baselines_and_holds_the_ablation() -> None:
+    code, out = _run(*ARGS, "--json")
+    assert code == 0, out
+    data = json.loads(out)
+    assert tuple(data["baselines"]) == NAMES
+    assert not any(name in ("metis", "megatron") for name in data["baselines"])
+    one_type = data["baselines"]["megatron-lm-style-one-type"]
+    assert len(one_type["device_types"]) == 1 and set(one_type["tp"]) == {1}
+    assert set(one_type["zero"]) == {1 if one_type["dp"] > 1 else 0}
+    assert data["baselines"]["metis-style"]["schedule"] == "1f1b"
+    ablation = data["ablation"]
+    assert [s["without"] for s in ablation["steps"]] == list(STEPS)
+    best = data["plans"][0]["step_time_s"]
+    assert ablation["best_step_time_s"] == best
+    assert all(s["step_time_s"] >= best * (1 - 1e-9) for s in ablation["steps"])
+
+
+def test_plan_table_prints_an_ablation_line_per_step() -> None:
+    code, out = _run(*ARGS)
+    assert code == 0, out
+    for name in NAMES:
+        assert f"baseline {name}:" in out
+    assert "ablation: best plan" in out
+    for step in STEPS:
+        assert f"without {step} (" in out

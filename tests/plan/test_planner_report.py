@@ -1,0 +1,49 @@
+"""The planner benchmark's Markdown reads every figure of its summary from the data."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from medley.plan.ablation import STEPS
+from medley.plan.baselines import NAMES
+
+_SPEC = importlib.util.spec_from_file_location(
+    "planner_report", Path(__file__).parents[2] / "bench" / "planner_report.py"
+)
+assert _SPEC is not None and _SPEC.loader is not None
+report = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(report)
+
+
+def _row(devices: int, ratio: float, share: float) -> dict:
+    return {
+        "devices": devices, "types": 2, "model": "m", "fits": True, "search_cpu_s": 1.0, "simulated": 3,
+        "plan": "p", "tokens_per_s": 10.0, "step_time_s": 1.0, "aggregate_fraction": 0.5 + devices / 1000,
+        "baselines": dict.fromkeys(NAMES, "b"), "versus": dict.fromkeys(NAMES, ratio),
+        "provenance": {"commit": "abc", "command": "c"},
+        "ablation": {"best_baseline": NAMES[0], "best_baseline_step_time_s": ratio,
+                     "steps": {s: {"step_time_s": 1.1, "share_of_gain": share, "plan": "p", "note": ""}
+                               for s in STEPS}},
+    }
+
+
+def test_summary_is_computed_from_the_rows() -> None:
+    data = {
+        "machine": "x",
+        "search": [_row(16, 1.2, 0.5), _row(64, 1.4, 0.1), _row(128, 1.25, 0.3),
+                   {"devices": 64, "types": 4, "model": "old", "fits": True, "search_cpu_s": 1.0,
+                    "simulated": 1, "plan": "p", "tokens_per_s": 1.0, "aggregate_fraction": 0.9,
+                    "versus": {"metis-style": 9.0}}],
+        "pruning": [{"loss_from_pruning": 0.01}, {"loss_from_pruning": 0.03}],
+    }
+    lines = report.summary(data)
+    expected = (f"- vs {NAMES[0]}: median 1.25x, least 1.20x, most 1.40x over 3 cases "
+                "(0 where it fits nowhere).")
+    assert expected in lines
+    assert f"- Goal >= 1.3x {NAMES[0]} on every mixed case of >= 64 devices: met on 1 of 2" in " ".join(lines)
+    assert any(line.startswith(f"- Taking away {STEPS[0]} alone") and "median 30%" in line for line in lines)
+    assert "- Loss from pruning against the reference search: median 2.0%, worst 3.0% over 2 cases." in lines
+    text = report.markdown({**data, "pruning": []})
+    assert "9.00" not in text  # the old row's ratio, measured with the former baselines, is not shown
+    assert "1 rows (64 devices) are from before the baselines" in text
