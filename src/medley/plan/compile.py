@@ -286,7 +286,7 @@ class _CollectiveTable:
         share = 1.0 if action.bucket is None else buckets[action.bucket] / sum(buckets)
         params = _stage_params(layout, stage) * share
         # The other TP ranks' DP groups run the same collective at once (module docstring).
-        wire = dp_bytes_factor(layout, self.cluster, group, stage)
+        wire = dp_bytes_factor(self.cluster, group, layout.stage_tp(stage))
         meaning = zero_level(layout.zero[stage].level)
         op, payload = meaning.collective(action.kind)
         per_param = self.state.weights if payload is Payload.WEIGHTS else self.state.grads

@@ -59,8 +59,9 @@ def by_stage_capacity(setting: Setting) -> tuple[int, ...]:
     members' speeds (Metis splits the data inside a stage by speed)."""
     ctx, st = setting.ctx, setting.structure
     mbs = st.micro_batch_size
-    names = [[ctx.cluster.devices[st.assignment[r][k]].type.name for k in range(st.pp)] for r in range(st.dp)]
-    speed = {t: 1.0 / ctx.table(t, mbs).total[-1] for row in names for t in row}
+    names = [[(ctx.cluster.devices[st.assignment[r][k]].type.name, st.tp_of(k)) for k in range(st.pp)]
+             for r in range(st.dp)]
+    speed = {key: 1.0 / ctx.table(key[0], mbs, tp=key[1]).total[-1] for row in names for key in row}
     return speed_split(ctx.model, [sum(speed[names[r][k]] for r in range(st.dp)) for k in range(st.pp)])
 
 
@@ -75,14 +76,14 @@ def bottleneck(setting: Setting) -> tuple[int, ...] | None:
     ladder = setting.ladder
     num_layers = ctx.model.num_layers
     slowest = max(
-        ctx.table(t, mbs).time(0, num_layers, recompute=True) * c
+        setting.table(s, t).time(0, num_layers, recompute=True) * c
         for s in range(pp)
         for t, c in stage_types[s]
     )
     # The continuous optimum (stage s takes the share of the model its speed allows) is a lower
     # bound on the bottleneck.
     ideal = 1.0 / sum(
-        1.0 / max(ctx.table(t, mbs).total[-1] * c for t, c in stage_types[s]) for s in range(pp)
+        1.0 / max(setting.table(s, t).total[-1] * c for t, c in stage_types[s]) for s in range(pp)
     )
     for allowed in (ladder[:1], ladder):
         # Per stage and option: [(time prefix, micro-batches, memory prefix, capacity, table)], so
@@ -93,13 +94,11 @@ def bottleneck(setting: Setting) -> tuple[int, ...] | None:
                     option,
                     [
                         (
-                            ctx.table(t, mbs, dtype).total_rc
-                            if option.recompute
-                            else ctx.table(t, mbs, dtype).total,
+                            setting.table(s, t).total_rc if option.recompute else setting.table(s, t).total,
                             c,
-                            ctx.memory_prefix(t, mbs, dtype, option, dp, depth[s]),
+                            ctx.memory_prefix(t, mbs, dtype, option, dp, depth[s], setting.stage_tp(s)),
                             caps[t],
-                            ctx.table(t, mbs, dtype),
+                            setting.table(s, t),
                         )
                         for t, c in stage_types[s]
                     ],
@@ -145,13 +144,12 @@ def bottleneck(setting: Setting) -> tuple[int, ...] | None:
 def interleaved_chunks(setting: Setting) -> tuple[int, ...] | None:
     """Split rule for interleaved 1F1B: chunk c runs on rank c % pp; the bottleneck sweep over the
     chunks in pipeline order, by time only (each rank's memory is the memory rule's)."""
-    ctx, st, dtype = setting.ctx, setting.structure, setting.dtype
-    mbs, stages = st.micro_batch_size, setting.num_stages
+    ctx, stages = setting.ctx, setting.num_stages
     chunk_types = [setting.stage_types(c) for c in range(stages)]
-    slowest = max(ctx.table(t, mbs).total[-1] * n for c in range(stages) for t, n in chunk_types[c])
+    slowest = max(setting.table(c, t).total[-1] * n for c in range(stages) for t, n in chunk_types[c])
 
     def stage_end(s: int, i: int, t: float) -> int:
-        return min(ctx.table(ty, mbs, dtype).max_end(i, t / n) for ty, n in chunk_types[s])
+        return min(setting.table(s, ty).max_end(i, t / n) for ty, n in chunk_types[s])
 
     found = bottleneck_split(ctx.model.num_layers, stages, stage_end, lo=0.0, hi=slowest * SWEEP_FALLBACK)
     return None if found is None else found[0]

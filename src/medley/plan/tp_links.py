@@ -19,10 +19,9 @@ from medley.sim.problem import StageCost
 from medley.spec.cluster import Cluster
 
 
-def dp_bytes_factor(layout: PlanLayout, cluster: Cluster, group: tuple[int, ...], stage: int) -> int:
-    """How many TP ranks' DP collectives of ``stage`` share the busiest link of the lead's DP
-    ``group``: its tp when the group spans nodes (one network per node), else 1 (own links)."""
-    tp = layout.stage_tp(stage)
+def dp_bytes_factor(cluster: Cluster, group: tuple[int, ...], tp: int) -> int:
+    """How many TP ranks' DP collectives of a stage of degree ``tp`` share the busiest link of the
+    lead's DP ``group``: tp when the group spans nodes (one network per node), else 1 (own links)."""
     if tp == 1 or len({cluster.devices[d].node for d in group}) < 2:
         return 1
     return tp
