@@ -14,6 +14,7 @@ from medley.plan.layout import check_tp
 from medley.plan.memory_rules import fixed
 from medley.plan.search import search
 from medley.plan.space import Structure
+from medley.plan.tp_structures import tp_degrees, tp_groups
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 
@@ -29,21 +30,29 @@ def _estimator(cluster_arg: str, model: str = "llama-2-7b", *, global_batch: int
 def test_tp_groups_are_whole_runs_on_one_node_of_one_type() -> None:
     est = _estimator("4xA100-80GB+2xV100-32GB")  # node 0: ids 0-3 (A100), node 1: ids 4-5 (V100)
     devices = list(range(6))
-    assert est.tp_groups(devices, 1) == devices
-    assert est.tp_groups(devices, 2) == [0, 2, 4]
-    assert est.tp_groups(devices, 4) == [0]
-    assert est.tp_groups([0, 1, 3, 4, 5], 2) == [0, 4]  # 3 has no partner on its node
-    assert est.tp_degrees(devices) == (1, 2, 4)
-    structures = list(est.structures({"all": devices}, max_pp=4, micro_batch_sizes=(1,)))
+    assert tp_groups(est, devices, 1) == devices
+    assert tp_groups(est, devices, 2) == [0, 2, 4]
+    assert tp_groups(est, devices, 4) == [0]
+    assert tp_groups(est, [0, 1, 3, 4, 5], 2) == [0, 4]  # 3 has no partner on its node
+    assert tp_degrees(est, devices) == (1, 2, 4)
+    structures = list(est.structures({"all": devices}, max_pp=4, micro_batch_sizes=(1,), mixed_tp=True))
     assert {st.tp[:1] for st in structures} == {(), (2,), (4,)}
     for st in structures:
-        assert st.num_devices <= 6 and len(set(st.tp)) <= 1
+        groups = [range(st.assignment[r][k], st.assignment[r][k] + st.tp_of(k))
+                  for r in range(st.dp) for k in range(st.pp)]
+        used = [d for g in groups for d in g]
+        assert len(used) == len(set(used)) == st.num_devices <= 6
+        for g in groups:
+            assert len({(est.cluster.devices[d].node, est.cluster.devices[d].type.name) for d in g}) == 1
+    # Mixed degrees: the A100 and V100 ranks of one replica at different degrees.
+    mixed = {st.tp for st in structures if len(set(st.tp)) > 1}
+    assert mixed and all(len(tp) == 2 for tp in mixed)
 
 
 def test_tp_degrees_divide_the_model() -> None:
     est = _estimator("8xA100-80GB", "tiny")
     model = est.model
-    assert all(model.num_heads % t == 0 and model.num_kv_heads % t == 0 for t in est.tp_degrees(range(8)))
+    assert all(model.num_heads % t == 0 and model.num_kv_heads % t == 0 for t in tp_degrees(est, range(8)))
 
 
 @pytest.mark.parametrize("option", [MemoryOption(level=0), MemoryOption(level=1, recompute=True)])

@@ -350,13 +350,16 @@ def pipeline_time(
     link_times: Sequence[float],
     micro_batches: int,
     virtual_stages: int = 1,
+    link_load: float = 0.0,
 ) -> float:
     """Estimated compute+transfer time of one replica's step (no DP collectives).
 
     ``stage_times[s]``: F+B+W of one micro-batch on stage s (rank order); ``link_times[k]``: one
-    boundary transfer between ranks k and k+1. The bottleneck is max(stage, link) as in HARP.
+    boundary transfer between ranks k and k+1. The bottleneck is max(stage, link) as in HARP,
+    and at least ``link_load``: the seconds per micro-batch the busiest shared link (a node's
+    network port, which every replica's and TP rank's transfers leaving the node cross) carries.
     """
-    bottleneck = max(max(stage_times), max(link_times, default=0.0))
+    bottleneck = max(max(stage_times), max(link_times, default=0.0), link_load)
     fill = sum(stage_times) + 2.0 * sum(link_times)
     m = micro_batches
     if family == "zb-h1":

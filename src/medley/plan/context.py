@@ -47,6 +47,7 @@ class PlanContext:
         self._tables: dict[tuple[str, int, str, int], LayerTable] = {}
         self._memory_prefixes: dict[tuple, tuple[float, ...]] = {}
         self._tensor: dict[str, TensorParallelCompute] = {}
+        self.network_loads: dict[tuple, float] = {}  # step_estimate.network_load's, per structure
 
     def table(self, device_type: str, mbs: int, dtype: str = "bf16", tp: int = 1) -> LayerTable:
         """One TP rank's layer table at degree ``tp`` (its all-reduces timed on a group of

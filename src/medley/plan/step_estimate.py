@@ -69,10 +69,36 @@ def step_estimate(
                 link_times=links,
                 micro_batches=m,
                 virtual_stages=virtual_stages,
+                link_load=network_load(est, st) * virtual_stages,
             ),
         )
         rank_busy = max(rank_busy, max(times))
     return worst + exposed_dp(est, st, split, options, micro_batches, rank_busy)
+
+
+def network_load(est: PlanContext, st: Structure) -> float:
+    """Seconds per micro-batch the busiest node network port (each direction) carries of the
+    pipeline transfers: every replica's hops that leave a node, each TP rank's
+    (:func:`medley.plan.tp_links.hop_bytes_factor`), activations forward and gradients back."""
+    key = (st.assignment, st.tp, st.micro_batch_size)
+    load = est.network_loads.get(key)
+    if load is not None:
+        return load
+    nbytes = formulas.boundary_bytes(est.model, micro_batch_size=st.micro_batch_size, seq_len=est.seq_len)
+    ports: dict[tuple[str, str], float] = {}
+    devices = est.cluster.devices
+    for row in st.assignment:
+        for k in range(st.pp - 1):
+            a, b = devices[row[k]].node, devices[row[k + 1]].node
+            if a == b:
+                continue
+            forward, back = nbytes * st.tp_of(k + 1), nbytes * st.tp_of(k)
+            for port, moved in (((a, "tx"), forward), ((b, "rx"), forward), ((b, "tx"), back),
+                                ((a, "rx"), back)):
+                ports[port] = ports.get(port, 0.0) + moved
+    bandwidth = est.comm.link_bandwidth(f"node:{devices[0].node}:nic:tx")
+    load = est.network_loads[key] = max(ports.values(), default=0.0) / bandwidth
+    return load
 
 
 def stream_times(
