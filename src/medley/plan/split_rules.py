@@ -108,23 +108,38 @@ def bottleneck(setting: Setting) -> tuple[int, ...] | None:
             for s in range(pp)
         ]
 
-        def stage_end(s: int, i: int, t: float, plans: list[Any] = plans) -> int:
-            best = i
-            for option, items in plans[s]:
+        limits: dict[tuple[int, int, int], tuple[int, int]] = {}
+
+        def memory_end(
+            s: int, o: int, i: int, plans: list[Any] = plans, limits: dict[Any, tuple[int, int]] = limits
+        ) -> tuple[int, int]:
+            """(largest end the memory prefixes allow from layer i under option o on every type of
+            stage s, largest end below i + buckets the exact check allows for streamed ZeRO-3,
+            whose short stages gather a larger share); neither depends on the time budget."""
+            key = (s, o, i)
+            got = limits.get(key)
+            if got is None:
+                option, items = plans[s][o]
                 end = num_layers
-                for times, c, memory, cap, _ in items:
-                    end = min(
-                        end,
-                        bisect_right(times, times[i] + t / c) - 1,
-                        bisect_right(memory, memory[i] + cap) - 1,
-                    )
-                if option.streams and end - i < option.buckets:  # short stages gather a larger share
+                for _, _, memory, cap, _ in items:
+                    end = min(end, bisect_right(memory, memory[i] + cap) - 1)
+                short = min(end, i + option.buckets - 1)
+                if option.streams:
                     for _, _, _, cap, table in items:
-                        while (
-                            end > i
-                            and stage_memory(table, i, end, option=option, dp=dp, in_flight=depth[s]) > cap
-                        ):
-                            end -= 1
+                        while short > i and stage_memory(table, i, short, option=option, dp=dp,
+                                                         in_flight=depth[s]) > cap:
+                            short -= 1
+                got = limits[key] = (end, short)
+            return got
+
+        def stage_end(s: int, i: int, t: float, plans: list[Any] = plans, bound: Any = memory_end) -> int:
+            best = i
+            for o, (option, items) in enumerate(plans[s]):
+                end, short = bound(s, o, i)
+                for times, c, _, _, _ in items:
+                    end = min(end, bisect_right(times, times[i] + t / c) - 1)
+                if option.streams and end - i < option.buckets:
+                    end = min(end, short)
                 best = max(best, end)
             return best
 
