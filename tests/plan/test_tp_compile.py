@@ -133,3 +133,14 @@ def test_trace_and_gantt_name_the_tp_ranks(tmp_path) -> None:
 def layout_flops(layout: PlanLayout) -> float:
     sequences = sum(layout.micro_batches)
     return formulas.megatron_flops_per_step(MODEL, batch_size=sequences, seq_len=layout.seq_len)
+
+
+def test_a_two_direction_schedule_gives_each_stage_its_ranks_degree() -> None:
+    layout, cluster, cost = _layout(assignment=((0, 2),), tp=(2, 1), schedule="bidirectional",
+                                    stage_layers=(17, 17, 17, 17), zero=layout_zero(0) * 2,
+                                    recompute=(False,) * 4)
+    problem = compile_problem(layout, cluster, cost)
+    assert problem.schedules[0].stage_to_rank == (0, 1, 1, 0)
+    assert [layout.stage_tp(s) for s in range(4)] == [2, 1, 1, 2]
+    static = static_memory(layout, problem.schedules[0].stage_to_rank, cluster=cluster)
+    assert static[0] == static[1] and static[0] < static[2]
