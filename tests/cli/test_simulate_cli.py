@@ -133,3 +133,60 @@ def test_opt350_parts_sum_to_the_step_and_the_drain_is_not_zero_time() -> None:
         assert device["exposed_zero_s"] <= sum(comm[s] for s in device["stages"]) + 1e-9
     last = [d for d in data["devices"] if d["rank"] == 3]
     assert all(d["clip_barrier_s"] > 0.1 and d["exposed_zero_s"] < 0.01 for d in last)
+
+
+def test_tp_flag_simulates_groups_and_names_every_device(tmp_path: Path) -> None:
+    code, out = _run("--cluster", "8xA100-80GB", "--model", "llama-2-7b", "--pp", "2", "--dp", "2",
+                     "--tp", "2,1", "--micro-batches", "4", "--seq-len", "1024", "--zero", "1", "--trace",
+                     str(tmp_path / "t.json"), "--json")
+    assert code == 0, out
+    data = json.loads(out)
+    assert data["tp"] == [2, 1]
+    assert data["tp_groups"] == [[[0, 1], [2, 3]], [[4], [5]]]
+    rows = {d["device"]: d for d in data["devices"]}
+    assert sorted(rows) == [0, 1, 2, 3, 4, 5]
+    assert (rows[1]["tp"], rows[1]["tp_rank"], rows[1]["stages"]) == (2, 1, [0])
+    assert rows[1]["peak_memory_gb"] == rows[0]["peak_memory_gb"]
+    names = [e["args"]["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+             if e["name"] == "process_name"]
+    assert "device 3 (replica 1, rank 0, tp rank 1 of 2)" in names
+    code, out = _run("--cluster", "8xA100-80GB", "--model", "llama-2-7b", "--pp", "2", "--tp", "4",
+                     "--micro-batches", "4", "--seq-len", "1024")
+    assert code == 0, out
+    assert "tp=4,4" in out and "tensor parallel: rank 0 tp 4 on 0-3; rank 1 tp 4 on 4-7" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--tp", "3"], "--tp"),
+        (["--tp", "2,2,2"], "--tp"),
+        (["--tp", "8", "--dp", "2"], "lower --pp, --dp or --tp"),
+        (["--tp", "2", "--assignment", "3,0"], "one node of one device type"),
+    ],
+)
+def test_bad_tp_is_a_usage_error_naming_the_flag(flags: list[str], words: str) -> None:
+    code, out = _run("--cluster", "4xA100-80GB+4xA100-80GB", "--model", "llama-2-7b", "--pp", "2",
+                     "--micro-batches", "4", "--seq-len", "512", *flags)
+    assert code == 2, out
+    assert words in out and "Traceback" not in out
+
+
+def test_show_prints_the_tp_of_each_rank_and_its_groups(tmp_path: Path) -> None:
+    from medley.cost.estimator import CatalogCostSource
+    from medley.plan.inline import inline_layout
+    from medley.plan.plan import Plan, save_plan
+    from medley.spec.cluster_load import parse_cluster_arg
+    from medley.spec.model_arg import get_model
+
+    cluster, model = parse_cluster_arg("8xA100-80GB"), get_model("tiny")
+    cost = CatalogCostSource.for_cluster(model, cluster)
+    layout = inline_layout(cluster=cluster, model=model, cost=cost, pp=2, dp=2, schedule="1f1b",
+                           micro_batches="4", micro_batch_size=1, seq_len=64, tp="2,1")
+    save_plan(Plan(layout=layout, cluster=cluster, prediction=None), tmp_path / "p.toml")
+    result = CliRunner().invoke(app, ["show", str(tmp_path / "p.toml"), "--gantt", str(tmp_path / "g.png")],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "tp=2,1" in result.output
+    assert "tensor parallel: rank 0 tp 2 on 0-1, 2-3; rank 1 tp 1" in result.output
+    assert "0/0 tp1/2" in result.output and (tmp_path / "g.png").stat().st_size > 0

@@ -40,8 +40,9 @@ def summary(layout: PlanLayout, cluster: Cluster, problem: SimProblem, result: S
     s2r = problem.schedules[0].stage_to_rank
     stages = {
         d: [s for s, r in enumerate(s2r) if r == rank]
-        for row in layout.assignment
-        for rank, d in enumerate(row)
+        for replica in range(layout.dp)
+        for rank in range(layout.pp)
+        for d in layout.group(replica, rank)
     }
     devices = []
     for report in result.devices:
@@ -54,6 +55,8 @@ def summary(layout: PlanLayout, cluster: Cluster, problem: SimProblem, result: S
                 "node": device.node,
                 "replica": report.replica,
                 "rank": report.rank,
+                "tp": report.tp,
+                "tp_rank": report.tp_rank,
                 "stages": stages[report.device],
                 "busy": report.busy_fraction,
                 "idle": report.idle_fraction,
@@ -82,6 +85,9 @@ def summary(layout: PlanLayout, cluster: Cluster, problem: SimProblem, result: S
         "schedule": layout.schedule,
         "pp": layout.pp,
         "dp": layout.dp,
+        "tp": [layout.tp_of(k) for k in range(layout.pp)],
+        # tp_groups[k][r]: the devices of replica r's pipeline rank k, TP rank order
+        "tp_groups": [[list(layout.group(r, k)) for r in range(layout.dp)] for k in range(layout.pp)],
         "split": list(layout.stage_layers),
         "micro_batches": list(layout.micro_batches),
         "micro_batch_size": layout.micro_batch_size,
@@ -101,7 +107,8 @@ def summary(layout: PlanLayout, cluster: Cluster, problem: SimProblem, result: S
 
 def print_summary(data: dict, console: Console) -> None:
     table = Table(
-        title=f"{data['model']} · {data['schedule']} · pp={data['pp']} dp={data['dp']} "
+        title=f"{data['model']} · {data['schedule']} · pp={data['pp']} dp={data['dp']}"
+        + (f" tp={','.join(map(str, data['tp']))}" if any(t > 1 for t in data.get("tp", ())) else "") + " "
         f"· split {data['split']} · ZeRO {data['zero']} ({data['zero_placement']})",
         caption="transfer, ZeRO, CLIP: idle while that communication runs and blocks the device (exposed); "
         "CLIP wait: at the gradient-norm all-reduce for the other ranks; bubble: for other devices",
@@ -126,7 +133,7 @@ def print_summary(data: dict, console: Console) -> None:
         table.add_row(
             str(d["device"]),
             d["type"],
-            f"{d['replica']}/{d['rank']}",
+            f"{d['replica']}/{d['rank']}" + (f" tp{d['tp_rank']}/{d['tp']}" if d.get("tp", 1) > 1 else ""),
             ",".join(map(str, d["stages"])),
             f"{d['busy']:.1%}",
             f"{d['bubble']:.1%}",
@@ -151,6 +158,10 @@ def print_summary(data: dict, console: Console) -> None:
                 f"{s['exposed_s'] * 1e3:.1f} ms",
             )
         print_table(console, zt)
+    if any(t > 1 for t in data.get("tp", ())):
+        console.print("tensor parallel: " + "; ".join(
+            f"rank {k} tp {t}" + (" on " + ", ".join(_span(g) for g in groups) if t > 1 else "")
+            for k, (t, groups) in enumerate(zip(data["tp"], data["tp_groups"], strict=True))))
     if "cost_sources" in data:
         parts = [f"{device}: " + ", ".join(f"{kind} {src}" for kind, src in kinds.items())
                  for device, kinds in data["cost_sources"].items()]
@@ -162,6 +173,11 @@ def print_summary(data: dict, console: Console) -> None:
     console.print(Text.assemble(
         f"step {data['step_time_s']:.3f} s · {data['tokens_per_s']:,.0f} tokens/s · MFU {data['mfu']:.1%} · "
         f"bubble {data['bubble_fraction']:.1%} · ", verdict))
+
+
+def _span(devices: list[int]) -> str:
+    """A TP group's devices: ``4-5`` (consecutive ids)."""
+    return f"{devices[0]}-{devices[-1]}" if len(devices) > 1 else str(devices[0])
 
 
 def register(app: typer.Typer) -> None:
@@ -196,6 +212,10 @@ def register(app: typer.Typer) -> None:
         recompute: Annotated[bool, typer.Option(help="Recompute block activations in the backward")] = False,
         assignment: Annotated[str | None, typer.Option(
             help="Device id per pipeline rank, replicas separated by ';' (3,0;1,2)")] = None,
+        tp: Annotated[str | None, typer.Option(
+            help="Tensor-parallel degree per pipeline rank (1, 2, 4 or 8; one value for all, e.g. 2 or "
+                 "2,1): rank k runs on tp[k] consecutive devices of one node from its --assignment "
+                 "id")] = None,
         no_comm: Annotated[
             bool, typer.Option("--no-comm", help="Transfers and collectives take no time")
         ] = False,
@@ -237,6 +257,7 @@ def register(app: typer.Typer) -> None:
             recompute=recompute,
             dtype=dtype,
             assignment=assignment,
+            tp=tp,
         )
         problem, result = simulate_layout(layout, spec, cost=cost, comm=not no_comm)
         write_pictures(result, trace=trace, gantt=gantt)

@@ -57,7 +57,7 @@ class CatalogCostSource:
         self.model = model
         self.dtype = dtype
         self.catalog = dict(load_catalog() if catalog is None else catalog)
-        self._cache: dict[tuple[str, Pass, int, int, str], TimeEstimate] = {}
+        self._cache: dict[tuple[str, Pass, int, int, str, int], TimeEstimate] = {}
 
     @classmethod
     def for_cluster(cls, model: ModelSpec, cluster: Cluster, *, dtype: str = "bf16") -> CatalogCostSource:
@@ -65,29 +65,32 @@ class CatalogCostSource:
         return cls(model, dtype=dtype, catalog={**load_catalog(), **cluster.device_types()})
 
     def layer_time(
-        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int = 1
     ) -> TimeEstimate:
-        key = (self.model.layer_kind(layer), Pass(kind), micro_batch_size, seq_len, device_type)
+        """Compute time of one pass of ``layer``; with ``tp`` > 1 that of one tensor-parallel rank
+        running its share of a block (:func:`medley.cost.formulas.layer_gemms`), without the TP
+        all-reduces (:mod:`medley.cost.tensor_parallel` adds those)."""
+        key = (self.model.layer_kind(layer), Pass(kind), micro_batch_size, seq_len, device_type, tp)
         cached = self._cache.get(key)
         if cached is None:
             device = get_device_type(device_type, self.catalog)
-            seconds = self._compute(layer, Pass(kind), micro_batch_size, seq_len, device)
+            seconds = self._compute(layer, Pass(kind), micro_batch_size, seq_len, device, tp)
             cached = self._cache[key] = TimeEstimate(seconds=seconds, source="catalog")
         return cached
 
-    def _compute(self, layer: int, kind: Pass, mbs: int, seq: int, device: DeviceType) -> float:
+    def _compute(self, layer: int, kind: Pass, mbs: int, seq: int, device: DeviceType, tp: int = 1) -> float:
         model, dtype = self.model, self.dtype
         seconds = 0.0
-        for gemm in formulas.layer_gemms(model, layer, micro_batch_size=mbs, seq_len=seq):
+        for gemm in formulas.layer_gemms(model, layer, micro_batch_size=mbs, seq_len=seq, tp=tp):
             m, n, k = gemm.shape(kind)
             seconds += matmul_time(device, m, n, k, dtype=dtype)
         if model.layer_kind(layer) == "block" and kind is not Pass.W:
             # Scores and AV per (batch, head); B runs both twice (input grads of Q, K and V).
-            heads = mbs * model.num_heads
+            heads = mbs * model.num_heads // tp
             core = 2 * matmul_time(device, seq, seq, model.head_dim, dtype=dtype, batch=heads)
             seconds += core * (2.0 if kind is Pass.B else 1.0)
         nbytes, kernels = formulas.layer_elementwise_bytes(
-            model, layer, kind, micro_batch_size=mbs, seq_len=seq, dtype_bytes=DTYPE_BYTES[dtype]
+            model, layer, kind, micro_batch_size=mbs, seq_len=seq, dtype_bytes=DTYPE_BYTES[dtype], tp=tp
         )
         bandwidth = device.memory_bandwidth_gbps * 1e9 * MEM_EFF
         seconds += max(nbytes / bandwidth, kernels * KERNEL_MIN_S)

@@ -5,6 +5,15 @@ FLOPs count a multiply-add as 2 and attention scores over the full (not causal-h
 which is what the Megatron formula (research/schedules_sim.md §3) counts. B is the input-gradient
 backward and W the weight-gradient backward: a linear layer's B and W each cost its forward; the
 weight-free attention core costs 2x its forward, all in B.
+
+Tensor parallelism (``tp``, Megatron-style, no sequence parallelism): a block's Q/K/V and MLP
+gate/up matrices are split by output columns and its attention output and MLP down matrices by
+input rows over ``tp`` ranks, so each rank holds and multiplies 1/tp of them; norms, the
+embedding and the head are replicated. Of the activations a block keeps, those inside attention
+and the MLP (Q/K/V, the attention output, the MLP's inner tensors, the attention
+log-sum-exp) are split; the block input and the norms' inputs and outputs are whole on every
+rank (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+2022, Eq. 2: sbh(10 + 24/t + 5as/(ht)) counts the same split).
 """
 
 from __future__ import annotations
@@ -40,15 +49,19 @@ def _norm_params(model: ModelSpec) -> int:
     return model.hidden_size * (2 if model.norm == "layernorm" else 1)
 
 
-def _block_params(model: ModelSpec) -> int:
+def _block_params(model: ModelSpec, tp: int = 1) -> float:
+    """A block's parameters on one of ``tp`` ranks: the column-parallel matrices and biases
+    (Q/K/V, gate/up) and the row-parallel matrices (attention output, down) split, the
+    row-parallel biases and the norms whole."""
     h, q, kv, ffn = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
     qkv_bias = q + 2 * kv if model.bias or model.qkv_bias else 0
-    attention = h * (q + 2 * kv) + q * h + qkv_bias + (h if model.bias else 0)
+    attention = (h * (q + 2 * kv) + q * h + qkv_bias) / tp + (h if model.bias else 0)
     if model.mlp == "swiglu":
-        mlp = 3 * h * ffn + ((2 * ffn + h) if model.bias else 0)
+        mlp = (3 * h * ffn + (2 * ffn if model.bias else 0)) / tp + (h if model.bias else 0)
     else:
-        mlp = 2 * h * ffn + ((ffn + h) if model.bias else 0)
-    return attention + mlp + 2 * _norm_params(model)
+        mlp = (2 * h * ffn + (ffn if model.bias else 0)) / tp + (h if model.bias else 0)
+    whole = attention + mlp + 2 * _norm_params(model)
+    return int(whole) if tp == 1 else whole
 
 
 def _projection_params(model: ModelSpec) -> int:
@@ -56,28 +69,31 @@ def _projection_params(model: ModelSpec) -> int:
     return model.embed_dim * model.hidden_size if model.embed_dim != model.hidden_size else 0
 
 
-def layer_params(model: ModelSpec, layer_index: int) -> int:
-    """Parameters owned by a layer. A tied LM head owns none: its weight is counted at layer 0."""
+def layer_params(model: ModelSpec, layer_index: int, *, tp: int = 1) -> float:
+    """Parameters owned by a layer (on one of ``tp`` tensor-parallel ranks). A tied LM head owns
+    none: its weight is counted at layer 0."""
     kind = model.layer_kind(layer_index)
     if kind == "embedding":
         positions = model.max_seq_len * model.hidden_size if model.position == "learned" else 0
         return model.vocab_size * model.embed_dim + positions + _projection_params(model)
     if kind == "block":
-        return _block_params(model)
+        return _block_params(model, tp)
     head = 0 if model.tied_embeddings else model.vocab_size * model.embed_dim
     return _norm_params(model) + head + _projection_params(model)
 
 
-def layer_held_params(model: ModelSpec, layer_index: int) -> int:
-    """Parameters a stage holding this layer keeps in memory: a tied head keeps its own copy."""
+def layer_held_params(model: ModelSpec, layer_index: int, *, tp: int = 1) -> float:
+    """Parameters a stage holding this layer keeps in memory (per tensor-parallel rank): a tied
+    head keeps its own copy."""
     extra = model.vocab_size * model.embed_dim if model.layer_kind(layer_index) == "head" else 0
-    return layer_params(model, layer_index) + (extra if model.tied_embeddings else 0)
+    return layer_params(model, layer_index, tp=tp) + (extra if model.tied_embeddings else 0)
 
 
-def stage_held_params(model: ModelSpec, first: int, last: int) -> int:
-    """Parameters a stage holding layers ``[first, last)`` keeps: a tied head's copy only when the
-    stage lacks the embedding (with it, the head borrows the embedding's weight)."""
-    held = sum(layer_held_params(model, i) for i in range(first, last))
+def stage_held_params(model: ModelSpec, first: int, last: int, *, tp: int = 1) -> float:
+    """Parameters a stage holding layers ``[first, last)`` keeps per tensor-parallel rank: a tied
+    head's copy only when the stage lacks the embedding (with it, the head borrows the
+    embedding's weight)."""
+    held = sum(layer_held_params(model, i, tp=tp) for i in range(first, last))
     both_ends = first == 0 and last == model.num_layers
     return held - (model.vocab_size * model.embed_dim if model.tied_embeddings and both_ends else 0)
 
@@ -86,8 +102,11 @@ def total_params(model: ModelSpec) -> int:
     return sum(layer_params(model, i) for i in range(model.num_layers))
 
 
-def layer_gemms(model: ModelSpec, layer_index: int, *, micro_batch_size: int, seq_len: int) -> list[Gemm]:
-    """The layer's weight matmuls (forward shapes)."""
+def layer_gemms(
+    model: ModelSpec, layer_index: int, *, micro_batch_size: int, seq_len: int, tp: int = 1
+) -> list[Gemm]:
+    """The layer's weight matmuls (forward shapes), as one of ``tp`` tensor-parallel ranks runs
+    them: column-parallel matrices with 1/tp of the outputs, row-parallel with 1/tp of the inputs."""
     t, h = micro_batch_size * seq_len, model.hidden_size
     kind = model.layer_kind(layer_index)
     proj = _projection_params(model) > 0
@@ -96,11 +115,11 @@ def layer_gemms(model: ModelSpec, layer_index: int, *, micro_batch_size: int, se
     if kind == "head":
         gemms = [Gemm(tokens=t, in_features=h, out_features=model.embed_dim)] if proj else []
         return gemms + [Gemm(tokens=t, in_features=model.embed_dim, out_features=model.vocab_size)]
-    ffn = model.ffn_hidden_size
+    ffn, q = model.ffn_hidden_size // tp, model.q_dim // tp
     up = [Gemm(tokens=t, in_features=h, out_features=ffn)] * (2 if model.mlp == "swiglu" else 1)
     return [
-        Gemm(tokens=t, in_features=h, out_features=model.q_dim + 2 * model.kv_dim),  # fused QKV
-        Gemm(tokens=t, in_features=model.q_dim, out_features=h),  # attention output
+        Gemm(tokens=t, in_features=h, out_features=q + 2 * (model.kv_dim // tp)),  # fused QKV
+        Gemm(tokens=t, in_features=q, out_features=h),  # attention output
         *up,
         Gemm(tokens=t, in_features=ffn, out_features=h),  # down
     ]
@@ -134,14 +153,16 @@ def megatron_flops_per_step(model: ModelSpec, *, batch_size: int, seq_len: int) 
     return 12.0 * b * s * n * h * h * ((1 + g_over_a + s / h) * q_over_h + ffn_term + v / (2 * n * h))
 
 
-def _block_activation_elements(model: ModelSpec) -> float:
-    """Elements per token a block saves for backward (flash-style attention, no dropout).
+def _block_activation_elements(model: ModelSpec, tp: int = 1) -> float:
+    """Elements per token a block saves for backward (flash-style attention, no dropout), per
+    tensor-parallel rank.
 
     Saved: block input, attention-norm output, Q/K/V, attention output, MLP-norm input and output,
     and the MLP's inner tensors (SwiGLU: gate, up and their product; GELU: pre- and post-activation).
+    The four hidden-size tensors are whole on every TP rank, the rest split.
     """
     h, q, kv, ffn = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
-    return 4 * h + 2 * q + 2 * kv + ffn * (3 if model.mlp == "swiglu" else 2)
+    return 4 * h + (2 * q + 2 * kv + ffn * (3 if model.mlp == "swiglu" else 2)) / tp
 
 
 def layer_activation_bytes(
@@ -152,10 +173,12 @@ def layer_activation_bytes(
     seq_len: int,
     dtype_bytes: int = 2,
     recompute: bool = False,
+    tp: int = 1,
 ) -> float:
-    """Bytes a layer holds per in-flight micro-batch between its F and its B.
+    """Bytes a layer holds per in-flight micro-batch between its F and its B (per TP rank).
 
-    With ``recompute`` a block keeps only its input and reruns its forward before B.
+    With ``recompute`` a block keeps only its input (whole on every TP rank) and reruns its
+    forward before B.
     """
     t = micro_batch_size * seq_len
     kind = model.layer_kind(layer_index)
@@ -166,8 +189,8 @@ def layer_activation_bytes(
         return t * (2 * model.hidden_size * dtype_bytes + model.vocab_size * (dtype_bytes + 4.0))
     if recompute:
         return float(t * model.hidden_size * dtype_bytes)
-    logsumexp = micro_batch_size * model.num_heads * seq_len * 4.0
-    return t * _block_activation_elements(model) * dtype_bytes + logsumexp
+    logsumexp = micro_batch_size * model.num_heads * seq_len * 4.0 / tp
+    return t * _block_activation_elements(model, tp) * dtype_bytes + logsumexp
 
 
 def layer_activation_bytes_after_b(
@@ -178,19 +201,21 @@ def layer_activation_bytes_after_b(
     seq_len: int,
     dtype_bytes: int = 2,
     recompute: bool = False,
+    tp: int = 1,
 ) -> float:
-    """Bytes still held between B and W: each weight matmul's input and its output gradient.
+    """Bytes still held between B and W: each weight matmul's input and its output gradient (per
+    TP rank: the split matrices' split inputs and output gradients, the norms' outputs whole).
 
     A block's matmuls read four distinct tensors (attention-norm output, attention output, MLP-norm
     output, MLP inner product). The embedding's W is a scatter-add of its output gradient by token id.
     """
     del recompute  # recomputation happens before B, so W needs the same tensors either way
     t = micro_batch_size * seq_len
-    gemms = layer_gemms(model, layer_index, micro_batch_size=micro_batch_size, seq_len=seq_len)
+    gemms = layer_gemms(model, layer_index, micro_batch_size=micro_batch_size, seq_len=seq_len, tp=tp)
     output_grads = sum(g.tokens * g.out_features for g in gemms)
     kind = model.layer_kind(layer_index)
     if kind == "block":
-        inputs = t * (3 * model.hidden_size + model.ffn_hidden_size)
+        inputs = t * (2 * model.hidden_size + (model.hidden_size + model.ffn_hidden_size) / tp)
     else:
         inputs = sum(g.tokens * g.in_features for g in gemms)
     if kind == "embedding":
@@ -211,8 +236,10 @@ def layer_elementwise_bytes(
     micro_batch_size: int,
     seq_len: int,
     dtype_bytes: int = 2,
+    tp: int = 1,
 ) -> tuple[float, int]:
-    """(bytes read + written, kernel count) of a pass's memory-bound, non-matmul work.
+    """(bytes read + written, kernel count) of a pass's memory-bound, non-matmul work (per TP
+    rank: RoPE and the MLP activation run on split tensors, norms and residual adds whole).
 
     Block F: two norms (read + write), two residual adds (2 reads + 1 write), RoPE on Q and K, the
     MLP activation. B roughly doubles F's traffic; W only reduces the norm weight gradients. Head:
@@ -232,5 +259,5 @@ def layer_elementwise_bytes(
         }[kind]
     rope = 2.0 * (model.q_dim + model.kv_dim) if model.position == "rope" else 0.0
     activation = (3.0 if model.mlp == "swiglu" else 2.0) * model.ffn_hidden_size
-    forward = t * d * (4.0 * h + 6.0 * h + rope + activation)
+    forward = t * d * (4.0 * h + 6.0 * h + (rope + activation) / tp)
     return {Pass.F: (forward, 6), Pass.B: (2.0 * forward, 12), Pass.W: (4.0 * t * h * d, 2)}[kind]

@@ -6,15 +6,8 @@ from collections.abc import Sequence
 
 from medley.cost.comm import TopologyCommModel
 from medley.cost.interfaces import Collective
-from medley.cost.zero_levels import zero_level
+from medley.cost.zero_levels import tied_sum_by_rows, zero_level
 from medley.spec.model import ModelSpec
-
-
-def tied_sum_by_rows(zero: Sequence[int], dp: int) -> bool:
-    """Whether the tied gradients are summed by rows: each member of the first or the last stage's
-    dp group sums only its shard's rows (that end is ZeRO-1/2/3 with dp > 1), the other end then
-    gathering the summed rows. The runtime sums exactly as this says."""
-    return dp > 1 and (zero_level(zero[0]).shards_optimizer or zero_level(zero[-1]).shards_optimizer)
 
 
 def tied_sum_seconds(comm: TopologyCommModel, *, model: ModelSpec, assignment: Sequence[Sequence[int]],

@@ -30,6 +30,7 @@ gathered in the weights' dtype, gradients reduced in the gradients'.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -104,3 +105,10 @@ def zero_level(level: int) -> ZeroLevel:
         return ZERO_LEVELS[level]
     except KeyError:
         raise ValueError(f"ZeRO level must be 0, 1, 2 or 3, got {level}") from None
+
+
+def tied_sum_by_rows(zero: Sequence[int], dp: int) -> bool:
+    """Whether the tied gradients are summed by rows: each member of the first or the last stage's
+    dp group sums only its shard's rows (that end is ZeRO-1/2/3 with dp > 1), the other end then
+    gathering the summed rows. The runtime sums exactly as this says."""
+    return dp > 1 and (zero_level(zero[0]).shards_optimizer or zero_level(zero[-1]).shards_optimizer)

@@ -19,11 +19,13 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cache
 from itertools import accumulate
 
 from medley.cost import formulas
 from medley.cost.estimator import DTYPE_BYTES
-from medley.cost.interfaces import CostSource, Pass
+from medley.cost.interfaces import CommModel, CostSource, Pass
+from medley.cost.tensor_parallel import TensorParallelCompute, tp_comm_time
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
@@ -41,12 +43,14 @@ class LayerTable:
     (what recomputation adds); ``act``/``act_rc`` activation bytes held per in-flight micro-batch
     without/with recomputation; ``params`` parameters held (a tied head keeps its own copy);
     ``dtype`` the training precision the activation bytes and the model-state bytes per parameter
-    (:func:`medley.cost.zero_memory.state_bytes_per_param`) are counted in.
+    (:func:`medley.cost.zero_memory.state_bytes_per_param`) are counted in; ``tp`` the
+    tensor-parallel degree the figures are one rank's of (times with the TP all-reduces).
     """
 
     device_type: str
     micro_batch_size: int
     dtype: str
+    tp: int = 1
     total: tuple[float, ...]
     total_rc: tuple[float, ...]
     forward: tuple[float, ...]
@@ -80,34 +84,47 @@ class LayerTable:
 
 
 def layer_table(
-    model: ModelSpec, cost: CostSource, *, device_type: str, micro_batch_size: int, seq_len: int, dtype: str
+    model: ModelSpec,
+    cost: CostSource,
+    *,
+    device_type: str,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype: str,
+    tp: int = 1,
+    tensor: TensorParallelCompute | None = None,
+    comm: CommModel | None = None,
+    group: tuple[int, ...] = (),
 ) -> LayerTable:
-    times = {
-        p: [
-            cost.layer_time(
-                i, p, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type
-            ).seconds
-            for i in range(model.num_layers)
-        ]
-        for p in Pass
-    }
+    """The table of one TP rank at ``tp`` (``tensor`` prices its compute, the TP all-reduces run
+    over ``group`` on ``comm``, as the compiler books them; tp 1 needs neither)."""
+    shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len}
+    if tp == 1 or tensor is None:
+        times = {
+            p: [cost.layer_time(i, p, device_type=device_type, **shape).seconds
+                for i in range(model.num_layers)]
+            for p in Pass
+        }
+    else:
+        times = {
+            p: [
+                tensor.layer_time(i, p, device_type=device_type, tp=tp, **shape)
+                + tp_comm_time(comm, model, i, p, group=group, dtype=dtype, **shape)
+                for i in range(model.num_layers)
+            ]
+            for p in Pass
+        }
     nbytes = DTYPE_BYTES[dtype]
     act = [
-        formulas.layer_activation_bytes(
-            model, i, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype_bytes=nbytes
-        )
+        formulas.layer_activation_bytes(model, i, dtype_bytes=nbytes, tp=tp, **shape)
         for i in range(model.num_layers)
     ]
     act_rc = [
-        formulas.layer_activation_bytes(
-            model, i, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype_bytes=nbytes, recompute=True
-        )
+        formulas.layer_activation_bytes(model, i, dtype_bytes=nbytes, recompute=True, **shape)
         for i in range(model.num_layers)
     ]
     after_b = [
-        formulas.layer_activation_bytes_after_b(
-            model, i, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype_bytes=nbytes
-        )
+        formulas.layer_activation_bytes_after_b(model, i, dtype_bytes=nbytes, tp=tp, **shape)
         for i in range(model.num_layers)
     ]
     total = [f + b + w for f, b, w in zip(times[Pass.F], times[Pass.B], times[Pass.W], strict=True)]
@@ -115,6 +132,7 @@ def layer_table(
         device_type=device_type,
         micro_batch_size=micro_batch_size,
         dtype=dtype,
+        tp=tp,
         total=_prefix(total),
         total_rc=_prefix([t + f for t, f in zip(total, times[Pass.F], strict=True)]),
         forward=_prefix(times[Pass.F]),
@@ -123,7 +141,7 @@ def layer_table(
         act=_prefix(act),
         act_rc=_prefix(act_rc),
         after_b=_prefix([min(a, b) for a, b in zip(after_b, act, strict=True)]),
-        params=_prefix([float(formulas.layer_held_params(model, i)) for i in range(model.num_layers)]),
+        params=_prefix([float(formulas.layer_held_params(model, i, tp=tp)) for i in range(model.num_layers)]),
     )
 
 
@@ -157,6 +175,7 @@ def memory_options(dp: int, *, replicated_level: int = 0) -> tuple[MemoryOption,
     )
 
 
+@cache  # a pure function of a few small values, asked millions of times by the split sweep
 def option_bytes_per_param(option: MemoryOption, dp: int, *, dtype: str, layers: int | None = None) -> float:
     """Peak model-state bytes per parameter per device in ``dtype`` (the memory model the
     compiler books, :func:`medley.cost.zero_memory.stage_state_bytes`), with streamed ZeRO-3's two
@@ -331,13 +350,16 @@ def pipeline_time(
     link_times: Sequence[float],
     micro_batches: int,
     virtual_stages: int = 1,
+    link_load: float = 0.0,
 ) -> float:
     """Estimated compute+transfer time of one replica's step (no DP collectives).
 
     ``stage_times[s]``: F+B+W of one micro-batch on stage s (rank order); ``link_times[k]``: one
-    boundary transfer between ranks k and k+1. The bottleneck is max(stage, link) as in HARP.
+    boundary transfer between ranks k and k+1. The bottleneck is max(stage, link) as in HARP,
+    and at least ``link_load``: the seconds per micro-batch the busiest shared link (a node's
+    network port, which every replica's and TP rank's transfers leaving the node cross) carries.
     """
-    bottleneck = max(max(stage_times), max(link_times, default=0.0))
+    bottleneck = max(max(stage_times), max(link_times, default=0.0), link_load)
     fill = sum(stage_times) + 2.0 * sum(link_times)
     m = micro_batches
     if family == "zb-h1":

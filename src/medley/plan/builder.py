@@ -29,6 +29,7 @@ from typing import Any
 
 from medley.plan.bounds import (
     Flight,
+    LayerTable,
     MemoryOption,
     memory_options,
     pipeline_time,
@@ -65,6 +66,14 @@ class Setting:
     @property
     def num_stages(self) -> int:
         return self.structure.pp * self.virtual_stages
+
+    def stage_tp(self, stage: int) -> int:
+        """Tensor-parallel degree of ``stage`` (its pipeline rank's)."""
+        return self.structure.tp_of(stage % self.structure.pp)
+
+    def table(self, stage: int, device_type: str) -> LayerTable:
+        """The layer table of ``stage`` on ``device_type`` at the setting's dtype and the stage's tp."""
+        return self.ctx.table(device_type, self.structure.micro_batch_size, self.dtype, self.stage_tp(stage))
 
     def stage_types(self, stage: int) -> list[tuple[str, int]]:
         """(device type, micro-batches) of each signature at ``stage``'s rank, sorted, unique."""
@@ -104,7 +113,8 @@ def _whole_model_weights(
     ctx: PlanContext, st: Structure, signatures: Signatures, total: int
 ) -> tuple[int, ...]:
     mbs = st.micro_batch_size
-    weights = [1.0 / sum(ctx.table(t, mbs).total[-1] for t in sig) for sig, _ in signatures]
+    weights = [1.0 / sum(ctx.table(t, mbs, tp=st.tp_of(k)).total[-1] for k, t in enumerate(sig))
+               for sig, _ in signatures]
     return ctx.micro_batches(st, signatures, weights, total)
 
 
@@ -112,7 +122,7 @@ def _bottleneck_weights(setting: Setting, plan: StagePlan) -> tuple[int, ...]:
     ctx, st = setting.ctx, setting.structure
     mbs, split, options = st.micro_batch_size, plan.stage_layers, plan.options
     bottlenecks = [
-        max(ctx.stage_time(sig[s], split, s, options[s], mbs) for s in range(st.pp))
+        max(ctx.stage_time(sig[s], split, s, options[s], mbs, st.tp_of(s)) for s in range(st.pp))
         for sig, _ in setting.signatures
     ]
     total = ctx.global_batch // mbs
@@ -130,9 +140,10 @@ def by_replica_speed() -> MicroBatchRule:
 
     def first(ctx: PlanContext, st: Structure, signatures: Signatures, total: int) -> tuple[int, ...]:
         mbs = st.micro_batch_size
-        names = [[ctx.cluster.devices[d].type.name for d in row] for row in st.assignment]
-        speed = {t: 1.0 / ctx.table(t, mbs).total[-1] for row in names for t in row}
-        return distribute(total, [1.0 / max(1.0 / speed[t] for t in row) for row in names])
+        names = [[(ctx.cluster.devices[d].type.name, st.tp_of(k)) for k, d in enumerate(row)]
+                 for row in st.assignment]
+        speed = {(t, tp): 1.0 / ctx.table(t, mbs, tp=tp).total[-1] for row in names for t, tp in row}
+        return distribute(total, [1.0 / max(1.0 / speed[key] for key in row) for row in names])
 
     return MicroBatchRule(first=first)
 
@@ -164,10 +175,12 @@ def warmup_depths(
     if family != "hetero-1f1b":
         return base
     mbs = st.micro_batch_size
-    t_stage = max(ctx.table(t, mbs).total[-1] for sig, _ in signatures for t in sig) / pp
+    t_stage = max(ctx.table(t, mbs, tp=st.tp_of(k)).total[-1] for sig, _ in signatures
+                  for k, t in enumerate(sig)) / pp
     depths = [1] * pp
     for s in range(pp - 2, -1, -1):
-        link = max(ctx.boundary_time(r[s], r[s + 1], mbs) for r in st.assignment)
+        link = max(ctx.boundary_time(r[s], r[s + 1], mbs, st.tp_of(s), st.tp_of(s + 1))
+                   for r in st.assignment)
         same_node = all(
             ctx.cluster.devices[r[s]].node == ctx.cluster.devices[r[s + 1]].node for r in st.assignment
         )
@@ -205,11 +218,11 @@ def homogeneous_1f1b(device_type: str) -> EstimateRule:
     gradients deferred (a homogeneous planner's own view)."""
 
     def rule(setting: Setting, plan: StagePlan) -> float:
-        table = setting.ctx.table(device_type, setting.structure.micro_batch_size)
         split, pp = plan.stage_layers, len(plan.stage_layers)
         starts = [sum(split[:s]) for s in range(pp)]
         times = [
-            table.time(starts[s], starts[s] + split[s], recompute=plan.options[s].recompute)
+            setting.ctx.table(device_type, setting.structure.micro_batch_size, tp=setting.stage_tp(s))
+            .time(starts[s], starts[s] + split[s], recompute=plan.options[s].recompute)
             for s in range(pp)
         ]
         return pipeline_time(

@@ -3,6 +3,16 @@
 This is where layers, device types and bytes become seconds: per-stage F/B/W times from the cost
 source, activation and boundary bytes from the formulas, model-state memory from the ZeRO model,
 and what every UNSHARD/RESHARD/REDUCE_GRAD/OPTIM does from the stage's DP group and level.
+
+Tensor parallelism (``layout.tp``): a pipeline rank's TP group runs one timeline, simulated on
+its first device (the lead; the members run the same actions at the same times and hold the same
+bytes, so the simulator reports them as copies, :attr:`SimProblem.tp_members`). Its compute
+actions take one TP rank's compute plus the blocks' TP all-reduces over the group
+(:mod:`medley.cost.tensor_parallel`); its memory is one TP rank's (split matrices and split
+activations, replicated norms, embedding and head). Its ZeRO collectives run once per TP rank,
+each over that rank's DP group (the same TP rank of the other replicas) on 1/tp of the split
+parameters; the simulator times the lead's group. How the tp groups share links, and how
+pipeline transfers between groups of different tp are timed: :mod:`medley.plan.tp_links`.
 """
 
 from __future__ import annotations
@@ -11,12 +21,14 @@ from collections.abc import Sequence
 
 from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
-from medley.cost.estimator import DTYPE_BYTES
-from medley.cost.interfaces import Collective, CostSource, Pass
+from medley.cost.estimator import DTYPE_BYTES, CatalogCostSource
+from medley.cost.interfaces import Collective, CommModel, CostSource, Pass
+from medley.cost.tensor_parallel import TensorParallelCompute, activation_scale, tp_comm_time
 from medley.cost.tied import tied_sum_seconds
 from medley.cost.zero_levels import Payload, zero_level
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
 from medley.plan.layout import PlanLayout, build_schedules
+from medley.plan.tp_links import dp_bytes_factor, scale_hops
 from medley.schedule.ir import Action, Kind, PipelineSchedule
 from medley.sim.problem import CollectiveCost, SimProblem, StageCost
 from medley.spec.cluster import Cluster
@@ -34,8 +46,14 @@ def _stage_cost(
     level: int,
     *,
     fused: bool = False,
+    tensor: TensorParallelCompute | None = None,
+    comm: CommModel | None = None,
+    group: tuple[int, ...] = (),
 ) -> StageCost:
     """One stage's times and bytes per micro-batch. ``fused``: the schedule runs BW, not B and W.
+
+    On a TP group (``group`` of more than one device) the times are one TP rank's compute
+    (``tensor``) plus the blocks' TP all-reduces on ``comm``, and the bytes one rank's.
 
     Measured sources (profiles, see :class:`MeasuredCosts`) also give the fused backward time and
     activation bytes; the formulas answer otherwise. The first stage's input (token ids) takes no
@@ -44,6 +62,9 @@ def _stage_cost(
     (``action_overhead_time``, see :mod:`medley.profile.overhead`), added once to each.
     """
     mbs, seq, model = layout.micro_batch_size, layout.seq_len, layout.model
+    tp = max(1, len(group))
+    if tensor is None:
+        tensor = TensorParallelCompute(model, cost, catalog=_catalog(layout, cost))
     recompute = bool(layout.recompute and layout.recompute[stage])
     times = {kind: 0.0 for kind in Pass}
     act = after_b = fused_s = refwd = 0.0
@@ -55,31 +76,39 @@ def _stage_cost(
     measured_bytes = getattr(cost, "activation_bytes", None)
     per_action = getattr(cost, "action_overhead_time", None)
     overhead = (per_action(device_type=device_type) or 0.0) if per_action is not None else 0.0
+    at = {"micro_batch_size": mbs, "seq_len": seq, "device_type": device_type}
+    tp_comm = {kind: 0.0 for kind in Pass}
     for layer in layout.layer_range(stage):
+        block = model.layer_kind(layer) == "block"
         for kind in Pass:
-            seconds = cost.layer_time(layer, kind, micro_batch_size=mbs, seq_len=seq,
-                                      device_type=device_type).seconds
+            seconds = tensor.layer_time(layer, kind, tp=tp, **at)
             times[kind] += seconds
-            if kind is Pass.F and recompute and model.layer_kind(layer) == "block":
+            if kind is Pass.F and recompute and block:
                 refwd += seconds  # blocks (not embedding or head) run their forward again
+            tp_comm[kind] += tp_comm_time(comm, model, layer, kind, group=group, micro_batch_size=mbs,
+                                          seq_len=seq, dtype=layout.dtype)
             if fsdp_time is not None:
-                extra = fsdp_time(layer, kind, micro_batch_size=mbs, seq_len=seq, device_type=device_type)
-                fsdp[kind] += extra or 0.0
+                extra = fsdp_time(layer, kind, **at)
+                fsdp[kind] += (extra or 0.0) * (tensor.scale(kind, tp=tp, **at) if block else 1.0)
         full = None
         if full_time is not None:
-            full = full_time(layer, micro_batch_size=mbs, seq_len=seq, device_type=device_type)
+            full = full_time(layer, **at)
         fused_known = fused_known and full is not None
-        fused_s += full.seconds if full is not None else 0.0
+        if full is not None:
+            back = tensor.scale(Pass.B, tp=tp, **at) + tensor.scale(Pass.W, tp=tp, **at)
+            fused_s += full.seconds * (back / 2 if block else 1.0)
         found = None
         # Recomputing blocks keep their input only (a formula); embedding and head do not recompute.
-        if measured_bytes is not None and not (recompute and model.layer_kind(layer) == "block"):
-            found = measured_bytes(layer, micro_batch_size=mbs, seq_len=seq, device_type=device_type)
+        if measured_bytes is not None and not (recompute and block):
+            found = measured_bytes(layer, **at)
         measured_act = measured_act and found is not None
-        act += found[0] if found else formulas.layer_activation_bytes(
-            model, layer, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes, recompute=recompute
+        shape = {"micro_batch_size": mbs, "seq_len": seq}
+        shrink = activation_scale(model, layer, dtype=layout.dtype, tp=tp, **shape)
+        act += found[0] * shrink[0] if found else formulas.layer_activation_bytes(
+            model, layer, dtype_bytes=dtype_bytes, recompute=recompute, tp=tp, **shape
         )
-        after_b += found[1] if found else formulas.layer_activation_bytes_after_b(
-            model, layer, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes
+        after_b += found[1] * shrink[1] if found else formulas.layer_activation_bytes_after_b(
+            model, layer, dtype_bytes=dtype_bytes, tp=tp, **shape
         )
     boundary = formulas.boundary_bytes(model, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes)
     first = layout.layer_range(stage).start == 0
@@ -90,14 +119,15 @@ def _stage_cost(
         scale = fused_s / (times[Pass.B] + times[Pass.W])  # one autograd call costs less than two
         times[Pass.B], times[Pass.W] = times[Pass.B] * scale, times[Pass.W] * scale
     if recompute:
-        # The forward runs again inside each backward call that needs the block's activations:
-        # torch's non-reentrant checkpoint recomputes once per call, so split B and W each pay it
-        # (the first stage's split backward is one call, at W).
-        times[Pass.B] += refwd
-        if not fused and not first:
-            times[Pass.W] += refwd
-    for kind in Pass:  # FSDP2's hooks on ZeRO-2/3 stages (measured sources only)
-        times[kind] += fsdp[kind]
+        # The forward (with its TP all-reduces) runs again inside each backward call that needs the
+        # blocks' activations: torch's non-reentrant checkpoint recomputes once per call, so split
+        # B and W each pay it (the first stage's split backward is one call, at W).
+        reruns = (Pass.B,) if fused or first else (Pass.B, Pass.W)
+        for kind in reruns:
+            times[kind] += refwd
+            tp_comm[kind] += tp_comm[Pass.F]
+    for kind in Pass:  # FSDP2's hooks on ZeRO-2/3 stages (measured sources only), TP all-reduces
+        times[kind] += fsdp[kind] + tp_comm[kind]
     if first and not fused:
         times[Pass.W], times[Pass.B] = times[Pass.W] + times[Pass.B], 0.0
         after_b = act
@@ -138,8 +168,19 @@ def _live_fraction(layout: PlanLayout, stage: int) -> float:
 
 
 def _stage_params(layout: PlanLayout, stage: int) -> float:
+    """Parameters of ``stage`` each device of its TP group holds (before ZeRO)."""
     layers = layout.layer_range(stage)
-    return float(formulas.stage_held_params(layout.model, layers.start, layers.stop))
+    return float(formulas.stage_held_params(layout.model, layers.start, layers.stop,
+                                            tp=layout.stage_tp(stage)))
+
+
+def _catalog(layout: PlanLayout, cost: CostSource, cluster: Cluster | None = None) -> CatalogCostSource:
+    """The roofline that prices TP's split shapes (the cost source itself when it is one)."""
+    if isinstance(cost, CatalogCostSource) and cost.dtype == layout.dtype:
+        return cost
+    if cluster is not None:
+        return CatalogCostSource.for_cluster(layout.model, cluster, dtype=layout.dtype)
+    return CatalogCostSource(layout.model, dtype=layout.dtype)
 
 
 def static_memory(
@@ -167,34 +208,42 @@ def static_memory(
         if _fsdp_keeps_shards(layout) and zero_level(layout.zero[stage].level).gathers_after_step:
             # FSDP2 keeps the sharded parameters the optimizer steps next to the gathered ones.
             held += _stage_params(layout, stage) / layout.dp * state_bytes_per_param(layout.dtype).weights
+        tp = layout.stage_tp(stage)
         for replica in range(layout.dp):
-            device = layout.assignment[replica][stage_to_rank[stage]]
-            out[device] = out.get(device, 0.0) + held
-            if cluster is None:
-                continue
-            name = cluster.devices[device].type.name
-            for layer in layout.layer_range(stage):
-                extra = 0.0
-                if measured is not None:
-                    extra = measured(layer, micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len,
-                                     device_type=name) or 0.0
-                if recompute:
-                    extra += recompute_workspace(layout, cost, layer, name)
+            lead = layout.assignment[replica][stage_to_rank[stage]]
+            extra = 0.0
+            if cluster is not None:
+                name = cluster.devices[lead].type.name
+                shape = {"micro_batch_size": layout.micro_batch_size, "seq_len": layout.seq_len}
+                for layer in layout.layer_range(stage):
+                    more = 0.0
+                    if measured is not None:
+                        shrink = activation_scale(layout.model, layer, dtype=layout.dtype, tp=tp, **shape)[0]
+                        more = (measured(layer, device_type=name, **shape) or 0.0) * shrink
+                    if recompute:
+                        more += recompute_workspace(layout, cost, layer, name, tp=tp)
+                    extra = max(extra, more)
+            for device in layout.group(replica, stage_to_rank[stage]):  # every TP rank holds the same
+                out[device] = out.get(device, 0.0) + held
                 workspace[device] = max(workspace.get(device, 0.0), extra)
     return {device: held + workspace.get(device, 0.0) for device, held in out.items()}
 
 
-def recompute_workspace(layout: PlanLayout, cost: CostSource | None, layer: int, device_type: str) -> float:
+def recompute_workspace(
+    layout: PlanLayout, cost: CostSource | None, layer: int, device_type: str, *, tp: int = 1
+) -> float:
     """Bytes a recomputing block holds again during its backward: its forward's activations
-    (measured where the source knows them), beyond the input it kept; 0 for other layers."""
+    (measured where the source knows them, scaled to one of ``tp`` TP ranks), beyond the input it
+    kept; 0 for other layers."""
     model, mbs, seq = layout.model, layout.micro_batch_size, layout.seq_len
     if model.layer_kind(layer) != "block":
         return 0.0
     measured = getattr(cost, "activation_bytes", None)
     found = measured(layer, micro_batch_size=mbs, seq_len=seq, device_type=device_type) if measured else None
     dtype_bytes = DTYPE_BYTES[layout.dtype]
-    full = found[0] if found else formulas.layer_activation_bytes(
-        model, layer, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes)
+    shrink = activation_scale(model, layer, micro_batch_size=mbs, seq_len=seq, dtype=layout.dtype, tp=tp)[0]
+    full = found[0] * shrink if found else formulas.layer_activation_bytes(
+        model, layer, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes, tp=tp)
     kept = formulas.layer_activation_bytes(model, layer, micro_batch_size=mbs, seq_len=seq,
                                            dtype_bytes=dtype_bytes, recompute=True)
     return max(0.0, full - kept)
@@ -248,6 +297,8 @@ class _CollectiveTable:
         buckets = self.schedule.bucket_layers.get(stage, (layout.stage_layers[stage],))
         share = 1.0 if action.bucket is None else buckets[action.bucket] / sum(buckets)
         params = _stage_params(layout, stage) * share
+        # The other TP ranks' DP groups run the same collective at once (module docstring).
+        wire = dp_bytes_factor(self.cluster, group, layout.stage_tp(stage))
         meaning = zero_level(layout.zero[stage].level)
         op, payload = meaning.collective(action.kind)
         per_param = self.state.weights if payload is Payload.WEIGHTS else self.state.grads
@@ -259,7 +310,7 @@ class _CollectiveTable:
                 gathered = 0.0  # levels 1-2 refresh weights that stay gathered all step
             if action.kind is Kind.RESHARD:
                 return CollectiveCost(group=group, op=None, free_bytes=gathered)
-            return CollectiveCost(group=group, op=op, nbytes=params * per_param, alloc_bytes=gathered,
+            return CollectiveCost(group=group, op=op, nbytes=params * per_param * wire, alloc_bytes=gathered,
                                   compute_s=self.call_overhead)
         if action.kind is Kind.REDUCE_GRAD:
             freed = 0.0
@@ -271,7 +322,7 @@ class _CollectiveTable:
             if runtime_buffers:
                 # Level 0: the flat all-reduce buffer and the reduced copy; FSDP2: the new shard.
                 buffer = (params / layout.dp if meaning.shards_optimizer else 2 * params) * per_param
-            return CollectiveCost(group=group, op=op, nbytes=params * per_param, free_bytes=freed,
+            return CollectiveCost(group=group, op=op, nbytes=params * per_param * wire, free_bytes=freed,
                                   alloc_bytes=buffer, compute_s=self.call_overhead)
         device = self.cluster.devices[layout.assignment[replica][rank]].type
         shard = params / layout.dp if meaning.shards_optimizer else params
@@ -291,23 +342,30 @@ def compile_problem(
     s2r = schedules[0].stage_to_rank
     split = {a.stage for row in schedules[0].actions for a in row if a.kind in (Kind.B, Kind.W)}
     fused = [stage not in split for stage in range(layout.num_stages)]
+    tensor = TensorParallelCompute(layout.model, cost, catalog=_catalog(layout, cost, cluster))
+    links = TopologyCommModel(cluster, p2p_overhead_s=_p2p_overhead(cost)) if comm else None
     stage_costs = []
     for replica in range(layout.dp):
         row = []
         for stage in range(layout.num_stages):
-            device = cluster.devices[layout.assignment[replica][s2r[stage]]]
+            group = layout.group(replica, s2r[stage])
+            device = cluster.devices[group[0]]
             row.append(_stage_cost(layout, cost, stage, device.type.name, layout.zero[stage].level,
-                                   fused=fused[stage]))
+                                   fused=fused[stage], tensor=tensor, comm=links, group=group))
+        scale_hops(layout, cluster, replica, s2r, row)
         stage_costs.append(row)
     devices = [list(row) for row in layout.assignment]
     sequences = sum(layout.micro_batches) * layout.micro_batch_size
+    members = {g[0]: g[1:] for r in range(layout.dp) for k in range(layout.pp)
+               if len(g := layout.group(r, k)) > 1}
     return SimProblem(
         schedules=schedules,
         devices=devices,
         stage_costs=stage_costs,
         static_memory_bytes=static_memory(layout, s2r, cost=cost, cluster=cluster),
-        comm=TopologyCommModel(cluster, p2p_overhead_s=_p2p_overhead(cost)) if comm else None,
-        peak_flops={d: cluster.devices[d].type.peak_flops(layout.dtype) for row in devices for d in row},
+        comm=links,
+        tp_members=members,
+        peak_flops={d: cluster.devices[d].type.peak_flops(layout.dtype) for d in layout.devices},
         model_flops_per_step=formulas.megatron_flops_per_step(
             layout.model, batch_size=sequences, seq_len=layout.seq_len
         ),

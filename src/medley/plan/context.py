@@ -11,9 +11,12 @@ from collections.abc import Sequence
 
 from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
+from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
+from medley.cost.tensor_parallel import TensorParallelCompute
 from medley.plan.bounds import Flight, LayerTable, MemoryOption, layer_table, memory_prefix
 from medley.plan.space import Structure, distribute
+from medley.plan.tp_links import hop_bytes_factor
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
@@ -41,12 +44,23 @@ class PlanContext:
         self.seq_len, self.global_batch = seq_len, global_batch
         self.headroom = memory_headroom
         self.comm = TopologyCommModel(cluster)
-        self._tables: dict[tuple[str, int, str], LayerTable] = {}
-        self._memory_prefixes: dict[tuple[str, int, MemoryOption, int, Flight], tuple[float, ...]] = {}
+        self._tables: dict[tuple[str, int, str, int], LayerTable] = {}
+        self._memory_prefixes: dict[tuple, tuple[float, ...]] = {}
+        self._tensor: dict[str, TensorParallelCompute] = {}
+        self.network_loads: dict[tuple, float] = {}  # step_estimate.network_load's, per structure
 
-    def table(self, device_type: str, mbs: int, dtype: str = "bf16") -> LayerTable:
-        key = (device_type, mbs, dtype)
+    def table(self, device_type: str, mbs: int, dtype: str = "bf16", tp: int = 1) -> LayerTable:
+        """One TP rank's layer table at degree ``tp`` (its all-reduces timed on a group of
+        ``tp`` devices of the type on one node, :meth:`tp_group`)."""
+        key = (device_type, mbs, dtype, tp)
         if key not in self._tables:
+            tensor = None
+            if tp > 1:
+                tensor = self._tensor.get(dtype)
+                if tensor is None:
+                    catalog = CatalogCostSource.for_cluster(self.model, self.cluster, dtype=dtype)
+                    tensor = TensorParallelCompute(self.model, self.cost, catalog=catalog)
+                    self._tensor[dtype] = tensor
             self._tables[key] = layer_table(
                 self.model,
                 self.cost,
@@ -54,8 +68,23 @@ class PlanContext:
                 micro_batch_size=mbs,
                 seq_len=self.seq_len,
                 dtype=dtype,
+                tp=tp,
+                tensor=tensor,
+                comm=self.comm,
+                group=self.tp_group(device_type, tp),
             )
         return self._tables[key]
+
+    def tp_group(self, device_type: str, tp: int) -> tuple[int, ...]:
+        """``tp`` devices of ``device_type`` on one node (the first node with that many), whose
+        link times a TP group's all-reduces in the tables; () when tp is 1 or no node has them."""
+        if tp == 1:
+            return ()
+        for node in self.cluster.nodes:
+            ids = [d for d in node.device_ids if self.cluster.devices[d].type.name == device_type]
+            if len(ids) >= tp:
+                return tuple(ids[:tp])
+        return ()
 
     def capacity(self, device: int) -> float:
         return self.cluster.devices[device].type.memory_bytes * (1.0 - self.headroom)
@@ -64,8 +93,12 @@ class PlanContext:
         types = {self.cluster.devices[d].type for row in assignment for d in row}
         return "bf16" if all(t.supports_bf16 for t in types) else "fp16"
 
-    def boundary_time(self, a: int, b: int, mbs: int) -> float:
+    def boundary_time(self, a: int, b: int, mbs: int, tp_a: int = 1, tp_b: int = 1) -> float:
+        """One pipeline transfer from the group of ``tp_a`` devices at ``a`` to that of ``tp_b``
+        at ``b`` (the busiest link's bytes, :func:`medley.plan.tp_links.hop_bytes_factor`)."""
         nbytes = formulas.boundary_bytes(self.model, micro_batch_size=mbs, seq_len=self.seq_len)
+        if tp_a > 1 or tp_b > 1:
+            nbytes *= hop_bytes_factor(self.cluster, tuple(range(a, a + tp_a)), tuple(range(b, b + tp_b)))
         return self.comm.p2p_time(a, b, nbytes)
 
     def assign(self, order: Sequence[int], pp: int, dp: int, strategy: str) -> Assignment:
@@ -92,18 +125,26 @@ class PlanContext:
         return distribute(total_mb, per_replica)
 
     def memory_prefix(
-        self, device_type: str, mbs: int, dtype: str, option: MemoryOption, dp: int, flight: Flight
+        self,
+        device_type: str,
+        mbs: int,
+        dtype: str,
+        option: MemoryOption,
+        dp: int,
+        flight: Flight,
+        tp: int = 1,
     ) -> tuple[float, ...]:
-        key = (device_type, mbs, dtype, option, dp, flight)
+        key = (device_type, mbs, dtype, option, dp, flight, tp)
         prefix = self._memory_prefixes.get(key)
         if prefix is None:
-            table = self.table(device_type, mbs, dtype)
+            table = self.table(device_type, mbs, dtype, tp)
             prefix = self._memory_prefixes[key] = memory_prefix(table, option=option, dp=dp, flight=flight)
         return prefix
 
     def stage_time(
-        self, device_type: str, split: Sequence[int], s: int, option: MemoryOption, mbs: int
+        self, device_type: str, split: Sequence[int], s: int, option: MemoryOption, mbs: int, tp: int = 1
     ) -> float:
-        """F+B+W seconds of one micro-batch on stage ``s`` of ``split`` on ``device_type``."""
+        """F+B+W seconds of one micro-batch on stage ``s`` of ``split`` on ``device_type`` (one of
+        ``tp`` TP ranks, all-reduces included)."""
         start = sum(split[:s])
-        return self.table(device_type, mbs).time(start, start + split[s], recompute=option.recompute)
+        return self.table(device_type, mbs, tp=tp).time(start, start + split[s], recompute=option.recompute)

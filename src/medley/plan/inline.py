@@ -7,9 +7,11 @@ crosses the slower links between stages; layers are split in proportion to each 
 
 from __future__ import annotations
 
+from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass
+from medley.cost.tensor_parallel import TensorParallelCompute
 from medley.errors import MedleyInputError
-from medley.plan.layout import PlanLayout
+from medley.plan.layout import TP_DEGREES, PlanLayout, check_tp
 from medley.plan.split_rules import speed_split
 from medley.schedule.generators import generate
 from medley.schedule.zero import Placement, StageZero
@@ -65,14 +67,22 @@ def _check_flags(
             raise MedleyInputError(f"{flag} {value}: must be {bound}; give a value in that range")
 
 
-def default_assignment(cluster: Cluster, *, pp: int, dp: int) -> tuple[tuple[int, ...], ...]:
-    """Replica r's rank k on the (k·dp + r)-th device: each stage's DP group is contiguous."""
-    if pp * dp > cluster.num_devices:
+def default_assignment(
+    cluster: Cluster, *, pp: int, dp: int, tp: tuple[int, ...] = ()
+) -> tuple[tuple[int, ...], ...]:
+    """Replica r's rank k on the (k·dp + r)-th device (group of ``tp[k]`` devices): each stage's
+    DP group is contiguous, its TP groups side by side."""
+    degrees = tp or (1,) * pp
+    need = dp * sum(degrees)
+    if need > cluster.num_devices:
+        tp_part = f" x tp {','.join(map(str, degrees))}" if tp else ""
+        lower = "--pp, --dp or --tp" if tp else "--pp or --dp"
         raise MedleyInputError(
-            f"--pp {pp} x --dp {dp} needs {pp * dp} devices but the cluster has {cluster.num_devices}; "
-            "lower --pp or --dp"
+            f"--pp {pp} x --dp {dp}{tp_part} needs {need} devices but the cluster has {cluster.num_devices}; "
+            f"lower {lower}"
         )
-    return tuple(tuple(k * dp + r for k in range(pp)) for r in range(dp))
+    firsts = [sum(degrees[:k]) * dp for k in range(pp)]
+    return tuple(tuple(firsts[k] + r * degrees[k] for k in range(pp)) for r in range(dp))
 
 
 def parse_assignment(text: str, cluster: Cluster, *, pp: int, dp: int) -> tuple[tuple[int, ...], ...]:
@@ -130,13 +140,18 @@ def inline_layout(
     dtype: str | None = None,
     clip_grad: bool = False,
     assignment: str | None = None,
+    tp: str | None = None,
 ) -> PlanLayout:
     """A :class:`PlanLayout` from the flags of ``medley simulate`` (and ``medley train``);
     ``assignment`` (``--assignment "3,0;1,2"``) puts replica r's pipeline rank k on the k-th id of
-    row r instead of :func:`default_assignment`."""
+    row r instead of :func:`default_assignment` (the first device of its TP group); ``tp``
+    (``--tp 2`` or ``--tp 2,1``) the tensor-parallel degree of each pipeline rank."""
     _check_flags(pp=pp, dp=dp, micro_batch_size=micro_batch_size, seq_len=seq_len,
                  virtual_stages=virtual_stages, buckets=buckets, gather_windows=gather_windows)
-    default_assignment(cluster, pp=pp, dp=dp)
+    degrees = parse_int_list(tp, flag="--tp", count=pp, minimum=1, maximum=max(TP_DEGREES)) or ()
+    if degrees and all(t == 1 for t in degrees):
+        degrees = ()
+    default_assignment(cluster, pp=pp, dp=dp, tp=degrees)
     counts = parse_int_list(micro_batches, flag="--micro-batches", count=dp, minimum=1,
                             maximum=MAX_MICRO_BATCHES)
     assert counts is not None
@@ -152,18 +167,19 @@ def inline_layout(
     # has the same layers as the down pipeline's k-th, so the split names the down stages only.
     mirrored = schedule == "bidirectional"
     chain = pp if mirrored else stages
-    devices = (default_assignment(cluster, pp=pp, dp=dp) if assignment is None
+    devices = (default_assignment(cluster, pp=pp, dp=dp, tp=degrees) if assignment is None
                else parse_assignment(assignment, cluster, pp=pp, dp=dp))
     layers = parse_int_list(split, flag="--split", count=chain, minimum=0)
     if layers is None:
+        tensor = TensorParallelCompute(model, cost, catalog=CatalogCostSource.for_cluster(model, cluster))
         speeds = []
         for stage in range(chain):
-            types = {cluster.devices[devices[r][probe.stage_to_rank[stage]]].type.name for r in range(dp)}
+            rank = probe.stage_to_rank[stage]
+            types = {cluster.devices[devices[r][rank]].type.name for r in range(dp)}
             block_time = max(
                 sum(
-                    cost.layer_time(
-                        1, p, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=t
-                    ).seconds
+                    tensor.layer_time(1, p, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=t,
+                                      tp=degrees[rank] if degrees else 1)
                     for p in Pass
                 )
                 for t in types
@@ -184,7 +200,7 @@ def inline_layout(
         policy = Placement(placement)
     except ValueError:
         raise MedleyInputError(f"--zero-placement '{placement}' must be 'naive' or 'bubble'") from None
-    return PlanLayout(
+    layout = PlanLayout(
         model=model,
         pp=pp,
         dp=dp,
@@ -200,4 +216,7 @@ def inline_layout(
         dtype=dtype,
         knobs=knobs,
         clip_grad=clip_grad,
+        tp=degrees,
     )
+    check_tp(layout, cluster)
+    return layout

@@ -84,7 +84,11 @@ class PlanLayout:
         return self.tp[pipeline_rank] if self.tp else 1
 
     def stage_tp(self, stage: int) -> int:
-        """Tensor-parallel degree of global stage ``stage`` (that of the pipeline rank holding it)."""
+        """Tensor-parallel degree of global stage ``stage`` (that of the pipeline rank holding it:
+        stage % pp, except the up pipeline of a two-direction schedule, which runs back from
+        rank pp-1)."""
+        if self.schedule == "bidirectional" and stage >= self.pp:
+            return self.tp_of(2 * self.pp - 1 - stage)
         return self.tp_of(stage % self.pp)
 
     def group(self, replica: int, pipeline_rank: int) -> tuple[int, ...]:

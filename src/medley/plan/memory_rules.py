@@ -12,8 +12,8 @@ from medley.plan.builder import MemoryRule, Setting, StagePlan
 def cheapest_per_stage(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
     """Memory rule: each stage takes the first option of the setting's ladder under which it
     fits every device type that runs it."""
-    ctx, st, dtype = setting.ctx, setting.structure, setting.dtype
-    mbs, dp = st.micro_batch_size, st.dp
+    ctx, st = setting.ctx, setting.structure
+    dp = st.dp
     types = ctx.cluster.device_types()
     ladder = setting.ladder
     options = []
@@ -26,7 +26,7 @@ def cheapest_per_stage(setting: Setting, split: tuple[int, ...]) -> StagePlan | 
                 for o in ladder
                 if all(
                     stage_memory(
-                        ctx.table(t, mbs, dtype),
+                        setting.table(s, t),
                         start,
                         start + n,
                         option=o,
@@ -49,8 +49,8 @@ def cheapest_per_stage(setting: Setting, split: tuple[int, ...]) -> StagePlan | 
 def cheapest_per_rank(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
     """Memory rule for interleaved 1F1B: every chunk of a rank takes the cheapest option under
     which all of them fit at Megatron's warm-up depth, 2(p-k-1) + (v-1)·min(m, p) + 1 chunks."""
-    ctx, st, dtype, v = setting.ctx, setting.structure, setting.dtype, setting.virtual_stages
-    mbs, pp, dp, stages = st.micro_batch_size, st.pp, st.dp, setting.num_stages
+    ctx, st, v = setting.ctx, setting.structure, setting.virtual_stages
+    pp, dp, stages = st.pp, st.dp, setting.num_stages
     m = max(setting.counts)
     ladder = setting.ladder
     options: list[MemoryOption | None] = [None] * stages
@@ -78,7 +78,7 @@ def cheapest_per_rank(setting: Setting, split: tuple[int, ...]) -> StagePlan | N
             return all(
                 sum(
                     stage_memory(
-                        ctx.table(t, mbs, dtype),
+                        setting.table(c, t),
                         starts[c],
                         starts[c] + split[c],
                         option=option,
@@ -109,12 +109,12 @@ def first_uniform_fit(choices: Sequence[MemoryOption], *, device_type: str, capa
     ``device_type`` with ``capacity`` bytes (a homogeneous planner's view of a mixed cluster)."""
 
     def rule(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
-        table = setting.ctx.table(device_type, setting.structure.micro_batch_size)
         starts = [sum(split[:s]) for s in range(len(split))]
         for option in choices:
             if all(
                 stage_memory(
-                    table,
+                    setting.ctx.table(device_type, setting.structure.micro_batch_size,
+                                      tp=setting.stage_tp(s)),
                     starts[s],
                     starts[s] + split[s],
                     option=option,
@@ -146,7 +146,7 @@ def rebalanced_uniform_fit(choices: Sequence[MemoryOption]) -> MemoryRule:
             start = sum(split[:k])
             return max(
                 stage_memory(
-                    ctx.table(t, mbs),
+                    ctx.table(t, mbs, tp=st.tp_of(k)),
                     start,
                     start + split[k],
                     option=option,

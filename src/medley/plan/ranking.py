@@ -57,7 +57,7 @@ def rank_plan(
         cluster.devices[r.device].type.memory_bytes * (1.0 - headroom) - r.peak_memory_bytes
         for r in result.devices
     ]
-    used = [d for row in layout.assignment for d in row]
+    used = layout.devices  # every TP rank is priced
     prices = [cluster.devices[d].price_per_hour for d in used]
     cost_per_mtoken = None
     if all(p is not None for p in prices) and prediction.tokens_per_s > 0:

@@ -281,19 +281,20 @@ def structure_bound(estimator: Estimator, st: Structure) -> float:
     by recomputation's extra forward when the first stage's device cannot hold one micro-batch's
     activations of every layer (what 1F1B's first stage keeps in flight) next to its share of the
     model state (in the plan's dtype, :func:`medley.cost.zero_memory.state_bytes_per_param`).
-    Infinite when even fully sharded state does not fit the cluster's devices."""
+    Infinite when even fully sharded state does not fit the cluster's devices. A TP group counts
+    as one device at its degree's speed (:meth:`PlanContext.table`, all-reduces included)."""
     mbs = st.micro_batch_size
-    counts: dict[str, int] = {}
+    counts: dict[tuple[str, int], int] = {}
     for row in st.assignment:
-        for d in row:
-            name = estimator.cluster.devices[d].type.name
-            counts[name] = counts.get(name, 0) + 1
-    speed = sum(n * mbs / estimator.table(t, mbs).total[-1] for t, n in counts.items())
+        for k, d in enumerate(row):
+            key = (estimator.cluster.devices[d].type.name, st.tp_of(k))
+            counts[key] = counts.get(key, 0) + 1
+    speed = sum(n * mbs / estimator.table(t, mbs, tp=tp).total[-1] for (t, tp), n in counts.items())
     m = -(-estimator.global_batch // mbs // st.dp)
     bound = estimator.global_batch / speed * (m + (st.pp - 1) / 3) / m
     first = estimator.cluster.devices[st.assignment[0][0]].type
     dtype = estimator.dtype(st.assignment)
-    table = estimator.table(first.name, mbs, dtype)
+    table = estimator.table(first.name, mbs, dtype, st.tp_of(0))
     state = state_bytes_per_param(dtype).total * table.params[-1] / (st.pp * st.dp)
     capacity = first.memory_bytes * (1.0 - estimator.headroom)
     if state > capacity:

@@ -121,9 +121,10 @@ def shortfall_error(
         hints.append("devices with more memory for the first stages (they hold the most activations)")
     levels = sorted({"streamed ZeRO-3" if z.streams else f"ZeRO-{z.level}" for z in lay.zero})
     zero = " / ".join(levels)
+    tp = f", tp={','.join(map(str, lay.tp))}" if lay.tp else ""
     return MedleyInputError(
         f"{model.name} fits nowhere on cluster '{cluster.name}' at --global-batch {global_batch}, --seq-len "
-        f"{estimator.seq_len}: the closest plan (pp={lay.pp}, dp={lay.dp}, micro-batch size "
+        f"{estimator.seq_len}: the closest plan (pp={lay.pp}, dp={lay.dp}{tp}, micro-batch size "
         f"{lay.micro_batch_size}, {zero}, recompute {'on' if all(lay.recompute) else 'off'}) is "
         f"{short_gb:.1f} GB short on device {report.device} ({device.type.name}, "
         f"{device.type.memory_gb:g} GB, "

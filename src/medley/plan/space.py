@@ -61,6 +61,15 @@ class Structure:
     micro_batch_size: int
     tp: tuple[int, ...] = ()
 
+    def tp_of(self, pipeline_rank: int) -> int:
+        """Tensor-parallel degree of ``pipeline_rank`` (1 where the structure has no ``tp``)."""
+        return self.tp[pipeline_rank] if self.tp else 1
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the structure uses: dp x the pipeline ranks' TP degrees."""
+        return self.dp * sum(self.tp_of(k) for k in range(self.pp))
+
 
 @dataclass(frozen=True, kw_only=True)
 class Candidate:

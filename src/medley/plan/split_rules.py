@@ -59,8 +59,9 @@ def by_stage_capacity(setting: Setting) -> tuple[int, ...]:
     members' speeds (Metis splits the data inside a stage by speed)."""
     ctx, st = setting.ctx, setting.structure
     mbs = st.micro_batch_size
-    names = [[ctx.cluster.devices[st.assignment[r][k]].type.name for k in range(st.pp)] for r in range(st.dp)]
-    speed = {t: 1.0 / ctx.table(t, mbs).total[-1] for row in names for t in row}
+    names = [[(ctx.cluster.devices[st.assignment[r][k]].type.name, st.tp_of(k)) for k in range(st.pp)]
+             for r in range(st.dp)]
+    speed = {key: 1.0 / ctx.table(key[0], mbs, tp=key[1]).total[-1] for row in names for key in row}
     return speed_split(ctx.model, [sum(speed[names[r][k]] for r in range(st.dp)) for k in range(st.pp)])
 
 
@@ -75,14 +76,14 @@ def bottleneck(setting: Setting) -> tuple[int, ...] | None:
     ladder = setting.ladder
     num_layers = ctx.model.num_layers
     slowest = max(
-        ctx.table(t, mbs).time(0, num_layers, recompute=True) * c
+        setting.table(s, t).time(0, num_layers, recompute=True) * c
         for s in range(pp)
         for t, c in stage_types[s]
     )
     # The continuous optimum (stage s takes the share of the model its speed allows) is a lower
     # bound on the bottleneck.
     ideal = 1.0 / sum(
-        1.0 / max(ctx.table(t, mbs).total[-1] * c for t, c in stage_types[s]) for s in range(pp)
+        1.0 / max(setting.table(s, t).total[-1] * c for t, c in stage_types[s]) for s in range(pp)
     )
     for allowed in (ladder[:1], ladder):
         # Per stage and option: [(time prefix, micro-batches, memory prefix, capacity, table)], so
@@ -93,13 +94,11 @@ def bottleneck(setting: Setting) -> tuple[int, ...] | None:
                     option,
                     [
                         (
-                            ctx.table(t, mbs, dtype).total_rc
-                            if option.recompute
-                            else ctx.table(t, mbs, dtype).total,
+                            setting.table(s, t).total_rc if option.recompute else setting.table(s, t).total,
                             c,
-                            ctx.memory_prefix(t, mbs, dtype, option, dp, depth[s]),
+                            ctx.memory_prefix(t, mbs, dtype, option, dp, depth[s], setting.stage_tp(s)),
                             caps[t],
-                            ctx.table(t, mbs, dtype),
+                            setting.table(s, t),
                         )
                         for t, c in stage_types[s]
                     ],
@@ -109,23 +108,38 @@ def bottleneck(setting: Setting) -> tuple[int, ...] | None:
             for s in range(pp)
         ]
 
-        def stage_end(s: int, i: int, t: float, plans: list[Any] = plans) -> int:
-            best = i
-            for option, items in plans[s]:
+        limits: dict[tuple[int, int, int], tuple[int, int]] = {}
+
+        def memory_end(
+            s: int, o: int, i: int, plans: list[Any] = plans, limits: dict[Any, tuple[int, int]] = limits
+        ) -> tuple[int, int]:
+            """(largest end the memory prefixes allow from layer i under option o on every type of
+            stage s, largest end below i + buckets the exact check allows for streamed ZeRO-3,
+            whose short stages gather a larger share); neither depends on the time budget."""
+            key = (s, o, i)
+            got = limits.get(key)
+            if got is None:
+                option, items = plans[s][o]
                 end = num_layers
-                for times, c, memory, cap, _ in items:
-                    end = min(
-                        end,
-                        bisect_right(times, times[i] + t / c) - 1,
-                        bisect_right(memory, memory[i] + cap) - 1,
-                    )
-                if option.streams and end - i < option.buckets:  # short stages gather a larger share
+                for _, _, memory, cap, _ in items:
+                    end = min(end, bisect_right(memory, memory[i] + cap) - 1)
+                short = min(end, i + option.buckets - 1)
+                if option.streams:
                     for _, _, _, cap, table in items:
-                        while (
-                            end > i
-                            and stage_memory(table, i, end, option=option, dp=dp, in_flight=depth[s]) > cap
-                        ):
-                            end -= 1
+                        while short > i and stage_memory(table, i, short, option=option, dp=dp,
+                                                         in_flight=depth[s]) > cap:
+                            short -= 1
+                got = limits[key] = (end, short)
+            return got
+
+        def stage_end(s: int, i: int, t: float, plans: list[Any] = plans, bound: Any = memory_end) -> int:
+            best = i
+            for o, (option, items) in enumerate(plans[s]):
+                end, short = bound(s, o, i)
+                for times, c, _, _, _ in items:
+                    end = min(end, bisect_right(times, times[i] + t / c) - 1)
+                if option.streams and end - i < option.buckets:
+                    end = min(end, short)
                 best = max(best, end)
             return best
 
@@ -145,13 +159,12 @@ def bottleneck(setting: Setting) -> tuple[int, ...] | None:
 def interleaved_chunks(setting: Setting) -> tuple[int, ...] | None:
     """Split rule for interleaved 1F1B: chunk c runs on rank c % pp; the bottleneck sweep over the
     chunks in pipeline order, by time only (each rank's memory is the memory rule's)."""
-    ctx, st, dtype = setting.ctx, setting.structure, setting.dtype
-    mbs, stages = st.micro_batch_size, setting.num_stages
+    ctx, stages = setting.ctx, setting.num_stages
     chunk_types = [setting.stage_types(c) for c in range(stages)]
-    slowest = max(ctx.table(t, mbs).total[-1] * n for c in range(stages) for t, n in chunk_types[c])
+    slowest = max(setting.table(c, t).total[-1] * n for c in range(stages) for t, n in chunk_types[c])
 
     def stage_end(s: int, i: int, t: float) -> int:
-        return min(ctx.table(ty, mbs, dtype).max_end(i, t / n) for ty, n in chunk_types[s])
+        return min(setting.table(s, ty).max_end(i, t / n) for ty, n in chunk_types[s])
 
     found = bottleneck_split(ctx.model.num_layers, stages, stage_end, lo=0.0, hi=slowest * SWEEP_FALLBACK)
     return None if found is None else found[0]

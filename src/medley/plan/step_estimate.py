@@ -19,6 +19,7 @@ from medley.plan.bounds import MemoryOption, pipeline_time
 from medley.plan.compile import OPTIMIZER_STEP_BYTES_PER_PARAM
 from medley.plan.context import PlanContext, Signatures
 from medley.plan.space import Structure
+from medley.plan.tp_links import dp_bytes_factor
 
 
 def step_estimate(
@@ -43,19 +44,21 @@ def step_estimate(
         # Streamed ZeRO-3 gathers mostly wait in line with the compute (the simulator shows
         # little overlap), so they are counted on top of it.
         times = [
-            sum(est.stage_time(sig[k], split, s, options[s], mbs) + stream[s] for s in stage_of_rank[k])
+            sum(est.stage_time(sig[k], split, s, options[s], mbs, st.tp_of(k)) + stream[s]
+                for s in stage_of_rank[k])
             for k in range(pp)
         ]
         weights = []
         for k in range(pp):
-            tab = est.table(sig[k], mbs)
+            tab = est.table(sig[k], mbs, tp=st.tp_of(k))
             weights.append(
                 sum(
                     tab.weight[sum(split[:s]) + split[s]] - tab.weight[sum(split[:s])]
                     for s in stage_of_rank[k]
                 )
             )
-        links = [est.boundary_time(row[k], row[k + 1], mbs) for k in range(pp - 1)]
+        links = [est.boundary_time(row[k], row[k + 1], mbs, st.tp_of(k), st.tp_of(k + 1))
+                 for k in range(pp - 1)]
         m = max(micro_batches[r] for r in members)
         worst = max(
             worst,
@@ -66,10 +69,36 @@ def step_estimate(
                 link_times=links,
                 micro_batches=m,
                 virtual_stages=virtual_stages,
+                link_load=network_load(est, st) * virtual_stages,
             ),
         )
         rank_busy = max(rank_busy, max(times))
     return worst + exposed_dp(est, st, split, options, micro_batches, rank_busy)
+
+
+def network_load(est: PlanContext, st: Structure) -> float:
+    """Seconds per micro-batch the busiest node network port (each direction) carries of the
+    pipeline transfers: every replica's hops that leave a node, each TP rank's
+    (:func:`medley.plan.tp_links.hop_bytes_factor`), activations forward and gradients back."""
+    key = (st.assignment, st.tp, st.micro_batch_size)
+    load = est.network_loads.get(key)
+    if load is not None:
+        return load
+    nbytes = formulas.boundary_bytes(est.model, micro_batch_size=st.micro_batch_size, seq_len=est.seq_len)
+    ports: dict[tuple[str, str], float] = {}
+    devices = est.cluster.devices
+    for row in st.assignment:
+        for k in range(st.pp - 1):
+            a, b = devices[row[k]].node, devices[row[k + 1]].node
+            if a == b:
+                continue
+            forward, back = nbytes * st.tp_of(k + 1), nbytes * st.tp_of(k)
+            for port, moved in (((a, "tx"), forward), ((b, "rx"), forward), ((b, "tx"), back),
+                                ((a, "rx"), back)):
+                ports[port] = ports.get(port, 0.0) + moved
+    bandwidth = est.comm.link_bandwidth(f"node:{devices[0].node}:nic:tx")
+    load = est.network_loads[key] = max(ports.values(), default=0.0) / bandwidth
+    return load
 
 
 def stream_times(
@@ -85,9 +114,11 @@ def stream_times(
             out.append(0.0)
             start += n
             continue
-        params = float(formulas.stage_held_params(est.model, start, start + n))
+        tp = st.tp_of(s % st.pp)
+        params = float(formulas.stage_held_params(est.model, start, start + n, tp=tp))
         start += n
         group = tuple(row[s % st.pp] for row in st.assignment)
+        params *= dp_bytes_factor(est.cluster, group, tp)  # the other TP ranks' groups share links
         gather = est.comm.collective_time(Collective.ALL_GATHER, group, params * 2.0)
         scatter = est.comm.collective_time(Collective.REDUCE_SCATTER, group, params * 2.0)
         out.append(actions * gather + scatter)
@@ -112,20 +143,22 @@ def exposed_dp(
     start = 0
     for s, n in enumerate(split):
         rank = s % pp
-        params = float(formulas.stage_held_params(est.model, start, start + n))
+        params = float(formulas.stage_held_params(est.model, start, start + n, tp=st.tp_of(rank)))
         start += n
         group = tuple(st.assignment[r][rank] for r in range(dp))
+        wire = dp_bytes_factor(est.cluster, group, st.tp_of(rank))  # the other TP ranks' groups
         bandwidth = min(est.cluster.devices[d].type.memory_bandwidth_gbps for d in group) * 1e9
         option = options[s]
         meaning = zero_level(option.level)
         shard = params / dp if meaning.shards_optimizer else params
         exposed = shard * OPTIMIZER_STEP_BYTES_PER_PARAM / bandwidth
         if dp > 1:
-            reduce = est.comm.collective_time(meaning.reduction, group, params * state.grads)
+            reduce = est.comm.collective_time(meaning.reduction, group, params * state.grads * wire)
             tail = rank * stage_time / 2.0
             if not option.streams:
                 exposed += max(0.0, reduce - tail)
             if meaning.gathers_after_step:
-                exposed += est.comm.collective_time(Collective.ALL_GATHER, group, params * state.weights)
+                gathered = params * state.weights * wire
+                exposed += est.comm.collective_time(Collective.ALL_GATHER, group, gathered)
         worst = max(worst, exposed)
     return worst

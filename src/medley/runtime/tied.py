@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from medley.cost.tied import tied_sum_by_rows
+from medley.cost.zero_levels import tied_sum_by_rows
 from medley.runtime.groups import RankGroups, RankTable
 from medley.runtime.model import TIED_WEIGHT
 from medley.runtime.sharding import ShardedStage, shard_rows

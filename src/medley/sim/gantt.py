@@ -68,7 +68,7 @@ def write_gantt(result: SimResult, path: str | Path, *, title: str | None = None
     for device, bars in comm.items():
         ax.broken_barh([b for b, _ in bars], (row_of[device] + 0.25, 0.15), facecolors=[c for _, c in bars])
     ax.set_yticks(range(len(reports)))
-    ax.set_yticklabels([f"dev {r.device} (r{r.replica} k{r.rank})" for r in reports], fontsize=8)
+    ax.set_yticklabels([f"dev {r.device} ({r.label})" for r in reports], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, result.step_time_s * scale)
     ax.set_xlabel(f"time ({unit})")

@@ -52,6 +52,9 @@ class StageCost:
         grad_buffer_bytes: full (unsharded) gradient buffer allocated at the rank's first W or BW
             of this stage, freed by REDUCE_GRAD ``free_bytes`` (capped at what is still live) and
             allocated again by the next W/BW once fully freed; 0 when gradients are static.
+        send_back_bytes: bytes timed for the gradient the next stage sends back into this one
+            (None: ``send_bytes``); they differ when the two stages' tensor-parallel groups
+            load their links unlike in the two directions.
     """
 
     forward_s: float
@@ -61,6 +64,7 @@ class StageCost:
     activation_after_b_bytes: float = 0.0
     send_bytes: float = 0.0
     grad_buffer_bytes: float = 0.0
+    send_back_bytes: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,6 +127,9 @@ class SimProblem:
         tokens_per_step: tokens of the whole step (all replicas).
         collectives: answers for every UNSHARD/RESHARD/REDUCE_GRAD/OPTIM in the schedules;
             required when any schedule has one.
+        tp_members: a rank run by a tensor-parallel group: its device in ``devices`` (the lead)
+            -> the group's other devices, which run the same actions at the same times with the
+            same memory; the result reports each of them as a copy of the lead.
     """
 
     schedules: list[PipelineSchedule]
@@ -134,6 +141,7 @@ class SimProblem:
     model_flops_per_step: float = 0.0
     tokens_per_step: float = 0.0
     collectives: CollectiveTable | None = None
+    tp_members: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         replicas = len(self.schedules)
@@ -166,6 +174,13 @@ class SimProblem:
                 raise ValueError(
                     f"replica {r}'s schedule has ZeRO actions; SimProblem.collectives must say what they do"
                 )
+        for lead, members in self.tp_members.items():
+            if lead not in seen:
+                raise ValueError(f"SimProblem.tp_members names lead {lead}, which runs no rank")
+            for device in members:
+                if device in seen:
+                    raise ValueError(f"device {device} appears twice in SimProblem.devices / tp_members")
+                seen.add(device)
 
 
 _ZERO_KINDS = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD, Kind.OPTIM, Kind.CLIP})

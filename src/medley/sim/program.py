@@ -197,7 +197,8 @@ class _Builder:
             raise ValueError(f"replica {r} rank {k}: a send of {action} goes past the end of the pipeline")
         row = self.problem.devices[r]
         src, dst = row[k], row[s2r[peer]]
-        nbytes = self.problem.stage_costs[r][s if forward else peer].send_bytes
+        owner = self.problem.stage_costs[r][s if forward else peer]
+        nbytes = owner.send_bytes if forward or owner.send_back_bytes is None else owner.send_back_bytes
         comm = self.problem.comm
         dur = comm.p2p_time(src, dst, nbytes) if comm is not None else 0.0
         producer = self.slot(r, 0 if forward else 1, s, 0)

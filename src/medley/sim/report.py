@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_right
+from dataclasses import replace
 
 from medley.schedule.ir import Action, Kind
 from medley.sim.problem import SimProblem
@@ -37,11 +38,17 @@ def assemble_result(problem: SimProblem, run: RunRecord) -> SimResult:
             exposed_zero_s=parts.zero, exposed_clip_s=parts.clip, clip_barrier_s=parts.barrier,
             static_memory_bytes=static, peak_memory_bytes=max(memory[device_id][1]), step_time_s=step,
         ))
+        members = problem.tp_members.get(device_id, ())
+        if members:  # a TP group's other ranks: copies of the lead
+            lead = devices[-1] = replace(devices[-1], tp=1 + len(members))
+        for j, member in enumerate(members, start=1):
+            devices.append(replace(lead, device=member, tp_rank=j))
+            memory[member], compute[member] = memory[device_id], timeline
         for stage, comm_s in parts.zero_comm.items():
             report = zero.setdefault(stage, StageZeroReport(stage=stage, comm_s=0.0, exposed_s=0.0))
             report.comm_s = max(report.comm_s, comm_s)
             report.exposed_s = max(report.exposed_s, parts.zero_by_stage.get(stage, 0.0))
-    peak = sum(problem.peak_flops.get(device_id, 0.0) for device_id in prog.device_ids)
+    peak = sum(problem.peak_flops.get(report.device, 0.0) for report in devices)
     return SimResult(
         step_time_s=step,
         devices=devices,

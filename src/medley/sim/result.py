@@ -59,6 +59,8 @@ class DeviceReport:
         static_memory_bytes: resident all step (from the problem).
         peak_memory_bytes: highest static + transient memory at any instant.
         step_time_s: the step's length, the same for every device.
+        tp: size of the tensor-parallel group running the rank (1: none); tp_rank: this device's
+            rank in it (0: the lead the simulator ran; the others are its copies).
     """
 
     device: int
@@ -77,6 +79,13 @@ class DeviceReport:
     static_memory_bytes: float
     peak_memory_bytes: float
     step_time_s: float
+    tp: int = 1
+    tp_rank: int = 0
+
+    @property
+    def label(self) -> str:
+        """``r<replica> k<rank>``, with ``tp<j>/<t>`` on a tensor-parallel group."""
+        return f"r{self.replica} k{self.rank}" + (f" tp{self.tp_rank}/{self.tp}" if self.tp > 1 else "")
 
     @property
     def exposed_comm_s(self) -> float:

@@ -26,7 +26,8 @@ def _metadata(result: SimResult) -> list[dict]:
     events = []
     for report in result.devices:
         pid = report.device
-        label = f"device {pid} (replica {report.replica}, rank {report.rank})"
+        tp = f", tp rank {report.tp_rank} of {report.tp}" if report.tp > 1 else ""
+        label = f"device {pid} (replica {report.replica}, rank {report.rank}{tp})"
         events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": label}})
         events.append({"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}})
         for tid, name in _THREADS.items():

@@ -1,0 +1,116 @@
+"""What tensor parallelism costs per layer: one TP rank's compute and the TP all-reduces.
+
+One definition, read by the compiler (:mod:`medley.plan.compile`) and the planner's analytic
+tables (:mod:`medley.plan.bounds`), for Megatron-style TP of every transformer block over a group
+of ``tp`` devices on one node (norms, embedding and head replicated; no sequence parallelism):
+
+* **Compute.** A rank runs the block's matmuls on its 1/tp share (Q/K/V and gate/up split by
+  output columns, the attention output and down projections by input rows), attention over
+  heads/tp, and RoPE and the MLP activation on split tensors; norms and residual adds stay whole.
+  Smaller matmuls reach a smaller fraction of the device's peak, which the catalog's roofline
+  (:mod:`medley.cost.estimator`: efficiency falling with m·n and k, a minimum kernel time, the
+  memory-bound limit) prices from the split shapes. A block's time at ``tp`` is the source's own
+  time at tp=1 (measured, where a profile has it) times the roofline's ratio
+  ``time(tp) / time(1)`` for that pass on that device type: a catalog source thus gets its
+  roofline of the split shapes exactly, a profile its measurement scaled by how much the
+  split shapes lose. Device types the catalog does not know scale by ``1/tp`` (perfect split).
+* **Communication.** Each block all-reduces its output activation (micro_batch x seq x hidden in
+  the training dtype) over the TP group twice in F (after attention and after the MLP) and its
+  input gradient twice in B (the column-parallel layers' input gradients); W (the weight
+  gradients of zero-bubble schedules) has none, and a recomputing block's rerun forward repeats
+  F's two. The all-reduces are synchronous in the compute stream, so their time is part of the
+  compute action's (:func:`tp_comm_time`), timed by the cluster's α-β model on the group.
+"""
+
+from __future__ import annotations
+
+from medley.cost import formulas
+from medley.cost.estimator import DTYPE_BYTES, CatalogCostSource
+from medley.cost.interfaces import Collective, CommModel, CostSource, Pass
+from medley.errors import MedleyInputError
+from medley.spec.model import ModelSpec
+
+TP_ALL_REDUCES = {Pass.F: 2, Pass.B: 2, Pass.W: 0}
+"""All-reduces of one block per pass over its TP group (Megatron, no sequence parallelism)."""
+
+
+def tp_all_reduce_bytes(model: ModelSpec, *, micro_batch_size: int, seq_len: int, dtype: str) -> float:
+    """Bytes of each TP all-reduce of a block: the whole hidden-state tensor of the micro-batch."""
+    return formulas.boundary_bytes(model, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                                   dtype_bytes=DTYPE_BYTES[dtype])
+
+
+def tp_comm_time(
+    comm: CommModel | None,
+    model: ModelSpec,
+    layer: int,
+    kind: Pass,
+    *,
+    group: tuple[int, ...],
+    micro_batch_size: int,
+    seq_len: int,
+    dtype: str,
+) -> float:
+    """Seconds of one pass's TP all-reduces of ``layer`` over the devices of ``group`` (0 for a
+    group of one, a replicated layer or W)."""
+    if comm is None or len(group) < 2 or model.layer_kind(layer) != "block" or not TP_ALL_REDUCES[kind]:
+        return 0.0
+    nbytes = tp_all_reduce_bytes(model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype)
+    return TP_ALL_REDUCES[kind] * comm.collective_time(Collective.ALL_REDUCE, group, nbytes)
+
+
+class TensorParallelCompute:
+    """One TP rank's compute time of a layer from any :class:`CostSource` (the module docstring).
+
+    ``catalog`` prices the split shapes (it must know the cluster's device types, e.g.
+    :meth:`CatalogCostSource.for_cluster`); ratios are cached per (pass, micro-batch size,
+    sequence length, device type, degree)."""
+
+    def __init__(self, model: ModelSpec, cost: CostSource, *, catalog: CatalogCostSource) -> None:
+        self.model, self.cost, self.catalog = model, cost, catalog
+        self._ratios: dict[tuple[Pass, int, int, str, int], float] = {}
+
+    def scale(self, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int) -> float:
+        """A block's compute time at ``tp`` over its time at 1, for one pass (1 at tp=1)."""
+        if tp == 1:
+            return 1.0
+        key = (Pass(kind), micro_batch_size, seq_len, device_type, tp)
+        ratio = self._ratios.get(key)
+        if ratio is None:
+            block = 1  # every block has the same shapes
+            try:
+                whole = self.catalog.layer_time(block, kind, micro_batch_size=micro_batch_size,
+                                                seq_len=seq_len, device_type=device_type).seconds
+                split = self.catalog.layer_time(block, kind, micro_batch_size=micro_batch_size,
+                                                seq_len=seq_len, device_type=device_type, tp=tp).seconds
+                ratio = split / whole if whole > 0 else 1.0 / tp
+            except MedleyInputError:  # a profile's device type the catalog does not know
+                ratio = 1.0 / tp
+            self._ratios[key] = ratio
+        return ratio
+
+    def layer_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int
+    ) -> float:
+        """Seconds of one pass of ``layer`` on one of ``tp`` ranks, communication excluded."""
+        base = self.cost.layer_time(layer, kind, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                                    device_type=device_type).seconds
+        if tp == 1 or self.model.layer_kind(layer) != "block":
+            return base
+        return base * self.scale(kind, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                                 device_type=device_type, tp=tp)
+
+
+def activation_scale(
+    model: ModelSpec, layer: int, *, micro_batch_size: int, seq_len: int, dtype: str, tp: int
+) -> tuple[float, float]:
+    """(F-to-B, B-to-W) activation bytes of ``layer`` at ``tp`` over those at 1, by the formulas:
+    how a profile's measured activation bytes (taken at tp=1) scale to one TP rank."""
+    if tp == 1 or model.layer_kind(layer) != "block":
+        return 1.0, 1.0
+    d = DTYPE_BYTES[dtype]
+    kw = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "dtype_bytes": d}
+    full = formulas.layer_activation_bytes(model, layer, **kw)
+    after = formulas.layer_activation_bytes_after_b(model, layer, **kw)
+    return (formulas.layer_activation_bytes(model, layer, tp=tp, **kw) / full,
+            formulas.layer_activation_bytes_after_b(model, layer, tp=tp, **kw) / after)

@@ -1,0 +1,53 @@
+"""How a tensor-parallel group loads the links it shares, as the compiler times it.
+
+* DP collectives: each TP rank reduces (gathers) its 1/tp shard over its own DP group, the tp
+  groups at once. Inside one node each device has its own links, so they do not slow each other;
+  a DP group spanning nodes shares each node's network with the other tp groups, so the lead's
+  collective is timed on tp times its bytes (:func:`dp_bytes_factor`).
+* Pipeline transfers follow :func:`medley.plan.layout.tp_sources`: one per receiving TP rank, in
+  parallel on distinct device links inside a node (a sender feeding several receivers sends them
+  one after another), all through the one node network across nodes. The hop is timed as the
+  leads' transfer of the bytes the busiest link carries (:func:`hop_bytes_factor`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from medley.plan.layout import PlanLayout
+from medley.sim.problem import StageCost
+from medley.spec.cluster import Cluster
+
+
+def dp_bytes_factor(cluster: Cluster, group: tuple[int, ...], tp: int) -> int:
+    """How many TP ranks' DP collectives of a stage of degree ``tp`` share the busiest link of the
+    lead's DP ``group``: tp when the group spans nodes (one network per node), else 1 (own links)."""
+    if tp == 1 or len({cluster.devices[d].node for d in group}) < 2:
+        return 1
+    return tp
+
+
+def hop_bytes_factor(cluster: Cluster, senders: tuple[int, ...], receivers: tuple[int, ...]) -> int:
+    """Transfers the busiest link carries at a pipeline hop from TP group ``senders`` to group
+    ``receivers`` (:func:`medley.plan.layout.tp_sources`: one per receiving rank): all of them
+    through the node network across nodes; inside a node, those one sender sends."""
+    if cluster.devices[senders[0]].node != cluster.devices[receivers[0]].node:
+        return len(receivers)
+    return -(-len(receivers) // len(senders))
+
+
+def scale_hops(
+    layout: PlanLayout, cluster: Cluster, replica: int, s2r: Sequence[int], row: list[StageCost]
+) -> None:
+    """Each stage's pipeline transfers in ``replica`` at the bytes of the busiest link of the hop
+    between TP groups (:func:`hop_bytes_factor`): forward to the next stage's group, and the
+    gradient back from it."""
+    if not layout.tp:
+        return
+    for stage in range(len(row) - 1):
+        if layout.layer_range(stage + 1).start == 0:
+            continue  # the second pipeline of a two-direction schedule starts afresh
+        here, there = layout.group(replica, s2r[stage]), layout.group(replica, s2r[stage + 1])
+        nbytes = row[stage].send_bytes
+        row[stage].send_bytes = nbytes * hop_bytes_factor(cluster, here, there)
+        row[stage].send_back_bytes = nbytes * hop_bytes_factor(cluster, there, here)

@@ -1,0 +1,93 @@
+"""Tensor parallelism in the planner: TP groups of a device pool, the planner's tables booking what
+the compiler books at tp, and the joint search choosing tp where it pays."""
+
+from __future__ import annotations
+
+import pytest
+
+from medley.cost.estimator import CatalogCostSource
+from medley.plan.bounds import Flight, MemoryOption, stage_memory
+from medley.plan.builder import build, given_micro_batches
+from medley.plan.candidates import Estimator
+from medley.plan.compile import compile_problem
+from medley.plan.layout import check_tp
+from medley.plan.memory_rules import fixed
+from medley.plan.search import search
+from medley.plan.space import Structure
+from medley.plan.tp_structures import tp_degrees, tp_groups
+from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.model_arg import get_model
+
+
+def _estimator(cluster_arg: str, model: str = "llama-2-7b", *, global_batch: int = 16,
+               seq_len: int = 1024) -> Estimator:
+    cluster = parse_cluster_arg(cluster_arg)
+    spec = get_model(model)
+    return Estimator(cluster, spec, CatalogCostSource.for_cluster(spec, cluster), seq_len=seq_len,
+                     global_batch=global_batch, memory_headroom=0.05)
+
+
+def test_tp_groups_are_whole_runs_on_one_node_of_one_type() -> None:
+    est = _estimator("4xA100-80GB+2xV100-32GB")  # node 0: ids 0-3 (A100), node 1: ids 4-5 (V100)
+    devices = list(range(6))
+    assert tp_groups(est, devices, 1) == devices
+    assert tp_groups(est, devices, 2) == [0, 2, 4]
+    assert tp_groups(est, devices, 4) == [0]
+    assert tp_groups(est, [0, 1, 3, 4, 5], 2) == [0, 4]  # 3 has no partner on its node
+    assert tp_degrees(est, devices) == (1, 2, 4)
+    structures = list(est.structures({"all": devices}, max_pp=4, micro_batch_sizes=(1,), mixed_tp=True))
+    assert {st.tp[:1] for st in structures} == {(), (2,), (4,)}
+    for st in structures:
+        groups = [range(st.assignment[r][k], st.assignment[r][k] + st.tp_of(k))
+                  for r in range(st.dp) for k in range(st.pp)]
+        used = [d for g in groups for d in g]
+        assert len(used) == len(set(used)) == st.num_devices <= 6
+        for g in groups:
+            assert len({(est.cluster.devices[d].node, est.cluster.devices[d].type.name) for d in g}) == 1
+    # Mixed degrees: the A100 and V100 ranks of one replica at different degrees.
+    mixed = {st.tp for st in structures if len(set(st.tp)) > 1}
+    assert mixed and all(len(tp) == 2 for tp in mixed)
+
+
+def test_tp_degrees_divide_the_model() -> None:
+    est = _estimator("8xA100-80GB", "tiny")
+    model = est.model
+    assert all(model.num_heads % t == 0 and model.num_kv_heads % t == 0 for t in tp_degrees(est, range(8)))
+
+
+@pytest.mark.parametrize("option", [MemoryOption(level=0), MemoryOption(level=1, recompute=True)])
+def test_planner_tables_book_what_the_compiler_books_at_tp(option: MemoryOption) -> None:
+    est = _estimator("8xA100-80GB", global_batch=8)
+    st = Structure(pool="all", strategy="stage-major", pp=2, dp=2, assignment=((0, 4), (2, 6)),
+                   micro_batch_size=1, tp=(2, 2))
+    candidate = build(est, st, "gpipe", split=lambda s: (17, 17), memory=fixed(option),
+                      micro_batches=given_micro_batches((4, 4)))
+    assert candidate is not None
+    layout = candidate.layout(est.model, est.seq_len)
+    check_tp(layout, est.cluster)
+    problem = compile_problem(layout, est.cluster, est.cost)
+    table = est.table("A100-80GB", 1, "bf16", 2)
+    # Times: the planner's table and the compiler's stage cost (TP all-reduces included).
+    stage = problem.stage_costs[0][1]
+    assert stage.forward_s == pytest.approx(table.forward[34] - table.forward[17])
+    # Memory: GPipe holds every micro-batch; the compiler's static state and activations match.
+    planned = stage_memory(table, 17, 34, option=option, dp=2, in_flight=Flight(full=4))
+    static = problem.static_memory_bytes[4]
+    assert problem.static_memory_bytes[5] == static
+    assert static + 4 * stage.activation_bytes == pytest.approx(planned, rel=1e-6)
+    whole = est.table("A100-80GB", 1, "bf16", 1)
+    assert table.params[34] - table.params[17] < 0.55 * (whole.params[34] - whole.params[17])
+    assert table.total[34] - table.total[17] < whole.total[34] - whole.total[17]
+
+
+def test_the_search_picks_tp_where_a_stage_cannot_hold_whole_layers_fast() -> None:
+    cluster = parse_cluster_arg("8xA100-80GB")
+    model = get_model("llama-2-13b")
+    result = search(cluster, model, global_batch=16, seq_len=4096, top=3, baselines=False)
+    best = result.best
+    layout = best.plan.layout
+    assert any(t > 1 for t in layout.tp)
+    check_tp(layout, cluster)
+    assert sorted(best.prediction.peak_memory_gb) == sorted(layout.devices)
+    assert any(any(t > 1 for t in p.plan.layout.tp) for p in result.simulated)
+    assert any(not p.plan.layout.tp for p in result.simulated)  # tp 1 competed too
