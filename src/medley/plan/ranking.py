@@ -1,5 +1,5 @@
 """Exact figures of planner candidates: which to simulate within the budget, the simulation,
-memory check, price and repair of what overflows, and the ZeRO placement knob.
+memory check, price, and the ZeRO placement knob.
 
 Every figure comes from :func:`medley.plan.predict.predict`, the same simulation the other commands
 show.
@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from medley.cost.interfaces import CostSource
-from medley.plan.bounds import memory_options
 from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan, Prediction
 from medley.plan.predict import predict
@@ -79,27 +78,6 @@ def objective_key(plan: RankedPlan, objective: Objective) -> float:
     return -plan.tokens_per_s
 
 
-def repair(plan: RankedPlan, headroom: float) -> Candidate | None:
-    """The candidate with each overflowing rank's stages one step up the memory ladder, or None
-    when none can go further."""
-    candidate, layout, cluster = plan.candidate, plan.plan.layout, plan.plan.cluster
-    over_ranks = {
-        report.rank
-        for report in plan.result.devices
-        if report.peak_memory_bytes > cluster.devices[report.device].type.memory_bytes * (1.0 - headroom)
-    }
-    ladder = memory_options(layout.dp)
-    options = list(candidate.options)
-    changed = False
-    for stage, option in enumerate(options):
-        if stage % layout.pp in over_ranks and option in ladder and ladder.index(option) + 1 < len(ladder):
-            options[stage] = ladder[ladder.index(option) + 1]
-            changed = True
-    if not changed:
-        return None
-    return replace(candidate, options=tuple(options), estimate_s=float("nan"))
-
-
 SIMULATION_WORK = 60_000
 """Most stage-micro-batches (micro-batches x pipeline stages, summed over replicas) simulated per
 search beyond the first candidate: the simulator runs a few thousand per second, so this keeps a
@@ -157,29 +135,16 @@ def simulate_all(
     chosen: list[Candidate], model: ModelSpec, seq_len: int, cluster: Cluster, cost: CostSource,
     constraints: Constraints, progress: Progress | None = None,
 ) -> list[RankedPlan]:
-    """Simulate each candidate; one that overflows memory gets its overflowing stages' memory
-    option raised one step (streamed ZeRO-3, then recomputation) and is simulated once more."""
+    """Simulate each candidate (the memory rules booked what the simulator books, so a candidate
+    that overflows is dropped later, not repaired: none did on the bench's clusters)."""
     ranked = []
     for done, candidate in enumerate(chosen, start=1):
         if progress is not None:
             progress("simulating candidates", done, len(chosen))
         try:
-            plan = rank_plan(
+            ranked.append(rank_plan(
                 candidate, candidate.layout(model, seq_len), cluster, cost, constraints.memory_headroom
-            )
-            ranked.append(plan)
-            if not plan.fits:
-                repaired = repair(plan, constraints.memory_headroom)
-                if repaired is not None:
-                    ranked.append(
-                        rank_plan(
-                            repaired,
-                            repaired.layout(model, seq_len),
-                            cluster,
-                            cost,
-                            constraints.memory_headroom,
-                        )
-                    )
+            ))
         except ValueError:  # MedleyInputError included: a layout the compiler rejects
             continue
     return ranked
