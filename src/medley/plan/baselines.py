@@ -23,10 +23,13 @@ each schedule family) exactly and keeps the fastest that fits (a generous readin
 picks among their finalists). Megatron and the fastest-type-only plan keep the better of the two
 ZeRO collective placements (Megatron overlaps its gradient reduction with the backward).
 
-Tensor parallelism: the Megatron grid's tp dimension is :data:`TP_GRID` (tp = 1 only, until the
-cost model and simulator time TP; then the degrees of ``medley.plan.layout.TP_DEGREES`` that
-:func:`medley.plan.layout.check_tp` accepts on a node), and Metis' per-stage tp joins
-:func:`_metis_groups` the same way.
+Tensor parallelism: the Megatron grid's tp dimension is every degree of
+``medley.plan.layout.TP_DEGREES`` the model divides and a node of the devices holds
+(:func:`medley.plan.tp_structures.tp_degrees`; groups from
+:func:`medley.plan.tp_structures.tp_groups`, consecutive ids on one node of one type). Metis gets
+the same uniform degrees and, on mixed devices, a degree per device type
+(:func:`medley.plan.tp_structures.mixed_structures` in each type order): more TP on the slower
+types, as Metis' per-stage dp x tp does. fastest-type-only gets tp from the planner's structures.
 """
 
 from __future__ import annotations
@@ -43,14 +46,13 @@ from medley.plan.candidates import Estimator
 from medley.plan.context import PlanContext
 from medley.plan.ranking import RankedPlan, rank_plan
 from medley.plan.space import PP_CHOICES, Candidate, Constraints, Structure
+from medley.plan.tp_structures import mixed_structures, tp_degrees, tp_groups
 from medley.schedule.zero import Placement
 
 FINALISTS = 3
 """Candidates simulated per baseline by estimate (besides the best of each schedule family)."""
 MEGATRON_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
 """Megatron-LM's pipeline schedules: 1F1B, and interleaved 1F1B with 2 or 4 chunks per rank."""
-TP_GRID = (1,)
-"""Megatron's tp degrees: 1 until tensor parallelism is timed by the cost model and simulator."""
 INTERLEAVED_CHUNKS = (2, 4)
 """Chunks per rank tried for interleaved 1F1B by the fastest-type-only baseline."""
 MAX_TYPE_ORDERS = 24
@@ -178,12 +180,13 @@ def megatron_structures(
     ctx: PlanContext, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
 ) -> Iterator[Structure]:
     """Megatron's tp x pp x dp grid over ``devices`` in cluster order (group of replica r's rank
-    k: the (k*dp + r)-th run of tp devices)."""
+    k: the (k*dp + r)-th TP group of :func:`tp_groups`, runs of tp devices on one node and type)."""
     ordered = sorted(devices)
-    for tp in TP_GRID:
-        for pp in _pp_values(ctx, len(ordered) // tp, constraints):
+    for tp in tp_degrees(ctx, ordered):
+        leads = tp_groups(ctx, ordered, tp)
+        for pp in _pp_values(ctx, len(leads), constraints):
             for mbs in sizes:
-                dp = _megatron_dp(len(ordered) // (tp * pp), ctx.global_batch // mbs)
+                dp = _megatron_dp(len(leads) // pp, ctx.global_batch // mbs)
                 if dp < 1 or ctx.global_batch // mbs < 1:
                     continue
                 yield Structure(
@@ -191,7 +194,7 @@ def megatron_structures(
                     strategy="cluster-order",
                     pp=pp,
                     dp=dp,
-                    assignment=tuple(tuple(ordered[(k * dp + r) * tp] for k in range(pp)) for r in range(dp)),
+                    assignment=tuple(tuple(leads[k * dp + r] for k in range(pp)) for r in range(dp)),
                     micro_batch_size=mbs,
                     tp=() if tp == 1 else (tp,) * pp,
                 )
@@ -235,35 +238,42 @@ def _dp_values(most: int, micro_batches: int) -> list[int]:
     return sorted(values, reverse=True)
 
 
-def _type_orders(ctx: PlanContext, by_type: dict[str, list[int]]) -> list[list[int]]:
-    """Devices in every order of the device types (the first MAX_TYPE_ORDERS, fastest first)."""
+def _type_orders(ctx: PlanContext, by_type: dict[str, list[int]]) -> list[tuple[str, ...]]:
+    """Every order of the device types (the first MAX_TYPE_ORDERS, fastest first)."""
     types = sorted(by_type, key=lambda t: (ctx.table(t, 1).total[-1], t))
-    orders = list(permutations(types))[:MAX_TYPE_ORDERS]
-    return [[d for t in order for d in by_type[t]] for order in orders]
+    return list(permutations(types))[:MAX_TYPE_ORDERS]
 
 
 def _metis_groups(
     ctx: PlanContext, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
 ) -> Iterator[Structure]:
-    """Metis' structures: for each type order, pp, micro-batch size and dp, the stage groups
-    as consecutive runs of dp devices of that order (tp per stage joins here)."""
+    """Metis' structures: for each type order, tp, pp, micro-batch size and dp, the stage groups
+    as consecutive runs of dp TP groups of that order (one degree for all stages), then the
+    structures with a degree per device type (:func:`mixed_structures`) in each type order."""
+    by_type = devices_by_type(ctx, devices)
     seen: set[tuple[object, ...]] = set()
-    for order in _type_orders(ctx, devices_by_type(ctx, devices)):
-        for pp in _pp_values(ctx, len(order), constraints):
-            for mbs in sizes:
-                for dp in _dp_values(len(order) // pp, ctx.global_batch // mbs):
-                    assignment = ctx.assign(order, pp, dp, "stage-major")
-                    if (assignment, mbs) in seen:
-                        continue
-                    seen.add((assignment, mbs))
-                    yield Structure(
-                        pool="metis-style",
-                        strategy="type-order",
-                        pp=pp,
-                        dp=dp,
-                        assignment=assignment,
-                        micro_batch_size=mbs,
-                    )
+    for types in _type_orders(ctx, by_type):
+        for tp in tp_degrees(ctx, devices):
+            order = [u for t in types for u in tp_groups(ctx, by_type[t], tp)]
+            for pp in _pp_values(ctx, len(order), constraints):
+                for mbs in sizes:
+                    for dp in _dp_values(len(order) // pp, ctx.global_batch // mbs):
+                        assignment = ctx.assign(order, pp, dp, "stage-major")
+                        if (assignment, mbs, tp) in seen:
+                            continue
+                        seen.add((assignment, mbs, tp))
+                        yield Structure(
+                            pool="metis-style",
+                            strategy="type-order",
+                            pp=pp,
+                            dp=dp,
+                            assignment=assignment,
+                            micro_batch_size=mbs,
+                            tp=(tp,) * pp if tp > 1 else (),
+                        )
+        max_pp = min(constraints.max_pp or ctx.model.num_layers, ctx.model.num_layers)
+        yield from mixed_structures(ctx, "metis-style", devices, max_pp=max_pp, micro_batch_sizes=sizes,
+                                    type_order=types, strategy="type-order")
 
 
 def metis_style(

@@ -23,6 +23,7 @@ from medley.errors import MedleyInputError
 from medley.plan.baselines import run_baselines
 from medley.plan.bounds import aggregate_bound
 from medley.plan.candidates import Estimator
+from medley.plan.layout import TP_DEGREES
 from medley.plan.ranking import (
     Objective,
     Progress,
@@ -115,6 +116,12 @@ def _check_inputs(
         raise MedleyInputError(
             f"--exclude-devices {bad}: device ids run 0..{cluster.num_devices - 1} (`medley cluster show`)."
         )
+    if constraints.tp_degrees is not None and (
+        not constraints.tp_degrees or set(constraints.tp_degrees) - set(TP_DEGREES)
+    ):
+        raise MedleyInputError(
+            f"tp_degrees {constraints.tp_degrees}: give degrees among {TP_DEGREES} (None: all)."
+        )
     if constraints.max_pp is not None and constraints.max_pp < 1:
         raise MedleyInputError(f"--max-pp {constraints.max_pp}: give at least 1.")
     devices = [d for d in range(cluster.num_devices) if d not in set(constraints.exclude_devices)]
@@ -195,7 +202,8 @@ def search(
     sizes = _usable_sizes(estimator, devices, constraints)
     pools = device_pools(cluster, devices, estimator)
     max_pp = constraints.max_pp or model.num_layers
-    structures = list(estimator.structures(pools, max_pp=max_pp, micro_batch_sizes=sizes))
+    structures = list(estimator.structures(pools, max_pp=max_pp, micro_batch_sizes=sizes,
+                                           allowed_tp=constraints.tp_degrees))
     candidates = _estimate(estimator, structures, constraints.schedules, progress)
     budget = simulate if simulate is not None else simulation_budget(len(devices), top)
     chosen = choose(candidates, budget)
