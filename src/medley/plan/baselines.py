@@ -244,7 +244,7 @@ def _type_orders(ctx: PlanContext, by_type: dict[str, list[int]]) -> list[tuple[
     return list(permutations(types))[:MAX_TYPE_ORDERS]
 
 
-def _metis_groups(
+def metis_structures(
     ctx: PlanContext, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
 ) -> Iterator[Structure]:
     """Metis' structures: for each type order, tp, pp, micro-batch size and dp, the stage groups
@@ -287,7 +287,7 @@ def metis_style(
     only moves layers off memory-short stages and recomputes where nothing fits: it rarely makes
     a structure faster)."""
     quick: Scored = []
-    for st in _metis_groups(ctx, devices, sizes, constraints):
+    for st in metis_structures(ctx, devices, sizes, constraints):
         add_candidate(quick, lambda st=st: _metis(ctx, st, memory_rules.fixed(_zero1_options(st.dp)[0])))
     quick.sort(key=lambda x: (x[0], x[1]))
     scored: Scored = []

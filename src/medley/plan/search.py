@@ -239,7 +239,26 @@ def search(
     )
     if baselines:
         result.baselines = run_baselines(estimator, devices, sizes, constraints)
+        result.plans = _with_baselines(result.plans, result.baselines, top, objective)
     return result
+
+
+def _with_baselines(
+    plans: list[RankedPlan], found: dict[str, RankedPlan | None], top: int, objective: Objective
+) -> list[RankedPlan]:
+    """The ranked plans with the baselines' plans that fit ranked among them: each baseline's space
+    (cluster or type order, uniform or capacity split, equal micro-batches) is part of the
+    planner's, so its simulated plan is a candidate too. The estimate-driven choice of finalists
+    can miss such a plan (on small instances the estimate favours counts by speed where equal
+    counts simulate faster); a plan taken this way keeps its baseline's pool name."""
+    seen = {(p.candidate.key, p.plan.layout.placement) for p in plans}
+    merged = list(plans)
+    for plan in found.values():
+        if plan is not None and plan.fits and (plan.candidate.key, plan.plan.layout.placement) not in seen:
+            seen.add((plan.candidate.key, plan.plan.layout.placement))
+            merged.append(plan)
+    order = sorted(range(len(merged)), key=lambda i: (objective_key(merged[i], objective), i))
+    return [merged[i] for i in order][:top]
 
 
 def _usable_sizes(estimator: Estimator, devices: Sequence[int], constraints: Constraints) -> tuple[int, ...]:
