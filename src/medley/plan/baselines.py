@@ -140,15 +140,17 @@ def simulate_finalists(
     placements: Sequence[Placement],
     finalists: int = FINALISTS,
 ) -> RankedPlan | None:
-    """Simulate the ``finalists`` best by estimate and the best of each family under each of
-    ``placements``; the fastest that fits (None when none does)."""
+    """Simulate the ``finalists`` best by estimate and the best of each family and set of tp
+    degrees (the estimate is optimistic for TP structures: they must not crowd the others out)
+    under each of ``placements``; the fastest that fits (None when none does)."""
     scored = sorted(scored, key=lambda x: (x[0], x[1]))
     chosen: dict[object, Candidate] = {}
     for _, _, candidate in scored[:finalists]:
         chosen.setdefault(candidate.key, candidate)
-    families: set[tuple[str, int]] = set()
+    families: set[tuple[str, int, tuple[int, ...]]] = set()
     for _, _, candidate in scored:
-        variant = (candidate.family, int(candidate.knobs.get("virtual_stages", 1)))
+        chunks = int(candidate.knobs.get("virtual_stages", 1))
+        variant = (candidate.family, chunks, tp_set(candidate.structure))
         if variant not in families:
             families.add(variant)
             chosen.setdefault(candidate.key, candidate)
@@ -164,6 +166,11 @@ def simulate_finalists(
             if ranked.fits and (best is None or ranked.tokens_per_s > best.tokens_per_s):
                 best = ranked
     return best
+
+
+def tp_set(st: Structure) -> tuple[int, ...]:
+    """The distinct tp degrees of a structure's pipeline ranks, ascending."""
+    return tuple(sorted(set(st.tp or (1,))))
 
 
 # --- Megatron-LM ----------------------------------------------------------------------------------
@@ -283,19 +290,19 @@ def metis_style(
 
     Its layer load balancer is costly on large clusters, so structures are balanced in the order
     of a quick estimate (the capacity split under ZeRO-1 alone, before any layer moves) and the
-    search stops once that quick estimate cannot beat the FINALISTS-th balanced one (balancing
-    only moves layers off memory-short stages and recomputes where nothing fits: it rarely makes
-    a structure faster)."""
+    search skips a structure once that quick estimate cannot beat the FINALISTS-th balanced one of
+    the same tp degrees (balancing only moves layers off memory-short stages and recomputes where
+    nothing fits: it rarely makes a structure faster)."""
     quick: Scored = []
     for st in metis_structures(ctx, devices, sizes, constraints):
         add_candidate(quick, lambda st=st: _metis(ctx, st, memory_rules.fixed(_zero1_options(st.dp)[0])))
     quick.sort(key=lambda x: (x[0], x[1]))
     scored: Scored = []
     for bound, _, first in quick:
-        done = sorted(e for e, _, _ in scored)
-        if len(done) >= FINALISTS and bound >= done[FINALISTS - 1]:
-            break
         st = first.structure
+        done = sorted(e for e, _, c in scored if tp_set(c.structure) == tp_set(st))
+        if len(done) >= FINALISTS and bound >= done[FINALISTS - 1]:
+            continue
         add_candidate(scored, lambda st=st: _metis(
             ctx, st, memory_rules.rebalanced_uniform_fit(_zero1_options(st.dp))))
     return simulate_finalists(ctx, scored, constraints, (Placement.NAIVE,))
