@@ -120,7 +120,7 @@ def _search_table(data: dict) -> list[str]:
     made = sorted({f"`{r['provenance']['commit']}`" for r in data["search"] if r.get("provenance")})
     if made:
         lines += ["", f"Rows measured at {', '.join(made)}, each with its own command in the JSON."]
-    old = [r for r in data["search"] if "baselines" not in r]
+    old = [r for r in data["search"] if "baselines" not in r and not r.get("provenance")]
     if old:
         lines += [
             "",
