@@ -14,6 +14,8 @@ STEP_TITLES = {
     "zero-and-placement": "one ZeRO option, naive placement",
     "tp": "tp 1",
 }
+BASELINE_POOLS = ("megatron-lm-style", "metis-style", "fastest-type-only")
+"""Pool names of the baselines' plans (a search result's best plan with one came from a baseline)."""
 
 
 def _fmt(value, spec: str = ".2f") -> str:
@@ -84,6 +86,13 @@ def summary(data: dict) -> list[str]:
             f"plan is {r['versus_best_baseline']:.3f}x of {r.get('best_baseline') or 'the best baseline'} "
             "(the planner's search misses that baseline's plan)."
         )
+    adopted = [r for r in data.get("bound", []) if r.get("best_plan", "").split(" ")[0] in BASELINE_POOLS]
+    for r in adopted:
+        out.append(
+            f"- Taken from a baseline: {r['case']}, {r['samples_per_device']} samples per device: the "
+            f"best plan is {r.get('best_baseline')}'s ({r['best_plan']}); the planner's own candidates "
+            "missed it and the search ranks the baselines' plans with its own."
+        )
     return out
 
 
@@ -111,7 +120,7 @@ def _search_table(data: dict) -> list[str]:
     made = sorted({f"`{r['provenance']['commit']}`" for r in data["search"] if r.get("provenance")})
     if made:
         lines += ["", f"Rows measured at {', '.join(made)}, each with its own command in the JSON."]
-    old = [r for r in data["search"] if "baselines" not in r]
+    old = [r for r in data["search"] if "baselines" not in r and not r.get("provenance")]
     if old:
         lines += [
             "",
@@ -158,7 +167,9 @@ def _pruning_table(data: dict) -> list[str]:
         "",
         "Not an optimality gap: the reference (medley.plan.reference) searches every structure, family, "
         "split rule, micro-batch rule and ZeRO ladder, enumerates all splits x memory options per stage of "
-        "its small seeds and searches locally around the others, but not tp.",
+        "its small seeds and searches locally around the others; tp: every uniform degree and the "
+        "per-type degrees (which the planner leaves out), and one-rank tp changes in the local search, "
+        "not every per-rank combination.",
         "",
         "| case | model | global batch | costs | planner tokens/s | reference tokens/s | loss | "
         "planner sims | reference sims | seeds enumerated | complete | reference s |",

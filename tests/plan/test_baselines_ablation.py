@@ -25,6 +25,7 @@ from medley.plan.memory_rules import cheapest_per_stage
 from medley.plan.search import search
 from medley.plan.space import Constraints
 from medley.plan.split_rules import bottleneck
+from medley.plan.tp_structures import tp_degrees
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 
@@ -47,12 +48,18 @@ def _types(est: Estimator, assignment: tuple[tuple[int, ...], ...]) -> set[str]:
 def test_megatron_grid_is_cluster_order_with_equal_micro_batches() -> None:
     est = _estimator("4xA100-80GB+4xV100-32GB", "tiny", 32, 128)
     structures = list(megatron_structures(est, range(8), (1, 2), Constraints()))
-    assert {st.pp for st in structures} == {1, 2, 3, 4, 5, 6}
+    assert {st.pp for st in structures if st.tp == ()} == {1, 2, 3, 4, 5, 6}
+    # TP within a node of one type: every degree the tiny model's heads divide.
+    assert {st.tp_of(0) for st in structures} == set(tp_degrees(est, range(8))) == {1, 2}
     for st in structures:
         micro_batches = est.global_batch // st.micro_batch_size
-        assert micro_batches % st.dp == 0 and st.pp * st.dp <= 8 and st.tp == ()
-        # Megatron's rank order: dp varies faster than pp over the devices in cluster order.
-        assert all(st.assignment[r][k] == k * st.dp + r for r in range(st.dp) for k in range(st.pp))
+        tp = st.tp_of(0)
+        assert micro_batches % st.dp == 0 and st.num_devices <= 8 and set(st.tp or (1,)) == {tp}
+        # Megatron's rank order: tp fastest, then dp, then pp over the devices in cluster order.
+        assert all(st.assignment[r][k] == (k * st.dp + r) * tp for r in range(st.dp) for k in range(st.pp))
+        for lead in (d for row in st.assignment for d in row):  # groups on one node, of one type
+            group = [est.cluster.devices[d] for d in range(lead, lead + tp)]
+            assert len({(d.node, d.type.name) for d in group}) == 1
     plan = megatron_lm_style(est, range(8), (1, 2), Constraints())
     assert plan is not None
     lay = plan.plan.layout
@@ -130,7 +137,10 @@ def test_ablation_steps_are_constrained_searches_no_faster_than_the_best(
     zero = ablation.steps[2].plan
     assert zero is not None and len(set(zero.plan.layout.zero)) == 1
     assert zero.plan.layout.placement.value == "naive"
-    assert ablation.steps[3].plan is result.best  # tp is 1 everywhere: the best plan is tp=1's optimum
+    tp_one = ablation.steps[3].plan
+    assert tp_one is not None and set(tp_one.plan.layout.tp) <= {1}
+    if set(result.best.plan.layout.tp) <= {1}:  # the best plan is in the constrained space
+        assert tp_one.tokens_per_s == pytest.approx(result.best.tokens_per_s)
     if ablation.baseline_step_s is not None and ablation.baseline_step_s > best:
         for step in ablation.steps:
             assert step.step_time_s is not None and step.share_of_gain is not None

@@ -48,6 +48,8 @@ def test_plan_json_out_and_show(tmp_path: Path) -> None:
     assert set(best["versus_baselines"]) == set(NAMES)
     assert 0 < best["aggregate_fraction"] <= 1
     assert set(best["headroom_gb_by_type"]) <= {"A100-80GB", "V100-32GB"}
+    for row in data["plans"]:  # tp per pipeline rank; devices counted with their TP groups
+        assert len(row["tp"]) == row["pp"] and row["devices_used"] == row["dp"] * sum(row["tp"])
     plan = load_plan(plan_file)
     assert plan.prediction is not None
     assert plan.prediction.tokens_per_s == best["tokens_per_s"]
@@ -77,7 +79,7 @@ def test_plan_table_explain_and_torch_export(tmp_path: Path) -> None:
         "2",
     )
     assert code == 0, out
-    assert "tokens/s" in out and "vs metis-style" in out and "of bound" in out
+    assert "tokens/s" in out and "vs metis-style" in out and "of bound" in out and "tp per rank" in out
     assert "Bottleneck: device" in out and "Memory: device" in out
     exported = tmp_path / "torch"
     meta = json.loads((exported / "plan.json").read_text())

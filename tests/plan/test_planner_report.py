@@ -47,3 +47,13 @@ def test_summary_is_computed_from_the_rows() -> None:
     text = report.markdown({**data, "pruning": []})
     assert "9.00" not in text  # the old row's ratio, measured with the former baselines, is not shown
     assert "1 rows (64 devices) are from before the baselines" in text
+
+
+def test_a_best_plan_taken_from_a_baseline_is_said() -> None:
+    bound = {"case": "c", "model": "m", "samples_per_device": 1, "global_batch": 16, "tokens_per_s": 2.0,
+             "aggregate_tokens_per_s": 4.0, "aggregate_fraction": 0.5, "versus_best_baseline": 1.0,
+             "best_baseline": "fastest-type-only", "best_plan": "fastest-type-only pp=2 dp=4 zb-h1 mbs=1"}
+    own = {**bound, "samples_per_device": 2, "best_plan": "all pp=4 dp=4 zb-h1 mbs=1"}
+    lines = report.summary({"bound": [bound, own]})
+    taken = [line for line in lines if line.startswith("- Taken from a baseline")]
+    assert len(taken) == 1 and "1 samples per device" in taken[0] and "fastest-type-only's" in taken[0]

@@ -4,6 +4,7 @@ splits x memory options of its seeds, and honest about its limits."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -58,3 +59,29 @@ def test_reference_refuses_large_instances_and_stops_at_its_budget() -> None:
     planner = search(spec, TINY, global_batch=16, seq_len=64, top=1, baselines=False)
     stopped = reference_search(spec, TINY, global_batch=16, seq_len=64, cost=planner.cost, budget_s=0.0)
     assert not stopped.complete and stopped.enumerated == 0
+
+
+def test_tp_moves_change_one_rank_onto_free_devices_of_its_node() -> None:
+    from medley.plan.candidates import Estimator
+    from medley.plan.reference import tp_moves
+    from medley.plan.space import Constraints, Structure
+
+    spec = parse_cluster_arg("4xA100-80GB")  # one node of 4
+    planner = search(spec, TINY, global_batch=16, seq_len=64, top=1, baselines=False)
+    est = Estimator(spec, TINY, planner.cost, seq_len=64, global_batch=16, memory_headroom=0.05)
+    st = Structure(pool="all", strategy="stage-major", pp=2, dp=1, assignment=((0, 2),), micro_batch_size=1)
+    seed = est.candidate(st, "1f1b")
+    assert seed is not None
+    moves = list(tp_moves(est, seed, [0, 1, 2, 3], Constraints()))
+    # tiny's heads allow tp 2: rank 0 grows onto device 1, rank 1 onto device 3; nothing else fits.
+    assert sorted(m.structure.tp for m in moves) == [(1, 2), (2, 1)]
+    assert all(m.stage_layers == seed.stage_layers for m in moves)
+    assert list(tp_moves(est, seed, [0, 1, 2, 3], Constraints(tp_degrees=(1,)))) == []
+    crowded = Structure(pool="all", strategy="stage-major", pp=2, dp=1, assignment=((0, 1),),
+                        micro_batch_size=1)
+    seed = est.candidate(crowded, "1f1b")
+    assert seed is not None
+    # Rank 0 cannot grow onto rank 1's device; rank 1 grows onto device 2.
+    assert [m.structure.tp for m in tp_moves(est, seed, [0, 1, 2, 3], Constraints())] == [(1, 2)]
+    grown = replace(seed, structure=replace(crowded, tp=(1, 2)))
+    assert [m.structure.tp for m in tp_moves(est, grown, [0, 1, 2, 3], Constraints())] == [()]

@@ -63,7 +63,8 @@ def _plan_row(plan: RankedPlan, result: SearchResult) -> dict:
         "knobs": dict(layout.knobs),
         "pp": layout.pp,
         "dp": layout.dp,
-        "devices_used": layout.pp * layout.dp,
+        "tp": [layout.tp_of(k) for k in range(layout.pp)],
+        "devices_used": len(layout.devices),
         "micro_batch_size": layout.micro_batch_size,
         "micro_batches": list(layout.micro_batches),
         "split": list(layout.stage_layers),
@@ -99,7 +100,13 @@ def _baseline_row(plan: RankedPlan, result: SearchResult) -> dict:
 
 def _shape(plan: RankedPlan) -> str:
     layout = plan.plan.layout
-    return f"pp={layout.pp} dp={layout.dp} {layout.schedule}"
+    tp = _tp_text([layout.tp_of(k) for k in range(layout.pp)])
+    return f"pp={layout.pp} dp={layout.dp}{tp} {layout.schedule}"
+
+
+def _tp_text(tp: list[int]) -> str:
+    """`` tp=2`` / `` tp=2,1`` (run-length as the other per-stage columns), empty when all are 1."""
+    return "" if set(tp) <= {1} else f" tp={_short(tp)}"
 
 
 def ablation_data(ablation: Ablation) -> dict:
@@ -163,7 +170,9 @@ def print_result(data: dict, console: Console) -> None:
     for col in columns:
         figures.add_column(col, justify="right")
     shapes = Table(title="The ranked plans")
-    for col in ("#", "pp x dp", "schedule", "mbs x counts", "layers per stage", "ZeRO per stage"):
+    columns = ("#", "pp x dp", "tp per rank", "schedule", "mbs x counts", "layers per stage",
+               "ZeRO per stage")
+    for col in columns:
         shapes.add_column(col, justify="right", overflow="fold")
     for rank, row in enumerate(data["plans"], 1):
         cells = [
@@ -185,6 +194,7 @@ def print_result(data: dict, console: Console) -> None:
         shapes.add_row(
             str(rank),
             f"{row['pp']} x {row['dp']}",
+            _short(row["tp"]),
             row["schedule"] + knobs,
             f"{row['micro_batch_size']} x {_short(sorted(set(row['micro_batches'])))}",
             _short(row["split"]),
@@ -195,7 +205,7 @@ def print_result(data: dict, console: Console) -> None:
     for name, b in data["baselines"].items():
         text = "no plan fits"
         if b is not None:
-            tp = "" if set(b["tp"]) == {1} else f" tp={_short(b['tp'])}"
+            tp = _tp_text(b["tp"])
             text = (
                 f"{b['tokens_per_s']:,.0f} tokens/s ({b['step_time_s']:.3f} s, pp={b['pp']} dp={b['dp']}{tp} "
                 f"{b['schedule']} on {'+'.join(b['device_types'])})"

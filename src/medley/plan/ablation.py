@@ -10,8 +10,11 @@ Each step takes one freedom away and searches again over the same cluster, model
   ZeRO per stage and bubble placement stay free;
 * ``zero-and-placement``: one memory option (ZeRO level, recomputation) for every stage and the
   collectives after the step (naive placement); assignment, split and schedules stay free;
-* ``tp``: tensor-parallel degree 1 everywhere. The planner does not search tp yet, so its best
-  plan has tp 1 and is this step's optimum itself (a zero contribution, said as such).
+* ``tp``: tensor-parallel degree 1 everywhere (the planner's own search with
+  ``Constraints.tp_degrees = (1,)``).
+
+The homogeneous search keeps one tp degree for all stages (Megatron's grid: any degree a node of
+the pool holds); the one-ZeRO-option search takes the planner's structures, tp included.
 
 Steps are independent (each removes one freedom from the full space), so their shares of the gain
 need not add up; a step can come out faster than the best plan where the planner's own pruning
@@ -30,6 +33,7 @@ from medley.plan.candidates import Estimator
 from medley.plan.ranking import RankedPlan
 from medley.plan.search import SearchResult, device_pools, family_variants, search
 from medley.plan.space import MICRO_BATCH_SIZES, PP_CHOICES, Candidate, Constraints, Structure
+from medley.plan.tp_structures import tp_degrees, tp_groups
 from medley.schedule.zero import Placement
 
 STEPS = ("schedule", "heterogeneity", "zero-and-placement", "tp")
@@ -104,21 +108,23 @@ def ablate(result: SearchResult) -> Ablation:
 
 
 def _one_f_one_b(result: SearchResult) -> tuple[RankedPlan | None, str]:
-    constraints = replace(result.constraints, schedules=("1f1b",))
+    return _constrained(result, replace(result.constraints, schedules=("1f1b",)))
+
+
+def _tp_one(result: SearchResult) -> tuple[RankedPlan | None, str]:
+    return _constrained(result, replace(result.constraints, tp_degrees=(1,)))
+
+
+def _constrained(result: SearchResult, constraints: Constraints) -> tuple[RankedPlan | None, str]:
+    """The planner's own search under ``constraints`` (None: nothing fits)."""
     try:
         found = search(
             result.cluster, result.model, global_batch=result.global_batch, seq_len=result.seq_len,
             cost=result.cost, objective=result.objective, top=1, constraints=constraints, baselines=False,
         )
-    except ValueError:  # MedleyInputError included: nothing fits with 1F1B alone
+    except ValueError:  # MedleyInputError included: nothing fits under the constraint
         return None, ""
     return found.best, ""
-
-
-def _tp_one(result: SearchResult) -> tuple[RankedPlan | None, str]:
-    if all(t == 1 for t in result.best.plan.layout.tp):
-        return result.best, "the best plan has tp 1 on every stage: it is this search's optimum"
-    return None, "not measured: the search has no tp = 1 constraint yet"
 
 
 def _estimator(result: SearchResult) -> tuple[Estimator, list[int], tuple[int, ...]]:
@@ -186,24 +192,30 @@ def _homogeneous(result: SearchResult) -> tuple[RankedPlan | None, str]:
 def _cluster_order(
     est: Estimator, pools: dict[str, list[int]], sizes: Sequence[int], constraints: Constraints
 ) -> Iterator[Structure]:
-    """Every pool's pp x dp in cluster order (Megatron's rank order: dp, then pp)."""
+    """Every pool's tp x pp x dp in cluster order (Megatron's rank order: tp, dp, then pp; one tp
+    degree for all stages, among those ``constraints.tp_degrees`` allows)."""
     for pool, devices in pools.items():
-        ordered = sorted(devices)
-        limit = min(len(ordered), est.model.num_layers, constraints.max_pp or len(ordered))
-        for pp in (p for p in PP_CHOICES if p <= limit):
-            for mbs in sizes:
-                dp = min(len(ordered) // pp, est.global_batch // mbs)
-                yield Structure(
-                    pool=pool, strategy="cluster-order", pp=pp, dp=dp,
-                    assignment=est.assign(ordered, pp, dp, "stage-major"), micro_batch_size=mbs,
-                )
+        for tp in tp_degrees(est, devices):
+            if constraints.tp_degrees is not None and tp not in constraints.tp_degrees:
+                continue
+            leads = tp_groups(est, sorted(devices), tp)
+            limit = min(len(leads), est.model.num_layers, constraints.max_pp or len(leads))
+            for pp in (p for p in PP_CHOICES if p <= limit):
+                for mbs in sizes:
+                    dp = min(len(leads) // pp, est.global_batch // mbs)
+                    yield Structure(
+                        pool=pool, strategy="cluster-order", pp=pp, dp=dp,
+                        assignment=est.assign(leads, pp, dp, "stage-major"), micro_batch_size=mbs,
+                        tp=(tp,) * pp if tp > 1 else (),
+                    )
 
 
 def _uniform_zero(result: SearchResult) -> tuple[RankedPlan | None, str]:
     est, devices, sizes = _estimator(result)
     pools = device_pools(result.cluster, devices, est)
     max_pp = result.constraints.max_pp or result.model.num_layers
-    structures = list(est.structures(pools, max_pp=max_pp, micro_batch_sizes=sizes))
+    structures = list(est.structures(pools, max_pp=max_pp, micro_batch_sizes=sizes,
+                                     allowed_tp=result.constraints.tp_degrees))
 
     def make(st: Structure, family: str, chunks: int, level: int) -> Candidate | None:
         if family != "interleaved":

@@ -23,10 +23,13 @@ each schedule family) exactly and keeps the fastest that fits (a generous readin
 picks among their finalists). Megatron and the fastest-type-only plan keep the better of the two
 ZeRO collective placements (Megatron overlaps its gradient reduction with the backward).
 
-Tensor parallelism: the Megatron grid's tp dimension is :data:`TP_GRID` (tp = 1 only, until the
-cost model and simulator time TP; then the degrees of ``medley.plan.layout.TP_DEGREES`` that
-:func:`medley.plan.layout.check_tp` accepts on a node), and Metis' per-stage tp joins
-:func:`_metis_groups` the same way.
+Tensor parallelism: the Megatron grid's tp dimension is every degree of
+``medley.plan.layout.TP_DEGREES`` the model divides and a node of the devices holds
+(:func:`medley.plan.tp_structures.tp_degrees`; groups from
+:func:`medley.plan.tp_structures.tp_groups`, consecutive ids on one node of one type). Metis gets
+the same uniform degrees and, on mixed devices, a degree per device type
+(:func:`medley.plan.tp_structures.mixed_structures` in each type order): more TP on the slower
+types, as Metis' per-stage dp x tp does. fastest-type-only gets tp from the planner's structures.
 """
 
 from __future__ import annotations
@@ -43,14 +46,13 @@ from medley.plan.candidates import Estimator
 from medley.plan.context import PlanContext
 from medley.plan.ranking import RankedPlan, rank_plan
 from medley.plan.space import PP_CHOICES, Candidate, Constraints, Structure
+from medley.plan.tp_structures import mixed_structures, tp_degrees, tp_groups
 from medley.schedule.zero import Placement
 
 FINALISTS = 3
 """Candidates simulated per baseline by estimate (besides the best of each schedule family)."""
 MEGATRON_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
 """Megatron-LM's pipeline schedules: 1F1B, and interleaved 1F1B with 2 or 4 chunks per rank."""
-TP_GRID = (1,)
-"""Megatron's tp degrees: 1 until tensor parallelism is timed by the cost model and simulator."""
 INTERLEAVED_CHUNKS = (2, 4)
 """Chunks per rank tried for interleaved 1F1B by the fastest-type-only baseline."""
 MAX_TYPE_ORDERS = 24
@@ -138,15 +140,17 @@ def simulate_finalists(
     placements: Sequence[Placement],
     finalists: int = FINALISTS,
 ) -> RankedPlan | None:
-    """Simulate the ``finalists`` best by estimate and the best of each family under each of
-    ``placements``; the fastest that fits (None when none does)."""
+    """Simulate the ``finalists`` best by estimate and the best of each family and set of tp
+    degrees (the estimate is optimistic for TP structures: they must not crowd the others out)
+    under each of ``placements``; the fastest that fits (None when none does)."""
     scored = sorted(scored, key=lambda x: (x[0], x[1]))
     chosen: dict[object, Candidate] = {}
     for _, _, candidate in scored[:finalists]:
         chosen.setdefault(candidate.key, candidate)
-    families: set[tuple[str, int]] = set()
+    families: set[tuple[str, int, tuple[int, ...]]] = set()
     for _, _, candidate in scored:
-        variant = (candidate.family, int(candidate.knobs.get("virtual_stages", 1)))
+        chunks = int(candidate.knobs.get("virtual_stages", 1))
+        variant = (candidate.family, chunks, tp_set(candidate.structure))
         if variant not in families:
             families.add(variant)
             chosen.setdefault(candidate.key, candidate)
@@ -164,6 +168,11 @@ def simulate_finalists(
     return best
 
 
+def tp_set(st: Structure) -> tuple[int, ...]:
+    """The distinct tp degrees of a structure's pipeline ranks, ascending."""
+    return tuple(sorted(set(st.tp or (1,))))
+
+
 # --- Megatron-LM ----------------------------------------------------------------------------------
 def _megatron_dp(devices: int, micro_batches: int) -> int:
     """The largest dp the devices allow that divides the micro-batch count (Megatron runs the
@@ -178,12 +187,13 @@ def megatron_structures(
     ctx: PlanContext, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
 ) -> Iterator[Structure]:
     """Megatron's tp x pp x dp grid over ``devices`` in cluster order (group of replica r's rank
-    k: the (k*dp + r)-th run of tp devices)."""
+    k: the (k*dp + r)-th TP group of :func:`tp_groups`, runs of tp devices on one node and type)."""
     ordered = sorted(devices)
-    for tp in TP_GRID:
-        for pp in _pp_values(ctx, len(ordered) // tp, constraints):
+    for tp in tp_degrees(ctx, ordered):
+        leads = tp_groups(ctx, ordered, tp)
+        for pp in _pp_values(ctx, len(leads), constraints):
             for mbs in sizes:
-                dp = _megatron_dp(len(ordered) // (tp * pp), ctx.global_batch // mbs)
+                dp = _megatron_dp(len(leads) // pp, ctx.global_batch // mbs)
                 if dp < 1 or ctx.global_batch // mbs < 1:
                     continue
                 yield Structure(
@@ -191,7 +201,7 @@ def megatron_structures(
                     strategy="cluster-order",
                     pp=pp,
                     dp=dp,
-                    assignment=tuple(tuple(ordered[(k * dp + r) * tp] for k in range(pp)) for r in range(dp)),
+                    assignment=tuple(tuple(leads[k * dp + r] for k in range(pp)) for r in range(dp)),
                     micro_batch_size=mbs,
                     tp=() if tp == 1 else (tp,) * pp,
                 )
@@ -235,35 +245,42 @@ def _dp_values(most: int, micro_batches: int) -> list[int]:
     return sorted(values, reverse=True)
 
 
-def _type_orders(ctx: PlanContext, by_type: dict[str, list[int]]) -> list[list[int]]:
-    """Devices in every order of the device types (the first MAX_TYPE_ORDERS, fastest first)."""
+def _type_orders(ctx: PlanContext, by_type: dict[str, list[int]]) -> list[tuple[str, ...]]:
+    """Every order of the device types (the first MAX_TYPE_ORDERS, fastest first)."""
     types = sorted(by_type, key=lambda t: (ctx.table(t, 1).total[-1], t))
-    orders = list(permutations(types))[:MAX_TYPE_ORDERS]
-    return [[d for t in order for d in by_type[t]] for order in orders]
+    return list(permutations(types))[:MAX_TYPE_ORDERS]
 
 
-def _metis_groups(
+def metis_structures(
     ctx: PlanContext, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
 ) -> Iterator[Structure]:
-    """Metis' structures: for each type order, pp, micro-batch size and dp, the stage groups
-    as consecutive runs of dp devices of that order (tp per stage joins here)."""
+    """Metis' structures: for each type order, tp, pp, micro-batch size and dp, the stage groups
+    as consecutive runs of dp TP groups of that order (one degree for all stages), then the
+    structures with a degree per device type (:func:`mixed_structures`) in each type order."""
+    by_type = devices_by_type(ctx, devices)
     seen: set[tuple[object, ...]] = set()
-    for order in _type_orders(ctx, devices_by_type(ctx, devices)):
-        for pp in _pp_values(ctx, len(order), constraints):
-            for mbs in sizes:
-                for dp in _dp_values(len(order) // pp, ctx.global_batch // mbs):
-                    assignment = ctx.assign(order, pp, dp, "stage-major")
-                    if (assignment, mbs) in seen:
-                        continue
-                    seen.add((assignment, mbs))
-                    yield Structure(
-                        pool="metis-style",
-                        strategy="type-order",
-                        pp=pp,
-                        dp=dp,
-                        assignment=assignment,
-                        micro_batch_size=mbs,
-                    )
+    for types in _type_orders(ctx, by_type):
+        for tp in tp_degrees(ctx, devices):
+            order = [u for t in types for u in tp_groups(ctx, by_type[t], tp)]
+            for pp in _pp_values(ctx, len(order), constraints):
+                for mbs in sizes:
+                    for dp in _dp_values(len(order) // pp, ctx.global_batch // mbs):
+                        assignment = ctx.assign(order, pp, dp, "stage-major")
+                        if (assignment, mbs, tp) in seen:
+                            continue
+                        seen.add((assignment, mbs, tp))
+                        yield Structure(
+                            pool="metis-style",
+                            strategy="type-order",
+                            pp=pp,
+                            dp=dp,
+                            assignment=assignment,
+                            micro_batch_size=mbs,
+                            tp=(tp,) * pp if tp > 1 else (),
+                        )
+        max_pp = min(constraints.max_pp or ctx.model.num_layers, ctx.model.num_layers)
+        yield from mixed_structures(ctx, "metis-style", devices, max_pp=max_pp, micro_batch_sizes=sizes,
+                                    type_order=types, strategy="type-order")
 
 
 def metis_style(
@@ -273,19 +290,19 @@ def metis_style(
 
     Its layer load balancer is costly on large clusters, so structures are balanced in the order
     of a quick estimate (the capacity split under ZeRO-1 alone, before any layer moves) and the
-    search stops once that quick estimate cannot beat the FINALISTS-th balanced one (balancing
-    only moves layers off memory-short stages and recomputes where nothing fits: it rarely makes
-    a structure faster)."""
+    search skips a structure once that quick estimate cannot beat the FINALISTS-th balanced one of
+    the same tp degrees (balancing only moves layers off memory-short stages and recomputes where
+    nothing fits: it rarely makes a structure faster)."""
     quick: Scored = []
-    for st in _metis_groups(ctx, devices, sizes, constraints):
+    for st in metis_structures(ctx, devices, sizes, constraints):
         add_candidate(quick, lambda st=st: _metis(ctx, st, memory_rules.fixed(_zero1_options(st.dp)[0])))
     quick.sort(key=lambda x: (x[0], x[1]))
     scored: Scored = []
     for bound, _, first in quick:
-        done = sorted(e for e, _, _ in scored)
-        if len(done) >= FINALISTS and bound >= done[FINALISTS - 1]:
-            break
         st = first.structure
+        done = sorted(e for e, _, c in scored if tp_set(c.structure) == tp_set(st))
+        if len(done) >= FINALISTS and bound >= done[FINALISTS - 1]:
+            continue
         add_candidate(scored, lambda st=st: _metis(
             ctx, st, memory_rules.rebalanced_uniform_fit(_zero1_options(st.dp))))
     return simulate_finalists(ctx, scored, constraints, (Placement.NAIVE,))

@@ -40,6 +40,7 @@ class Estimator(PlanContext):
         max_pp: int,
         micro_batch_sizes: Sequence[int],
         mixed_tp: bool = False,
+        allowed_tp: Sequence[int] | None = None,
     ) -> Iterator[Structure]:
         """Every (pool, tp, strategy, pp, dp, micro-batch size) worth estimating, in a fixed order.
 
@@ -50,11 +51,13 @@ class Estimator(PlanContext):
         the search leaves them out: the analytic estimate is optimistic for them (their pipeline
         transfers queue behind DP collectives on the node networks), so on 1,024 devices they
         crowded the few exact simulations out (fraction of the bound 0.42 against 0.50 without),
-        and on the mid-size mixed cases measured they never won."""
+        and on the mid-size mixed cases measured they never won. ``allowed_tp`` (None: all) limits
+        the degrees (:attr:`~medley.plan.space.Constraints.tp_degrees`)."""
         for pool_name, devices in pools.items():
             for tp in tp_degrees(self, devices):
-                yield from self._structures(pool_name, devices, tp, max_pp, micro_batch_sizes)
-            if mixed_tp:
+                if allowed_tp is None or tp in allowed_tp:
+                    yield from self._structures(pool_name, devices, tp, max_pp, micro_batch_sizes)
+            if mixed_tp and allowed_tp is None:
                 yield from mixed_structures(self, pool_name, devices, max_pp=max_pp,
                                             micro_batch_sizes=micro_batch_sizes)
 

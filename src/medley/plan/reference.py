@@ -10,12 +10,14 @@ pruning loses, measured by a far larger search over the same simulator.
 3. From the :data:`SEEDS` fastest that fit: where a seed's whole space of splits x memory options
    per stage has at most :data:`EXHAUSTIVE_LIMIT` members, every member is simulated; otherwise a
    local search over exact simulations moves one layer across a stage boundary, changes one
-   stage's memory option to any other of the ladder, or moves one micro-batch between replicas
-   of different device types, while that helps.
+   stage's memory option to any other of the ladder, moves one micro-batch between replicas
+   of different device types, or changes one pipeline rank's tp degree (its groups growing onto
+   free devices of the same node and type, or shrinking), while that helps.
 
-It is exhaustive only where step 3 enumerated a seed's whole space; tp is 1 throughout (the
-planner does not search tp yet), so what it measures is the loss from pruning, not an optimality
-gap. The time is bounded by ``budget_s`` (step 3 stops when it is spent; ``complete`` says whether
+Step 1 covers every uniform tp degree and the per-type degrees the planner leaves out
+(``mixed_tp``); per-rank degrees beyond those are reached only by step 3's local moves, so tp is
+not enumerated exhaustively: what the reference measures is the loss from pruning, not an
+optimality gap. The time is bounded by ``budget_s`` (step 3 stops when it is spent; ``complete`` says whether
 it was). The planner's own result is not a seed: the reference can fail to match it.
 """
 
@@ -36,6 +38,7 @@ from medley.plan.candidates import Estimator
 from medley.plan.ranking import RankedPlan, rank_plan
 from medley.plan.search import device_pools, family_variants
 from medley.plan.space import MICRO_BATCH_SIZES, Candidate, Constraints, Structure
+from medley.plan.tp_structures import tp_degrees
 from medley.schedule.zero import Placement
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
@@ -105,7 +108,8 @@ def reference_search(
     max_pp = min(c.max_pp or model.num_layers, model.num_layers)
     out = Reference()
     scored: Scored = []
-    for st in est.structures(pools, max_pp=max_pp, micro_batch_sizes=sizes):
+    for st in est.structures(pools, max_pp=max_pp, micro_batch_sizes=sizes, mixed_tp=True,
+                             allowed_tp=c.tp_degrees):
         for candidate in _candidates(est, st, c):
             scored.append((candidate.estimate_s, len(scored), candidate))
     out.estimated = len(scored)
@@ -117,7 +121,7 @@ def reference_search(
         if time.perf_counter() > deadline:
             out.complete = False
             break
-        _refine(est, c, out, plan.candidate, deadline)
+        _refine(est, c, out, plan.candidate, deadline, devices)
     out.seconds = time.perf_counter() - start
     return out
 
@@ -214,7 +218,9 @@ def _splits(layers: int, stages: int) -> Iterator[tuple[int, ...]]:
         yield tuple(b - a for a, b in zip((0, *cuts), (*cuts, layers), strict=True))
 
 
-def _refine(est: Estimator, c: Constraints, out: Reference, seed: Candidate, deadline: float) -> None:
+def _refine(
+    est: Estimator, c: Constraints, out: Reference, seed: Candidate, deadline: float, devices: list[int]
+) -> None:
     """Every split x option combination of the seed's space when it is small, else a local search."""
     stages = len(seed.stage_layers)
     ladder = memory_options(seed.structure.dp)
@@ -231,7 +237,9 @@ def _refine(est: Estimator, c: Constraints, out: Reference, seed: Candidate, dea
     current = _simulate(est, c, out, seed)
     while current is not None:
         better = None
-        for neighbour in _neighbours(est, current.candidate, ladder):
+        moves = [*_neighbours(est, current.candidate, ladder),
+                 *tp_moves(est, current.candidate, devices, c)]
+        for neighbour in moves:
             if time.perf_counter() > deadline:
                 out.complete = False
                 return
@@ -271,3 +279,30 @@ def _neighbours(
             moved[a] -= 1
             moved[b] += 1
             yield replace(candidate, micro_batches=tuple(moved))
+
+
+def tp_moves(
+    est: Estimator, candidate: Candidate, devices: list[int], c: Constraints
+) -> Iterator[Candidate]:
+    """Every other tp degree of one pipeline rank whose groups stay valid: each replica's group
+    starts at the same device and covers free devices of its node and type (shrinking always
+    does); the split, options and micro-batches stay (the simulation checks memory)."""
+    st = candidate.structure
+    degrees = [t for t in tp_degrees(est, devices) if c.tp_degrees is None or t in c.tp_degrees]
+    allowed = set(devices)
+    for k in range(st.pp):
+        others = {d for row in st.assignment for j, lead in enumerate(row) if j != k
+                  for d in range(lead, lead + st.tp_of(j))}
+        for t in degrees:
+            free = allowed - others
+            if t == st.tp_of(k) or not all(_group_free(est, row[k], t, free) for row in st.assignment):
+                continue
+            tp = tuple(t if j == k else st.tp_of(j) for j in range(st.pp))
+            yield replace(candidate, structure=replace(st, tp=() if set(tp) == {1} else tp))
+
+
+def _group_free(est: Estimator, lead: int, tp: int, free: set[int]) -> bool:
+    """Devices lead .. lead+tp-1 are all free and on the lead's node, of its type."""
+    first = est.cluster.devices[lead]
+    members = [est.cluster.devices[d] for d in range(lead, lead + tp) if d in free]
+    return len(members) == tp and all(m.node == first.node and m.type == first.type for m in members)

@@ -23,6 +23,7 @@ from medley.errors import MedleyInputError
 from medley.plan.baselines import run_baselines
 from medley.plan.bounds import aggregate_bound
 from medley.plan.candidates import Estimator
+from medley.plan.layout import TP_DEGREES
 from medley.plan.ranking import (
     Objective,
     Progress,
@@ -115,6 +116,12 @@ def _check_inputs(
         raise MedleyInputError(
             f"--exclude-devices {bad}: device ids run 0..{cluster.num_devices - 1} (`medley cluster show`)."
         )
+    if constraints.tp_degrees is not None and (
+        not constraints.tp_degrees or set(constraints.tp_degrees) - set(TP_DEGREES)
+    ):
+        raise MedleyInputError(
+            f"tp_degrees {constraints.tp_degrees}: give degrees among {TP_DEGREES} (None: all)."
+        )
     if constraints.max_pp is not None and constraints.max_pp < 1:
         raise MedleyInputError(f"--max-pp {constraints.max_pp}: give at least 1.")
     devices = [d for d in range(cluster.num_devices) if d not in set(constraints.exclude_devices)]
@@ -195,7 +202,8 @@ def search(
     sizes = _usable_sizes(estimator, devices, constraints)
     pools = device_pools(cluster, devices, estimator)
     max_pp = constraints.max_pp or model.num_layers
-    structures = list(estimator.structures(pools, max_pp=max_pp, micro_batch_sizes=sizes))
+    structures = list(estimator.structures(pools, max_pp=max_pp, micro_batch_sizes=sizes,
+                                           allowed_tp=constraints.tp_degrees))
     candidates = _estimate(estimator, structures, constraints.schedules, progress)
     budget = simulate if simulate is not None else simulation_budget(len(devices), top)
     chosen = choose(candidates, budget)
@@ -231,7 +239,26 @@ def search(
     )
     if baselines:
         result.baselines = run_baselines(estimator, devices, sizes, constraints)
+        result.plans = _with_baselines(result.plans, result.baselines, top, objective)
     return result
+
+
+def _with_baselines(
+    plans: list[RankedPlan], found: dict[str, RankedPlan | None], top: int, objective: Objective
+) -> list[RankedPlan]:
+    """The ranked plans with the baselines' plans that fit ranked among them: each baseline's space
+    (cluster or type order, uniform or capacity split, equal micro-batches) is part of the
+    planner's, so its simulated plan is a candidate too. The estimate-driven choice of finalists
+    can miss such a plan (on small instances the estimate favours counts by speed where equal
+    counts simulate faster); a plan taken this way keeps its baseline's pool name."""
+    seen = {(p.candidate.key, p.plan.layout.placement) for p in plans}
+    merged = list(plans)
+    for plan in found.values():
+        if plan is not None and plan.fits and (plan.candidate.key, plan.plan.layout.placement) not in seen:
+            seen.add((plan.candidate.key, plan.plan.layout.placement))
+            merged.append(plan)
+    order = sorted(range(len(merged)), key=lambda i: (objective_key(merged[i], objective), i))
+    return [merged[i] for i in order][:top]
 
 
 def _usable_sizes(estimator: Estimator, devices: Sequence[int], constraints: Constraints) -> tuple[int, ...]:

@@ -36,6 +36,8 @@ class Constraints:
         memory_headroom: fraction of each device's memory left free (fragmentation, CUDA context).
         exclude_devices: device ids left out of every plan.
         micro_batch_sizes: sizes to consider (None: 1, 2, 4, 8, 16).
+        tp_degrees: tensor-parallel degrees a pipeline rank may take (None: every degree the model
+            and the nodes allow; ``(1,)``: no tensor parallelism).
     """
 
     max_pp: int | None = None
@@ -43,6 +45,7 @@ class Constraints:
     memory_headroom: float = 0.05
     exclude_devices: tuple[int, ...] = ()
     micro_batch_sizes: tuple[int, ...] | None = None
+    tp_degrees: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -81,13 +81,15 @@ def mixed_degrees(ctx: PlanContext, devices: Sequence[int]) -> list[dict[str, in
 
 
 def mixed_structures(
-    ctx: PlanContext, pool: str, devices: Sequence[int], *, max_pp: int, micro_batch_sizes: Sequence[int]
+    ctx: PlanContext, pool: str, devices: Sequence[int], *, max_pp: int, micro_batch_sizes: Sequence[int],
+    type_order: Sequence[str] | None = None, strategy: str = "stage-major",
 ) -> Iterator[Structure]:
-    """Structures of the pool whose pipeline ranks take the degrees of :func:`mixed_degrees`."""
+    """Structures of the pool whose pipeline ranks take the degrees of :func:`mixed_degrees`; the
+    types' runs follow ``type_order`` (default: fastest at its degree first)."""
     cluster = ctx.cluster
     for degrees in mixed_degrees(ctx, devices):
         time = {t: ctx.table(t, 1, tp=d).total[-1] for t, d in degrees.items()}
-        by_type = sorted(degrees, key=lambda t: (time[t], t))
+        by_type = list(type_order) if type_order else sorted(degrees, key=lambda t: (time[t], t))
         units = {t: tp_groups(ctx, [d for d in devices if cluster.devices[d].type.name == t], degrees[t])
                  for t in by_type}
         for mbs in micro_batch_sizes:
@@ -103,5 +105,5 @@ def mixed_structures(
                 order = [u for t, n in runs for u in units[t][: n * dp]]
                 tp = tuple(degrees[t] for t, n in runs for _ in range(n))
                 assignment = ctx.assign(order, pp, dp, "stage-major")
-                yield Structure(pool=pool, strategy="stage-major", pp=pp, dp=dp, assignment=assignment,
+                yield Structure(pool=pool, strategy=strategy, pp=pp, dp=dp, assignment=assignment,
                                 micro_batch_size=mbs, tp=tp)
