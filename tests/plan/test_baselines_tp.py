@@ -82,3 +82,13 @@ def test_planner_is_never_slower_than_a_baseline(cluster: str, model: str, globa
     for name, plan in result.baselines.items():
         if plan is not None:
             assert result.best.tokens_per_s >= plan.tokens_per_s * (1 - 1e-9), name
+
+
+def test_a_baseline_plan_is_adopted_only_within_the_allowed_schedules() -> None:
+    """Baselines run their systems' own schedules; the search offers their plans among its own
+    only when their family is one ``--schedules`` allows."""
+    constraints = Constraints(schedules=("zb-h1",))
+    result = search(parse_cluster_arg("2xA100-80GB+4xT4-16GB"), get_model("tiny"), global_batch=24,
+                    seq_len=256, top=5, constraints=constraints)
+    assert any(p is not None and p.plan.layout.schedule != "zb-h1" for p in result.baselines.values())
+    assert {p.plan.layout.schedule for p in result.plans} == {"zb-h1"}

@@ -239,7 +239,9 @@ def search(
     )
     if baselines:
         result.baselines = run_baselines(estimator, devices, sizes, constraints)
-        result.plans = _with_baselines(result.plans, result.baselines, top, objective)
+        allowed = {name: p for name, p in result.baselines.items()
+                   if p is not None and p.plan.layout.schedule in constraints.schedules}
+        result.plans = _with_baselines(result.plans, allowed, top, objective)
     return result
 
 
@@ -250,7 +252,8 @@ def _with_baselines(
     (cluster or type order, uniform or capacity split, equal micro-batches) is part of the
     planner's, so its simulated plan is a candidate too. The estimate-driven choice of finalists
     can miss such a plan (on small instances the estimate favours counts by speed where equal
-    counts simulate faster); a plan taken this way keeps its baseline's pool name."""
+    counts simulate faster); a plan taken this way keeps its baseline's pool name. Only plans of
+    the schedule families the search may use are offered (baselines run their systems' own)."""
     seen = {(p.candidate.key, p.plan.layout.placement) for p in plans}
     merged = list(plans)
     for plan in found.values():
