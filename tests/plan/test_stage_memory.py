@@ -14,7 +14,7 @@ from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
 from medley.plan.bounds import MemoryOption, layer_table, stage_memory
 from medley.plan.compile import recompute_workspace, static_memory
 from medley.plan.layout import PlanLayout
-from medley.schedule.zero import StageZero
+from medley.schedule.zero_settings import StageZero
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

@@ -110,7 +110,7 @@ def test_dp_collectives_of_a_tp_stage_reduce_a_rank_shard_sharing_the_node_netwo
 
 
 def layout_zero(level: int) -> tuple:
-    from medley.schedule.zero import StageZero
+    from medley.schedule.zero_settings import StageZero
 
     return (StageZero(level=level), StageZero(level=level))
 

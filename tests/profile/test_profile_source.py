@@ -17,7 +17,7 @@ from medley.cost.profiles import Profile, ProfileCostSource, save_profile
 from medley.errors import MedleyInputError
 from medley.plan.compile import compile_problem
 from medley.plan.layout import PlanLayout
-from medley.schedule.zero import StageZero
+from medley.schedule.zero_settings import StageZero
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

@@ -142,7 +142,8 @@ def test_placed_assignments(tmp_path) -> None:
 
 def zipper_cases() -> list[Case]:
     """Plans whose collectives come from medley's placement pass (buckets, windows, padding)."""
-    from medley.schedule.zero import StageZero, place_collectives
+    from medley.schedule.zero import place_collectives
+    from medley.schedule.zero_settings import StageZero
 
     def placed(name: str, split: tuple[int, ...], zero: list[StageZero], schedules: list[PipelineSchedule],
                policy: str) -> Case:

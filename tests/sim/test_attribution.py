@@ -16,7 +16,8 @@ from sim_doubles import AlphaBetaComm
 from medley.cost.interfaces import Collective
 from medley.schedule.generators import generate
 from medley.schedule.ir import Action, F, Kind, PipelineSchedule
-from medley.schedule.zero import StageZero, place_collectives
+from medley.schedule.zero import place_collectives
+from medley.schedule.zero_settings import StageZero
 from medley.sim import CollectiveCost, DeviceReport, SimProblem, SimResult, StageCost, simulate
 
 PARTS = ("compute", "bubble", "exposed_transfer", "exposed_zero", "exposed_clip", "clip_barrier")

@@ -125,7 +125,8 @@ def test_placement_pass_output_runs_with_uneven_micro_batches():
     """The ZeRO pass's programs (levels 3 and 1, bubble policy) for replicas with 4 and 6
     micro-batches simulate without deadlock, and each collective ran on both replicas' devices."""
     from medley.schedule.generators import generate
-    from medley.schedule.zero import StageZero, place_collectives
+    from medley.schedule.zero import place_collectives
+    from medley.schedule.zero_settings import StageZero
 
     zero = [StageZero(level=3, buckets=2), StageZero(level=1, buckets=2)]
     schedules = place_collectives([generate("1f1b", pp=2, micro_batches=m) for m in (4, 6)], zero,

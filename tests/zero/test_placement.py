@@ -5,15 +5,14 @@ from hypothesis import strategies as st
 
 from medley.schedule.generators import FAMILIES, generate
 from medley.schedule.ir import COLLECTIVE_KINDS, Action, Kind, add_send_recv
-from medley.schedule.zero import (
+from medley.schedule.zero import place_collectives
+from medley.schedule.zero_checks import (
     CollectiveMismatchError,
-    Placement,
-    StageZero,
     check_dp_consistency,
     check_zero_placement,
     collective_sequence,
-    place_collectives,
 )
+from medley.schedule.zero_settings import Placement, StageZero
 
 TESTED_FAMILIES = [f for f in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v") if f in FAMILIES]
 

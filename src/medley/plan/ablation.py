@@ -34,7 +34,7 @@ from medley.plan.ranking import RankedPlan
 from medley.plan.search import SearchResult, device_pools, family_variants, search
 from medley.plan.space import MICRO_BATCH_SIZES, PP_CHOICES, Candidate, Constraints, Structure
 from medley.plan.tp_structures import tp_degrees, tp_groups
-from medley.schedule.zero import Placement
+from medley.schedule.zero_settings import Placement
 
 STEPS = ("schedule", "heterogeneity", "zero-and-placement", "tp")
 REMOVED = {

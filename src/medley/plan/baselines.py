@@ -47,7 +47,7 @@ from medley.plan.context import PlanContext
 from medley.plan.ranking import RankedPlan, rank_plan
 from medley.plan.space import PP_CHOICES, Candidate, Constraints, Structure
 from medley.plan.tp_structures import mixed_structures, tp_degrees, tp_groups
-from medley.schedule.zero import Placement
+from medley.schedule.zero_settings import Placement
 
 FINALISTS = 3
 """Candidates simulated per baseline by estimate (besides the best of each schedule family)."""

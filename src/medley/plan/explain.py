@@ -17,7 +17,7 @@ from medley.plan.layout import PlanLayout
 from medley.plan.predict import predict
 from medley.plan.search import SearchResult
 from medley.plan.split_rules import uniform_split
-from medley.schedule.zero import Placement, StageZero
+from medley.schedule.zero_settings import Placement, StageZero
 from medley.sim.result import SimResult
 
 GB = 1e9

@@ -14,7 +14,7 @@ from medley.errors import MedleyInputError
 from medley.plan.layout import TP_DEGREES, PlanLayout, check_tp
 from medley.plan.split_rules import speed_split
 from medley.schedule.generators import generate
-from medley.schedule.zero import Placement, StageZero
+from medley.schedule.zero_settings import Placement, StageZero
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_schema import printable
 from medley.spec.limits import MAX_BLOCKS, MAX_MICRO_BATCHES, MAX_WINDOWS, check_sim_work

@@ -13,7 +13,9 @@ from typing import Any
 from medley.errors import MedleyInputError
 from medley.schedule.generators import generate
 from medley.schedule.ir import PipelineSchedule
-from medley.schedule.zero import CollectiveMismatchError, Placement, StageZero, place_collectives
+from medley.schedule.zero import place_collectives
+from medley.schedule.zero_checks import CollectiveMismatchError
+from medley.schedule.zero_settings import Placement, StageZero
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 

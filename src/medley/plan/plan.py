@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, ValidationError
 from medley.errors import MedleyInputError
 from medley.fileio import read_toml, write_atomically
 from medley.plan.layout import PlanLayout, build_schedules, check_tp
-from medley.schedule.zero import Placement, StageZero
+from medley.schedule.zero_settings import Placement, StageZero
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import cluster_from_dict
 from medley.spec.cluster_schema import STRICT, describe_validation_error, printable

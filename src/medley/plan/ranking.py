@@ -16,7 +16,7 @@ from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan, Prediction
 from medley.plan.predict import predict
 from medley.plan.space import Candidate, Constraints
-from medley.schedule.zero import Placement
+from medley.schedule.zero_settings import Placement
 from medley.sim.result import SimResult
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec

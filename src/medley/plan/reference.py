@@ -39,7 +39,7 @@ from medley.plan.ranking import RankedPlan, rank_plan
 from medley.plan.search import device_pools, family_variants
 from medley.plan.space import MICRO_BATCH_SIZES, Candidate, Constraints, Structure
 from medley.plan.tp_structures import tp_degrees
-from medley.schedule.zero import Placement
+from medley.schedule.zero_settings import Placement
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 

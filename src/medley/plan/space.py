@@ -13,7 +13,7 @@ from typing import Any
 
 from medley.plan.bounds import MemoryOption
 from medley.plan.layout import PlanLayout
-from medley.schedule.zero import Placement, StageZero
+from medley.schedule.zero_settings import Placement, StageZero
 from medley.spec.model import ModelSpec
 
 PP_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128)

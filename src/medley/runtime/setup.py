@@ -23,7 +23,7 @@ from medley.runtime.placement import PlacementEntry, world_size_terms
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 from medley.runtime.stages import build_local_stages
 from medley.runtime.tied import build_tied_grads
-from medley.schedule.zero import CollectiveMismatchError, check_zero_placement
+from medley.schedule.zero_checks import CollectiveMismatchError, check_zero_placement
 
 
 @dataclass(kw_only=True)
