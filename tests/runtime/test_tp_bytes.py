@@ -4,10 +4,9 @@ backward (:data:`medley.cost.tensor_parallel.TP_ALL_REDUCES`, :func:`tp_all_redu
 counted on each of two gloo ranks as the functional collectives ``parallelize_module``'s DTensors
 call (the ZeRO bytes test cannot see these: they bypass the ``torch.distributed`` calls it wraps).
 
-The forward matches. The backward does not yet: each column-parallel layer (q, k, v, and the
-MLP's gate and up) turns its own input into a replicated DTensor, so each all-reduces its own
-input gradient: five all-reduces of hidden-state size per SwiGLU block where Megatron (and the
-simulator) sum the gradients first and all-reduce twice.
+Both match since the attention and the MLP share one replicated input among their column-wise
+layers (:func:`medley.runtime.tensor_parallel.block_plan`); before, each of q, k, v, gate and up
+all-reduced its own input gradient, five per SwiGLU block in the backward.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from medley.cost.tensor_parallel import TP_ALL_REDUCES, tp_all_reduce_bytes
 from medley.spec.model_arg import get_model
 
 BLOCKS = 3
-RUNTIME_BACKWARD_ALL_REDUCES = 5  # q, k, v, gate, up: one per column-parallel layer (see above)
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +43,6 @@ def test_forward_all_reduces_equal_the_simulators(counted: dict) -> None:
     _check(counted, Pass.F, TP_ALL_REDUCES[Pass.F])
 
 
-@pytest.mark.timeout(300)
-def test_backward_all_reduces_are_one_per_column_parallel_layer(counted: dict) -> None:
-    """What the runtime does today (so that a change to it is seen here)."""
-    _check(counted, Pass.B, RUNTIME_BACKWARD_ALL_REDUCES)
-
-
-@pytest.mark.xfail(strict=True, reason="the runtime all-reduces each column-parallel layer's input "
-                   "gradient (5 per block), the simulator times Megatron's 2; see the module docstring")
 @pytest.mark.timeout(300)
 def test_backward_all_reduces_equal_the_simulators(counted: dict) -> None:
     _check(counted, Pass.B, TP_ALL_REDUCES[Pass.B])
