@@ -88,8 +88,9 @@ def test_activation_bytes_match_a_hand_count_and_recompute_keeps_only_the_input(
     model = get_model("llama-2-7b")
     b, s, h, ffn = 2, 1024, 4096, 11008
     held = formulas.layer_activation_bytes(model, 5, micro_batch_size=b, seq_len=s)
-    # input, attn-norm out, Q K V, attention out, mlp-norm in and out, gate, up, product (bf16)
-    by_hand = b * s * (h + h + 3 * h + h + h + h + 3 * ffn) * 2 + b * model.num_heads * s * 4
+    # input, attn-norm out, Q K V, attention out (the kernel's and the copy wo reads), mlp-norm in
+    # and out, gate, its SiLU, up, product (bf16), attention's log-sum-exp (fp32)
+    by_hand = b * s * (h + h + 3 * h + 2 * h + h + h + 4 * ffn) * 2 + b * model.num_heads * s * 4
     assert held == by_hand
     assert (
         formulas.layer_activation_bytes(model, 5, micro_batch_size=b, seq_len=s, recompute=True)

@@ -12,6 +12,8 @@ from medley.cost.interfaces import Collective, Pass
 from medley.cost.profiles import Profile
 from medley.profile.collectives import model_time
 from medley.profile.emulate import emulated_cluster
+from medley.profile.fidelity import case_layout, describe, emulate, tags
+from medley.profile.fidelity_cases import default_cases
 from medley.spec.model_arg import get_model
 
 TINY = get_model("tiny")
@@ -41,3 +43,26 @@ def test_slowed_types_link_and_costs(tmp_path: Path, profile: Profile) -> None:
 def test_refuses_factors_below_one(tmp_path: Path, profile: Profile) -> None:
     with pytest.raises(ValueError, match="slowdowns must be >= 1"):
         emulated_cluster(profile, TINY, (0.5, 1.0), directory=tmp_path, profile_name="p.json")
+
+
+@pytest.mark.parametrize(("name", "nodes", "tp"), [
+    ("tiny-tp2", [[0, 1]], (2,)),
+    ("tiny-tp2-pp2", [[0, 1], [2, 3]], (2, 2)),
+    ("tiny-pp2-tp2,1", [[0, 1], [2]], (2, 1)),
+])
+def test_a_tp_group_is_one_emulated_node(tmp_path: Path, profile: Profile, name: str, nodes: list,
+                                         tp: tuple[int, ...]) -> None:
+    """The fidelity's TP cases: each TP group's devices on one node of one type, so the inline
+    layout (and check_tp) accepts them, and the plan uses every emulated device."""
+    case = next(c for c in default_cases() if c.name == name)
+    emulated, _ = emulate(case, profile, profile_name="p.json", directory=tmp_path, cores=2)
+    assert [list(node.device_ids) for node in emulated.cluster.nodes] == nodes
+    layout = case_layout(case, emulated)
+    assert layout.tp == tp and sorted(layout.devices) == list(range(case.world))
+    assert "tensor parallel" in tags(layout, case) and f"tp{','.join(map(str, tp))}" in describe(layout)
+
+
+def test_a_node_holds_one_slowdown(tmp_path: Path, profile: Profile) -> None:
+    with pytest.raises(ValueError, match="share a node but not a slowdown"):
+        emulated_cluster(profile, TINY, (1.0, 2.0), directory=tmp_path, profile_name="p.json",
+                         node_sizes=(2,))

@@ -42,21 +42,23 @@ def parse_slowdown(text: str | None) -> dict[int, float]:
 def inline_plan(*, cluster: str | None, model: str, pp: int, dp: int, schedule: str, micro_batches: str,
                 micro_batch_size: int, seq_len: int, virtual_stages: int, split: str | None, zero: str | None,
                 zero_placement: str, buckets: int, gather_windows: int, clip_grad: bool,
-                assignment: str | None = None, dtype: str | None = None) -> Plan:
+                assignment: str | None = None, dtype: str | None = None, tp: str | None = None) -> Plan:
     """The plan ``medley train`` runs without ``--plan``; ``dtype`` None lets the devices choose
-    (bf16 where all have it, else fp16)."""
+    (bf16 where all have it, else fp16). Without ``cluster``, one node of dp x sum(tp) default
+    devices (so every TP group shares it)."""
     from medley.cost.estimator import CatalogCostSource
-    from medley.plan.inline import inline_layout
+    from medley.plan.inline import devices_needed, inline_layout, parse_tp
     from medley.spec.cluster_load import parse_cluster_arg
     from medley.spec.model_arg import get_model
 
-    spec = parse_cluster_arg(cluster or f"{pp * dp}x{DEFAULT_DEVICE}")
+    need = devices_needed(pp=pp, dp=dp, tp=parse_tp(tp, pp=pp)) if cluster is None else 0
+    spec = parse_cluster_arg(cluster or f"{need}x{DEFAULT_DEVICE}")
     model_spec = get_model(model)
     layout = inline_layout(
         cluster=spec, model=model_spec, cost=CatalogCostSource.for_cluster(model_spec, spec), pp=pp, dp=dp,
         schedule=schedule, micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
         virtual_stages=virtual_stages, split=split, zero=zero, placement=zero_placement, buckets=buckets,
-        gather_windows=gather_windows, clip_grad=clip_grad, assignment=assignment, dtype=dtype)
+        gather_windows=gather_windows, clip_grad=clip_grad, assignment=assignment, dtype=dtype, tp=tp)
     return Plan(layout=layout, cluster=spec)
 
 
@@ -241,6 +243,9 @@ def register(app: typer.Typer) -> None:
         gather_windows: Annotated[int, typer.Option(help="Inline plan: ZeRO-3 gather rounds")] = 1,
         assignment: Annotated[str | None, typer.Option(
             help="Inline plan: device id per pipeline rank, replicas separated by ';' (3,0;1,2)")] = None,
+        tp: Annotated[str | None, typer.Option(
+            help="Inline plan: tensor-parallel degree per pipeline rank (1, 2, 4 or 8; one value for all, "
+                 "e.g. 2 or 2,1); the default cluster then has dp x sum(tp) devices")] = None,
         reset_data_order: Annotated[bool, typer.Option(
             help="Resume although the seed, global batch or --data differ from the checkpoint's")] = False,
         init_from: Annotated[Path | None, typer.Option(
@@ -276,7 +281,7 @@ def register(app: typer.Typer) -> None:
                 micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
                 virtual_stages=virtual_stages, split=split, zero=zero, zero_placement=zero_placement,
                 buckets=buckets, gather_windows=gather_windows, clip_grad=bool(clip_norm),
-                assignment=assignment, dtype=inline_dtype(dtype, local_ranks=local_ranks))
+                assignment=assignment, dtype=inline_dtype(dtype, local_ranks=local_ranks), tp=tp)
         if local_ranks is not None and local_ranks != the_plan.world_size:
             raise MedleyInputError(
                 f"--local-ranks {local_ranks}: the plan needs {world_size_terms(the_plan)} = "

@@ -154,15 +154,18 @@ def megatron_flops_per_step(model: ModelSpec, *, batch_size: int, seq_len: int) 
 
 
 def _block_activation_elements(model: ModelSpec, tp: int = 1) -> float:
-    """Elements per token a block saves for backward (flash-style attention, no dropout), per
-    tensor-parallel rank.
+    """Elements per token a block of medley's runtime (:mod:`medley.runtime.model`) saves for
+    backward (flash-style attention, no dropout), per tensor-parallel rank.
 
-    Saved: block input, attention-norm output, Q/K/V, attention output, MLP-norm input and output,
-    and the MLP's inner tensors (SwiGLU: gate, up and their product; GELU: pre- and post-activation).
-    The four hidden-size tensors are whole on every TP rank, the rest split.
+    Saved: block input, attention-norm output, MLP-norm input and output (whole on every TP rank);
+    split: Q after RoPE, K and V as attention reads them (repeated to every query head under
+    grouped-query attention, so q_dim wide either way), the attention output twice (the kernel's,
+    and the contiguous copy the output projection reads), and the MLP's inner tensors (SwiGLU:
+    gate, its SiLU, up and their product; GELU: pre- and post-activation). Counted on CPU: the
+    split tensors of a tiny-model block are exactly these, and halve at tp 2.
     """
-    h, q, kv, ffn = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
-    return 4 * h + (2 * q + 2 * kv + ffn * (3 if model.mlp == "swiglu" else 2)) / tp
+    h, q, ffn = model.hidden_size, model.q_dim, model.ffn_hidden_size
+    return 4 * h + (5 * q + ffn * (4 if model.mlp == "swiglu" else 2)) / tp
 
 
 def layer_activation_bytes(

@@ -23,7 +23,12 @@ from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import DTYPE_BYTES, CatalogCostSource
 from medley.cost.interfaces import Collective, CommModel, CostSource, Pass
-from medley.cost.tensor_parallel import TensorParallelCompute, activation_scale, tp_comm_time
+from medley.cost.tensor_parallel import (
+    TensorParallelCompute,
+    activation_scale,
+    tp_activation_bytes,
+    tp_comm_time,
+)
 from medley.cost.tied import tied_sum_seconds
 from medley.cost.zero_levels import Payload, zero_level
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
@@ -103,11 +108,11 @@ def _stage_cost(
             found = measured_bytes(layer, **at)
         measured_act = measured_act and found is not None
         shape = {"micro_batch_size": mbs, "seq_len": seq}
-        shrink = activation_scale(model, layer, dtype=layout.dtype, tp=tp, **shape)
-        act += found[0] * shrink[0] if found else formulas.layer_activation_bytes(
+        held = tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, **shape) if found else None
+        act += held[0] if held else formulas.layer_activation_bytes(
             model, layer, dtype_bytes=dtype_bytes, recompute=recompute, tp=tp, **shape
         )
-        after_b += found[1] * shrink[1] if found else formulas.layer_activation_bytes_after_b(
+        after_b += held[1] if held else formulas.layer_activation_bytes_after_b(
             model, layer, dtype_bytes=dtype_bytes, tp=tp, **shape
         )
     boundary = formulas.boundary_bytes(model, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes)
@@ -241,9 +246,11 @@ def recompute_workspace(
     measured = getattr(cost, "activation_bytes", None)
     found = measured(layer, micro_batch_size=mbs, seq_len=seq, device_type=device_type) if measured else None
     dtype_bytes = DTYPE_BYTES[layout.dtype]
-    shrink = activation_scale(model, layer, micro_batch_size=mbs, seq_len=seq, dtype=layout.dtype, tp=tp)[0]
-    full = found[0] * shrink if found else formulas.layer_activation_bytes(
-        model, layer, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes, tp=tp)
+    shape = {"micro_batch_size": mbs, "seq_len": seq}
+    if found:
+        full = tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, **shape)[0]
+    else:
+        full = formulas.layer_activation_bytes(model, layer, dtype_bytes=dtype_bytes, tp=tp, **shape)
     kept = formulas.layer_activation_bytes(model, layer, micro_batch_size=mbs, seq_len=seq,
                                            dtype_bytes=dtype_bytes, recompute=True)
     return max(0.0, full - kept)

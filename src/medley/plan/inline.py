@@ -67,13 +67,25 @@ def _check_flags(
             raise MedleyInputError(f"{flag} {value}: must be {bound}; give a value in that range")
 
 
+def parse_tp(text: str | None, *, pp: int) -> tuple[int, ...]:
+    """``--tp 2`` or ``--tp 2,1`` as the degree of each of the ``pp`` pipeline ranks; () when not
+    given or 1 everywhere (the layout's "no TP")."""
+    degrees = parse_int_list(text, flag="--tp", count=pp, minimum=1, maximum=max(TP_DEGREES)) or ()
+    return () if all(t == 1 for t in degrees) else degrees
+
+
+def devices_needed(*, pp: int, dp: int, tp: tuple[int, ...] = ()) -> int:
+    """The devices a layout of ``pp`` ranks, ``dp`` replicas and degrees ``tp`` (() = 1 each) uses."""
+    return dp * sum(tp or (1,) * pp)
+
+
 def default_assignment(
     cluster: Cluster, *, pp: int, dp: int, tp: tuple[int, ...] = ()
 ) -> tuple[tuple[int, ...], ...]:
     """Replica r's rank k on the (k·dp + r)-th device (group of ``tp[k]`` devices): each stage's
     DP group is contiguous, its TP groups side by side."""
     degrees = tp or (1,) * pp
-    need = dp * sum(degrees)
+    need = devices_needed(pp=pp, dp=dp, tp=tp)
     if need > cluster.num_devices:
         tp_part = f" x tp {','.join(map(str, degrees))}" if tp else ""
         lower = "--pp, --dp or --tp" if tp else "--pp or --dp"
@@ -148,9 +160,7 @@ def inline_layout(
     (``--tp 2`` or ``--tp 2,1``) the tensor-parallel degree of each pipeline rank."""
     _check_flags(pp=pp, dp=dp, micro_batch_size=micro_batch_size, seq_len=seq_len,
                  virtual_stages=virtual_stages, buckets=buckets, gather_windows=gather_windows)
-    degrees = parse_int_list(tp, flag="--tp", count=pp, minimum=1, maximum=max(TP_DEGREES)) or ()
-    if degrees and all(t == 1 for t in degrees):
-        degrees = ()
+    degrees = parse_tp(tp, pp=pp)
     default_assignment(cluster, pp=pp, dp=dp, tp=degrees)
     counts = parse_int_list(micro_batches, flag="--micro-batches", count=dp, minimum=1,
                             maximum=MAX_MICRO_BATCHES)

@@ -6,7 +6,8 @@ plan's fastest device peak over the rank's own (:mod:`medley.runtime.emulate`). 
 the matching plan inputs from a CPU profile:
 
 * a :class:`Cluster` of N CPU ranks whose device types (``CPU-x1``, ``CPU-x2``, ...) have the
-  profiled CPU's peaks divided by each rank's slowdown, one single-device node per rank joined by a
+  profiled CPU's peaks divided by each rank's slowdown, one single-device node per rank (or per
+  tensor-parallel group: ``node_sizes`` consecutive devices of one slowdown) joined by a
   "loopback" tier with the gloo α-β fitted for that group size (so every pair and every ring is
   timed with the measured latency and bandwidth);
 * a :class:`ProfileCostSource` whose times for each of those types are the profile's times times
@@ -87,13 +88,29 @@ def _catalog(profile: Profile, factors: Sequence[float], link_gbps: float) -> di
     return {"devices": entries}
 
 
+def _node_slices(slowdowns: Sequence[float], node_sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """(first device, device count) of each node: ``node_sizes`` in id order, else one per device."""
+    sizes = list(node_sizes) or [1] * len(slowdowns)
+    if sum(sizes) != len(slowdowns) or min(sizes) < 1:
+        raise ValueError(f"node sizes {tuple(sizes)} do not cover the {len(slowdowns)} devices")
+    firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+    for first, size in zip(firsts, sizes, strict=True):
+        if len(set(slowdowns[first:first + size])) > 1:
+            raise ValueError(f"devices {first}..{first + size - 1} share a node but not a slowdown "
+                             f"({tuple(slowdowns[first:first + size])}): a node holds one device type")
+    return list(zip(firsts, sizes, strict=True))
+
+
 def emulated_cluster(
     profile: Profile, model: ModelSpec, slowdowns: Sequence[float], *, directory: Path, profile_name: str,
-    compute_share: float = 1.0, name: str = "emulated-cpu",
+    compute_share: float = 1.0, name: str = "emulated-cpu", node_sizes: Sequence[int] = (),
 ) -> EmulatedCluster:
-    """Cluster and costs of ``len(slowdowns)`` CPU ranks; writes the device catalog to ``directory``."""
+    """Cluster and costs of ``len(slowdowns)`` CPU ranks; writes the device catalog to ``directory``.
+    ``node_sizes``: devices per node in id order (default one each), so that a TP group's devices
+    share a node; a node's devices must have one slowdown (one device type)."""
     if not slowdowns or min(slowdowns) < 1.0:
         raise ValueError(f"slowdowns must be >= 1 (1 = full speed), got {tuple(slowdowns)}")
+    nodes = _node_slices(slowdowns, node_sizes)
     if profile.comm is None:
         raise ValueError("the profile has no collective measurements; profile with --comm-ranks")
     link = profile.comm.link_for(len(slowdowns))
@@ -105,9 +122,10 @@ def emulated_cluster(
     spec = {
         "name": name,
         "catalog": str(catalog_path),
-        "nodes": [{"name": f"rank{i}", "device": emulated_type_name(f), "count": 1,
+        "nodes": [{"name": f"rank{first}" if size == 1 else f"ranks{first}-{first + size - 1}",
+                   "device": emulated_type_name(slowdowns[first]), "count": size,
                    "link": {"kind": "pcie", "bandwidth_gbps": link_gbps, "latency_us": link.latency_s * 1e6}}
-                  for i, f in enumerate(slowdowns)],
+                  for first, size in nodes],
         "tiers": [{"name": "loopback", "bandwidth_gbps": link_gbps, "latency_us": link.latency_s * 1e6}]
         if len(slowdowns) > 1 else [],
     }

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medley.cost.profiles import Profile
-from medley.plan.inline import inline_layout
+from medley.plan.inline import devices_needed, inline_layout, parse_tp
 from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan
 from medley.plan.predict import predict
@@ -72,6 +72,8 @@ class FidelityCase:
         from_planner: take the planner's plan of this rank (1 = best) for ``global_batch``
             sequences on the emulated cluster instead of the fields above (0: not planned).
         global_batch: sequences per step the planner plans for.
+        tp: tensor-parallel degree per pipeline rank, as ``--tp`` takes it (``"2"``, ``"2,1"``;
+            None: no TP). Each TP group's devices form one emulated node.
     """
 
     name: str
@@ -94,10 +96,25 @@ class FidelityCase:
     dtype: str = "fp32"
     from_planner: int = 0
     global_batch: int = 8
+    tp: str | None = None
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        """The TP degree of each pipeline rank (1 each without ``tp``)."""
+        return parse_tp(self.tp, pp=self.pp) or (1,) * self.pp
 
     @property
     def world(self) -> int:
-        return len(self.slowdowns) if self.from_planner else self.pp * self.dp
+        return len(self.slowdowns) if self.from_planner else devices_needed(pp=self.pp, dp=self.dp,
+                                                                             tp=self.degrees)
+
+    @property
+    def node_sizes(self) -> tuple[int, ...]:
+        """Devices per emulated node in id order: one TP group each (the inline layout's
+        :func:`~medley.plan.inline.default_assignment` puts rank k's dp groups side by side)."""
+        if self.from_planner:
+            return ()
+        return tuple(t for t in self.degrees for _ in range(self.dp))
 
     @property
     def profile_sizes(self) -> tuple[int, ...]:
@@ -110,7 +127,7 @@ def describe(layout: PlanLayout, slowdowns: Sequence[float] = ()) -> str:
     counts = sorted(set(layout.micro_batches))
     mb = ",".join(map(str, layout.micro_batches)) if len(counts) > 1 else str(counts[0])
     parts = [
-        f"pp{layout.pp} dp{layout.dp}",
+        f"pp{layout.pp} dp{layout.dp}" + (f" tp{','.join(map(str, layout.tp))}" if layout.tp else ""),
         layout.schedule,
         f"mb {mb}x{layout.micro_batch_size}",
         f"seq {layout.seq_len}",
@@ -135,8 +152,9 @@ def describe(layout: PlanLayout, slowdowns: Sequence[float] = ()) -> str:
 
 def tags(layout: PlanLayout, case: FidelityCase) -> list[str]:
     """What a plan exercises, as labels the report groups errors by."""
-    out = [f"{layout.pp * layout.dp} ranks", layout.schedule, layout.dtype]
+    out = [f"{layout.world_size} ranks", layout.schedule, layout.dtype]
     out += ["pipeline"] if layout.pp > 1 else []
+    out += ["tensor parallel"] if layout.tp else []
     out += ["data parallel"] if layout.dp > 1 else []
     levels = {z.level for z in layout.zero} if layout.dp > 1 else set()
     out += [f"ZeRO-{level}" for level in sorted(levels)]
@@ -176,6 +194,7 @@ def emulate(
         profile_name=profile_name,
         compute_share=share,
         name=f"emu-{case.name}",
+        node_sizes=case.node_sizes,
     )
     return emulated, share
 
@@ -216,6 +235,7 @@ def case_layout(case: FidelityCase, emulated: EmulatedCluster) -> PlanLayout:
         recompute=case.recompute,
         dtype=case.dtype,
         clip_grad=case.clip_grad,
+        tp=case.tp,
     )
     if case.warmup:
         layout = dataclasses.replace(layout, knobs={**layout.knobs, "warmup": tuple(case.warmup)})
@@ -295,7 +315,7 @@ def run_case(
     cores = cores or os.cpu_count() or 1
     place = functools.partial(emulate, case, profile_name=profile_name, directory=directory, cores=cores)
     layout = case_layout(case, place(profile)[0])
-    used = sorted({d for row in layout.assignment for d in row})
+    used = sorted(layout.devices)  # every device of every TP group
     emulated, share = place(profile, used=used)
     prediction, problem, result = predict(layout, emulated.cluster, cost=emulated.cost)
     breakdown = _breakdown(problem, result, emulated)

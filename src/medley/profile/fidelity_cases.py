@@ -3,7 +3,8 @@
 Written-out plans over two models cover pipelines and data parallelism, every schedule family
 the runtime runs (GPipe, 1F1B, hetero-1F1B, ZB-H1, interleaved), ZeRO 0-3 with layer buckets and
 streamed ZeRO-3, recompute, gradient clipping, uneven splits and uneven replicas, emulated slow
-ranks, 2 and 4 ranks, fp32 and bf16 autocast; the rest are taken straight from ``medley plan``'s
+ranks, tensor parallelism (tp2 alone, with pp2, and tp2 then tp1), 2 to 4 ranks, fp32 and bf16
+autocast; the rest are taken straight from ``medley plan``'s
 ranking on small emulated clusters (bf16, as the planner plans), where plans live.
 """
 
@@ -197,6 +198,17 @@ def _planner_regime() -> list[FidelityCase]:
     ]
 
 
+def _tensor_parallel() -> list[FidelityCase]:
+    """Tensor parallelism (each TP group one emulated node): tp2 alone, under a pipeline, and a
+    replica whose first pipeline rank has tp2 and the second tp1 (3 ranks)."""
+    tiny = TINY
+    return [
+        FidelityCase(name="tiny-tp2", model=tiny, pp=1, dp=1, zero="0", tp="2"),
+        FidelityCase(name="tiny-tp2-pp2", model=tiny, pp=2, dp=1, split="2,2", zero="0,0", tp="2"),
+        FidelityCase(name="tiny-pp2-tp2,1", model=tiny, pp=2, dp=1, split="2,2", zero="0,0", tp="2,1"),
+    ]
+
+
 def planned_cases(*, top: int = 2) -> list[FidelityCase]:
     """The planner's ``top`` plans on each of :data:`PLANNER_CLUSTERS` (tiny model, bf16, 8
     sequences of 128 tokens per step)."""
@@ -218,8 +230,9 @@ def planned_cases(*, top: int = 2) -> list[FidelityCase]:
 
 
 def default_cases() -> list[FidelityCase]:
-    """Every case: the first study's, the planner's regime, and the planner's own plans."""
-    return _classic() + _planner_regime() + planned_cases()
+    """Every case: the first study's, the planner's regime, tensor parallelism, and the planner's
+    own plans."""
+    return _classic() + _planner_regime() + _tensor_parallel() + planned_cases()
 
 
 QUICK = ("tiny-pp2-1f1b-clip", "tiny-dp2-zero1-b4-clip")

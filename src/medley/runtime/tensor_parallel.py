@@ -16,17 +16,33 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from medley.runtime.model import Decoder
 
 TP_DIM = "tp"
 
 
-def block_plan(swiglu: bool) -> dict[str, ColwiseParallel | RowwiseParallel]:
-    """The parallel style of each linear layer of a block (by its name inside the block)."""
-    plan: dict[str, ColwiseParallel | RowwiseParallel] = {
+def block_plan(swiglu: bool) -> dict[str, ColwiseParallel | RowwiseParallel | PrepareModuleInput]:
+    """The parallel style of each linear layer of a block (by its name inside the block).
+
+    The attention and the MLP take their input as one replicated DTensor, which their
+    column-wise layers share: the backward sums those layers' partial input gradients and
+    all-reduces once per sub-layer (Megatron's two per block). Left to ColwiseParallel alone, each
+    of q, k, v, gate and up made its own and all-reduced its own gradient: five per block
+    (tests/runtime/test_tp_bytes.py counts them)."""
+    def shared() -> PrepareModuleInput:
+        return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                  use_local_output=False)
+
+    plan: dict[str, ColwiseParallel | RowwiseParallel | PrepareModuleInput] = {
+        "attn": shared(), "mlp": shared(),
         "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
         "attn.wo": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(),
     }

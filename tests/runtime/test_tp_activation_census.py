@@ -1,0 +1,74 @@
+"""What a block of medley's runtime saves for backward, against the formulas' count (the memory
+model's activation bytes): the tensors tensor parallelism splits (Q, K and V as attention reads
+them, the attention output twice, the MLP's inner tensors, the log-sum-exp) are exactly the
+formulas' split part, and the hidden-size tensors every TP rank holds whole are at least the
+formulas' four. A profile's measured block bytes (taken at tp 1) lose at tp only the split
+tensors' share (:func:`medley.cost.tensor_parallel.tp_activation_bytes`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from medley.cost import formulas
+from medley.cost.tensor_parallel import tp_activation_bytes
+from medley.runtime.model import Block
+from medley.spec.model import ModelSpec
+from medley.spec.model_arg import get_model
+
+MBS, SEQ = 2, 32
+# q_dim (4 heads of 32) differs from hidden (64) and from kv_dim (2 heads), so each width is known.
+WIDE_HEADS = dataclasses.replace(get_model("tiny"), explicit_head_dim=32)
+
+
+def saved_storages(spec: ModelSpec) -> list[int]:
+    """Bytes of each distinct storage one block's forward saves for backward (parameters left out)."""
+    torch.manual_seed(0)
+    block = Block(spec)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = torch.randn(MBS, SEQ, spec.hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        block(x)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("spec", [
+    WIDE_HEADS,
+    dataclasses.replace(WIDE_HEADS, num_kv_heads=WIDE_HEADS.num_heads),
+    dataclasses.replace(WIDE_HEADS, mlp="gelu"),
+], ids=["gqa-swiglu", "mha-swiglu", "gqa-gelu"])
+def test_the_formulas_split_exactly_what_a_block_saves_split(spec: ModelSpec) -> None:
+    tokens, d = MBS * SEQ, 4
+    sizes = saved_storages(spec)
+    split_widths = {spec.q_dim * tokens * d, spec.ffn_hidden_size * tokens * d, spec.num_heads * tokens * d}
+    assert spec.hidden_size * tokens * d not in split_widths
+    split = sum(b for b in sizes if b in split_widths)
+    whole = sum(b for b in sizes if b == spec.hidden_size * tokens * d)
+    kw = {"micro_batch_size": MBS, "seq_len": SEQ, "dtype_bytes": d}
+    at = {tp: formulas.layer_activation_bytes(spec, 1, tp=tp, **kw) for tp in (1, 2)}
+    assert at[1] - at[2] == split / 2  # what tp 2 saves per rank: half of the split tensors
+    assert at[1] - split <= whole  # the formulas' whole tensors (4 x hidden) are all held
+
+
+def test_a_measurement_loses_only_the_split_share() -> None:
+    tiny, shape = get_model("tiny"), {"micro_batch_size": 2, "seq_len": 128}
+    kw = {**shape, "dtype_bytes": 4}
+    measured = (1.5e6, 2.2e6)  # more than the formulas name: the rest is whole on every rank
+    held = tp_activation_bytes(tiny, 1, measured, dtype="fp32", tp=2, **shape)
+    saved_f = (formulas.layer_activation_bytes(tiny, 1, **kw)
+               - formulas.layer_activation_bytes(tiny, 1, tp=2, **kw))
+    saved_w = (formulas.layer_activation_bytes_after_b(tiny, 1, **kw)
+               - formulas.layer_activation_bytes_after_b(tiny, 1, tp=2, **kw))
+    assert held == (measured[0] - saved_f, measured[1] - saved_w)
+    assert tp_activation_bytes(tiny, 0, measured, dtype="fp32", tp=2, **shape) == measured  # embedding
+    assert tp_activation_bytes(tiny, 1, (10.0, 10.0), dtype="fp32", tp=2, **shape) == (5.0, 5.0)
