@@ -104,6 +104,8 @@ def test_one_option_for_all_takes_the_most_saving_stage_option() -> None:
         if per_stage is None:
             continue
         assert uniform_fit is not None
+        if uniform_fit.stage_layers != per_stage.stage_layers:
+            continue  # the bottleneck split saw other memory options and moved layers
         ladder = memory_options(st.dp)
         assert set(uniform_fit.options) == {max(per_stage.options, key=ladder.index)}
         mixed += len(set(per_stage.options)) > 1
