@@ -211,3 +211,14 @@ def test_explain_names_the_placement_the_written_plan_has(tmp_path: Path) -> Non
     written = load_plan(plan_file).layout.placement.value
     chosen = line.removeprefix("ZeRO placement: ").split(";")[0]
     assert chosen == {"naive": "naive", "bubble": "bubble-aware"}[written], (line, written)
+
+
+def test_baselines_run_by_default_on_small_clusters_and_on_request() -> None:
+    common = ["plan", "--cluster", CLUSTER, "--model", "tiny", "--global-batch", "16", "--seq-len", "64",
+              "--top", "1"]
+    code, out = _run(*common, "--json")
+    assert code == 0 and len(json.loads(out)["baselines"]) == 4
+    code, out = _run(*common, "--json", "--no-baselines")
+    assert code == 0 and json.loads(out)["baselines"] == {}
+    code, out = _run(*common, "--no-baselines")
+    assert code == 0 and "--baselines runs them" in out

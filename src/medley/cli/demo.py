@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from medley.cli.console import make_console, print_table
-from medley.cli.plan_cmd import print_result, result_data
+from medley.cli.plan_report import print_result, result_data
 from medley.cli.simulate_cmd import write_pictures
 from medley.cli.spec_cmds import print_cluster, print_model_costs
 from medley.cost.estimator import CatalogCostSource

@@ -7,11 +7,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from medley.cli.console import make_console, print_table
+from medley.cli.console import make_console
 from medley.cli.errors import MedleyInputError
+from medley.cli.plan_report import BASELINE_DEVICES, ablation_data, print_result, result_data
 from medley.cli.progress import PhaseBar
 from medley.cli.simulate_cmd import (
     COMM_PROFILE_HELP,
@@ -25,214 +24,14 @@ from medley.cli.simulate_cmd import (
     write_pictures,
 )
 from medley.fileio import check_output_dir, check_output_file
-from medley.plan.ablation import Ablation, ablate
+from medley.plan.ablation import ablate
 from medley.plan.inline import parse_int_list
 from medley.plan.plan import load_plan, save_plan
 from medley.plan.predict import layer_sources, predict
-from medley.plan.ranking import RankedPlan
-from medley.plan.search import SearchResult, search
+from medley.plan.search import search
 from medley.plan.space import SEARCHED_FAMILIES, Constraints
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
-
-GB = 1e9
-
-
-def _plan_row(plan: RankedPlan, result: SearchResult) -> dict:
-    layout, pred, cluster = plan.plan.layout, plan.prediction, result.cluster
-    headroom: dict[str, float] = {}
-    for report in plan.result.devices:
-        device = cluster.devices[report.device]
-        free = (device.type.memory_bytes - report.peak_memory_bytes) / GB
-        headroom[device.type.name] = min(headroom.get(device.type.name, free), free)
-    versus = {
-        name: (None if b is None else plan.tokens_per_s / b.tokens_per_s)
-        for name, b in result.baselines.items()
-    }
-    return {
-        "tokens_per_s": pred.tokens_per_s,
-        "step_time_s": pred.step_time_s,
-        "bubble_fraction": pred.bubble_fraction,
-        "exposed_comm_s": pred.exposed_comm_s,
-        "mfu": pred.mfu,
-        "cost_per_mtoken_usd": plan.cost_per_mtoken,
-        "headroom_gb_by_type": headroom,
-        "versus_baselines": versus,
-        "aggregate_fraction": pred.tokens_per_s / result.aggregate_tokens_per_s,
-        "schedule": layout.schedule,
-        "knobs": dict(layout.knobs),
-        "pp": layout.pp,
-        "dp": layout.dp,
-        "tp": [layout.tp_of(k) for k in range(layout.pp)],
-        "devices_used": len(layout.devices),
-        "micro_batch_size": layout.micro_batch_size,
-        "micro_batches": list(layout.micro_batches),
-        "split": list(layout.stage_layers),
-        "zero": [z.level for z in layout.zero],
-        "streamed": [z.streams for z in layout.zero],
-        "recompute": list(layout.recompute),
-        "cost_source": pred.cost_source,
-        "cost_sources": layer_sources(layout, cluster, result.cost),  # per device type and layer kind
-    }
-
-
-def _baseline_row(plan: RankedPlan, result: SearchResult) -> dict:
-    """A baseline's simulated figures and the shape its system gave it."""
-    layout, cluster = plan.plan.layout, result.cluster
-    return {
-        "tokens_per_s": plan.tokens_per_s,
-        "step_time_s": plan.prediction.step_time_s,
-        "pp": layout.pp,
-        "dp": layout.dp,
-        "tp": [layout.tp_of(k) for k in range(layout.pp)],
-        "schedule": layout.schedule,
-        "knobs": dict(layout.knobs),
-        "device_types": sorted({cluster.devices[d].type.name for row in layout.assignment for d in row}),
-        "devices_used": len(layout.devices),
-        "micro_batch_size": layout.micro_batch_size,
-        "micro_batches": list(layout.micro_batches),
-        "split": list(layout.stage_layers),
-        "zero": [z.level for z in layout.zero],
-        "recompute": list(layout.recompute),
-        "placement": layout.placement.value,
-    }
-
-
-def _shape(plan: RankedPlan) -> str:
-    layout = plan.plan.layout
-    tp = _tp_text([layout.tp_of(k) for k in range(layout.pp)])
-    return f"pp={layout.pp} dp={layout.dp}{tp} {layout.schedule}"
-
-
-def _tp_text(tp: list[int]) -> str:
-    """`` tp=2`` / `` tp=2,1`` (run-length as the other per-stage columns), empty when all are 1."""
-    return "" if set(tp) <= {1} else f" tp={_short(tp)}"
-
-
-def ablation_data(ablation: Ablation) -> dict:
-    """The ablation's figures: each constrained search's step time and share of the gain."""
-    return {
-        "best_step_time_s": ablation.best_step_s,
-        "best_baseline": ablation.baseline,
-        "best_baseline_step_time_s": ablation.baseline_step_s,
-        "steps": [
-            {
-                "without": step.name,
-                "removed": step.removed,
-                "step_time_s": step.step_time_s,
-                "share_of_gain": step.share_of_gain,
-                "note": step.note,
-                "plan": None if step.plan is None else _shape(step.plan),
-            }
-            for step in ablation.steps
-        ],
-    }
-
-
-def result_data(result: SearchResult) -> dict:
-    baselines = {
-        name: None if b is None else _baseline_row(b, result) for name, b in result.baselines.items()
-    }
-    return {
-        "model": result.model.name,
-        "cluster": result.cluster.name,
-        "global_batch": result.global_batch,
-        "seq_len": result.seq_len,
-        "objective": result.objective,
-        "aggregate_bound_tokens_per_s": result.aggregate_tokens_per_s,
-        "plans": [_plan_row(p, result) for p in result.plans],
-        "baselines": baselines,
-        "simulated": len(result.simulated),
-        "structures": result.structures_estimated,
-    }
-
-
-def _short(values: list) -> str:
-    """The values in full, comma-separated (a table never cuts a number)."""
-    return ",".join(map(str, values))
-
-
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-def print_result(data: dict, console: Console) -> None:
-    """Two tables: the simulated figures of each ranked plan, then what each plan is."""
-    names = list(data["baselines"])
-    figures = Table(
-        title=f"{data['model']} on {data['cluster']} · global batch {data['global_batch']} x "
-        f"{data['seq_len']} tokens · ranked by {data['objective']} (every figure simulated)"
-    )
-    columns = ["#", "tokens/s", "step", "bubble", "exposed comm", "headroom GB by type"]
-    columns += [*(f"vs {n}" for n in names), "of bound"]
-    if data["objective"] == "cost":
-        columns.insert(2, "$/Mtok")
-    for col in columns:
-        figures.add_column(col, justify="right")
-    shapes = Table(title="The ranked plans")
-    columns = ("#", "pp x dp", "tp per rank", "schedule", "mbs x counts", "layers per stage",
-               "ZeRO per stage")
-    for col in columns:
-        shapes.add_column(col, justify="right", overflow="fold")
-    for rank, row in enumerate(data["plans"], 1):
-        cells = [
-            str(rank),
-            f"{row['tokens_per_s']:,.0f}",
-            f"{row['step_time_s']:.3f} s",
-            f"{row['bubble_fraction']:.1%}",
-            f"{row['exposed_comm_s'] * 1e3:.0f} ms",
-            " ".join(f"{t}:{g:.1f}" for t, g in row["headroom_gb_by_type"].items()),
-            *(_ratio(row["versus_baselines"][n]) for n in names),
-            f"{row['aggregate_fraction']:.0%}",
-        ]
-        if data["objective"] == "cost":
-            cells.insert(2, f"{row['cost_per_mtoken_usd']:.3f}")
-        figures.add_row(*cells)
-        zero = ["3s" if s else str(z) for z, s in zip(row["zero"], row["streamed"], strict=True)]
-        zero = [z + ("r" if rc else "") for z, rc in zip(zero, row["recompute"], strict=True)]
-        knobs = "".join(f" {k}={v}" for k, v in row["knobs"].items())
-        shapes.add_row(
-            str(rank),
-            f"{row['pp']} x {row['dp']}",
-            _short(row["tp"]),
-            row["schedule"] + knobs,
-            f"{row['micro_batch_size']} x {_short(sorted(set(row['micro_batches'])))}",
-            _short(row["split"]),
-            _short(zero),
-        )
-    print_table(console, figures)
-    print_table(console, shapes)
-    for name, b in data["baselines"].items():
-        text = "no plan fits"
-        if b is not None:
-            tp = _tp_text(b["tp"])
-            text = (
-                f"{b['tokens_per_s']:,.0f} tokens/s ({b['step_time_s']:.3f} s, pp={b['pp']} dp={b['dp']}{tp} "
-                f"{b['schedule']} on {'+'.join(b['device_types'])})"
-            )
-        console.print(f"baseline {name}: {text}")
-    console.print(
-        f"aggregate bound: {data['aggregate_bound_tokens_per_s']:,.0f} tokens/s · {data['simulated']} plans "
-        f"simulated exactly out of {data['structures']} structures · ZeRO: level per stage, 3s = streamed "
-        "ZeRO-3, r = recomputation"
-    )
-    if "ablation" in data:
-        print_ablation(data["ablation"], console)
-
-
-def print_ablation(ablation: dict, console: Console) -> None:
-    """One line per constrained search: its step time and its share of the gain."""
-    base = ablation["best_baseline"]
-    gain = (
-        f"over {base} ({ablation['best_baseline_step_time_s']:.3f} s)" if base else "(no baseline fits)"
-    )
-    best = ablation["best_step_time_s"]
-    console.print(f"ablation: best plan {best:.3f} s; where its gain {gain} comes from (each alone):")
-    for step in ablation["steps"]:
-        seconds = "no plan fits" if step["step_time_s"] is None else f"{step['step_time_s']:.3f} s"
-        share = "" if step["share_of_gain"] is None else f", {step['share_of_gain']:.0%} of the gain"
-        note = f" ({step['note']})" if step["note"] else ""
-        console.print(f"  without {step['without']} ({step['removed']}): {seconds}{share}{note}")
 
 
 def _constraints(
@@ -299,6 +98,11 @@ def register(app: typer.Typer) -> None:
             bool,
             typer.Option("--ablation", help="Search again without each freedom: where the gain comes from"),
         ] = False,
+        baselines: Annotated[
+            bool | None,
+            typer.Option("--baselines/--no-baselines",
+                         help=f"Also run the baselines (default: on up to {BASELINE_DEVICES} devices)"),
+        ] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON")] = False,
     ) -> None:
         """Search the fastest (or cheapest) plans and rank them by exact simulation."""
@@ -329,6 +133,7 @@ def register(app: typer.Typer) -> None:
                 top=top,
                 constraints=constraints,
                 progress=progress,
+                baselines=spec.num_devices <= BASELINE_DEVICES if baselines is None else baselines,
             )
         data = result_data(result)
         if ablation:
@@ -364,6 +169,11 @@ def register(app: typer.Typer) -> None:
         profile: Annotated[list[Path] | None, typer.Option(help=PROFILE_HELP)] = None,
         profiles: Annotated[Path | None, typer.Option(help=PROFILES_HELP)] = None,
         comm_profile: Annotated[Path | None, typer.Option(help=COMM_PROFILE_HELP)] = None,
+        baselines: Annotated[
+            bool | None,
+            typer.Option("--baselines/--no-baselines",
+                         help=f"Also run the baselines (default: on up to {BASELINE_DEVICES} devices)"),
+        ] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON")] = False,
     ) -> None:
         """Re-simulate a plan file and show its figures per device (and its Gantt chart)."""
