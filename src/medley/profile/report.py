@@ -232,7 +232,9 @@ def _overhead(meta: dict[str, Any]) -> list[str]:
             lines.append(
                 f"- profile {key}: {fit['action_s'] * 1e6:.0f} µs per compute action{signed}, "
                 f"{fit['p2p_handoff_s'] * 1e6:.0f} µs per transfer beyond the link "
-                f"(hand-off measured {figures.get('handoff_s', 0.0) * 1e6:.0f} µs)."
+                f"(hand-off measured {figures.get('handoff_s', 0.0) * 1e6:.0f} µs), "
+                f"{fit.get('collective_s', 0.0) * 1e6:.0f} µs per ZeRO gather or reduction call beyond "
+                "the link."
             )
         else:
             lines.append(f"- profile {key}: no overhead measured (predicted as 0).")
