@@ -67,6 +67,8 @@ def test_two_plans_predicted_and_measured(tmp_path: Path) -> None:
     assert profile["comm"]["link_by_ranks"].keys() == {"2"}
     assert profile["overhead"]["figures"]["probe_layers_s"] > 0
     assert profile["overhead"]["figures"]["zero3_slope_per_micro_batch_s"] > 0
+    blocks = [m for m in profile["layers"] if m["kind"] == "block"]
+    assert blocks and all(m["tp_forward_s"] > 0 and m["tp_backward_full_s"] > 0 for m in blocks)
     failure = timing_failure(results, bound=TIMING_BOUND)
     if failure is not None:  # once more, on the same profiles: the machine may have been busy
         profiles = profiles_for(cases, tmp_path, reuse=True)

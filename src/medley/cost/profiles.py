@@ -47,7 +47,9 @@ class LayerMeasurement(BaseModel):
     leaves alive for its backward (saved tensors and its output), ``activation_after_b_bytes``
     what is still alive between B and W, ``backward_workspace_bytes`` the transient peak of the
     backward beyond that (gradients of intermediates, temporaries). ``fsdp_*``: the same layer
-    wrapped by FSDP2 as ZeRO-2/3 stages are (hooks and bookkeeping, no communication).
+    wrapped by FSDP2 as ZeRO-2/3 stages are (hooks and bookkeeping, no communication); ``tp_*``:
+    a block under torch's tensor parallelism on a one-rank mesh (DTensor dispatch, no
+    communication; blocks only).
     """
 
     model_config = STRICT
@@ -63,6 +65,8 @@ class LayerMeasurement(BaseModel):
     backward_workspace_bytes: float = Field(default=0.0, ge=0)
     fsdp_forward_s: float | None = Field(default=None, ge=0)
     fsdp_backward_full_s: float | None = Field(default=None, ge=0)
+    tp_forward_s: float | None = Field(default=None, ge=0)
+    tp_backward_full_s: float | None = Field(default=None, ge=0)
     runs: int = Field(ge=1)
 
 
@@ -214,6 +218,7 @@ class _Figures:
     activation_after_b_bytes: float
     workspace_bytes: float
     fsdp_extra: dict[Pass, float]
+    tp_extra: dict[Pass, float]
     exact: bool
 
     @staticmethod
@@ -221,8 +226,9 @@ class _Figures:
         times = {Pass.F: m.forward_s, Pass.B: m.backward_input_s, Pass.W: m.backward_weight_s}
         return _Figures(times=times, backward_full_s=m.backward_full_s, activation_bytes=m.activation_bytes,
                         activation_after_b_bytes=m.activation_after_b_bytes,
-                        workspace_bytes=m.backward_workspace_bytes, fsdp_extra=_fsdp_extra(m),
-                        exact=True)
+                        workspace_bytes=m.backward_workspace_bytes,
+                        fsdp_extra=_extra(m, m.fsdp_forward_s, m.fsdp_backward_full_s),
+                        tp_extra=_extra(m, m.tp_forward_s, m.tp_backward_full_s), exact=True)
 
     def lerp(self, other: _Figures, x: float, x0: float, x1: float) -> _Figures:
         return _Figures(
@@ -233,14 +239,17 @@ class _Figures:
                                            other.activation_after_b_bytes),
             workspace_bytes=_lerp(x, x0, x1, self.workspace_bytes, other.workspace_bytes),
             fsdp_extra={p: _lerp(x, x0, x1, self.fsdp_extra[p], other.fsdp_extra[p]) for p in Pass},
+            tp_extra={p: _lerp(x, x0, x1, self.tp_extra[p], other.tp_extra[p]) for p in Pass},
             exact=False,
         )
 
 
-def _fsdp_extra(m: LayerMeasurement) -> dict[Pass, float]:
-    """FSDP2's added time per pass; the backward's is split between B and W like the backward."""
-    forward = max(0.0, (m.fsdp_forward_s or m.forward_s) - m.forward_s)
-    backward = max(0.0, (m.fsdp_backward_full_s or m.backward_full_s) - m.backward_full_s)
+def _extra(m: LayerMeasurement, wrapped_forward: float | None, wrapped_backward: float | None
+           ) -> dict[Pass, float]:
+    """A wrapper's (FSDP2's, TP's) added time per pass; the backward's is split between B and W
+    like the backward."""
+    forward = max(0.0, (wrapped_forward or m.forward_s) - m.forward_s)
+    backward = max(0.0, (wrapped_backward or m.backward_full_s) - m.backward_full_s)
     split = m.backward_input_s + m.backward_weight_s
     share = m.backward_input_s / split if split > 0 else 0.5
     return {Pass.F: forward, Pass.B: backward * share, Pass.W: backward * (1 - share)}
@@ -351,6 +360,16 @@ class ProfileCostSource:
             layer, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type
         )
         return None if found is None else found.fsdp_extra[Pass(kind)] * self.device_scale[device_type]
+
+    def tp_extra_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> float | None:
+        """Seconds torch's tensor parallelism (DTensor dispatch) adds to one pass of a block on a
+        TP group, beyond its split compute and all-reduces, or None."""
+        found = self.figures(
+            layer, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type
+        )
+        return None if found is None else found.tp_extra[Pass(kind)] * self.device_scale[device_type]
 
     def optimizer_time(self, params: float, *, device_type: str) -> TimeEstimate | None:
         fit = self.profile.optimizer

@@ -82,7 +82,8 @@ def _stage_cost(
     per_action = getattr(cost, "action_overhead_time", None)
     overhead = (per_action(device_type=device_type) or 0.0) if per_action is not None else 0.0
     at = {"micro_batch_size": mbs, "seq_len": seq, "device_type": device_type}
-    tp_comm = {kind: 0.0 for kind in Pass}
+    tp_comm = {kind: 0.0 for kind in Pass}  # TP all-reduces and DTensor's dispatch (measured sources)
+    dtensor_time = getattr(cost, "tp_extra_time", None) if tp > 1 else None
     for layer in layout.layer_range(stage):
         block = model.layer_kind(layer) == "block"
         for kind in Pass:
@@ -92,6 +93,8 @@ def _stage_cost(
                 refwd += seconds  # blocks (not embedding or head) run their forward again
             tp_comm[kind] += tp_comm_time(comm, model, layer, kind, group=group, micro_batch_size=mbs,
                                           seq_len=seq, dtype=layout.dtype)
+            if dtensor_time is not None and block:
+                tp_comm[kind] += dtensor_time(layer, kind, **at) or 0.0
             if fsdp_time is not None:
                 extra = fsdp_time(layer, kind, **at)
                 fsdp[kind] += (extra or 0.0) * (tensor.scale(kind, tp=tp, **at) if block else 1.0)

@@ -124,13 +124,16 @@ def measure_layer(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len
     split = [_split_run(layer, x, targets, dev) for _ in range(runs)]
     fused = [_fused_run(layer, x, targets, dev) for _ in range(runs)]
     workspace = _backward_workspace(layer, x, targets) if dev.type == "cpu" else 0.0
-    fsdp_forward = fsdp_backward = None
+    fsdp_forward = fsdp_backward = tp_forward = tp_backward = None
     if dev.type == "cpu":
+        from medley.profile.dtensor import measure_tp
         from medley.profile.fsdp import measure_fsdp
 
-        fsdp_forward, fsdp_backward = measure_fsdp(model, kind, micro_batch_size=micro_batch_size,
-                                                   seq_len=seq_len, dtype=TORCH_DTYPES[dtype], warmup=warmup,
-                                                   runs=runs)
+        shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "dtype": TORCH_DTYPES[dtype],
+                 "warmup": warmup, "runs": runs}
+        fsdp_forward, fsdp_backward = measure_fsdp(model, kind, **shape)
+        if kind == "block":
+            tp_forward, tp_backward = measure_tp(model, **shape)
 
     def median(name: str) -> float:
         values = [getattr(r, name) for r in split]
@@ -141,7 +144,8 @@ def measure_layer(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len
         backward_input_s=median("backward_input_s"), backward_weight_s=median("backward_weight_s"),
         backward_full_s=quiet_median(fused), activation_bytes=median("activation_bytes"),
         activation_after_b_bytes=median("activation_after_b_bytes"), backward_workspace_bytes=workspace,
-        fsdp_forward_s=fsdp_forward, fsdp_backward_full_s=fsdp_backward, runs=runs,
+        fsdp_forward_s=fsdp_forward, fsdp_backward_full_s=fsdp_backward, tp_forward_s=tp_forward,
+        tp_backward_full_s=tp_backward, runs=runs,
     )
 
 
