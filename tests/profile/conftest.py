@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from medley.cost.profiles import (
+from medley.cost.profile_format import (
     PROFILE_FORMAT,
     PROFILE_VERSION,
     AlphaBeta,

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from medley.cost.comm import TopologyCommModel
 from medley.cost.interfaces import Collective
-from medley.cost.profiles import AlphaBeta, CommMeasurement
+from medley.cost.profile_format import AlphaBeta, CommMeasurement
 from medley.profile.collectives import OPS, fit_alpha_beta, model_time
 from medley.spec.cluster_load import parse_cluster_arg
 

@@ -9,7 +9,7 @@ import pytest
 
 from medley.cost.comm import TopologyCommModel
 from medley.cost.interfaces import Collective, Pass
-from medley.cost.profiles import Profile
+from medley.cost.profile_format import Profile
 from medley.profile.collectives import model_time
 from medley.profile.emulate import emulated_cluster
 from medley.profile.fidelity import case_layout, describe, emulate, tags

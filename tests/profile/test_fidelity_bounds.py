@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from medley.cost.profiles import load_profile
+from medley.cost.profile_format import load_profile
 from medley.profile.fidelity import (
     FidelityResult,
     case_layout,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from medley.cost.profiles import load_profile
+from medley.cost.profile_format import load_profile
 from medley.profile.fidelity import FidelityResult, run_case
 from medley.profile.fidelity_cases import default_cases
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from medley.cli.main import app
-from medley.cost.profiles import load_profile
+from medley.cost.profile_format import load_profile
 from medley.profile.layers import measure_layer
 from medley.spec.model_arg import get_model
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from medley.cost.comm import TopologyCommModel
-from medley.cost.profiles import OverheadProfile, ProfileCostSource, load_profile
+from medley.cost.profile_format import OverheadProfile, load_profile
+from medley.cost.profiles import ProfileCostSource
 from medley.plan.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.plan.predict import predict

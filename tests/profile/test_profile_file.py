@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from medley.cost.profiles import Profile, load_profile, save_profile
+from medley.cost.profile_format import Profile, load_profile, save_profile
 from medley.errors import MedleyInputError
 
 

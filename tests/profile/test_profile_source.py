@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from medley.cli.main import app
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Pass
-from medley.cost.profiles import Profile, ProfileCostSource, save_profile
+from medley.cost.profile_format import Profile, save_profile
+from medley.cost.profiles import ProfileCostSource
 from medley.errors import MedleyInputError
 from medley.plan.compile import compile_problem
 from medley.plan.layout import PlanLayout

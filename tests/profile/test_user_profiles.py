@@ -15,7 +15,7 @@ from medley.cli.main import app
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Pass
 from medley.cost.metis import MetisCostSource
-from medley.cost.profiles import Profile, save_profile
+from medley.cost.profile_format import Profile, save_profile
 from medley.cost.user_profiles import measured_cost_source
 from medley.errors import MedleyInputError
 from medley.profile.run import profile_device_type

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from medley.cli.console import make_console, print_table, progress_steps
-from medley.cost.profiles import Profile, save_profile
+from medley.cost.profile_format import Profile, save_profile
 from medley.errors import MedleyInputError
 from medley.fileio import check_output_dir, check_output_file
 from medley.plan.inline import parse_int_list

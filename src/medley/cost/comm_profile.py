@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from medley.cost.profiles import AlphaBeta, CommMeasurement, read_versioned_json
+from medley.cost.profile_format import AlphaBeta, CommMeasurement, read_versioned_json
 from medley.errors import MedleyInputError
 from medley.fileio import write_atomically
 from medley.spec.cluster import Cluster, NodeLink

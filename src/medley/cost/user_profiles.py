@@ -23,7 +23,8 @@ from pathlib import Path
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass, TimeEstimate
-from medley.cost.profiles import ProfileCostSource, load_profile
+from medley.cost.profile_format import load_profile
+from medley.cost.profiles import ProfileCostSource
 from medley.errors import MedleyInputError
 from medley.spec.catalog import device_type_for_cuda, get_device_type
 from medley.spec.cluster import Cluster

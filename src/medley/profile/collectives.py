@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from scipy.optimize import nnls
 
-from medley.cost.profiles import AlphaBeta, CommMeasurement, CommProfile
+from medley.cost.profile_format import AlphaBeta, CommMeasurement, CommProfile
 from medley.profile.memory import quiet_median
 
 OPS = ("send_recv", "all_gather", "reduce_scatter", "all_reduce")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from medley.cost.comm_profile import COMM_PROFILE_FORMAT, COMM_PROFILE_VERSION, CommTierProfile, TierLink
-from medley.cost.profiles import CommMeasurement
+from medley.cost.profile_format import CommMeasurement
 from medley.errors import MedleyInputError
 from medley.profile.collectives import DEFAULT_SIZES, fit_alpha_beta
 from medley.profile.memory import quiet_median

@@ -29,7 +29,8 @@ from pathlib import Path
 import tomli_w
 
 from medley.cost.estimator import CatalogCostSource
-from medley.cost.profiles import Profile, ProfileCostSource
+from medley.cost.profile_format import Profile
+from medley.cost.profiles import ProfileCostSource
 from medley.spec.catalog import get_device_type, load_catalog
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import cluster_from_dict

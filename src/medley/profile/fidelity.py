@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from medley.cost.profiles import Profile
+from medley.cost.profile_format import Profile
 from medley.plan.inline import devices_needed, inline_layout, parse_tp
 from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from medley.cost.profiles import Profile, load_profile, save_profile
+from medley.cost.profile_format import Profile, load_profile, save_profile
 from medley.profile.fidelity import FidelityCase, FidelityResult, run_case
 from medley.profile.fidelity_cases import SMALL, TINY, default_cases, quick_cases
 from medley.profile.overhead import measure_overhead

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from scipy.optimize import nnls
 
-from medley.cost.profiles import LayerMeasurement, OptimizerProfile
+from medley.cost.profile_format import LayerMeasurement, OptimizerProfile
 from medley.profile.layer_build import ProfiledLayer, build_layer, layer_inputs, now
 from medley.profile.memory import allocated_bytes, quiet_median
 from medley.runtime.sharding import TORCH_DTYPES

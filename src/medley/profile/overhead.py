@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from medley.cost.profiles import CommProfile, OverheadProfile
+from medley.cost.profile_format import CommProfile, OverheadProfile
 from medley.profile.memory import quiet_median
 from medley.spec.model import ModelSpec
 

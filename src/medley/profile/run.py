@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from medley.cost.profiles import PROFILE_FORMAT, PROFILE_VERSION, Profile, model_dict
+from medley.cost.profile_format import PROFILE_FORMAT, PROFILE_VERSION, Profile, model_dict
 from medley.errors import MedleyInputError
 from medley.profile.collectives import comm_profile, measure_collectives
 from medley.profile.layers import profile_layers, profile_optimizer
