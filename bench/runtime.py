@@ -146,7 +146,7 @@ def main() -> None:
     except OSError:
         pass
     from medley.profile.fidelity import FidelityCase, run_case
-    from medley.profile.harness import TINY, profiles_for, provenance_note
+    from medley.profile.harness import TINY, profiles_for
     from medley.profile.report import machine, result_row
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -154,7 +154,7 @@ def main() -> None:
     mem_cases = memory_cases()
     made = provenance()
     profiles = profiles_for([*mem_cases, FidelityCase(name="t", model=TINY, pp=2, dp=1)], args.out,
-                            reuse=args.reuse_profiles, notes=provenance_note(made))
+                            reuse=args.reuse_profiles, provenance=made)
     overheads = run_overhead(overhead_cases(profiles, emulated), args.rounds, args.steps, emulated)
     memory = []
     for case in mem_cases:

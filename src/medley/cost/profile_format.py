@@ -148,6 +148,7 @@ class Profile(BaseModel):
     optimizer: OptimizerProfile | None = None
     overhead: OverheadProfile | None = None
     notes: str = ""
+    provenance: dict[str, str] = {}  # a bench's profile: the commit and command that wrote it
 
     def model_spec(self) -> ModelSpec:
         return model_from_dict(self.model, source="profile table 'model'", doc=PROFILE_DOC)

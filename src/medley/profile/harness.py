@@ -31,7 +31,6 @@ __all__ = [
     "harness_steps",
     "profile_key",
     "profiles_for",
-    "provenance_note",
     "quick_cases",
     "run_harness",
 ]
@@ -48,13 +47,6 @@ def harness_steps(cases: Sequence[FidelityCase], *, reuse_profiles: bool = False
     return len({profile_key(c) for c in cases}) + per_case * len(cases)
 
 
-def provenance_note(meta: Mapping[str, Any]) -> str:
-    """The line a bench's profiles carry in ``notes``: the commit and command that wrote them."""
-    if "commit" not in meta:
-        return ""
-    return f"written at commit {meta['commit']} by `{meta.get('command', '?')}`"
-
-
 def profiles_for(
     cases: Sequence[FidelityCase],
     directory: Path,
@@ -64,11 +56,11 @@ def profiles_for(
     runs: int = PROFILE_RUNS,
     reuse: bool = False,
     overhead: bool = True,
-    notes: str = "",
+    provenance: Mapping[str, str] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, tuple[Profile, str]]:
     """One CPU profile per :func:`profile_key` of ``cases``, at the shapes they use, saved as
-    ``profile-cpu-<key>.json`` with ``notes`` (a bench's commit and command). The collectives are
+    ``profile-cpu-<key>.json`` with ``provenance`` (a bench's commit and command). The collectives are
     measured once, the runtime's overhead (``overhead``) once per precision."""
     out: dict[str, tuple[Profile, str]] = {}
     comm = None
@@ -98,7 +90,8 @@ def profiles_for(
         if overhead and first.dtype not in overheads:
             # Against the shared link fit, so that every profile's hand-off excess is the same one.
             overheads[first.dtype] = measure_overhead(dtype=first.dtype, comm=comm, runs=runs)
-        profile = profile.model_copy(update={"overhead": overheads.get(first.dtype), "notes": notes})
+        profile = profile.model_copy(update={"overhead": overheads.get(first.dtype),
+                                             "provenance": dict(provenance or {})})
         save_profile(profile, path)
         out[key] = (profile, name)
     return out
@@ -134,7 +127,7 @@ def run_harness(
         comm_sizes=comm_sizes,
         progress=progress,
         comm_ranks=sorted({2, *(c.world for c in cases if c.world > 1)}),
-        notes=provenance_note(meta or {}),
+        provenance={k: v for k, v in (meta or {}).items() if k in ("commit", "command")},
     )
     results = run_cases(cases, profiles, steps=steps, refresh_layers=refresh_layers, progress=progress)
     report_meta = machine() | {
