@@ -11,7 +11,7 @@ import numpy as np
 from medley.plan.bounds import MemoryOption, stage_memory
 from medley.plan.builder import MemoryRule, Setting, StagePlan
 from medley.schedule.generators import generate
-from medley.schedule.ir import Kind
+from medley.schedule.validate import in_flight_by_stage
 
 
 def cheapest_per_stage(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
@@ -93,25 +93,15 @@ def cheapest_per_rank(setting: Setting, split: tuple[int, ...]) -> StagePlan | N
 
 @functools.lru_cache(maxsize=256)
 def chunk_in_flight(pp: int, micro_batches: int, virtual_stages: int) -> tuple[np.ndarray, ...]:
-    """Per pipeline rank of the interleaved schedule, its chunks' in-flight micro-batches after
-    each of its forwards (rows: the distinct moments; columns: the rank's chunks, first to last),
-    read from the generated schedule the simulator and the runtime run. (Megatron's warm-up
-    depth, 2(p-k-1) + (v-1)·min(m, p) + 1, spread evenly over the chunks, under-counted medley's
-    schedule, whose first chunks hold more: plans booked as fitting overflowed by 15-21%.)"""
+    """Per pipeline rank of the interleaved schedule, its chunks' in-flight micro-batches at each
+    distinct moment (rows; columns: the rank's chunks, first to last), read from the generated
+    schedule the simulator and the runtime run (:func:`medley.schedule.validate.in_flight_by_stage`).
+    (Megatron's warm-up depth, 2(p-k-1) + (v-1)·min(m, p) + 1, spread evenly over the chunks,
+    under-counted medley's schedule, whose first chunks hold more: plans booked as fitting
+    overflowed by 15-21%.)"""
     schedule = generate("interleaved", pp=pp, micro_batches=micro_batches, virtual_stages=virtual_stages)
-    out = []
-    for rank in range(pp):
-        column = {c: i for i, c in enumerate(schedule.stages_of_rank(rank))}
-        now = np.zeros(len(column))
-        rows = [now.copy()]
-        for action in schedule.actions[rank]:
-            if action.kind is Kind.F:
-                now[column[action.stage]] += 1
-                rows.append(now.copy())
-            elif action.kind in (Kind.B, Kind.BW):
-                now[column[action.stage]] -= 1
-        out.append(np.unique(np.array(rows), axis=0))
-    return tuple(out)
+    return tuple(np.unique(np.array([(0.0,) * virtual_stages, *trace]), axis=0)
+                 for trace in in_flight_by_stage(schedule))
 
 
 def _one_f_one_b_flight(setting: Setting, stage: int) -> int:

@@ -9,12 +9,10 @@ F 1.2 ms plain, 3.1 ms under DTensor)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from medley.profile.layer_build import build_layer, layer_inputs, now
-from medley.profile.memory import quiet_median
+from medley.profile.layer_build import build_layer, layer_inputs, one_rank_group, time_forward_backward
 from medley.runtime.tensor_parallel import TP_DIM, block_plan
 from medley.spec.model import ModelSpec
 
@@ -22,27 +20,10 @@ from medley.spec.model import ModelSpec
 def measure_tp(model: ModelSpec, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype = torch.float32,
                warmup: int = 2, runs: int = 5) -> tuple[float, float]:
     """(forward, fused backward) medians of a block under tensor parallelism on CPU."""
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        device = torch.device("cpu")
+    device = torch.device("cpu")
+    with one_rank_group():
         layer = build_layer(model, "block", dtype, device)
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=(TP_DIM,))
         parallelize_module(layer.module, mesh, block_plan(model.mlp == "swiglu"), src_data_rank=None)
         x, targets = layer_inputs(model, "block", micro_batch_size, seq_len, dtype, device)
-        forward, backward = [], []
-        for i in range(warmup + runs):
-            inp = x.detach().requires_grad_(True)
-            t0 = now(device)
-            out = layer.forward(inp, targets)
-            t1 = now(device)
-            torch.autograd.backward([out], [torch.ones_like(out)])
-            t2 = now(device)
-            if i >= warmup:
-                forward.append(t1 - t0)
-                backward.append(t2 - t1)
-        return quiet_median(forward), quiet_median(backward)
-    finally:
-        if own_group:
-            dist.destroy_process_group()
+        return time_forward_backward(layer, x, targets, device, warmup=warmup, runs=runs)

@@ -9,45 +9,21 @@ layers they cost as much as the math (measured: about 1.6x a tiny block's F and 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from medley.profile.layer_build import build_layer, layer_inputs, now
-from medley.profile.memory import quiet_median
+from medley.profile.layer_build import build_layer, layer_inputs, one_rank_group, time_forward_backward
 from medley.spec.model import ModelSpec
 
 
 def measure_fsdp(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len: int,
                  dtype: torch.dtype = torch.float32, warmup: int = 2, runs: int = 5) -> tuple[float, float]:
     """(forward, fused backward) medians of the layer under FSDP2 on CPU."""
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        return _measure(model, kind, micro_batch_size, seq_len, dtype, warmup, runs)
-    finally:
-        if own_group:
-            dist.destroy_process_group()
-
-
-def _measure(model: ModelSpec, kind: str, micro_batch_size: int, seq_len: int, dtype: torch.dtype,
-             warmup: int, runs: int) -> tuple[float, float]:
     device = torch.device("cpu")
-    layer = build_layer(model, kind, dtype, device)
-    unit = fully_shard(layer.module, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=False)
-    unit.set_requires_gradient_sync(False)
-    unit.set_reshard_after_backward(False)
-    x, targets = layer_inputs(model, kind, micro_batch_size, seq_len, dtype, device)
-    forward, backward = [], []
-    for i in range(warmup + runs):
-        inp = x if kind == "embedding" else x.detach().requires_grad_(True)
-        t0 = now(device)
-        out = layer.forward(inp, targets)
-        t1 = now(device)
-        torch.autograd.backward([out], None if kind == "head" else [torch.ones_like(out)])
-        t2 = now(device)
-        if i >= warmup:
-            forward.append(t1 - t0)
-            backward.append(t2 - t1)
-    return quiet_median(forward), quiet_median(backward)
+    with one_rank_group():
+        layer = build_layer(model, kind, dtype, device)
+        unit = fully_shard(layer.module, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=False)
+        unit.set_requires_gradient_sync(False)
+        unit.set_reshard_after_backward(False)
+        x, targets = layer_inputs(model, kind, micro_batch_size, seq_len, dtype, device)
+        return time_forward_backward(layer, x, targets, device, warmup=warmup, runs=runs)

@@ -1,17 +1,20 @@
 """The layers ``medley profile`` times, built as the runtime builds them
 (:mod:`medley.runtime.model`), with random inputs and a clock that waits for the device;
-shared by the plain measurement (:mod:`medley.profile.layers`) and the FSDP2 one
-(:mod:`medley.profile.fsdp`)."""
+shared by the plain measurement (:mod:`medley.profile.layers`) and the wrapped ones (FSDP2,
+:mod:`medley.profile.fsdp`; tensor parallelism, :mod:`medley.profile.dtensor`)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from medley.profile.memory import quiet_median
 from medley.runtime.model import Block, Embedding, Head, init_layer, token_loss_sum
 from medley.spec.model import ModelSpec
 
@@ -62,3 +65,34 @@ def now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def time_forward_backward(layer: ProfiledLayer, x: torch.Tensor, targets: torch.Tensor, device: torch.device,
+                          *, warmup: int, runs: int) -> tuple[float, float]:
+    """(forward, fused backward) medians of ``runs`` timed repetitions after ``warmup``."""
+    forward, backward = [], []
+    for i in range(warmup + runs):
+        inp = x if layer.kind == "embedding" else x.detach().requires_grad_(True)
+        t0 = now(device)
+        out = layer.forward(inp, targets)
+        t1 = now(device)
+        torch.autograd.backward([out], None if layer.kind == "head" else [torch.ones_like(out)])
+        t2 = now(device)
+        if i >= warmup:
+            forward.append(t1 - t0)
+            backward.append(t2 - t1)
+    return quiet_median(forward), quiet_median(backward)
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A one-rank gloo process group for the duration (the caller's own, if one is initialised):
+    wrappers that need a mesh (FSDP2, tensor parallelism) run without any communication."""
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if own:
+            dist.destroy_process_group()

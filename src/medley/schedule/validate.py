@@ -248,17 +248,28 @@ def _check_memory(schedule: PipelineSchedule, limit: Sequence[float], w_fraction
                 )
 
 
-def in_flight_profile(schedule: PipelineSchedule, *, w_fraction: float = 1.0) -> list[list[float]]:
-    """Activations held by each rank after each of its actions (micro-batches of one stage)."""
+def in_flight_by_stage(
+    schedule: PipelineSchedule, *, w_fraction: float = 1.0
+) -> list[list[tuple[float, ...]]]:
+    """Activations each rank holds after each of its actions, per stage it runs (micro-batches of
+    that stage, the rank's stages in :meth:`~medley.schedule.ir.PipelineSchedule.stages_of_rank`
+    order)."""
     delta = _deltas(w_fraction)
     profile = []
-    for row in schedule.actions:
-        held, trace = 0.0, []
+    for rank, row in enumerate(schedule.actions):
+        column = {s: i for i, s in enumerate(schedule.stages_of_rank(rank))}
+        held, trace = [0.0] * len(column), []
         for action in row:
-            held += delta.get(action.kind, 0.0)
-            trace.append(held)
+            if action.kind in delta:
+                held[column[action.stage]] += delta[action.kind]
+            trace.append(tuple(held))
         profile.append(trace)
     return profile
+
+
+def in_flight_profile(schedule: PipelineSchedule, *, w_fraction: float = 1.0) -> list[list[float]]:
+    """Activations held by each rank after each of its actions (micro-batches of one stage)."""
+    return [[sum(held) for held in trace] for trace in in_flight_by_stage(schedule, w_fraction=w_fraction)]
 
 
 def peak_in_flight(schedule: PipelineSchedule) -> list[int]:
