@@ -68,7 +68,7 @@ def run_baselines(
     ctx: Estimator, devices: Sequence[int], sizes: Sequence[int], constraints: Constraints
 ) -> dict[str, RankedPlan | None]:
     """Every baseline of :data:`NAMES` over ``devices`` (None where none of its plans fits)."""
-    by_type = devices_by_type(ctx, devices)
+    by_type = ctx.cluster.devices_by_type(devices)
     fastest = min(by_type, key=lambda t: (ctx.table(t, 1).total[-1], t))
     singles = [megatron_lm_style(ctx, ids, sizes, constraints) for ids in by_type.values()]
     return {
@@ -77,14 +77,6 @@ def run_baselines(
         "metis-style": metis_style(ctx, devices, sizes, constraints),
         "fastest-type-only": fastest_type_only(ctx, by_type[fastest], sizes, constraints),
     }
-
-
-def devices_by_type(ctx: PlanContext, devices: Sequence[int]) -> dict[str, list[int]]:
-    """Devices by type name, types and devices in cluster order."""
-    out: dict[str, list[int]] = {}
-    for d in sorted(devices):
-        out.setdefault(ctx.cluster.devices[d].type.name, []).append(d)
-    return out
 
 
 def _fastest(plans: Sequence[RankedPlan | None]) -> RankedPlan | None:
@@ -257,7 +249,7 @@ def metis_structures(
     """Metis' structures: for each type order, tp, pp, micro-batch size and dp, the stage groups
     as consecutive runs of dp TP groups of that order (one degree for all stages), then the
     structures with a degree per device type (:func:`mixed_structures`) in each type order."""
-    by_type = devices_by_type(ctx, devices)
+    by_type = ctx.cluster.devices_by_type(devices)
     seen: set[tuple[object, ...]] = set()
     for types in _type_orders(ctx, by_type):
         for tp in tp_degrees(ctx, devices):

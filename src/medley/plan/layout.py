@@ -123,6 +123,16 @@ def tp_sources(*, senders: int, receivers: int) -> tuple[int, ...]:
     return tuple(j % senders for j in range(receivers))
 
 
+def tp_undivided(model: ModelSpec, tp: int) -> str | None:
+    """The first of the model's heads, KV heads and MLP width (``name (size)``) that ``tp`` does not
+    divide, or None: Megatron's TP splits each of them over the group."""
+    for name, size in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
+                       ("ffn_hidden_size", model.ffn_hidden_size)):
+        if size % tp:
+            return f"{name} ({size})"
+    return None
+
+
 def check_tp(layout: PlanLayout, cluster: Cluster) -> None:
     """Refuse a ``tp`` the cluster or the model cannot run: one degree per pipeline rank, each in
     :data:`TP_DEGREES`, dividing the model's heads, KV heads and MLP width, and every TP group on
@@ -137,19 +147,17 @@ def check_tp(layout: PlanLayout, cluster: Cluster) -> None:
     for k, t in enumerate(layout.tp):
         if t not in TP_DEGREES:
             raise MedleyInputError(f"{where}: degree {t} of pipeline rank {k} is not one of {TP_DEGREES}")
-        for name, size in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
-                           ("ffn_hidden_size", model.ffn_hidden_size)):
-            if size % t:
-                raise MedleyInputError(f"{where}: degree {t} does not divide the model's {name} ({size}); "
-                                       "choose a degree that does")
+        undivided = tp_undivided(model, t)
+        if undivided is not None:
+            raise MedleyInputError(f"{where}: degree {t} does not divide the model's {undivided}; "
+                                   "choose a degree that does")
     for r in range(layout.dp):
         for k in range(layout.pp):
             group = layout.group(r, k)
             if group[-1] >= cluster.num_devices:
                 raise MedleyInputError(f"{where}: replica {r} pipeline rank {k} needs devices {group[0]}.."
                                        f"{group[-1]} but the cluster has {cluster.num_devices}; lower tp")
-            members = [cluster.devices[d] for d in group]
-            if len({d.node for d in members}) > 1 or len({d.type.name for d in members}) > 1:
+            if not cluster.one_node_one_type(group):
                 raise MedleyInputError(
                     f"{where}: replica {r} pipeline rank {k} would span devices {group[0]}..{group[-1]}, "
                     "which are not one node of one device type; a TP group is consecutive device "

@@ -303,6 +303,5 @@ def tp_moves(
 
 def _group_free(est: Estimator, lead: int, tp: int, free: set[int]) -> bool:
     """Devices lead .. lead+tp-1 are all free and on the lead's node, of its type."""
-    first = est.cluster.devices[lead]
-    members = [est.cluster.devices[d] for d in range(lead, lead + tp) if d in free]
-    return len(members) == tp and all(m.node == first.node and m.type == first.type for m in members)
+    group = range(lead, lead + tp)
+    return all(d in free for d in group) and est.cluster.one_node_one_type(group)

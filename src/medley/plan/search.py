@@ -153,9 +153,7 @@ def _check_inputs(
 
 def device_pools(cluster: Cluster, devices: Sequence[int], estimator: Estimator) -> dict[str, list[int]]:
     """All devices, each device type alone, and the k fastest types for k = 2..T-1."""
-    by_type: dict[str, list[int]] = {}
-    for d in devices:
-        by_type.setdefault(cluster.devices[d].type.name, []).append(d)
+    by_type = cluster.devices_by_type(devices)
     speed = {t: estimator.table(t, 1).total[-1] for t in by_type}
     ranked = sorted(by_type, key=lambda t: (speed[t], t))
     pools = {"all": list(devices)}

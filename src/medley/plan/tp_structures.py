@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 from medley.plan.context import PlanContext
-from medley.plan.layout import TP_DEGREES
+from medley.plan.layout import TP_DEGREES, tp_undivided
 from medley.plan.space import Structure
 
 MIXED_BASES = (1, 2, 4)
@@ -29,12 +29,8 @@ MIXED_DP = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 def tp_degrees(ctx: PlanContext, devices: Sequence[int]) -> tuple[int, ...]:
     """Degrees of :data:`~medley.plan.layout.TP_DEGREES` the model's heads, KV heads and MLP width
     divide and some node of the pool can hold a group of (1 always)."""
-    return tuple(t for t in TP_DEGREES if _divides(ctx, t) and (t == 1 or tp_groups(ctx, devices, t)))
-
-
-def _divides(ctx: PlanContext, tp: int) -> bool:
-    model = ctx.model
-    return not (model.num_heads % tp or model.num_kv_heads % tp or model.ffn_hidden_size % tp)
+    return tuple(t for t in TP_DEGREES
+                 if tp_undivided(ctx.model, t) is None and (t == 1 or tp_groups(ctx, devices, t)))
 
 
 def tp_groups(ctx: PlanContext, devices: Sequence[int], tp: int) -> list[int]:
@@ -49,10 +45,8 @@ def tp_groups(ctx: PlanContext, devices: Sequence[int], tp: int) -> list[int]:
     for first in sorted(devices):
         if first in taken:
             continue
-        lead = cluster.devices[first]
         group = range(first, first + tp)
-        if all(d in chosen and d not in taken and cluster.devices[d].node == lead.node
-               and cluster.devices[d].type == lead.type for d in group):
+        if all(d in chosen and d not in taken for d in group) and cluster.one_node_one_type(group):
             out.append(first)
             taken.update(group)
     return out

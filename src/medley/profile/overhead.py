@@ -35,6 +35,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -113,6 +114,18 @@ def _step_time(
     return quiet_median([r.step_time_s for r in records[steps:]])
 
 
+def _probe_slope(
+    layers_s: Callable[[], float], step_time: Callable[[int], float]
+) -> tuple[dict[int, float], float, float]:
+    """(step time per probe micro-batch count, the probe's layer seconds, the step's slope per
+    micro-batch). The layers are timed before and after the runs: other work on a shared machine
+    only adds time, so the lower counts."""
+    low, high = PROBE_MICRO_BATCHES
+    before = layers_s()
+    times = {m: step_time(m) for m in (low, high)}
+    return times, min(before, layers_s()), (times[high] - times[low]) / (high - low)
+
+
 def measure_action_overhead(*, dtype: str = "fp32", steps: int = 10, runs: int = 9) -> tuple[float, dict]:
     """(seconds of executor bookkeeping per compute action, the figures it comes from)."""
     from medley.profile.layers import profile_layers
@@ -123,12 +136,7 @@ def measure_action_overhead(*, dtype: str = "fp32", steps: int = 10, runs: int =
         )
         return sum(m.forward_s + m.backward_full_s for m in layers)
 
-    low, high = PROBE_MICRO_BATCHES
-    before = layers_s()
-    times = {m: _step_time(m, dtype=dtype, steps=steps) for m in (low, high)}
-    # Before and after the runs: other work on a shared machine only adds time, so the lower.
-    layer_s = min(before, layers_s())
-    slope = (times[high] - times[low]) / (high - low)
+    times, layer_s, slope = _probe_slope(layers_s, lambda m: _step_time(m, dtype=dtype, steps=steps))
     residual = (slope - layer_s) / 2  # below 0 when the profile's own per-layer costs exceed the executor's
     return max(0.0, residual), {
         "step_s": {str(m): t for m, t in times.items()},
@@ -136,7 +144,7 @@ def measure_action_overhead(*, dtype: str = "fp32", steps: int = 10, runs: int =
         "probe_layers_s": layer_s,
         "residual_per_action_s": residual,
         # what a step costs at no micro-batch: loop, optimizer, reductions
-        "step_intercept_s": times[low] - low * slope,
+        "step_intercept_s": times[PROBE_MICRO_BATCHES[0]] - PROBE_MICRO_BATCHES[0] * slope,
     }
 
 
@@ -163,11 +171,8 @@ def measure_collective_overhead(
                    for layer in range(PROBE.num_layers))
 
     state = state_bytes_per_param(dtype)
-    low, high = PROBE_MICRO_BATCHES
-    before = layers_s()
-    times = {m: _step_time(m, dtype=dtype, steps=steps, dp=2, streamed_zero3=True) for m in (low, high)}
-    layer_s = min(before, layers_s())
-    slope = (times[high] - times[low]) / (high - low)
+    times, layer_s, slope = _probe_slope(
+        layers_s, lambda m: _step_time(m, dtype=dtype, steps=steps, dp=2, streamed_zero3=True))
     link = comm.link_for(2) if comm is not None else None
     link_s = 0.0
     for layer in range(PROBE.num_layers):  # F and BW gather every layer, BW reduces it

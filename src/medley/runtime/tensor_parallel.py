@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from medley.plan.layout import tp_undivided
 from medley.runtime.model import Decoder
 
 TP_DIM = "tp"
@@ -56,10 +57,9 @@ def parallelize_blocks(module: Decoder, tp_mesh: DeviceMesh) -> None:
     if tp_mesh.size() == 1:
         return
     spec = module.spec
-    for name, size in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
-                       ("ffn_hidden_size", spec.ffn_hidden_size)):
-        if size % tp_mesh.size():
-            raise ValueError(f"TP degree {tp_mesh.size()} does not divide the model's {name} ({size})")
+    undivided = tp_undivided(spec, tp_mesh.size())
+    if undivided is not None:
+        raise ValueError(f"TP degree {tp_mesh.size()} does not divide the model's {undivided}")
     for block in module.blocks.values():
         parallelize_module(block, tp_mesh, block_plan(spec.mlp == "swiglu"), src_data_rank=None)
 

@@ -7,6 +7,7 @@ whose group holds both, at the slowest bandwidth of the tiers up to and includin
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from medley.spec.catalog import DeviceType
@@ -83,11 +84,17 @@ class Cluster:
         """Distinct device types present (override-renamed types included), name -> type."""
         return {device.type.name: device.type for device in self.devices}
 
-    def devices_by_type(self) -> dict[str, list[int]]:
+    def devices_by_type(self, ids: Iterable[int] | None = None) -> dict[str, list[int]]:
+        """Device ids by type name, types and ids in id order (only ``ids``, when given)."""
         result: dict[str, list[int]] = {}
-        for device in self.devices:
-            result.setdefault(device.type.name, []).append(device.id)
+        for d in range(len(self.devices)) if ids is None else sorted(ids):
+            result.setdefault(self.devices[d].type.name, []).append(d)
         return result
+
+    def one_node_one_type(self, ids: Iterable[int]) -> bool:
+        """Whether the devices ``ids`` all sit on one node and are of one type (a TP group)."""
+        members = [self.devices[d] for d in ids]
+        return len({d.node for d in members}) <= 1 and len({d.type.name for d in members}) <= 1
 
     def meeting_tier(self, node_a: str, node_b: str) -> int:
         """Index of the innermost tier whose group holds both nodes (-1: the same node)."""
