@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from medley.plan.layout import tp_sources
+from medley.runtime.sends import PendingSends, message_key
 from medley.runtime.sharding import ShardedStage
 from medley.runtime.torch_adapter import backward_input, backward_weight
 from medley.schedule.ir import (
@@ -116,7 +117,7 @@ class RankExecutor:
         self.loss_scale = 1.0
         self.skip_optim = False
         self.state: dict[int, StageState] = {}
-        self.pending_sends: list[dist.Work] = []
+        self.pending_sends = PendingSends(schedule=schedule)
 
     @property
     def program(self) -> list[Action]:
@@ -141,11 +142,11 @@ class RankExecutor:
     def _run_program(self, program: list[Action], batch: MicroBatches) -> list[torch.Tensor]:
         self.state = {stage: StageState() for stage in self.stages}
         self.skip_optim = False
+        if self.pending_sends.schedule is not self.schedule:  # the schedule may be swapped between steps
+            self.pending_sends = PendingSends(schedule=self.schedule)
         for action in program:
             self._run(action, batch)
-        for work in self.pending_sends:
-            work.wait()
-        self.pending_sends.clear()
+        self.pending_sends.wait_all()
         last = self.schedule.num_stages - 1
         losses = self.state[last].losses if last in self.state else {}
         return [losses[mb].detach() for mb in sorted(losses)]
@@ -228,6 +229,7 @@ class RankExecutor:
         inputs = [st.inputs.pop(mb)] if stage > 0 else []
         if full:
             torch.autograd.backward(outputs, grads)
+            self._release_graph(stage, mb)
             input_grad = inputs[0].grad if inputs else None
         elif stage == 0:
             # Token ids carry no gradient: the whole backward happens at W (as torch does).
@@ -252,6 +254,15 @@ class RankExecutor:
             torch.autograd.backward(outputs, grads)
         else:
             backward_weight(self.stages[stage].weights(), saved)
+        self._release_graph(stage, mb)
+
+    def _release_graph(self, stage: int, mb: int) -> None:
+        """A micro-batch's backward is done: the last stage keeps its loss for the report only.
+        The loss's graph would keep the received input alive (its leaf's accumulator holds it)
+        for every micro-batch until the step ends."""
+        losses = self.state[stage].losses
+        if mb in losses:
+            losses[mb] = losses[mb].detach()
 
     def _tag(self, stage: int, mb: int, grad: bool) -> int:
         return (stage * 2 + int(grad)) * self.schedule.num_micro_batches + mb
@@ -278,7 +289,7 @@ class RankExecutor:
             tensor, tag = st.input_grads.pop(mb), self._tag(peer_stage, mb, grad=True)
         tensor = tensor.to(self.dtype).contiguous()
         for peer in self._destinations(peer_stage):
-            self.pending_sends.append(dist.isend(tensor, dst=peer, tag=tag))
+            self.pending_sends.add(dist.isend(tensor, dst=peer, tag=tag), dst=peer, key=message_key(action))
 
     def _recv(self, action: Action) -> None:
         st, mb = self.state[action.stage], action.micro_batch
@@ -289,7 +300,9 @@ class RankExecutor:
             tag = self._tag(peer_stage, mb, grad=False)
         else:
             tag = self._tag(action.stage, mb, grad=True)
-        dist.recv(buffer, src=self._source(peer_stage), tag=tag)
+        source = self._source(peer_stage)
+        dist.recv(buffer, src=source, tag=tag)
+        self.pending_sends.received(src=source, key=message_key(action))
         if action.kind is Kind.RECV_F:
             st.inputs[mb] = buffer
         else:
