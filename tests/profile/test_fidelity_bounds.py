@@ -141,3 +141,16 @@ def test_planned_case_runs_the_planners_plan(tmp_path: Path) -> None:
     assert layout.model == TINY and layout.dtype == "bf16" and layout.clip_grad  # the planner always clips
     assert sum(layout.micro_batches) * layout.micro_batch_size == case.global_batch
     assert "planner's plan" in tags(layout, case) and describe(layout).endswith("bf16")
+
+
+def test_compute_and_rest_errors_split_the_busiest_device() -> None:
+    r = _result("split", predicted_ms=10.0, fastest_ms=12.0)  # predicted compute 8 ms, rest 2 ms
+    r.measured_by_device = {0: 13.0e-3}
+    r.measured_compute_by_device = {0: 10.0e-3}
+    assert r.compute_error == pytest.approx(-0.2)  # 8 ms against 10
+    assert r.rest_error == pytest.approx(-1 / 3)  # 2 ms against 3
+    unknown = _result("unmeasured", predicted_ms=10.0, fastest_ms=12.0)
+    assert unknown.compute_error != unknown.compute_error  # nan: an old report without the field
+    text = markdown_from_payload(payload_of([r, unknown], {"commit": "x", "command": "y"}))
+    assert "compute is predicted -20.0%" in text and "rest of its step (bubble" in text
+    assert "-33.3%" in text

@@ -45,6 +45,8 @@ def test_tokenized_jsonl_matches_the_reference_with_eval_losses(jsonl_run) -> No
     logged = [json.loads(line) for line in (jsonl_run["root"] / "log.jsonl").read_text().splitlines()]
     assert [row.get("eval_loss") is not None for row in logged if "step" in row] == [False, True] * 3
     assert set(records[0].step_time_by_device) == {0, 1, 2, 3}
+    for r in records:  # each rank's compute is part of its step
+        assert all(0 < r.compute_time_by_device[d] < r.step_time_by_device[d] for d in range(4))
 
 
 @pytest.mark.timeout(300)

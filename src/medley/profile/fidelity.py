@@ -360,6 +360,9 @@ def run_case(
         measured_by_device={
             int(d): statistics.median(r.step_time_by_device.get(d, 0.0) for r in timed) for d in devices
         },
+        measured_compute_by_device={
+            int(d): statistics.median(r.compute_time_by_device.get(d, 0.0) for r in timed) for d in devices
+        },
         emulated_sleep_s=statistics.median(r.emulated_sleep_s for r in timed),
         tags=tags(layout, case),
     )

@@ -26,6 +26,8 @@ class FidelityResult:
             ``exposed_zero_s``, ``exposed_clip_s``, ``clip_barrier_s`` (the simulator's parts),
             ``compute_actions``, ``transfers`` (sent by that device).
         measured_by_device: each rank's median timed step, by device id.
+        measured_compute_by_device: of it, each rank's median time in compute actions (emulation
+            sleeps included), by device id: what tells a compute error from one in the waits.
         emulated_sleep_s: median per step of the longest emulation sleep of any rank.
         cost_source, compute_share, loaded_compute_share, background_cores, wall_s: how it was
             predicted and run (see :func:`run_case`); step_times_s: every step measured.
@@ -50,6 +52,7 @@ class FidelityResult:
     predicted_no_overhead_s: float = 0.0
     breakdown: dict[str, float] = field(default_factory=dict)
     measured_by_device: dict[int, float] = field(default_factory=dict)
+    measured_compute_by_device: dict[int, float] = field(default_factory=dict)
     emulated_sleep_s: float = 0.0
     tags: list[str] = field(default_factory=list)
 
@@ -72,6 +75,26 @@ class FidelityResult:
         return (self.loaded_predicted_step_s - self.measured_step_s) / self.measured_step_s
 
     @property
+    def compute_error(self) -> float:
+        """The busiest device's predicted compute against its measured median compute (nan when
+        either is unknown): the part of the step-time error the layer costs make."""
+        device = int(self.breakdown.get("device", -1))
+        measured = self.measured_compute_by_device.get(device, 0.0)
+        if measured <= 0 or "compute_s" not in self.breakdown:
+            return float("nan")
+        return (self.breakdown["compute_s"] - measured) / measured
+
+    @property
+    def rest_error(self) -> float:
+        """The same device's predicted step minus its compute (bubble, transfers, collectives, the
+        optimizer) against its measured median step minus its measured compute (nan if unknown)."""
+        device = int(self.breakdown.get("device", -1))
+        measured = self.measured_by_device.get(device, 0.0) - self.measured_compute_by_device.get(device, 0.0)
+        if device not in self.measured_compute_by_device or measured <= 0:
+            return float("nan")
+        return (self.predicted_step_s - self.breakdown["compute_s"] - measured) / measured
+
+    @property
     def memory_errors(self) -> dict[int, float]:
         return {
             d: (self.predicted_memory[d] - m) / m
@@ -86,6 +109,7 @@ class FidelityResult:
 
 
 def _median(values: Sequence[float]) -> float:
+    values = [v for v in values if v == v]  # nan: not measured in that case
     return statistics.median(values) if values else float("nan")
 
 
@@ -112,6 +136,8 @@ def summarize(results: Sequence[FidelityResult]) -> dict[str, float]:
         "median_fastest_step_error": _median([r.fastest_step_error for r in results]),
         "median_abs_no_overhead_error": _median(bare),
         "worst_abs_no_overhead_error": _worst(bare),
+        "median_compute_error": _median([r.compute_error for r in results]),
+        "median_rest_error": _median([r.rest_error for r in results]),
         "median_abs_loaded_step_error": _median(loaded),
         "worst_abs_loaded_step_error": _worst(loaded),
         "median_abs_memory_error": _median(everything),

@@ -45,9 +45,13 @@ def machine() -> dict[str, Any]:
     }
 
 
+# The results' fields keyed by device id (strings in JSON).
+_BY_DEVICE = ("predicted_memory", "measured_memory", "measured_by_device", "measured_compute_by_device")
+
+
 def result_row(r: FidelityResult) -> dict[str, Any]:
     row = dataclasses.asdict(r)
-    for key in ("predicted_memory", "measured_memory", "measured_by_device"):
+    for key in _BY_DEVICE:
         row[key] = {str(k): v for k, v in getattr(r, key).items()}
     row.update(
         step_error=r.step_error,
@@ -55,6 +59,8 @@ def result_row(r: FidelityResult) -> dict[str, Any]:
         loaded_step_error=r.loaded_step_error,
         no_overhead_error=r.no_overhead_error,
         memory_errors={str(k): v for k, v in r.memory_errors.items()},
+        compute_error=r.compute_error,
+        rest_error=r.rest_error,
     )
     return row
 
@@ -65,7 +71,7 @@ def results_from_rows(rows: Sequence[dict[str, Any]]) -> list[FidelityResult]:
     results = []
     for row in rows:
         fields = {k: v for k, v in row.items() if k in names}
-        for key in ("predicted_memory", "measured_memory", "measured_by_device"):
+        for key in _BY_DEVICE:
             fields[key] = {int(d): float(b) for d, b in fields.get(key, {}).items()}
         results.append(FidelityResult(**fields))
     return results
@@ -92,8 +98,8 @@ def _median(values: Sequence[float]) -> float:
 def _table(results: Sequence[FidelityResult]) -> list[str]:
     lines = [
         "| case | plan | predicted ms | no ovh ms | fastest ms | err | no ovh err | median ms | err "
-        "| loaded err | bg cores | peak MB pred / meas per rank | worst mem err |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| loaded err | compute err | rest err | bg cores | peak MB pred / meas per rank | worst mem err |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in results:
         memory = " · ".join(
@@ -104,7 +110,8 @@ def _table(results: Sequence[FidelityResult]) -> list[str]:
             f"| {r.case} | {r.plan} | {_ms(r.predicted_step_s)} | {_ms(r.predicted_no_overhead_s)} "
             f"| {_ms(r.fastest_step_s)} | {_pct(r.fastest_step_error)} | {_pct(r.no_overhead_error)} "
             f"| {_ms(r.measured_step_s)} | {_pct(r.step_error)} | {_pct(r.loaded_step_error)} "
-            f"| {r.background_cores:.2f} | {memory} | {_pct(r.worst_memory_error)} |"
+            f"| {_pct(r.compute_error)} | {_pct(r.rest_error)} | {r.background_cores:.2f} | {memory} "
+            f"| {_pct(r.worst_memory_error)} |"
         )
     return lines
 
@@ -123,6 +130,12 @@ def _summary(results: Sequence[FidelityResult]) -> list[str]:
         f"(worst {s['worst_abs_loaded_step_error']:.1%}). Without the measured overhead the median |error| "
         f"against the fastest step is {s['median_abs_no_overhead_error']:.1%} (worst "
         f"{s['worst_abs_no_overhead_error']:.1%}; {under_bare} of {len(results)} under-predicted).",
+        "",
+        "Split on each case's busiest device (medians over the cases of the per-rank median step): "
+        f"its compute is predicted {s['median_compute_error']:+.1%} against the time the rank measured in "
+        f"compute actions, and the rest of its step (bubble, transfers, collectives, optimizer) "
+        f"{s['median_rest_error']:+.1%} against the rest of its measured step (columns compute err and "
+        "rest err).",
         "",
         "Peak memory per rank: " + "; ".join(_memory_phrase(s, dtype) for dtype in ("fp32", "bf16")) + ".",
     ]
@@ -195,6 +208,15 @@ def explain_worst(r: FidelityResult) -> str:
                 "The simulator predicts no exposed communication here: the gap is compute running "
                 "slower than profiled, or waits the simulator does not see."
             )
+    device = int(b.get("device", -1)) if b else -1
+    if device in r.measured_compute_by_device:
+        parts.append(
+            f"That device measured {_ms(r.measured_compute_by_device[device])} ms in compute actions per "
+            f"step (median) against {_ms(b['compute_s'])} ms predicted ({_pct(r.compute_error)}), and "
+            f"{_ms(r.measured_by_device[device] - r.measured_compute_by_device[device])} ms in the rest "
+            f"of its step against {_ms(r.predicted_step_s - b['compute_s'])} ms predicted "
+            f"({_pct(r.rest_error)})."
+        )
     if r.measured_by_device:
         slowest = max(r.measured_by_device, key=lambda d: r.measured_by_device[d])
         parts.append(

@@ -161,6 +161,8 @@ class StepRecord:
         eval_loss: mean token loss over the validation batches of the model after this step's
             update (steps where ``eval_every`` is due), else None.
         step_time_by_device: the step's wall time on each rank, by device id of the plan.
+        compute_time_by_device: of it, the time each rank spent in forward and backward actions
+            (emulation sleeps included), by device id.
     """
 
     step: int
@@ -176,6 +178,7 @@ class StepRecord:
     skipped_steps: int = 0
     eval_loss: float | None = None
     step_time_by_device: dict[int, float] = field(default_factory=dict)
+    compute_time_by_device: dict[int, float] = field(default_factory=dict)
 
     def as_json(self) -> dict:
         """The record as strict JSON: device ids as strings, a skipped step's infinite
@@ -183,6 +186,7 @@ class StepRecord:
         row = dataclasses.asdict(self)
         row["peak_memory_bytes"] = {str(k): v for k, v in self.peak_memory_bytes.items()}
         row["step_time_by_device"] = {str(k): v for k, v in self.step_time_by_device.items()}
+        row["compute_time_by_device"] = {str(k): v for k, v in self.compute_time_by_device.items()}
         if not math.isfinite(self.grad_norm):
             row["grad_norm"] = None
         return row

@@ -90,6 +90,10 @@ class RankExecutor:
     each loss before its backward (the reported losses stay unscaled), and ``skip_optim``, set
     during a step (by ``on_clip``, once the world found a non-finite gradient), turns the step's
     OPTIM actions into dropping the gradients. ``skip_optim`` is reset at the start of each step.
+
+    ``compute_s`` is the wall time this rank spent in its F/B/W/BW actions during the last program
+    run (emulation sleeps included): the rest of a step is waiting, transfers, collectives and
+    the optimizer, which the fidelity study tells apart from compute with it.
     """
 
     def __init__(self, *, schedule: PipelineSchedule, pipeline_rank: int, stages: dict[int, ShardedStage],
@@ -114,6 +118,7 @@ class RankExecutor:
         self.before_clip = before_clip
         self.device = device or torch.device("cpu")
         self.emulated_sleep_s = 0.0
+        self.compute_s = 0.0
         self.loss_scale = 1.0
         self.skip_optim = False
         self.state: dict[int, StageState] = {}
@@ -142,6 +147,7 @@ class RankExecutor:
     def _run_program(self, program: list[Action], batch: MicroBatches) -> list[torch.Tensor]:
         self.state = {stage: StageState() for stage in self.stages}
         self.skip_optim = False
+        self.compute_s = 0.0
         if self.pending_sends.schedule is not self.schedule:  # the schedule may be swapped between steps
             self.pending_sends = PendingSends(schedule=self.schedule)
         for action in program:
@@ -177,6 +183,7 @@ class RankExecutor:
                 pause = (self.slowdown - 1.0) * (time.perf_counter() - started)
                 self.emulated_sleep_s += pause
                 time.sleep(pause)
+            self.compute_s += time.perf_counter() - started
         elif kind in (Kind.SEND_F, Kind.SEND_B):
             self._send(action)
         elif kind in (Kind.RECV_F, Kind.RECV_B):

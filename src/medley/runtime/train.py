@@ -223,7 +223,7 @@ class _Loop:
 
     def _step(self, step: int) -> torch.Tensor:
         """Run one step; this rank's [loss sum, squared grad norm share, seconds, slept, peak bytes,
-        loss scale used, skipped steps so far]."""
+        loss scale used, skipped steps so far, seconds in compute actions]."""
         config, setup = self.config, self.setup
         # The schedule counts applied updates: a skipped fp16 step holds it back (as Megatron-LM).
         self.step_index, self.step_lr = step, lr_at(
@@ -246,7 +246,8 @@ class _Loop:
         peak = cuda_peak_bytes(setup.device) if setup.device.type == "cuda" else 0
         loss_sum = self._own(losses)
         return torch.tensor([loss_sum, float(self.sq_norm), elapsed, setup.executor.emulated_sleep_s, peak,
-                             setup.executor.loss_scale, float(self.skipped_steps)], dtype=torch.float64)
+                             setup.executor.loss_scale, float(self.skipped_steps), setup.executor.compute_s],
+                            dtype=torch.float64)
 
     def _evaluate(self, step: int) -> torch.Tensor:
         """This rank's share of the validation loss of the model after ``step`` (forward only,
@@ -304,9 +305,10 @@ class _Loop:
             memory = {device: int(peak) for device, peak in self._by_device(stats[:, 4]).items()}
         eval_loss = None
         if self.config.eval_due(step):
-            eval_loss = float(stats[:, 7].sum()) / self.config.eval_batches
+            eval_loss = float(stats[:, 8].sum()) / self.config.eval_batches
         return StepRecord(
-            eval_loss=eval_loss, step_time_by_device=self._by_device(stats[:, 2]), step=step, loss=loss,
+            eval_loss=eval_loss, step_time_by_device=self._by_device(stats[:, 2]),
+            compute_time_by_device=self._by_device(stats[:, 7]), step=step, loss=loss,
             lr=self.step_lr, grad_norm=grad_norm,
             step_time_s=step_time, tokens_per_s=layout.tokens_per_step / step_time,
             mfu=None if self.flops_per_peak is None else self.flops_per_peak / step_time,
