@@ -49,6 +49,11 @@ def test_non_finite_numbers_are_refused(flag: str, value: str) -> None:
     assert f"{flag} {float(value)}: must be a finite number" in line
 
 
+def test_negative_gc_every_is_refused() -> None:
+    line = one_line_error(CliRunner().invoke(app, ["train", "--gc-every", "-1"]))
+    assert line == "error: --gc-every -1 must be >= 0 (0: automatic collection)"
+
+
 def test_output_paths_are_checked_before_any_work(tmp_path: Path) -> None:
     a_file = tmp_path / "file"
     a_file.write_text("x")

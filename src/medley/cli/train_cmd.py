@@ -225,6 +225,8 @@ def register(app: typer.Typer) -> None:
             help="fp32, bf16 or fp16 (default: the plan's on CUDA, fp32 on CPU)")] = None,
         log_jsonl: Annotated[Path | None, typer.Option(help="Append one JSON line per step here")] = None,
         step_timeout: Annotated[float, typer.Option(help="Seconds until a stuck step fails (0: off)")] = 600,
+        gc_every: Annotated[int, typer.Option(help=(
+            "Python garbage collection between steps every N steps, off inside steps (0: automatic)"))] = 50,
         cluster: Annotated[str | None, typer.Option(help="Inline plan: cluster (NxA100-80GB)")] = None,
         model: Annotated[str | None, typer.Option(
             help="Inline plan: model preset, config.json or Hugging Face model directory (default: tiny, "
@@ -265,8 +267,8 @@ def register(app: typer.Typer) -> None:
             tensorboard=tensorboard, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, log_jsonl=log_jsonl, emulate=emulate,
             slowdown=parse_slowdown(slowdown), progress=not as_json, dtype=dtype,
-            step_timeout_s=step_timeout or None, reset_data_order=reset_data_order, init_from=init_from,
-            hf_dir=hf_cmd.hf_dir_of(model, init_from))
+            step_timeout_s=step_timeout or None, gc_every=gc_every, reset_data_order=reset_data_order,
+            init_from=init_from, hf_dir=hf_cmd.hf_dir_of(model, init_from))
         if export_hf is not None:
             hf_cmd.check_export_target(export_hf, flag="--export-hf")
             if checkpoint_dir is None:

@@ -70,6 +70,9 @@ class TrainConfig:
             every thread's stack under ``--debug``), so a hang (a mismatched collective never times
             out on gloo) fails the run (and, under restarts, resumes it) instead of stalling it;
             None: no watchdog.
+        gc_every: Python's cyclic garbage collector is off during training and runs between
+            steps every this many steps, on every rank (torchtitan's ``gc_freq``), so that no
+            collection pauses one rank mid-step while the others wait; 0: automatic collection.
         reset_data_order: resume from a checkpoint written with another seed, global batch or
             data source (each difference is printed); without it such a resume is refused.
         grad_hook: a test hook: called on every rank with (step, this rank's stages, the step's
@@ -110,6 +113,7 @@ class TrainConfig:
     dtype: str | None = None
     on_step: Callable[[int], None] | None = None
     step_timeout_s: float | None = 600.0
+    gc_every: int = 50
     reset_data_order: bool = False
     loss_scale_init: float = 2.0**16
     loss_scale_backoff: float = 0.5
@@ -222,6 +226,8 @@ def check_config(config: TrainConfig) -> None:
     _check_eval(config)
     if config.checkpoint_every < 0:
         raise MedleyInputError(f"--checkpoint-every {config.checkpoint_every} must be >= 0")
+    if config.gc_every < 0:
+        raise MedleyInputError(f"--gc-every {config.gc_every} must be >= 0 (0: automatic collection)")
     if config.dtype not in (None, *TORCH_DTYPES):
         raise MedleyInputError(f"--dtype '{config.dtype}' must be fp32, bf16 or fp16")
     _check_loss_scale(config)

@@ -32,6 +32,7 @@ from medley.cost import formulas
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
 from medley.runtime import checkpoint, lock
+from medley.runtime.collector import StepGarbageCollector
 from medley.runtime.config import StepRecord, TrainConfig, check_config, load_data
 from medley.runtime.data import replica_slice
 from medley.runtime.emulate import slowdown_factors
@@ -154,7 +155,9 @@ class _Loop:
         timeout = self.config.step_timeout_s
         watchdog = StepWatchdog(timeout, rank=self.rank) if timeout is not None else None
         dist.barrier()
+        collector = StepGarbageCollector(self.config.gc_every)
         try:
+            collector.start()
             for step in range(start, self.config.steps):
                 if watchdog is not None:
                     watchdog.arm(step)
@@ -172,7 +175,9 @@ class _Loop:
                 self._maybe_save(step + 1)
                 if self.config.on_step is not None:
                     self.config.on_step(step)
+                collector.after_step(step)
         finally:
+            collector.stop()
             if watchdog is not None:
                 watchdog.close()
             if progress is not None:
