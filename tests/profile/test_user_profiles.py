@@ -151,7 +151,9 @@ def test_metis_own_layout_is_read() -> None:
     own = MetisCostSource.from_directory(METIS_OWN, opt)
     repackaged = MetisCostSource.from_directory(REPACKAGED, opt)
     assert own.profile.seq_len == 2048  # from the V100 files; the A100 ones do not record it
-    assert own.profile.micro_batch_sizes("A100-40GB") == (1, 2)  # the tp2 file is skipped
+    assert own.profile.micro_batch_sizes("A100-40GB") == (1, 2)  # the tp2 file answers TP questions
+    tp2 = {"micro_batch_size": 1, "seq_len": 2048, "device_type": "A100-40GB", "tp": 2}
+    assert own.tp_layer_time(3, Pass.F, **tp2).seconds == repackaged.tp_layer_time(3, Pass.F, **tp2).seconds
     assert own.profile.micro_batch_sizes("V100-16GB") == (1, 2)
     for device in ("A100-40GB", "V100-16GB"):
         for layer in (0, 5, opt.num_layers - 1):

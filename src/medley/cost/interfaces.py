@@ -76,6 +76,19 @@ class MeasuredCosts(Protocol):
         """Time of one optimizer step over ``params`` parameters."""
         ...
 
+    def tp_layer_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int
+    ) -> TimeEstimate | None:
+        """One of ``tp`` ranks' compute time of one pass of a block, measured with tensor
+        parallelism (its all-reduces taken out: the compiler times those on the plan's group)."""
+        ...
+
+    def tp_extra_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> float | None:
+        """Seconds the TP framework's dispatch adds to one pass of a block on a TP group."""
+        ...
+
 
 class CommModel(Protocol):
     """α-β communication times over the cluster's topology. Devices are global device ids."""

@@ -9,7 +9,8 @@ then the model is picked by name):
 
 Each file holds, for one GPU type, micro-batch size B and tensor-parallel degree T: per-layer
 parameter bytes, per-layer forward+backward milliseconds, the whole forward+backward and
-optimizer times, and per-layer memory. medley has no tensor parallelism, so only T = 1 is read.
+optimizer times, and per-layer memory. T = 1 files answer ``layer_time``; T > 1 files answer
+``tp_layer_time``, one TP rank's time of a block (below).
 A GPU name is matched to the catalog by name or alias (``A100`` is A100-40GB, ``A100-80`` is
 A100-80GB); :func:`medley.cost.user_profiles.measured_cost_source` matches it to a cluster's types.
 
@@ -28,6 +29,15 @@ How the numbers are used:
   files may lack those bytes (its samples do); when no file has them the length must be given
   (``assumed_seq_len``: the plan's ``--seq-len``). ``forward_backward_time_ms`` may be missing
   too (then the sum of the layers).
+* **Tensor parallelism.** A T > 1 file times each layer on one of T ranks of Megatron-style TP,
+  its all-reduces included (on the profiling node's own link). ``tp_layer_time`` answers a
+  block from it: the file's time less the block's four all-reduces (two in F, two in B, of the
+  boundary tensor in the files' fp32) as medley's link model times them on one node of T devices
+  of that type, split into F, B and W by the catalog's ratio for the split shapes; the compiler
+  adds the all-reduces on the plan's own TP group. Only measured micro-batch sizes answer (no
+  interpolation across T files); the embedding and head, which medley replicates on TP ranks
+  while Megatron splits them, are answered by ``layer_time``. A T > 1 file may exist where its
+  T = 1 file does not (a size that does not fit one device).
 * Device types the directory lacks are answered by ``fallback`` (for instance the catalog
   estimate) when one is given, else they raise :class:`ProfileRangeError` as well.
 * The file's optimizer time and per-layer memory are kept (:meth:`MetisProfile.optimizer_s`,
@@ -43,10 +53,13 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
-from medley.cost.interfaces import CostSource, Pass, TimeEstimate
+from medley.cost.interfaces import Collective, CostSource, Pass, TimeEstimate
+from medley.cost.tensor_parallel import TP_ALL_REDUCES
 from medley.errors import MedleyInputError
 from medley.spec.catalog import get_device_type, load_catalog
+from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.cluster_schema import printable
 from medley.spec.model import ModelSpec
 
@@ -73,7 +86,7 @@ class ProfileRangeError(MedleyInputError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MetisEntry:
-    """One profile file: a GPU type at one micro-batch size (tensor-parallel degree 1).
+    """One profile file: a GPU type at one micro-batch size and tensor-parallel degree.
 
     ``boundary_bytes`` is empty when the file does not record them (Metis's own samples);
     ``label`` names the file in answers' sources (``metis:A100-40/mbs1_tmp1.json``)."""
@@ -81,6 +94,7 @@ class MetisEntry:
     path: Path
     label: str
     micro_batch_size: int
+    tp: int
     layer_ms: tuple[float, ...]
     param_bytes: tuple[float, ...]
     boundary_bytes: tuple[float, ...]
@@ -95,7 +109,7 @@ def _floats(values: object) -> tuple[float, ...]:
     return tuple(float(x) for x in values)
 
 
-def _read_entry(path: Path, micro_batch_size: int, label: str) -> MetisEntry:
+def _read_entry(path: Path, micro_batch_size: int, label: str, tp: int = 1) -> MetisEntry:
     try:
         raw = json.loads(path.read_text())
         params = raw["model"]["parameters"]
@@ -105,6 +119,7 @@ def _read_entry(path: Path, micro_batch_size: int, label: str) -> MetisEntry:
             path=path,
             label=label,
             micro_batch_size=micro_batch_size,
+            tp=tp,
             layer_ms=layer_ms,
             param_bytes=_floats(params["parameters_per_layer_bytes"]),
             boundary_bytes=_floats(params.get("activation_parameters_bytes", [])),
@@ -133,7 +148,8 @@ def catalog_device_name(gpu_dir: str) -> str:
 
 @dataclass(kw_only=True)
 class MetisProfile:
-    """All tmp1 files of one model under a directory, by catalog device name and micro-batch size.
+    """The files of one model under a directory: ``entries`` (tmp1) by catalog device name and
+    micro-batch size, ``tp_entries`` (tmp2 and up) by catalog device name, degree and size.
 
     ``gpu_names``: catalog device name -> the GPU name the files use (``A100``, ``V100-16``)."""
 
@@ -142,6 +158,7 @@ class MetisProfile:
     num_layers: int
     seq_len: int
     gpu_names: dict[str, str] = field(default_factory=dict)
+    tp_entries: dict[str, dict[int, dict[int, MetisEntry]]] = field(default_factory=dict)
 
     def micro_batch_sizes(self, device_type: str) -> tuple[int, ...]:
         return tuple(sorted(self.entries.get(device_type, {})))
@@ -159,18 +176,20 @@ METIS_FILE = re.compile(r"^DeviceType\.(?P<gpu>.+)_tp(?P<tp>[0-9]+)_bs(?P<bs>[0-
 REPACKAGED_FILE = re.compile(r"^mbs(?P<bs>[0-9]+)_tmp(?P<tp>[0-9]+)\.json$")
 
 
-def profile_files(directory: Path) -> list[tuple[str, int, Path, str]]:
-    """(GPU name, micro-batch size, path, label) of every tensor-parallel-1 file directly in
-    ``directory`` (Metis's layout) or one level down (the repackaged layout)."""
+def profile_files(directory: Path, *, tp: bool = False) -> list[tuple[str, int, Path, str, int]]:
+    """(GPU name, micro-batch size, path, label, TP degree) of every tensor-parallel-1 file (with
+    ``tp``: every file of a degree above 1) directly in ``directory`` (Metis's layout) or one
+    level down (the repackaged layout)."""
     found = []
     for path in sorted(directory.glob("DeviceType.*.json")):
         match = METIS_FILE.match(path.name)
-        if match and match["tp"] == "1":
-            found.append((match["gpu"], int(match["bs"]), path, path.name))
+        if match and (int(match["tp"]) > 1) == tp:
+            found.append((match["gpu"], int(match["bs"]), path, path.name, int(match["tp"])))
     for path in sorted(directory.glob("*/mbs*_tmp*.json")):
         match = REPACKAGED_FILE.match(path.name)
-        if match and match["tp"] == "1":
-            found.append((path.parent.name, int(match["bs"]), path, f"{path.parent.name}/{path.name}"))
+        if match and (int(match["tp"]) > 1) == tp:
+            label = f"{path.parent.name}/{path.name}"
+            found.append((path.parent.name, int(match["bs"]), path, label, int(match["tp"])))
     return found
 
 
@@ -191,7 +210,7 @@ def _model_directory(directory: Path, model: ModelSpec) -> Path:
 def _read_entries(root: Path) -> tuple[dict[str, dict[int, MetisEntry]], dict[str, str]]:
     entries: dict[str, dict[int, MetisEntry]] = {}
     gpu_names: dict[str, str] = {}
-    for gpu, mbs, path, label in profile_files(root):
+    for gpu, mbs, path, label, _ in profile_files(root):
         name = catalog_device_name(gpu)
         if gpu_names.setdefault(name, gpu) != gpu:
             raise MedleyInputError(
@@ -246,7 +265,28 @@ def load_metis_profile(
             raise MedleyInputError(f"--profiles {root}: the files do not record the sequence length "
                                    "(no activation_parameters_bytes); give it with --seq-len.")
     return MetisProfile(directory=root, entries=entries, num_layers=model.num_layers, seq_len=seq_len,
-                        gpu_names=gpu_names)
+                        gpu_names=gpu_names, tp_entries=_read_tp_entries(root, model, gpu_names))
+
+
+def _read_tp_entries(
+    root: Path, model: ModelSpec, gpu_names: dict[str, str]
+) -> dict[str, dict[int, dict[int, MetisEntry]]]:
+    """The files of TP degree 2 and up whose GPU the tmp1 files name too (others are skipped:
+    without a tmp1 file the type is not planned from this directory) and whose layers are the
+    model's."""
+    found: dict[str, dict[int, dict[int, MetisEntry]]] = {}
+    for gpu, mbs, path, label, tp in profile_files(root, tp=True):
+        name = catalog_device_name(gpu)
+        if gpu_names.get(name) != gpu:
+            continue
+        entry = _read_entry(path, mbs, label, tp=tp)
+        if len(entry.layer_ms) != model.num_layers:
+            raise MedleyInputError(
+                f"{path}: {len(entry.layer_ms)} profiled layers but {model.name} has {model.num_layers}; "
+                "use the profile of this model, or remove the file."
+            )
+        found.setdefault(name, {}).setdefault(tp, {})[mbs] = entry
+    return found
 
 
 class MetisCostSource:
@@ -267,6 +307,7 @@ class MetisCostSource:
         self._ratio_source = CatalogCostSource(model, dtype=dtype, catalog=catalog)
         self._catalog = catalog
         self._cache: dict[tuple[int, Pass, int, int, str], TimeEstimate] = {}
+        self._all_reduce_s: dict[tuple[int, str, int], float] = {}
 
     @classmethod
     def from_directory(
@@ -332,13 +373,46 @@ class MetisCostSource:
         name = f"metis:{a.label}~{b.path.name}"
         return per_seq * mbs / 1e3, name
 
-    def _share(self, layer: int, kind: Pass, mbs: int, seq: int, device_type: str) -> float:
-        """F, B or W's share of the layer's forward+backward, from the catalog estimate."""
+    def _share(self, layer: int, kind: Pass, mbs: int, seq: int, device_type: str, tp: int = 1) -> float:
+        """F, B or W's share of the layer's forward+backward, from the catalog estimate (of one of
+        ``tp`` ranks' split shapes)."""
         reference = device_type if device_type in self._catalog else REFERENCE_DEVICE
         times = {
             p: self._ratio_source.layer_time(
-                layer, p, micro_batch_size=mbs, seq_len=seq, device_type=reference
+                layer, p, micro_batch_size=mbs, seq_len=seq, device_type=reference, tp=tp
             ).seconds
             for p in Pass
         }
         return times[kind] / sum(times.values())
+
+    def tp_layer_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int
+    ) -> TimeEstimate | None:
+        """One of ``tp`` ranks' time of one pass of a block, from the file of that degree and
+        micro-batch size, its all-reduces taken out (module docstring); None where no such file
+        is, for the embedding and head, and where the catalog does not know the type's link."""
+        by_size = self.profile.tp_entries.get(device_type, {}).get(tp, {})
+        entry = by_size.get(micro_batch_size)
+        if entry is None or self.model.layer_kind(layer) != "block" or seq_len != self.profile.seq_len:
+            return None
+        if device_type not in self._catalog:
+            return None
+        total = entry.layer_ms[layer] / 1e3 - self._profiled_all_reduces(micro_batch_size, device_type, tp)
+        if total <= 0:
+            raise MedleyInputError(
+                f"{entry.path}: layer {layer} takes {entry.layer_ms[layer]} ms, less than its TP all-reduces "
+                f"on {device_type} by medley's link model; the file cannot be a TP {tp} measurement."
+            )
+        share = self._share(layer, Pass(kind), micro_batch_size, seq_len, device_type, tp)
+        return TimeEstimate(seconds=total * share, source=f"metis:{entry.label}")
+
+    def _profiled_all_reduces(self, mbs: int, device_type: str, tp: int) -> float:
+        """Seconds of a block's two F and two B all-reduces of the fp32 boundary tensor over one
+        node of ``tp`` devices of ``device_type``, as medley's link model times them."""
+        key = (mbs, device_type, tp)
+        if key not in self._all_reduce_s:
+            node = parse_cluster_arg(f"{tp}x{device_type}")
+            nbytes = mbs * self.profile.seq_len * self.model.hidden_size * PROFILE_ACTIVATION_BYTES
+            one = TopologyCommModel(node).collective_time(Collective.ALL_REDUCE, tuple(range(tp)), nbytes)
+            self._all_reduce_s[key] = (TP_ALL_REDUCES[Pass.F] + TP_ALL_REDUCES[Pass.B]) * one
+        return self._all_reduce_s[key]

@@ -14,6 +14,9 @@ of ``tp`` devices on one node (norms, embedding and head replicated; no sequence
   ``time(tp) / time(1)`` for that pass on that device type: a catalog source thus gets its
   roofline of the split shapes exactly, a profile its measurement scaled by how much the
   split shapes lose. Device types the catalog does not know scale by ``1/tp`` (perfect split).
+  A source that measured the block at ``tp`` itself (``tp_layer_time``: Metis-format files of
+  that degree, :mod:`medley.cost.metis`) answers instead, and its ratio to its own tp=1 time
+  replaces the roofline's.
 * **Communication.** Each block all-reduces its output activation (micro_batch x seq x hidden in
   the training dtype) over the TP group twice in F (after attention and after the MLP) and its
   input gradient twice in B (the column-parallel layers' input gradients); W (the weight
@@ -70,6 +73,15 @@ class TensorParallelCompute:
         self.model, self.cost, self.catalog = model, cost, catalog
         self._ratios: dict[tuple[Pass, int, int, str, int], float] = {}
 
+    def measured(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int
+    ) -> float | None:
+        """The source's own time of one pass of block ``layer`` on one of ``tp`` ranks, if it has one."""
+        ask = getattr(self.cost, "tp_layer_time", None)
+        found = ask(layer, kind, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type,
+                    tp=tp) if ask is not None else None
+        return None if found is None else found.seconds
+
     def scale(self, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int) -> float:
         """A block's compute time at ``tp`` over its time at 1, for one pass (1 at tp=1)."""
         if tp == 1:
@@ -78,6 +90,12 @@ class TensorParallelCompute:
         ratio = self._ratios.get(key)
         if ratio is None:
             block = 1  # every block has the same shapes
+            at = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "device_type": device_type}
+            split = self.measured(block, kind, tp=tp, **at)
+            if split is not None:
+                whole = self.cost.layer_time(block, kind, **at).seconds
+                ratio = self._ratios[key] = split / whole if whole > 0 else 1.0 / tp
+                return ratio
             try:
                 whole = self.catalog.layer_time(block, kind, micro_batch_size=micro_batch_size,
                                                 seq_len=seq_len, device_type=device_type).seconds
@@ -93,12 +111,13 @@ class TensorParallelCompute:
         self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int
     ) -> float:
         """Seconds of one pass of ``layer`` on one of ``tp`` ranks, communication excluded."""
-        base = self.cost.layer_time(layer, kind, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                                    device_type=device_type).seconds
-        if tp == 1 or self.model.layer_kind(layer) != "block":
-            return base
-        return base * self.scale(kind, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                                 device_type=device_type, tp=tp)
+        at = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "device_type": device_type}
+        if tp > 1 and self.model.layer_kind(layer) == "block":
+            split = self.measured(layer, kind, tp=tp, **at)
+            if split is not None:
+                return split
+            return self.cost.layer_time(layer, kind, **at).seconds * self.scale(kind, tp=tp, **at)
+        return self.cost.layer_time(layer, kind, **at).seconds
 
 
 def tp_activation_bytes(

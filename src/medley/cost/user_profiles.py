@@ -88,6 +88,18 @@ class PerDeviceCostSource:
     def optimizer_time(self, params: float, *, device_type: str) -> TimeEstimate | None:
         return self._ask("optimizer_time", device_type, params)  # type: ignore[return-value]
 
+    def tp_layer_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int
+    ) -> TimeEstimate | None:
+        return self._ask("tp_layer_time", device_type, layer, kind, micro_batch_size=micro_batch_size,
+                         seq_len=seq_len, tp=tp)  # type: ignore[return-value]
+
+    def tp_extra_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> float | None:
+        return self._ask("tp_extra_time", device_type, layer, kind, micro_batch_size=micro_batch_size,
+                         seq_len=seq_len)  # type: ignore[return-value]
+
 
 def _base(name: str) -> str:
     """The catalog type of a cluster type name (``A100-80GB@node3`` -> ``A100-80GB``)."""
