@@ -10,7 +10,8 @@ import pytest
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Pass
-from medley.cost.metis import MetisCostSource, ProfileRangeError, load_metis_profile
+from medley.cost.metis import MetisCostSource
+from medley.cost.metis_files import ProfileRangeError, load_metis_profile
 from medley.errors import MedleyInputError
 from medley.plan.baselines import NAMES
 from medley.plan.compile import compile_problem
