@@ -166,7 +166,7 @@ class StepRecord:
             update (steps where ``eval_every`` is due), else None.
         step_time_by_device: the step's wall time on each rank, by device id of the plan.
         compute_time_by_device: of it, the time each rank spent in forward and backward actions
-            (emulation sleeps included), by device id.
+            (emulation sleeps included), by device id; host time, so on CUDA only the launches.
     """
 
     step: int

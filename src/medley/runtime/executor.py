@@ -93,7 +93,8 @@ class RankExecutor:
 
     ``compute_s`` is the wall time this rank spent in its F/B/W/BW actions during the last program
     run (emulation sleeps included): the rest of a step is waiting, transfers, collectives and
-    the optimizer, which the fidelity study tells apart from compute with it.
+    the optimizer, which the fidelity study tells apart from compute with it. It is wall time on
+    the host: on CUDA, where kernels run asynchronously, it counts their launches only.
     """
 
     def __init__(self, *, schedule: PipelineSchedule, pipeline_rank: int, stages: dict[int, ShardedStage],
