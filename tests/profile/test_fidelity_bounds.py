@@ -146,11 +146,13 @@ def test_planned_case_runs_the_planners_plan(tmp_path: Path) -> None:
 def test_compute_and_rest_errors_split_the_busiest_device() -> None:
     r = _result("split", predicted_ms=10.0, fastest_ms=12.0)  # predicted compute 8 ms, rest 2 ms
     r.measured_by_device = {0: 13.0e-3}
-    r.measured_compute_by_device = {0: 10.0e-3}
-    assert r.compute_error == pytest.approx(-0.2)  # 8 ms against 10
+    r.measured_actions_by_device = {
+        0: {"compute": 9.0e-3, "optim": 1.0e-3, "transfer": 2.5e-3, "zero": 0.5e-3, "clip": 0.0}}
+    assert r.compute_error == pytest.approx(-0.2)  # 8 ms against 9 + 1
     assert r.rest_error == pytest.approx(-1 / 3)  # 2 ms against 3
     unknown = _result("unmeasured", predicted_ms=10.0, fastest_ms=12.0)
     assert unknown.compute_error != unknown.compute_error  # nan: an old report without the field
     text = markdown_from_payload(payload_of([r, unknown], {"commit": "x", "command": "y"}))
-    assert "compute is predicted -20.0%" in text and "rest of its step (bubble" in text
+    assert "is predicted -20.0%" in text and "rest of its step (bubble" in text
     assert "-33.3%" in text
+    assert "2.5 ms in transfers and waits for them against 2.0 ms" in text

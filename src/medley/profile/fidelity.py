@@ -18,6 +18,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from medley.cost.profile_format import Profile
 from medley.plan.inline import devices_needed, inline_layout, parse_tp
@@ -31,6 +32,9 @@ from medley.schedule.ir import Kind
 from medley.sim.problem import SimProblem
 from medley.sim.result import SimResult
 from medley.spec.model import ModelSpec
+
+if TYPE_CHECKING:
+    from medley.runtime.config import StepRecord
 
 __all__ = [
     "FidelityCase",
@@ -289,6 +293,14 @@ def _breakdown(problem: SimProblem, result: SimResult, emulated: EmulatedCluster
     }
 
 
+def _median_actions(records: Sequence[StepRecord], device: int) -> dict[str, float]:
+    """The median over ``records`` of a device's seconds in each action category."""
+    from medley.runtime.executor import ACTION_CATEGORIES
+
+    rows = [r.action_time_by_device.get(device, {}) for r in records]
+    return {c: statistics.median(row.get(c, 0.0) for row in rows) for c in ACTION_CATEGORIES}
+
+
 def run_case(
     case: FidelityCase,
     profile: Profile,
@@ -360,9 +372,7 @@ def run_case(
         measured_by_device={
             int(d): statistics.median(r.step_time_by_device.get(d, 0.0) for r in timed) for d in devices
         },
-        measured_compute_by_device={
-            int(d): statistics.median(r.compute_time_by_device.get(d, 0.0) for r in timed) for d in devices
-        },
+        measured_actions_by_device={int(d): _median_actions(timed, d) for d in devices},
         emulated_sleep_s=statistics.median(r.emulated_sleep_s for r in timed),
         tags=tags(layout, case),
     )

@@ -26,8 +26,9 @@ class FidelityResult:
             ``exposed_zero_s``, ``exposed_clip_s``, ``clip_barrier_s`` (the simulator's parts),
             ``compute_actions``, ``transfers`` (sent by that device).
         measured_by_device: each rank's median timed step, by device id.
-        measured_compute_by_device: of it, each rank's median time in compute actions (emulation
-            sleeps included), by device id: what tells a compute error from one in the waits.
+        measured_actions_by_device: of it, each rank's median seconds per kind of action
+            (``medley.runtime.executor.ACTION_CATEGORIES``: compute, transfer, zero, optim, clip),
+            by device id: what tells a compute error from one in the waits.
         emulated_sleep_s: median per step of the longest emulation sleep of any rank.
         cost_source, compute_share, loaded_compute_share, background_cores, wall_s: how it was
             predicted and run (see :func:`run_case`); step_times_s: every step measured.
@@ -52,7 +53,7 @@ class FidelityResult:
     predicted_no_overhead_s: float = 0.0
     breakdown: dict[str, float] = field(default_factory=dict)
     measured_by_device: dict[int, float] = field(default_factory=dict)
-    measured_compute_by_device: dict[int, float] = field(default_factory=dict)
+    measured_actions_by_device: dict[int, dict[str, float]] = field(default_factory=dict)
     emulated_sleep_s: float = 0.0
     tags: list[str] = field(default_factory=list)
 
@@ -75,22 +76,29 @@ class FidelityResult:
         return (self.loaded_predicted_step_s - self.measured_step_s) / self.measured_step_s
 
     @property
+    def measured_busy_s(self) -> float:
+        """The busiest device's measured median seconds in compute and optimizer actions (what the
+        simulator's ``compute_s`` holds); 0 when not measured."""
+        actions = self.measured_actions_by_device.get(int(self.breakdown.get("device", -1)), {})
+        return actions.get("compute", 0.0) + actions.get("optim", 0.0)
+
+    @property
     def compute_error(self) -> float:
-        """The busiest device's predicted compute against its measured median compute (nan when
-        either is unknown): the part of the step-time error the layer costs make."""
-        device = int(self.breakdown.get("device", -1))
-        measured = self.measured_compute_by_device.get(device, 0.0)
+        """The busiest device's predicted compute (the optimizer's included) against what it
+        measured (nan when either is unknown): the part of the step-time error the layer and
+        optimizer costs make."""
+        measured = self.measured_busy_s
         if measured <= 0 or "compute_s" not in self.breakdown:
             return float("nan")
         return (self.breakdown["compute_s"] - measured) / measured
 
     @property
     def rest_error(self) -> float:
-        """The same device's predicted step minus its compute (bubble, transfers, collectives, the
-        optimizer) against its measured median step minus its measured compute (nan if unknown)."""
+        """The same device's predicted step minus its compute (bubble, transfers, collectives,
+        clipping) against its measured median step minus its measured compute (nan if unknown)."""
         device = int(self.breakdown.get("device", -1))
-        measured = self.measured_by_device.get(device, 0.0) - self.measured_compute_by_device.get(device, 0.0)
-        if device not in self.measured_compute_by_device or measured <= 0:
+        measured = self.measured_by_device.get(device, 0.0) - self.measured_busy_s
+        if self.measured_busy_s <= 0 or measured <= 0:
             return float("nan")
         return (self.predicted_step_s - self.breakdown["compute_s"] - measured) / measured
 

@@ -46,7 +46,7 @@ def machine() -> dict[str, Any]:
 
 
 # The results' fields keyed by device id (strings in JSON).
-_BY_DEVICE = ("predicted_memory", "measured_memory", "measured_by_device", "measured_compute_by_device")
+_BY_DEVICE = ("predicted_memory", "measured_memory", "measured_by_device", "measured_actions_by_device")
 
 
 def result_row(r: FidelityResult) -> dict[str, Any]:
@@ -72,7 +72,8 @@ def results_from_rows(rows: Sequence[dict[str, Any]]) -> list[FidelityResult]:
     for row in rows:
         fields = {k: v for k, v in row.items() if k in names}
         for key in _BY_DEVICE:
-            fields[key] = {int(d): float(b) for d, b in fields.get(key, {}).items()}
+            by_device = fields.get(key, {}).items()
+            fields[key] = {int(d): b if isinstance(b, dict) else float(b) for d, b in by_device}
         results.append(FidelityResult(**fields))
     return results
 
@@ -132,10 +133,10 @@ def _summary(results: Sequence[FidelityResult]) -> list[str]:
         f"{s['worst_abs_no_overhead_error']:.1%}; {under_bare} of {len(results)} under-predicted).",
         "",
         "Split on each case's busiest device (medians over the cases of the per-rank median step): "
-        f"its compute is predicted {s['median_compute_error']:+.1%} against the time the rank measured in "
-        f"compute actions, and the rest of its step (bubble, transfers, collectives, optimizer) "
-        f"{s['median_rest_error']:+.1%} against the rest of its measured step (columns compute err and "
-        "rest err).",
+        f"its compute (forward, backward and optimizer) is predicted {s['median_compute_error']:+.1%} "
+        f"against the time the rank measured in those actions, and the rest of its step (bubble, "
+        f"transfers, collectives, clipping) {s['median_rest_error']:+.1%} against the rest of its "
+        "measured step (columns compute err and rest err).",
         "",
         "Peak memory per rank: " + "; ".join(_memory_phrase(s, dtype) for dtype in ("fp32", "bf16")) + ".",
     ]
@@ -209,13 +210,17 @@ def explain_worst(r: FidelityResult) -> str:
                 "slower than profiled, or waits the simulator does not see."
             )
     device = int(b.get("device", -1)) if b else -1
-    if device in r.measured_compute_by_device:
+    measured = r.measured_actions_by_device.get(device)
+    if measured:
+        waits = b["bubble_s"] + b["exposed_transfer_s"]
         parts.append(
-            f"That device measured {_ms(r.measured_compute_by_device[device])} ms in compute actions per "
-            f"step (median) against {_ms(b['compute_s'])} ms predicted ({_pct(r.compute_error)}), and "
-            f"{_ms(r.measured_by_device[device] - r.measured_compute_by_device[device])} ms in the rest "
-            f"of its step against {_ms(r.predicted_step_s - b['compute_s'])} ms predicted "
-            f"({_pct(r.rest_error)})."
+            f"That device measured per step (medians) {_ms(measured['compute'] + measured['optim'])} ms in "
+            f"compute and optimizer actions against {_ms(b['compute_s'])} ms predicted "
+            f"({_pct(r.compute_error)}), {_ms(measured['transfer'])} ms in transfers and waits for them "
+            f"against {_ms(waits)} ms of predicted bubble and exposed transfer, {_ms(measured['zero'])} ms "
+            f"in ZeRO collectives against {_ms(b['exposed_zero_s'])} ms exposed, and "
+            f"{_ms(measured['clip'])} ms at the clipping all-reduce against "
+            f"{_ms(b.get('exposed_clip_s', 0.0) + b.get('clip_barrier_s', 0.0))} ms."
         )
     if r.measured_by_device:
         slowest = max(r.measured_by_device, key=lambda d: r.measured_by_device[d])

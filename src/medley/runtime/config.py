@@ -165,8 +165,9 @@ class StepRecord:
         eval_loss: mean token loss over the validation batches of the model after this step's
             update (steps where ``eval_every`` is due), else None.
         step_time_by_device: the step's wall time on each rank, by device id of the plan.
-        compute_time_by_device: of it, the time each rank spent in forward and backward actions
-            (emulation sleeps included), by device id; host time, so on CUDA only the launches.
+        action_time_by_device: of it, by device id, the seconds each rank spent in each kind of
+            action (``medley.runtime.executor.ACTION_CATEGORIES``: compute, transfer, zero, optim,
+            clip); host time, so on CUDA only the launches.
     """
 
     step: int
@@ -182,7 +183,7 @@ class StepRecord:
     skipped_steps: int = 0
     eval_loss: float | None = None
     step_time_by_device: dict[int, float] = field(default_factory=dict)
-    compute_time_by_device: dict[int, float] = field(default_factory=dict)
+    action_time_by_device: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def as_json(self) -> dict:
         """The record as strict JSON: device ids as strings, a skipped step's infinite
@@ -190,7 +191,7 @@ class StepRecord:
         row = dataclasses.asdict(self)
         row["peak_memory_bytes"] = {str(k): v for k, v in self.peak_memory_bytes.items()}
         row["step_time_by_device"] = {str(k): v for k, v in self.step_time_by_device.items()}
-        row["compute_time_by_device"] = {str(k): v for k, v in self.compute_time_by_device.items()}
+        row["action_time_by_device"] = {str(k): v for k, v in self.action_time_by_device.items()}
         if not math.isfinite(self.grad_norm):
             row["grad_norm"] = None
         return row

@@ -36,6 +36,12 @@ from medley.schedule.ir import (
 )
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# What a rank's step time goes to, by the kind of action it was in (``RankExecutor.action_s``).
+ACTION_CATEGORIES: tuple[str, ...] = ("compute", "transfer", "zero", "optim", "clip")
+_CATEGORY = {Kind.F: "compute", Kind.B: "compute", Kind.W: "compute", Kind.BW: "compute",
+             Kind.SEND_F: "transfer", Kind.SEND_B: "transfer", Kind.RECV_F: "transfer",
+             Kind.RECV_B: "transfer", Kind.UNSHARD: "zero", Kind.RESHARD: "zero",
+             Kind.REDUCE_GRAD: "zero", Kind.OPTIM: "optim", Kind.CLIP: "clip"}
 # The actions of a forward-only pass (evaluation): the forwards, their transfers, and the ZeRO-3
 # gathers and releases around them, in the schedule's order.
 FORWARD_KINDS = frozenset({Kind.UNSHARD, Kind.F, Kind.SEND_F, Kind.RECV_F, Kind.RESHARD})
@@ -91,9 +97,10 @@ class RankExecutor:
     during a step (by ``on_clip``, once the world found a non-finite gradient), turns the step's
     OPTIM actions into dropping the gradients. ``skip_optim`` is reset at the start of each step.
 
-    ``compute_s`` is the wall time this rank spent in its F/B/W/BW actions during the last program
-    run (emulation sleeps included): the rest of a step is waiting, transfers, collectives and
-    the optimizer, which the fidelity study tells apart from compute with it. It is wall time on
+    ``action_s`` holds the wall time this rank spent in each :data:`ACTION_CATEGORIES` of action
+    during the last program run: ``compute`` (F/B/W/BW, emulation sleeps included),
+    ``transfer`` (posting sends, waiting on receives), ``zero`` (the ZeRO collectives), ``optim``
+    and ``clip``; the fidelity study sets them against the simulator's parts. It is wall time on
     the host: on CUDA, where kernels run asynchronously, it counts their launches only.
     """
 
@@ -119,7 +126,7 @@ class RankExecutor:
         self.before_clip = before_clip
         self.device = device or torch.device("cpu")
         self.emulated_sleep_s = 0.0
-        self.compute_s = 0.0
+        self.action_s = dict.fromkeys(ACTION_CATEGORIES, 0.0)
         self.loss_scale = 1.0
         self.skip_optim = False
         self.state: dict[int, StageState] = {}
@@ -148,12 +155,16 @@ class RankExecutor:
     def _run_program(self, program: list[Action], batch: MicroBatches) -> list[torch.Tensor]:
         self.state = {stage: StageState() for stage in self.stages}
         self.skip_optim = False
-        self.compute_s = 0.0
+        self.action_s = dict.fromkeys(ACTION_CATEGORIES, 0.0)
         if self.pending_sends.schedule is not self.schedule:  # the schedule may be swapped between steps
             self.pending_sends = PendingSends(schedule=self.schedule)
         for action in program:
+            started = time.perf_counter()
             self._run(action, batch)
+            self.action_s[_CATEGORY[action.kind]] += time.perf_counter() - started
+        started = time.perf_counter()
         self.pending_sends.wait_all()
+        self.action_s["transfer"] += time.perf_counter() - started
         last = self.schedule.num_stages - 1
         losses = self.state[last].losses if last in self.state else {}
         return [losses[mb].detach() for mb in sorted(losses)]
@@ -184,7 +195,6 @@ class RankExecutor:
                 pause = (self.slowdown - 1.0) * (time.perf_counter() - started)
                 self.emulated_sleep_s += pause
                 time.sleep(pause)
-            self.compute_s += time.perf_counter() - started
         elif kind in (Kind.SEND_F, Kind.SEND_B):
             self._send(action)
         elif kind in (Kind.RECV_F, Kind.RECV_B):

@@ -36,7 +36,7 @@ from medley.runtime.collector import StepGarbageCollector
 from medley.runtime.config import StepRecord, TrainConfig, check_config, load_data
 from medley.runtime.data import replica_slice
 from medley.runtime.emulate import slowdown_factors
-from medley.runtime.executor import MicroBatches
+from medley.runtime.executor import ACTION_CATEGORIES, MicroBatches
 from medley.runtime.lifecycle import StepWatchdog
 from medley.runtime.memory import cuda_peak_bytes, probe_peak_bytes, reset_cuda_peak, resident_tensors
 from medley.runtime.metrics import TensorBoardLog
@@ -228,7 +228,7 @@ class _Loop:
 
     def _step(self, step: int) -> torch.Tensor:
         """Run one step; this rank's [loss sum, squared grad norm share, seconds, slept, peak bytes,
-        loss scale used, skipped steps so far, seconds in compute actions]."""
+        loss scale used, skipped steps so far, seconds in each of ACTION_CATEGORIES]."""
         config, setup = self.config, self.setup
         # The schedule counts applied updates: a skipped fp16 step holds it back (as Megatron-LM).
         self.step_index, self.step_lr = step, lr_at(
@@ -251,8 +251,8 @@ class _Loop:
         peak = cuda_peak_bytes(setup.device) if setup.device.type == "cuda" else 0
         loss_sum = self._own(losses)
         return torch.tensor([loss_sum, float(self.sq_norm), elapsed, setup.executor.emulated_sleep_s, peak,
-                             setup.executor.loss_scale, float(self.skipped_steps), setup.executor.compute_s],
-                            dtype=torch.float64)
+                             setup.executor.loss_scale, float(self.skipped_steps),
+                             *(setup.executor.action_s[c] for c in ACTION_CATEGORIES)], dtype=torch.float64)
 
     def _evaluate(self, step: int) -> torch.Tensor:
         """This rank's share of the validation loss of the model after ``step`` (forward only,
@@ -310,15 +310,21 @@ class _Loop:
             memory = {device: int(peak) for device, peak in self._by_device(stats[:, 4]).items()}
         eval_loss = None
         if self.config.eval_due(step):
-            eval_loss = float(stats[:, 8].sum()) / self.config.eval_batches
+            eval_loss = float(stats[:, 7 + len(ACTION_CATEGORIES)].sum()) / self.config.eval_batches
         return StepRecord(
             eval_loss=eval_loss, step_time_by_device=self._by_device(stats[:, 2]),
-            compute_time_by_device=self._by_device(stats[:, 7]), step=step, loss=loss,
+            action_time_by_device=self._actions_by_device(stats[:, 7:7 + len(ACTION_CATEGORIES)]),
+            step=step, loss=loss,
             lr=self.step_lr, grad_norm=grad_norm,
             step_time_s=step_time, tokens_per_s=layout.tokens_per_step / step_time,
             mfu=None if self.flops_per_peak is None else self.flops_per_peak / step_time,
             peak_memory_bytes=memory, emulated_sleep_s=float(stats[:, 3].max()),
             loss_scale=None if self.scaler is None else float(stats[0, 5]), skipped_steps=int(stats[0, 6]))
+
+    def _actions_by_device(self, columns: torch.Tensor) -> dict[int, dict[str, float]]:
+        """Each rank's seconds per action category, keyed by the rank's plan device."""
+        rows = [dict(zip(ACTION_CATEGORIES, columns[r].tolist(), strict=True)) for r in range(self.world)]
+        return dict(sorted((self.setup.device_of_rank[r], rows[r]) for r in range(self.world)))
 
     def _by_device(self, column: torch.Tensor) -> dict[int, float]:
         """One value per global rank, keyed by the rank's plan device (ascending)."""
