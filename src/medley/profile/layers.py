@@ -26,6 +26,7 @@ from scipy.optimize import nnls
 from medley.cost.profile_format import LayerMeasurement, OptimizerProfile
 from medley.profile.layer_build import ProfiledLayer, build_layer, layer_inputs, now
 from medley.profile.memory import allocated_bytes, quiet_median
+from medley.runtime.optim import optimizer_class
 from medley.runtime.sharding import TORCH_DTYPES
 from medley.runtime.torch_adapter import backward_input, backward_weight
 from medley.spec.model import ModelSpec
@@ -168,7 +169,8 @@ def profile_layers(model: ModelSpec, *, micro_batch_sizes: Sequence[int], seq_le
 
 def profile_optimizer(model: ModelSpec, *, dtype: str = "fp32", device: str = "cpu", threads: int = 1,
                       warmup: int = 2, runs: int = 5) -> OptimizerProfile:
-    """AdamW step time over each layer kind's parameters, fitted as fixed + per-parameter cost."""
+    """The runtime's AdamW step time (:func:`medley.runtime.optim.optimizer_class`) over each layer
+    kind's parameters, fitted as fixed + per-parameter cost."""
     previous = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(threads)
@@ -179,7 +181,8 @@ def profile_optimizer(model: ModelSpec, *, dtype: str = "fp32", device: str = "c
             params = list(build_layer(model, kind, TORCH_DTYPES[dtype], dev).module.parameters())
             for param in params:
                 param.grad = torch.randn_like(param) * 1e-3
-            optimizer = torch.optim.AdamW(params, lr=1e-4)
+            adamw, kwargs = optimizer_class("adamw", lr=1e-4, weight_decay=0.1)
+            optimizer = adamw(params, **kwargs)
             samples = []
             for i in range(warmup + runs):
                 t0 = now(dev)

@@ -15,11 +15,17 @@ ADAMW_BETAS = (0.9, 0.95)
 
 def optimizer_class(name: str, *, lr: float, weight_decay: float) -> tuple[type[torch.optim.Optimizer],
                                                                           dict[str, Any]]:
-    """The torch optimizer class and its arguments for ``name`` (``adamw`` or ``sgd``)."""
+    """The torch optimizer class and its arguments for ``name`` (``adamw`` or ``sgd``).
+
+    Both use torch's multi-tensor (``foreach``) implementation, as torchtitan does: one dispatch
+    per operation over a bucket's tensors instead of one per tensor. torch picks it by itself on
+    CUDA only; on CPU, over FSDP2's DTensor shards, the per-tensor loop took 5x longer (tiny
+    model: 7.9 ms against 1.5 ms a step)."""
     if name == "adamw":
-        return torch.optim.AdamW, dict(lr=lr, betas=ADAMW_BETAS, eps=1e-8, weight_decay=weight_decay)
+        return torch.optim.AdamW, dict(lr=lr, betas=ADAMW_BETAS, eps=1e-8, weight_decay=weight_decay,
+                                       foreach=True)
     if name == "sgd":
-        return torch.optim.SGD, dict(lr=lr, weight_decay=weight_decay)
+        return torch.optim.SGD, dict(lr=lr, weight_decay=weight_decay, foreach=True)
     raise MedleyInputError(f"--optimizer '{name}' must be one of {', '.join(OPTIMIZERS)}")
 
 

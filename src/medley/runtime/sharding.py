@@ -306,13 +306,24 @@ def shard_stage(
     local_name = {p: name for name, p in module.named_parameters()}
     bucket_names = [[shared_name(module.spec, local_name[p]) for p in params] for params in buckets]
     copies = frozenset(p for p, name in local_name.items() if shared_name(module.spec, name) != name)
-    optimizers = [optimizer_class(params, **optimizer_kwargs) for params in buckets]
+    optimizers = [optimizer_class(_same_kind_groups(params), **optimizer_kwargs) for params in buckets]
     stage = ShardedStage(module=module, zero=zero, buckets=buckets, fsdp_units=units, dp_group=dp_group,
                          optimizers=optimizers, bucket_names=bucket_names, copies=copies,
                          reduce_dtype=TORCH_DTYPES[state.grad_dtype], tp_rank=tp_rank)
     if meaning.gathers_after_step:  # weights stay gathered between steps at levels 1-2
         stage.unshard(None)
     return stage
+
+
+def _same_kind_groups(params: Sequence[nn.Parameter]) -> list[dict[str, list[nn.Parameter]]]:
+    """A bucket's parameters as optimizer parameter groups of one kind each (plain tensors, and
+    DTensors by mesh and placements): a multi-tensor (``foreach``) step takes one kind at a time
+    (a TP stage without ZeRO mixes DTensor blocks with plain norms, embedding and head)."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for param in params:
+        key = (param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
+        groups.setdefault(key, []).append(param)
+    return [{"params": members} for members in groups.values()]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
