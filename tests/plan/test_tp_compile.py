@@ -62,7 +62,8 @@ def test_a_tp_stage_times_one_rank_and_its_all_reduces() -> None:
 def test_memory_per_device_halves_the_split_parts_only() -> None:
     tp2, cluster, cost = _layout(assignment=((0, 2),), tp=(2, 1))
     tp1, _, _ = _layout(assignment=((0, 2),))
-    per_param = state_bytes_per_param("bf16").total
+    state = state_bytes_per_param("bf16")
+    per_param = state.weights + state.optimizer  # the gradient is the backward's, not static
     two, one = static_memory(tp2, (0, 1), cluster=cluster), static_memory(tp1, (0, 1), cluster=cluster)
     layers = tp2.layer_range(0)
     replicated = formulas.layer_params(MODEL, 0) + 16 * 2 * MODEL.hidden_size  # embedding, norms

@@ -4,8 +4,8 @@
   cost source), activation bytes and held parameters, as prefix sums so any contiguous range is
   O(1).
 * :func:`stage_memory`: a stage's peak bytes per device under a ZeRO option, the same terms the
-  compiler hands the simulator (model state by :mod:`medley.cost.zero_memory`, gathered weights
-  and gradient buffer of streamed ZeRO-3, in-flight activations).
+  compiler hands the simulator (model state by :mod:`medley.cost.zero_memory`, with the gradient
+  and ZeRO-3's gathered weights, in-flight activations).
 * :func:`bottleneck_split`: the layer split minimising the slowest stage (Alpa/HARP's bottleneck
   sweep): binary search on the bottleneck time t, each probe a greedy that gives every stage in
   turn the most layers within t and its memory (optimal for contiguous splits with monotone costs).
@@ -177,16 +177,18 @@ def memory_options(dp: int, *, replicated_level: int = 0) -> tuple[MemoryOption,
 
 @cache  # a pure function of a few small values, asked millions of times by the split sweep
 def option_bytes_per_param(option: MemoryOption, dp: int, *, dtype: str, layers: int | None = None) -> float:
-    """Peak model-state bytes per parameter per device in ``dtype`` (the memory model the
-    compiler books, :func:`medley.cost.zero_memory.stage_state_bytes`), with streamed ZeRO-3's two
-    live buckets counted at their share of a stage of ``layers`` layers (default: at least
-    ``option.buckets``)."""
+    """Peak model-state bytes per parameter per device in ``dtype``: the memory model the compiler
+    books (:func:`medley.cost.zero_memory.stage_state_bytes`) with its transients (the gradient
+    autograd makes, its shard, one bucket's reduction buffer, ZeRO-3's gathered weights) all held
+    at once, for a stage of ``layers`` layers (default: at least ``option.buckets``) in
+    ``option.buckets`` even buckets; streamed ZeRO-3's two live buckets counted at their share."""
     buckets = option.buckets if layers is None else min(option.buckets, max(1, layers))
     live = min(1.0, 2.0 / buckets) if option.level == 3 else 1.0
-    return stage_state_bytes(
-        1.0, level=option.level, dp=dp, gathered_fraction=live, accumulation_fraction=live,
-        per_param=state_bytes_per_param(dtype),
-    ).peak
+    largest = 1.0 / buckets if layers is None else -(-max(1, layers) // buckets) / max(1, layers)
+    state = stage_state_bytes(1.0, level=option.level, dp=dp, per_param=state_bytes_per_param(dtype),
+                              bucket_fraction=largest)
+    return (state.resident + state.grad_shard + state.reduce_buffer
+            + live * (state.gathered_weights + state.gradient))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

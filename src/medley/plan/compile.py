@@ -145,11 +145,10 @@ def _stage_cost(
     times[Pass.B] += overhead
     if not fused:
         times[Pass.W] += overhead
-    params = _stage_params(layout, stage)
-    state = state_bytes_per_param(layout.dtype)
-    shards_grads = zero_level(level).shards_grads and layout.dp > 1
-    grad_buffer = (params - params / layout.dp) * state.grads if shards_grads else 0.0
-    grad_buffer *= _live_fraction(layout, stage)
+    # The stage's whole unsharded gradient, made by its backward (not kept between steps).
+    gradient = stage_state_bytes(_stage_params(layout, stage), level=level, dp=layout.dp,
+                                 per_param=state_bytes_per_param(layout.dtype)).gradient
+    gradient *= _live_fraction(layout, stage)
     return StageCost(
         forward_s=times[Pass.F],
         backward_input_s=times[Pass.B],
@@ -157,7 +156,7 @@ def _stage_cost(
         activation_bytes=act,
         activation_after_b_bytes=min(after_b, act) if not measured_act else after_b,
         send_bytes=boundary,
-        grad_buffer_bytes=grad_buffer,
+        grad_buffer_bytes=gradient,
     )
 
 
@@ -198,8 +197,9 @@ def static_memory(
     cost: CostSource | None = None,
     cluster: Cluster | None = None,
 ) -> dict[int, float]:
-    """Weights, gradients and optimizer states resident all step, per device (transient buffers of
-    ZeRO-2/3 are the simulator's to add and free).
+    """Model state resident all step, per device (:func:`medley.cost.zero_memory.stage_state_bytes`:
+    weights, FSDP2's shards, optimizer state); the gradient autograd makes, its shard and ZeRO-3's
+    gathered weights are the simulator's to add and free.
 
     A measured source may also know the backward's transient workspace per layer (temporaries and
     gradients of intermediates, beyond the held activations); one backward runs at a time, so
@@ -213,9 +213,6 @@ def static_memory(
         state = stage_state_bytes(_stage_params(layout, stage), level=layout.zero[stage].level, dp=layout.dp,
                                   per_param=state_bytes_per_param(layout.dtype))
         held = state.resident
-        if _fsdp_keeps_shards(layout) and zero_level(layout.zero[stage].level).gathers_after_step:
-            # FSDP2 keeps the sharded parameters the optimizer steps next to the gathered ones.
-            held += _stage_params(layout, stage) / layout.dp * state_bytes_per_param(layout.dtype).weights
         tp = layout.stage_tp(stage)
         for replica in range(layout.dp):
             lead = layout.assignment[replica][stage_to_rank[stage]]
@@ -259,20 +256,6 @@ def recompute_workspace(
     return max(0.0, full - kept)
 
 
-def _fsdp_keeps_shards(layout: PlanLayout) -> bool:
-    """Whether to book the buffers medley's runtime really holds around ZeRO collectives.
-
-    Measured on CPU (bench/results/runtime.md), fp32 plans with dp > 1: FSDP2 keeps a stage's
-    sharded parameters while they are gathered (level 3 gathers the whole stage, not the part it
-    lacks; levels 1-2 hold both all step), and a gradient reduction holds its buffers next to
-    the gradients (level 0: the flat all-reduce buffer and the reduced copy of the bucket's
-    gradient while the gradients they come from are still referenced; levels 1-3: the new
-    gradient shard), booked until the end of the step's reductions. The bf16
-    mixed-precision model is left as the ZeRO paper's accounting (research/schedules_sim.md).
-    """
-    return layout.dtype == "fp32" and layout.dp > 1
-
-
 class _CollectiveTable:
     """What each ZeRO action does, from the stage's level, DP group and bucket share."""
 
@@ -312,26 +295,29 @@ class _CollectiveTable:
         meaning = zero_level(layout.zero[stage].level)
         op, payload = meaning.collective(action.kind)
         per_param = self.state.weights if payload is Payload.WEIGHTS else self.state.grads
-        runtime_buffers = _fsdp_keeps_shards(layout)
+        sharded = meaning.shards_optimizer and layout.dp > 1  # FSDP2 units (zero_memory's table)
         if action.kind in (Kind.UNSHARD, Kind.RESHARD):
-            missing = params if runtime_buffers else params - params / layout.dp
-            gathered = missing * self.state.weights * _live_fraction(layout, stage)
-            if not meaning.gathers_for_compute:
-                gathered = 0.0  # levels 1-2 refresh weights that stay gathered all step
+            # Level 3 gathers the bucket whole (next to the shard); levels 1-2 refresh weights
+            # that stay gathered all step.
+            gathered = params * self.state.weights if sharded and meaning.gathers_for_compute else 0.0
+            gathered *= _live_fraction(layout, stage)
             if action.kind is Kind.RESHARD:
                 return CollectiveCost(group=group, op=None, free_bytes=gathered)
             return CollectiveCost(group=group, op=op, nbytes=params * per_param * wire, alloc_bytes=gathered,
                                   compute_s=self.call_overhead)
         if action.kind is Kind.REDUCE_GRAD:
-            freed = 0.0
-            if meaning.shards_grads and layout.dp > 1:
-                freed = (params - params / layout.dp) * per_param * _live_fraction(layout, stage)
-            # (The buffer is booked until the end of the step: a reduction frees at most the
-            # gradient buffer still live, see SimProblem.)
-            buffer = 0.0
-            if runtime_buffers:
-                # Level 0: the flat all-reduce buffer and the reduced copy; FSDP2: the new shard.
-                buffer = (params / layout.dp if meaning.shards_optimizer else 2 * params) * per_param
+            # Levels 1-3 free the bucket's unsharded gradient and make its shard; level 0 keeps
+            # the flat buffer as the reduced gradient, freeing the gradient it came from
+            # (zero_memory's table). Levels 1-3's reduce-scatter input stays until the next
+            # reduction: one bucket's, booked on the stage's first (its last bucket) at the
+            # largest bucket's size. Allocations are booked until the end of the step (a
+            # reduction frees at most the gradient still live, see SimProblem).
+            freed = buffer = 0.0
+            if layout.dp > 1:
+                freed = params * per_param * (_live_fraction(layout, stage) if sharded else 1.0)
+                buffer = params / layout.dp * per_param if sharded else freed
+                if sharded and action.bucket in (None, len(buckets) - 1):
+                    buffer += _stage_params(layout, stage) * max(buckets) / sum(buckets) * per_param
             return CollectiveCost(group=group, op=op, nbytes=params * per_param * wire, free_bytes=freed,
                                   alloc_bytes=buffer, compute_s=self.call_overhead)
         device = self.cluster.devices[layout.assignment[replica][rank]].type

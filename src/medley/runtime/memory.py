@@ -68,11 +68,14 @@ def probe_peak_bytes(run_step: Callable[[], None], *, existing: Iterable[torch.T
 
 
 def resident_tensors(stages: Iterable[ShardedStage]) -> list[torch.Tensor]:
-    """Tensors alive between steps: weights (and FSDP's gathered copies), gradients, reduced
-    gradients, buffers and optimizer state."""
+    """Tensors alive between steps: weights (FSDP2's gathered copies and the shards its optimizers
+    step), gradients, reduced gradients, buffers and optimizer state."""
     out: list[torch.Tensor] = []
     for stage in stages:
-        params = [*stage.module.parameters(), *stage.weights()]
+        # The optimizers' parameters are FSDP2's shards at levels 1-3, which the module no longer
+        # lists once its gathered weights are swapped in (levels 1-2 between steps).
+        stepped = [p for bucket in stage.buckets for p in bucket]
+        params = [*stage.module.parameters(), *stage.weights(), *stepped]
         out += params + [p.grad for p in params if p.grad is not None] + list(stage.reduced.values())
         out += list(stage.module.buffers())
         for optimizer in stage.optimizers:

@@ -254,7 +254,9 @@ class ShardedStage:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
         offset = 0
         for param, grad in zip(params, grads, strict=True):
-            summed = flat[offset:offset + grad.numel()].view_as(grad).to(grad.dtype, copy=True)
+            # A view of the summed buffer (a copy only to another dtype): the buffer becomes the
+            # reduced gradients, as medley.cost.zero_memory books it, not a second copy of them.
+            summed = flat[offset:offset + grad.numel()].view_as(grad).to(grad.dtype)
             offset += grad.numel()
             if isinstance(param, DTensor):
                 summed = DTensor.from_local(summed, param.device_mesh, param.placements, run_check=False,

@@ -158,8 +158,12 @@ class _Builder:
                     send = not lowered and s > first and s2r[s - 1] != k
                 if (kind is Kind.W or kind is Kind.BW) and live_grad.get(s, 0.0) <= 0.0:
                     # (Re)allocated by the first weight gradient after the last reduction freed it.
-                    live_grad[s] = cost.grad_buffer_bytes
-                    mem_start += cost.grad_buffer_bytes
+                    # The gradient grows as this backward frees its activations, so the action's
+                    # peak is at its start (activations) or its end (gradient): book the excess
+                    # of the gradient over what it frees at the start, the rest as a smaller free.
+                    grad = live_grad[s] = cost.grad_buffer_bytes
+                    mem_start += max(0.0, grad - mem_end)
+                    mem_end = max(0.0, mem_end - grad)
                 zero_inst = unshard.get(s, -1)
                 zero_dep = self.prog.coll_slot[zero_inst] if zero_inst >= 0 else ZERO_SLOT
                 ops.append((OP_COMPUTE, dur, dep, producer, local, zero_dep, out, mem_start, mem_end, action,
