@@ -71,8 +71,9 @@ def test_planner_tables_book_what_the_compiler_books_at_tp(option: MemoryOption)
     # Times: the planner's table and the compiler's stage cost (TP all-reduces included).
     stage = problem.stage_costs[0][1]
     assert stage.forward_s == pytest.approx(table.forward[34] - table.forward[17])
-    # Memory: GPipe holds every micro-batch; the compiler's static state, activations, gradient
-    # and the buffers of the stage's reductions (each bucket's once per step) match.
+    # Memory: GPipe holds every micro-batch; the compiler's static state, activations, gradient,
+    # the buffers of the stage's reductions (each bucket's once per step) and the backward's
+    # workspace (a recomputing block's activations again) match.
     planned = stage_memory(table, 17, 34, option=option, dp=2, in_flight=Flight(full=4))
     static = problem.static_memory_bytes[4]
     assert problem.static_memory_bytes[5] == static
@@ -81,7 +82,7 @@ def test_planner_tables_book_what_the_compiler_books_at_tp(option: MemoryOption)
                   if a.kind is Kind.REDUCE_GRAD and a.stage == 1}
     # (Level 0's all-reduce buffers each replace their bucket's gradient: one, the largest, on top.)
     buffers = max(reductions.values()) if option.level == 0 else sum(reductions.values())
-    booked = static + 4 * stage.activation_bytes + stage.grad_buffer_bytes + buffers
+    booked = static + 4 * stage.activation_bytes + stage.grad_buffer_bytes + buffers + stage.workspace_bytes
     assert booked == pytest.approx(planned, rel=1e-6)
     whole = est.table("A100-80GB", 1, "bf16", 1)
     assert table.params[34] - table.params[17] < 0.55 * (whole.params[34] - whole.params[17])

@@ -42,7 +42,9 @@ def test_bytes_per_parameter_by_dtype() -> None:
     assert BF16_ADAM.weights + BF16_ADAM.grads + BF16_ADAM.optimizer == 18.0
     fp32 = stage_state_bytes(1000.0, level=1, dp=2, per_param=FP32_ADAM)
     assert (fp32.weights, fp32.optimizer, fp32.gradient, fp32.grad_shard) == (6000.0, 4000.0, 4000.0, 2000.0)
-    assert stage_state_bytes(1000.0, level=0, dp=1).peak == 16000.0  # fp16: 2 + 2 + 12
+    # fp16 at level 0: 2 B gradient + 12 B master and moments; the fp16 weights are autocast's
+    # per-micro-batch copies, with the activations.
+    assert stage_state_bytes(1000.0, level=0, dp=1).peak == 14000.0
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -63,7 +65,8 @@ def test_collective_buffers_and_static_state(level: int, dtype: str) -> None:
     assert problem.stage_costs[0][0].grad_buffer_bytes == pytest.approx(PARAMS * per.grads)
     # Static: weights (fp32 levels 1-3 also the stepped shard) and optimizer state.
     shard = 0.0 if dtype == "bf16" or level == 0 else 2.0
-    weights = {0: per.weights, 1: per.weights + shard, 2: per.weights + shard, 3: shard}[level]
+    plain = per.weights if dtype == "fp32" else 0.0  # bf16 level 0: autocast's copies only
+    weights = {0: plain, 1: per.weights + shard, 2: per.weights + shard, 3: shard}[level]
     optimizer = per.optimizer / (2 if level else 1)
     assert problem.static_memory_bytes[0] == pytest.approx((weights + optimizer) * PARAMS)
     if level == 3:

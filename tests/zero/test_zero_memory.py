@@ -4,6 +4,7 @@ from medley.cost.zero_memory import (
     BF16_ADAM,
     FP32_ADAM,
     MIXED_PRECISION_ADAM,
+    autocast_copy_bytes,
     stage_state_bytes,
     zero_paper_bytes,
 )
@@ -24,10 +25,12 @@ def test_matches_zero_paper_figure_1(level: int, dp: int, expected_gb: float) ->
 @pytest.mark.parametrize("dp", [2, 4, 16])
 def test_fp16_state_with_its_gradient_is_the_paper_formula_below_level_3(level: int, dp: int) -> None:
     """In half precision the stepped FSDP2 shard is the master the optimizer's 12 B count, so
-    levels 0-1 hold the paper's bytes once the gradient exists, and level 2's resident state
-    (between its reduce-scatter and the step) is the paper's 2 + 14/d."""
+    level 1 holds the paper's bytes once the gradient exists, level 2's resident state (between
+    its reduce-scatter and the step) is the paper's 2 + 14/d, and level 0 the paper's with its
+    half-precision weights as autocast's per-micro-batch copies (one micro-batch in flight)."""
     state = stage_state_bytes(PSI, level=level, dp=dp, per_param=MIXED_PRECISION_ADAM)
     held = state.resident + (state.gradient if level < 2 else state.grad_shard)
+    held += PSI * autocast_copy_bytes(level=level, dp=dp, per_param=MIXED_PRECISION_ADAM)
     assert held == pytest.approx(zero_paper_bytes(PSI, level=level, dp=dp))
 
 
@@ -62,7 +65,12 @@ def test_fp32_level_3_gathers_the_whole_stage_next_to_its_shard() -> None:
 @pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_no_sharding_without_data_parallelism(level: int) -> None:
     state = stage_state_bytes(1e9, level=level, dp=1, per_param=BF16_ADAM)
-    assert (state.weights, state.grad_shard, state.optimizer, state.gathered_weights) == (2e9, 0.0, 12e9, 0.0)
+    # No bf16 weights held: autocast computes from the fp32 master (the optimizer's 12 B count
+    # it), copying 2 B per weight per micro-batch in flight.
+    assert (state.weights, state.grad_shard, state.optimizer, state.gathered_weights) == (0.0, 0.0, 12e9, 0.0)
+    assert autocast_copy_bytes(level=level, dp=1, per_param=BF16_ADAM) == 2.0
+    assert autocast_copy_bytes(level=level, dp=2, per_param=BF16_ADAM) == (2.0 if level == 0 else 0.0)
+    assert autocast_copy_bytes(level=level, dp=1, per_param=FP32_ADAM) == 0.0
     assert state.reduce_buffer == 0.0  # nothing to reduce
     assert state.gradient == 4e9  # made by the backward, not kept between steps
 

@@ -13,7 +13,9 @@ devices; :func:`zero_paper_bytes`). medley's runtime runs levels 1-3 as FSDP2 un
   gathered weights (4 Ψ/N_d more); in half precision it is the master the optimizer's 12 B count.
   Level 3 keeps no half-precision shard: it gathers from the fp32 one.
 * **whole gathers.** Level 3 gathers a bucket's whole weights in the compute dtype, next to the
-  shard (not only the part the member lacks); the table below has every bucket gathered.
+  shard (not only the part the member lacks), and every bucket of the stage for each compute
+  action: the schedule's UNSHARDs all precede the F or BW, one autograd call over every layer
+  (streamed ZeRO-3 included: buckets split its collectives, not its compute).
 * **gradients are made, not kept.** Between steps there is no gradient (the optimizer's
   ``zero_grad`` frees it). Autograd makes the stage's whole unsharded gradient (in the gradients'
   dtype: fp32 for bf16, FSDP2 upcasting each backward's bf16 gradient into an fp32 accumulation)
@@ -30,15 +32,20 @@ gradients and optimizer state, d the dp group:
 ======  ===========================  ==============  ==========================================
 level   weights (all step)           optimizer       transient
 ======  ===========================  ==============  ==========================================
-0       w Ψ                          K Ψ             gradient g Ψ; reducing, a bucket's g Ψ_b
+0       w Ψ in fp32, 0 in half       K Ψ             gradient g Ψ; reducing, a bucket's g Ψ_b
 1       w Ψ (+ 4 Ψ/d in fp32)        K Ψ/d           as level 0, then the shard g Ψ/d
 2       w Ψ (+ 4 Ψ/d in fp32)        K Ψ/d           as level 1
 3       4 Ψ/d in fp32, else 0        K Ψ/d           as level 1, and the gathered weights w Ψ
 ======  ===========================  ==============  ==========================================
 
+Without FSDP2 (level 0, or d = 1) half precision computes under autocast from the fp32 master
+(the optimizer's parameter): no resident half-precision weights, but each forward casts its
+matmuls' weights and keeps the copies for its backward, w per cast parameter and micro-batch in
+flight (:func:`autocast_copy_bytes`, with the activations).
+
 Levels 1 and 2 differ in when they reduce (once per step, or per gradient window), not in what
-they hold at the peak.
-(with d = 1 nothing is sharded and nothing gathered: every level holds level 0's state.)
+they hold at the peak. With d = 1 nothing is sharded and nothing gathered: every level holds
+level 0's state.
 """
 
 from __future__ import annotations
@@ -169,14 +176,23 @@ def stage_state_bytes(
     shard = params / dp
     master = 0.0 if per_param.master_in_optimizer or not sharded else shard * FP32_BYTES
     gathered = sharded and meaning.shards_weights
+    compute_copy = not gathered and (sharded or not per_param.master_in_optimizer)
     return StageStateBytes(
-        weights=master + (0.0 if gathered else params * w),
+        weights=master + (params * w if compute_copy else 0.0),
         optimizer=(shard if sharded else params) * o,
         gathered_weights=params * w if gathered else 0.0,
         gradient=params * g,
         grad_shard=shard * g if sharded else 0.0,
         reduce_buffer=params * bucket_fraction * g if dp > 1 else 0.0,
     )
+
+
+def autocast_copy_bytes(*, level: int, dp: int, per_param: StateBytesPerParam) -> float:
+    """Bytes per cast parameter (:func:`medley.cost.formulas.layer_autocast_params`) that each
+    micro-batch in flight holds: autocast's compute-dtype copies of fp32 weights, kept for the
+    backward (half precision without FSDP2, which gathers the compute-dtype weights instead)."""
+    sharded = zero_level(level).shards_optimizer and dp > 1
+    return per_param.weights if per_param.master_in_optimizer and not sharded else 0.0
 
 
 def zero_paper_bytes(params: float, *, level: int, dp: int) -> float:

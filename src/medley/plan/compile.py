@@ -31,7 +31,7 @@ from medley.cost.tensor_parallel import (
 )
 from medley.cost.tied import tied_sum_seconds
 from medley.cost.zero_levels import Payload, zero_level
-from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
+from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
 from medley.plan.layout import PlanLayout, build_schedules
 from medley.plan.tp_links import dp_bytes_factor, scale_hops
 from medley.schedule.ir import Action, Kind, PipelineSchedule
@@ -123,6 +123,12 @@ def _stage_cost(
     if measured_act and not first:
         # Measured layers count what their forward adds; the received input is held on top.
         act, after_b = act + boundary, after_b + boundary
+    # Autocast's copies of the fp32 weights, which each forward keeps for its backward's input
+    # gradients (half precision without FSDP2; a recomputing block keeps none): the B frees them.
+    per_param = state_bytes_per_param(layout.dtype)
+    copies = autocast_copy_bytes(level=level, dp=layout.dp, per_param=per_param)
+    act += copies * sum(formulas.layer_autocast_params(model, i, tp=tp) for i in layout.layer_range(stage)
+                        if not (recompute and model.layer_kind(i) == "block"))
     if fused and fused_known and times[Pass.B] + times[Pass.W] > 0:
         scale = fused_s / (times[Pass.B] + times[Pass.W])  # one autograd call costs less than two
         times[Pass.B], times[Pass.W] = times[Pass.B] * scale, times[Pass.W] * scale
@@ -147,8 +153,7 @@ def _stage_cost(
         times[Pass.W] += overhead
     # The stage's whole unsharded gradient, made by its backward (not kept between steps).
     gradient = stage_state_bytes(_stage_params(layout, stage), level=level, dp=layout.dp,
-                                 per_param=state_bytes_per_param(layout.dtype)).gradient
-    gradient *= _live_fraction(layout, stage)
+                                 per_param=per_param).gradient
     return StageCost(
         forward_s=times[Pass.F],
         backward_input_s=times[Pass.B],
@@ -157,21 +162,8 @@ def _stage_cost(
         activation_after_b_bytes=min(after_b, act) if not measured_act else after_b,
         send_bytes=boundary,
         grad_buffer_bytes=gradient,
+        workspace_bytes=backward_workspace(layout, cost, stage, device_type),
     )
-
-
-def _live_fraction(layout: PlanLayout, stage: int) -> float:
-    """Share of a stage's gathered weights (and unsharded gradient) alive at once.
-
-    Streamed ZeRO-3 frees each bucket right after its compute and reduce-scatters its gradient as
-    it is made, so at most two buckets are live (the one computing, the one prefetched). The
-    simulator books that peak for the whole compute action: exact at the peak, pessimistic
-    between."""
-    setting = layout.zero[stage]
-    if not setting.streams:
-        return 1.0
-    buckets = min(setting.buckets, layout.stage_layers[stage])
-    return min(1.0, 2.0 / buckets)
 
 
 def _stage_params(layout: PlanLayout, stage: int) -> float:
@@ -190,48 +182,38 @@ def _catalog(layout: PlanLayout, cost: CostSource, cluster: Cluster | None = Non
     return CatalogCostSource(layout.model, dtype=layout.dtype)
 
 
-def static_memory(
-    layout: PlanLayout,
-    stage_to_rank: Sequence[int],
-    *,
-    cost: CostSource | None = None,
-    cluster: Cluster | None = None,
-) -> dict[int, float]:
+def static_memory(layout: PlanLayout, stage_to_rank: Sequence[int]) -> dict[int, float]:
     """Model state resident all step, per device (:func:`medley.cost.zero_memory.stage_state_bytes`:
-    weights, FSDP2's shards, optimizer state); the gradient autograd makes, its shard and ZeRO-3's
-    gathered weights are the simulator's to add and free.
-
-    A measured source may also know the backward's transient workspace per layer (temporaries and
-    gradients of intermediates, beyond the held activations); one backward runs at a time, so
-    each device reserves its largest layer's. A recomputing block also holds its whole forward's
-    activations again while its backward runs (:func:`recompute_workspace`)."""
+    weights, FSDP2's shards, optimizer state); the gradient autograd makes, its shard, ZeRO-3's
+    gathered weights and the backward's workspace are the simulator's to add and free."""
     out: dict[int, float] = {}
-    workspace: dict[int, float] = {}
-    measured = getattr(cost, "workspace_bytes", None)
     for stage in range(layout.num_stages):
-        recompute = bool(layout.recompute and layout.recompute[stage])
         state = stage_state_bytes(_stage_params(layout, stage), level=layout.zero[stage].level, dp=layout.dp,
                                   per_param=state_bytes_per_param(layout.dtype))
-        held = state.resident
-        tp = layout.stage_tp(stage)
         for replica in range(layout.dp):
-            lead = layout.assignment[replica][stage_to_rank[stage]]
-            extra = 0.0
-            if cluster is not None:
-                name = cluster.devices[lead].type.name
-                shape = {"micro_batch_size": layout.micro_batch_size, "seq_len": layout.seq_len}
-                for layer in layout.layer_range(stage):
-                    more = 0.0
-                    if measured is not None:
-                        shrink = activation_scale(layout.model, layer, dtype=layout.dtype, tp=tp, **shape)[0]
-                        more = (measured(layer, device_type=name, **shape) or 0.0) * shrink
-                    if recompute:
-                        more += recompute_workspace(layout, cost, layer, name, tp=tp)
-                    extra = max(extra, more)
             for device in layout.group(replica, stage_to_rank[stage]):  # every TP rank holds the same
-                out[device] = out.get(device, 0.0) + held
-                workspace[device] = max(workspace.get(device, 0.0), extra)
-    return {device: held + workspace.get(device, 0.0) for device, held in out.items()}
+                out[device] = out.get(device, 0.0) + state.resident
+    return out
+
+
+def backward_workspace(layout: PlanLayout, cost: CostSource | None, stage: int, device_type: str) -> float:
+    """Bytes a backward of ``stage`` holds beyond the activations while it runs, its largest
+    layer's: the temporaries and gradients of intermediates a measured source knows per layer, and
+    a recomputing block's whole forward activations held again (:func:`recompute_workspace`)."""
+    measured = getattr(cost, "workspace_bytes", None)
+    recompute = bool(layout.recompute and layout.recompute[stage])
+    tp = layout.stage_tp(stage)
+    shape = {"micro_batch_size": layout.micro_batch_size, "seq_len": layout.seq_len}
+    most = 0.0
+    for layer in layout.layer_range(stage):
+        more = 0.0
+        if measured is not None:
+            shrink = activation_scale(layout.model, layer, dtype=layout.dtype, tp=tp, **shape)[0]
+            more = (measured(layer, device_type=device_type, **shape) or 0.0) * shrink
+        if recompute:
+            more += recompute_workspace(layout, cost, layer, device_type, tp=tp)
+        most = max(most, more)
+    return most
 
 
 def recompute_workspace(
@@ -297,10 +279,11 @@ class _CollectiveTable:
         per_param = self.state.weights if payload is Payload.WEIGHTS else self.state.grads
         sharded = meaning.shards_optimizer and layout.dp > 1  # FSDP2 units (zero_memory's table)
         if action.kind in (Kind.UNSHARD, Kind.RESHARD):
-            # Level 3 gathers the bucket whole (next to the shard); levels 1-2 refresh weights
+            # Level 3 gathers the bucket whole (next to the shard), and every bucket of the stage
+            # before a compute action (streamed or not: the schedule's UNSHARDs all precede the
+            # F or BW, whose one autograd call needs every layer); levels 1-2 refresh weights
             # that stay gathered all step.
             gathered = params * self.state.weights if sharded and meaning.gathers_for_compute else 0.0
-            gathered *= _live_fraction(layout, stage)
             if action.kind is Kind.RESHARD:
                 return CollectiveCost(group=group, op=None, free_bytes=gathered)
             return CollectiveCost(group=group, op=op, nbytes=params * per_param * wire, alloc_bytes=gathered,
@@ -314,7 +297,7 @@ class _CollectiveTable:
             # reduction frees at most the gradient still live, see SimProblem).
             freed = buffer = 0.0
             if layout.dp > 1:
-                freed = params * per_param * (_live_fraction(layout, stage) if sharded else 1.0)
+                freed = params * per_param
                 buffer = params / layout.dp * per_param if sharded else freed
                 if sharded and action.bucket in (None, len(buckets) - 1):
                     buffer += _stage_params(layout, stage) * max(buckets) / sum(buckets) * per_param
@@ -358,7 +341,7 @@ def compile_problem(
         schedules=schedules,
         devices=devices,
         stage_costs=stage_costs,
-        static_memory_bytes=static_memory(layout, s2r, cost=cost, cluster=cluster),
+        static_memory_bytes=static_memory(layout, s2r),
         comm=links,
         tp_members=members,
         peak_flops={d: cluster.devices[d].type.peak_flops(layout.dtype) for d in layout.devices},

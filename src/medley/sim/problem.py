@@ -56,6 +56,8 @@ class StageCost:
             stage (netted against the activations that action frees, see above), freed by
             REDUCE_GRAD ``free_bytes`` (capped at what is still live) and allocated again by the
             next W/BW once fully freed; 0 for none.
+        workspace_bytes: held while a backward (B, W or BW) of this stage runs, beyond its
+            activations: temporaries, gradients of intermediates, recomputed activations.
         send_back_bytes: bytes timed for the gradient the next stage sends back into this one
             (None: ``send_bytes``); they differ when the two stages' tensor-parallel groups
             load their links unlike in the two directions.
@@ -68,6 +70,7 @@ class StageCost:
     activation_after_b_bytes: float = 0.0
     send_bytes: float = 0.0
     grad_buffer_bytes: float = 0.0
+    workspace_bytes: float = 0.0
     send_back_bytes: float | None = None
 
 

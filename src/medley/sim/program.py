@@ -156,11 +156,15 @@ class _Builder:
                         producer = here + stride + m
                         dep = producer if s2r[s + 1] == k else producer + 2 * stride
                     send = not lowered and s > first and s2r[s - 1] != k
+                if kind is not Kind.F:  # the backward's workspace, for as long as it runs
+                    mem_start += cost.workspace_bytes
+                    mem_end += cost.workspace_bytes
                 if (kind is Kind.W or kind is Kind.BW) and live_grad.get(s, 0.0) <= 0.0:
                     # (Re)allocated by the first weight gradient after the last reduction freed it.
-                    # The gradient grows as this backward frees its activations, so the action's
-                    # peak is at its start (activations) or its end (gradient): book the excess
-                    # of the gradient over what it frees at the start, the rest as a smaller free.
+                    # The gradient grows as this backward frees its activations and workspace, so
+                    # the action holds the larger of its start (those) and its end (the gradient):
+                    # the gradient's excess over what it frees is booked at the start, the rest
+                    # of the freeing at the end.
                     grad = live_grad[s] = cost.grad_buffer_bytes
                     mem_start += max(0.0, grad - mem_end)
                     mem_end = max(0.0, mem_end - grad)
