@@ -42,13 +42,17 @@ class LiveTensorBytes(TorchDispatchMode):
         if key not in self.storages:
             self.storages[key] = weakref.ref(storage, lambda _, key=key: self.storages.pop(key, None))
 
-    def _sample(self) -> None:
+    def live(self) -> int:
+        """Bytes of the tracked storages alive now."""
         total = 0
         for ref in list(self.storages.values()):
             storage = ref()
             if storage is not None:
                 total += storage.nbytes()
-        self.peak = max(self.peak, total)
+        return total
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, self.live())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
