@@ -19,6 +19,7 @@ FSDP's own hooks never communicate: gradient sync is off and nothing reshards by
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -303,6 +304,16 @@ def shard_stage(
         root.set_requires_gradient_sync(False)
         root.set_reshard_after_backward(False)
         root.set_is_last_backward(False)
+    elif mixed is not None:
+        # Without FSDP2, cast each layer's input activations to the compute dtype as FSDP2's
+        # mixed precision does (and the pipeline's wire): the residual stream runs in the same
+        # dtype at every level (an fp32 embedding output would keep it in fp32 on the first
+        # stage), which the bf16 profile and the memory model count.
+        for layer in layers.values():
+            layer.register_forward_pre_hook(_cast_input(mixed.param_dtype))
+        # The norms then see a half-precision input beside their fp32 weight, for which torch
+        # warns that its fused kernel does not apply (the composite one computes in fp32).
+        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     # Built before any unshard, so that FSDP stages hold (and step) their sharded parameters.
     buckets = [[p for i in group for p in layers[i].parameters()] for group in groups]
     local_name = {p: name for name, p in module.named_parameters()}
@@ -315,6 +326,17 @@ def shard_stage(
     if meaning.gathers_after_step:  # weights stay gathered between steps at levels 1-2
         stage.unshard(None)
     return stage
+
+
+def _cast_input(dtype: torch.dtype) -> Any:
+    """A forward pre-hook casting a layer's floating-point input activation to ``dtype``."""
+
+    def hook(_module: nn.Module, args: tuple) -> tuple | None:
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            return (args[0].to(dtype), *args[1:])
+        return None
+
+    return hook
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
