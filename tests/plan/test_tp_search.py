@@ -15,6 +15,7 @@ from medley.plan.memory_rules import fixed
 from medley.plan.search import search
 from medley.plan.space import Structure
 from medley.plan.tp_structures import tp_degrees, tp_groups
+from medley.schedule.ir import Kind
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 
@@ -70,11 +71,19 @@ def test_planner_tables_book_what_the_compiler_books_at_tp(option: MemoryOption)
     # Times: the planner's table and the compiler's stage cost (TP all-reduces included).
     stage = problem.stage_costs[0][1]
     assert stage.forward_s == pytest.approx(table.forward[34] - table.forward[17])
-    # Memory: GPipe holds every micro-batch; the compiler's static state and activations match.
+    # Memory: GPipe holds every micro-batch; the compiler's static state, activations, gradient,
+    # the buffers of the stage's reductions (each bucket's once per step) and the backward's
+    # workspace (a recomputing block's activations again) match.
     planned = stage_memory(table, 17, 34, option=option, dp=2, in_flight=Flight(full=4))
     static = problem.static_memory_bytes[4]
     assert problem.static_memory_bytes[5] == static
-    assert static + 4 * stage.activation_bytes == pytest.approx(planned, rel=1e-6)
+    row = problem.schedules[0].actions[problem.schedules[0].stage_to_rank[1]]
+    reductions = {a.bucket: problem.collectives(0, a).alloc_bytes for a in row
+                  if a.kind is Kind.REDUCE_GRAD and a.stage == 1}
+    # (Level 0's all-reduce buffers each replace their bucket's gradient: one, the largest, on top.)
+    buffers = max(reductions.values()) if option.level == 0 else sum(reductions.values())
+    booked = static + 4 * stage.activation_bytes + stage.grad_buffer_bytes + buffers + stage.workspace_bytes
+    assert booked == pytest.approx(planned, rel=1e-6)
     whole = est.table("A100-80GB", 1, "bf16", 1)
     assert table.params[34] - table.params[17] < 0.55 * (whole.params[34] - whole.params[17])
     assert table.total[34] - table.total[17] < whole.total[34] - whole.total[17]

@@ -53,3 +53,29 @@ def test_fidelity_command_rejects_unknown_cases(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["fidelity", "--cases", "nope", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "--cases: unknown ['nope']" in result.output
     assert not list(tmp_path.iterdir())  # nothing profiled or run
+
+
+def test_activation_bytes_are_the_saved_tensors_and_the_output_exactly() -> None:
+    """On CPU a layer's activation bytes are the exact storage bytes its forward leaves alive, as
+    the runtime's memory probe counts them: what autograd saved for the backward (not the weights
+    nor the input) plus the output, with no allocator rounding."""
+    import torch
+
+    from medley.profile.layer_build import build_layer, layer_inputs
+
+    block = measure_layer(TINY, "block", micro_batch_size=2, seq_len=32, runs=1, warmup=0)
+    layer = build_layer(TINY, "block", torch.float32, torch.device("cpu"))
+    x, targets = layer_inputs(TINY, "block", 2, 32, torch.float32, torch.device("cpu"))
+    inp = x.detach().requires_grad_(True)
+    owned = {t.untyped_storage().data_ptr() for t in (*layer.module.parameters(), inp)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in owned:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer.forward(inp, targets)
+    output = out.untyped_storage().nbytes() if out.untyped_storage().data_ptr() not in saved else 0
+    assert block.activation_bytes == sum(saved.values()) + output

@@ -158,3 +158,25 @@ def test_placement_pass_output_runs_with_uneven_micro_batches():
         assert min(result.memory[report.device][1]) >= 100.0
         assert report.exposed_zero_s <= report.idle_s + 1e-9
     assert result.step_time_s >= 6 * 3 + 3  # the 6-micro-batch replica's compute alone
+
+
+@pytest.mark.parametrize(
+    ("activations", "workspace", "gradient", "peak"),
+    [(8.0, 0.0, 3.0, 8.0), (3.0, 0.0, 8.0, 8.0), (8.0, 2.0, 3.0, 10.0), (3.0, 2.0, 8.0, 8.0)],
+)
+def test_the_first_backward_holds_the_larger_of_its_activations_and_its_gradient(
+    activations: float, workspace: float, gradient: float, peak: float
+) -> None:
+    """The gradient grows as the backward frees the activations and its workspace: none before
+    the first backward, then the whole gradient until the step ends (no reduction here); the
+    backward's peak is the larger of the two ends, never their sum."""
+    row = [F(0, 0), Action(0, Kind.BW, 0)]
+    schedule = PipelineSchedule(family="one", num_stages=1, num_micro_batches=1, stage_to_rank=(0,),
+                                actions=[row])
+    cost = StageCost(forward_s=1, backward_input_s=1, backward_weight_s=1, activation_bytes=activations,
+                     grad_buffer_bytes=gradient, workspace_bytes=workspace)
+    result = simulate(SimProblem(schedules=[schedule], devices=[[0]], stage_costs=[[cost]],
+                                 static_memory_bytes={0: 1.0}))
+    # F [0, 1] allocates the activations; BW [1, 3]; the gradient stays after it.
+    assert result.device(0).peak_memory_bytes == 1.0 + peak
+    assert result.memory[0][1][-1] == 1.0 + gradient

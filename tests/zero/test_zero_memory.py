@@ -1,6 +1,13 @@
 import pytest
 
-from medley.cost.zero_memory import stage_state_bytes, zero_paper_bytes
+from medley.cost.zero_memory import (
+    BF16_ADAM,
+    FP32_ADAM,
+    MIXED_PRECISION_ADAM,
+    autocast_copy_bytes,
+    stage_state_bytes,
+    zero_paper_bytes,
+)
 
 PSI = 7.5e9  # the ZeRO paper's running example: a 7.5 B-parameter model
 
@@ -14,37 +21,58 @@ def test_matches_zero_paper_figure_1(level: int, dp: int, expected_gb: float) ->
     assert zero_paper_bytes(PSI, level=level, dp=dp) / 1e9 == pytest.approx(expected_gb, abs=0.05)
 
 
+@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("dp", [2, 4, 16])
+def test_fp16_state_with_its_gradient_is_the_paper_formula_below_level_3(level: int, dp: int) -> None:
+    """In half precision the stepped FSDP2 shard is the master the optimizer's 12 B count, so
+    level 1 holds the paper's bytes once the gradient exists, level 2's resident state (between
+    its reduce-scatter and the step) is the paper's 2 + 14/d, and level 0 the paper's with its
+    half-precision weights as autocast's per-micro-batch copies (one micro-batch in flight)."""
+    state = stage_state_bytes(PSI, level=level, dp=dp, per_param=MIXED_PRECISION_ADAM)
+    held = state.resident + (state.gradient if level < 2 else state.grad_shard)
+    held += PSI * autocast_copy_bytes(level=level, dp=dp, per_param=MIXED_PRECISION_ADAM)
+    assert held == pytest.approx(zero_paper_bytes(PSI, level=level, dp=dp))
+
+
+def test_level_3_keeps_no_half_precision_shard() -> None:
+    """FSDP2 gathers the bf16 weights from the fp32 master shard: between steps 12/d, not the
+    paper's 16/d; at the peak the whole stage gathered (2), its gradient (4) and shard (4/d), and
+    a quarter-stage bucket's reduce-scatter input (4/4)."""
+    state = stage_state_bytes(1e9, level=3, dp=4, per_param=BF16_ADAM, bucket_fraction=0.25)
+    assert (state.weights, state.optimizer) == pytest.approx((0.0, 3e9))
+    assert (state.gathered_weights, state.gradient, state.grad_shard) == pytest.approx((2e9, 4e9, 1e9))
+    assert state.reduce_buffer == pytest.approx(1e9)
+    assert state.peak == pytest.approx(11e9)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_fp32_levels_1_2_keep_the_stepped_shard_next_to_the_gathered_weights(level: int) -> None:
+    # 1000 params over 2: 4000 gathered + 2000 shard; moments 8 B of the shard; the gradient
+    # (4000) and, after the reduce-scatter, its shard (2000).
+    state = stage_state_bytes(1000.0, level=level, dp=2, per_param=FP32_ADAM)
+    assert state.weights == pytest.approx(6000.0)
+    assert state.optimizer == pytest.approx(4000.0)
+    assert (state.gathered_weights, state.gradient, state.grad_shard) == (0.0, 4000.0, 2000.0)
+
+
+def test_fp32_level_3_gathers_the_whole_stage_next_to_its_shard() -> None:
+    state = stage_state_bytes(1000.0, level=3, dp=2, per_param=FP32_ADAM)
+    assert (state.weights, state.grad_shard, state.optimizer) == pytest.approx((2000.0, 2000.0, 4000.0))
+    assert state.gathered_weights == pytest.approx(4000.0)
+    assert state.peak == pytest.approx(16000.0 + 4000.0)  # + one bucket's (here the stage's) reduction
+
+
 @pytest.mark.parametrize("level", [0, 1, 2, 3])
-@pytest.mark.parametrize("dp", [1, 2, 4, 16])
-def test_resident_state_is_the_paper_formula(level: int, dp: int) -> None:
-    state = stage_state_bytes(PSI, level=level, dp=dp, gathered_fraction=0.0, accumulation_fraction=0.0)
-    assert state.peak == pytest.approx(zero_paper_bytes(PSI, level=level, dp=dp))
-
-
-def test_hand_computed_level_3_with_full_gather_and_full_accumulation() -> None:
-    # 1 B params over 4 devices: shards of 0.25 B params.
-    state = stage_state_bytes(1e9, level=3, dp=4)
-    assert state.weights == pytest.approx(0.5e9)  # 2 B/param of the shard
-    assert state.grads == pytest.approx(0.5e9)
-    assert state.optimizer == pytest.approx(3e9)  # 12 B/param of the shard
-    assert state.gathered_weights == pytest.approx(1.5e9)  # the other three shards, gathered
-    assert state.grad_accumulation == pytest.approx(1.5e9)  # unsharded accumulation buffer
-    assert state.peak == pytest.approx(7e9)
-
-
-def test_hand_computed_level_2_bucketed_accumulation() -> None:
-    # Level 2 keeps full weights; a quarter-stage bucket of gradient is unsharded at the peak.
-    state = stage_state_bytes(1e9, level=2, dp=2, accumulation_fraction=0.25)
-    assert state.weights == pytest.approx(2e9)
-    assert state.grads == pytest.approx(1e9)
-    assert state.optimizer == pytest.approx(6e9)
-    assert state.gathered_weights == 0.0
-    assert state.grad_accumulation == pytest.approx(0.25e9)
-
-
-def test_no_transient_buffers_without_data_parallelism() -> None:
-    state = stage_state_bytes(1e9, level=3, dp=1)
-    assert state.peak == pytest.approx(16e9)
+def test_no_sharding_without_data_parallelism(level: int) -> None:
+    state = stage_state_bytes(1e9, level=level, dp=1, per_param=BF16_ADAM)
+    # No bf16 weights held: autocast computes from the fp32 master (the optimizer's 12 B count
+    # it), copying 2 B per weight per micro-batch in flight.
+    assert (state.weights, state.grad_shard, state.optimizer, state.gathered_weights) == (0.0, 0.0, 12e9, 0.0)
+    assert autocast_copy_bytes(level=level, dp=1, per_param=BF16_ADAM) == 2.0
+    assert autocast_copy_bytes(level=level, dp=2, per_param=BF16_ADAM) == (2.0 if level == 0 else 0.0)
+    assert autocast_copy_bytes(level=level, dp=1, per_param=FP32_ADAM) == 0.0
+    assert state.reduce_buffer == 0.0  # nothing to reduce
+    assert state.gradient == 4e9  # made by the backward, not kept between steps
 
 
 def test_rejects_bad_level_and_group() -> None:
@@ -52,3 +80,9 @@ def test_rejects_bad_level_and_group() -> None:
         stage_state_bytes(1.0, level=4, dp=2)
     with pytest.raises(ValueError, match="data-parallel size"):
         stage_state_bytes(1.0, level=1, dp=0)
+
+
+def test_level_0_reduces_in_a_flat_buffer_of_its_largest_bucket() -> None:
+    state = stage_state_bytes(1000.0, level=0, dp=2, per_param=FP32_ADAM, bucket_fraction=0.5)
+    assert (state.weights, state.optimizer, state.gradient) == (4000.0, 8000.0, 4000.0)
+    assert (state.grad_shard, state.reduce_buffer) == (0.0, 2000.0)

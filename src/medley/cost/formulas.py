@@ -89,6 +89,20 @@ def layer_held_params(model: ModelSpec, layer_index: int, *, tp: int = 1) -> flo
     return layer_params(model, layer_index, tp=tp) + (extra if model.tied_embeddings else 0)
 
 
+def layer_autocast_params(model: ModelSpec, layer_index: int, *, tp: int = 1) -> float:
+    """Weights whose compute-dtype copies a layer's forward keeps under autocast, per
+    tensor-parallel rank: its matmuls' matrices (a tied head's borrowed embedding too), which the
+    backward needs for the input gradient; not biases (no backward needs them), norms (autocast
+    runs them in fp32) nor an embedding table (lookups are not cast)."""
+    kind = model.layer_kind(layer_index)
+    if kind == "embedding":
+        return float(_projection_params(model))
+    if kind == "block":
+        h, q, kv, ffn = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
+        return (h * (q + 2 * kv) + q * h + (3 if model.mlp == "swiglu" else 2) * h * ffn) / tp
+    return float(model.vocab_size * model.embed_dim + _projection_params(model))
+
+
 def stage_held_params(model: ModelSpec, first: int, last: int, *, tp: int = 1) -> float:
     """Parameters a stage holding layers ``[first, last)`` keeps per tensor-parallel rank: a tied
     head's copy only when the stage lacks the embedding (with it, the head borrows the

@@ -1,27 +1,51 @@
-"""Memory per device of one pipeline stage under ZeRO level 0..3 with mixed-precision Adam.
+"""Memory per device of one pipeline stage under ZeRO level 0..3 with Adam, as medley's runtime
+holds it.
 
-Per parameter (Rajbhandari et al., "ZeRO", SC'20, §5): 2 bytes of half-precision weights, 2 bytes
-of half-precision gradients and K = 12 bytes of optimizer state (fp32 master weights, momentum,
-variance). Over a data-parallel group of N_d devices:
+The ZeRO paper (Rajbhandari et al., SC'20, §5) counts 2 bytes of half-precision weights, 2 of
+half-precision gradients and K = 12 of optimizer state (fp32 master, momentum, variance) per
+parameter: 16 Ψ, 4 Ψ + 12 Ψ/N_d, 2 Ψ + 14 Ψ/N_d and 16 Ψ/N_d at levels 0-3 (Ψ parameters, N_d
+devices; :func:`zero_paper_bytes`). medley's runtime runs levels 1-3 as FSDP2 units
+(:mod:`medley.runtime.sharding`) and differs from that table where FSDP2 does:
 
-==========  ===================  =======================================
-level       resident per device  the paper's formula (Ψ parameters)
-==========  ===================  =======================================
-0           2 + 2 + 12           16 Ψ
-1           2 + 2 + 12/N_d       4 Ψ + 12 Ψ / N_d
-2           2 + 2/N_d + 12/N_d   2 Ψ + 14 Ψ / N_d
-3           (2 + 2 + 12)/N_d     16 Ψ / N_d
-==========  ===================  =======================================
+* **the stepped shard.** Each member keeps its fp32 shard of the weights (the parameter its
+  optimizer steps: the master in half precision, the weights themselves in fp32) and, at levels
+  1-2, the gathered weights in the compute dtype all step. In fp32 the shard is a copy beyond the
+  gathered weights (4 Ψ/N_d more); in half precision it is the master the optimizer's 12 B count.
+  Level 3 keeps no half-precision shard: it gathers from the fp32 one.
+* **whole gathers.** Level 3 gathers a bucket's whole weights in the compute dtype, next to the
+  shard (not only the part the member lacks), and every bucket of the stage for each compute
+  action: the schedule's UNSHARDs all precede the F or BW, one autograd call over every layer
+  (streamed ZeRO-3 included: buckets split its collectives, not its compute).
+* **gradients are made, not kept.** Between steps there is no gradient (the optimizer's
+  ``zero_grad`` frees it). Autograd makes the stage's whole unsharded gradient (in the gradients'
+  dtype: fp32 for bf16, FSDP2 upcasting each backward's bf16 gradient into an fp32 accumulation)
+  at the stage's backward; it lives until the step's end at level 0, until the reduce-scatter at
+  levels 1-3, whose gradient shard then stays until the step's end.
+* **the reduction's flat buffer.** A gradient reduction copies a bucket's gradient into one
+  flat buffer: level 0's all-reduce sums it in place and keeps it as the reduced gradient (the
+  gradient it came from is freed), levels 1-3's reduce-scatter input stays with FSDP2 until its
+  next reduction (one bucket's at a time).
 
-Inside a pipeline, gradients of many micro-batches accumulate before they are reduced. Levels 2
-and 3 only reach the sharded gradient of the table if the accumulation itself is sharded, that is
-if each micro-batch's gradient is reduce-scattered as it is produced (DeepSpeed's ZeRO-2 does this
-at every micro-step, which is why it refuses pipelining). medley makes this a per-stage choice,
-``grad_windows``: the number of reduce-scatters per step. With one window the stage accumulates a
-full gradient buffer (2 Ψ) until its single reduce-scatter at the end of the step; with one
-window per micro-batch only a bucket of gradient is unsharded at any time. ZeRO-3 likewise holds
-gathered half-precision weights between UNSHARD and RESHARD: the whole stage when it is kept
-gathered across the step, one or two buckets when it is gathered bucket by bucket.
+Per device, Ψ the stage's (held) parameters, w / g / K the bytes per parameter of weights,
+gradients and optimizer state, d the dp group:
+
+======  ===========================  ==============  ==========================================
+level   weights (all step)           optimizer       transient
+======  ===========================  ==============  ==========================================
+0       w Ψ in fp32, 0 in half       K Ψ             gradient g Ψ; reducing, a bucket's g Ψ_b
+1       w Ψ (+ 4 Ψ/d in fp32)        K Ψ/d           as level 0, then the shard g Ψ/d
+2       w Ψ (+ 4 Ψ/d in fp32)        K Ψ/d           as level 1
+3       4 Ψ/d in fp32, else 0        K Ψ/d           as level 1, and the gathered weights w Ψ
+======  ===========================  ==============  ==========================================
+
+Without FSDP2 (level 0, or d = 1) half precision computes under autocast from the fp32 master
+(the optimizer's parameter): no resident half-precision weights, but each forward casts its
+matmuls' weights and keeps the copies for its backward, w per cast parameter and micro-batch in
+flight (:func:`autocast_copy_bytes`, with the activations).
+
+Levels 1 and 2 differ in when they reduce (once per step, or per gradient window), not in what
+they hold at the peak. With d = 1 nothing is sharded and nothing gathered: every level holds
+level 0's state.
 """
 
 from __future__ import annotations
@@ -33,6 +57,7 @@ from medley.cost.zero_levels import zero_level
 WEIGHT_BYTES = 2
 GRAD_BYTES = 2
 OPTIMIZER_BYTES = 12
+FP32_BYTES = 4
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,6 +76,12 @@ class StateBytesPerParam:
     optimizer: float
     weight_dtype: str
     grad_dtype: str
+
+    @property
+    def master_in_optimizer(self) -> bool:
+        """Whether the fp32 weights the optimizer steps are part of ``optimizer`` (half precision)
+        rather than the weights themselves (fp32)."""
+        return self.weights < 4
 
     @property
     def total(self) -> float:
@@ -84,31 +115,39 @@ def state_bytes_per_param(dtype: str) -> StateBytesPerParam:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageStateBytes:
-    """Bytes per device of one stage's model state, split by what ZeRO shards.
+    """Bytes per device of one stage's model state (module docstring's table).
 
     Attributes:
-        weights: resident half-precision weights (a shard under level 3).
-        grads: resident gradient (a shard under levels 2 and 3, full below).
-        optimizer: fp32 master weights, momentum and variance (a shard from level 1).
-        gathered_weights: transient, level 3 only: unsharded weights held between UNSHARD and
-            RESHARD at the peak (whole stage or buckets, see ``gathered_fraction``).
-        grad_accumulation: transient, levels 2 and 3: the unsharded gradient buffer held until
-            its reduce-scatter (whole stage with one window, one bucket with per-micro-batch).
+        weights: resident all step: the weights (levels 0-2: whole, in the compute dtype) and, in
+            fp32 at levels 1-3, the FSDP2 shard the optimizer steps.
+        optimizer: the optimizer state (the fp32 master in half precision, momentum, variance;
+            a shard from level 1).
+        gathered_weights: transient, level 3: the stage's whole weights, gathered in the compute
+            dtype for compute.
+        gradient: transient: the stage's whole unsharded gradient, from its backward until the
+            reduce-scatter (levels 1-3) or the step's end (level 0).
+        grad_shard: transient, levels 1-3: the reduced gradient shard, from the first
+            reduce-scatter until the step's end.
+        reduce_buffer: transient with dp > 1: the flat buffer of one bucket's gradient
+            reduction (its largest bucket's, ``bucket_fraction`` of the stage).
     """
 
     weights: float
-    grads: float
     optimizer: float
     gathered_weights: float = 0.0
-    grad_accumulation: float = 0.0
+    gradient: float = 0.0
+    grad_shard: float = 0.0
+    reduce_buffer: float = 0.0
 
     @property
     def resident(self) -> float:
-        return self.weights + self.grads + self.optimizer
+        """Held between steps."""
+        return self.weights + self.optimizer
 
     @property
     def peak(self) -> float:
-        return self.resident + self.gathered_weights + self.grad_accumulation
+        """Everything at once: the most the state can hold at any moment."""
+        return self.resident + self.gathered_weights + self.gradient + self.grad_shard + self.reduce_buffer
 
 
 def stage_state_bytes(
@@ -116,9 +155,8 @@ def stage_state_bytes(
     *,
     level: int,
     dp: int,
-    gathered_fraction: float = 1.0,
-    accumulation_fraction: float = 1.0,
     per_param: StateBytesPerParam = MIXED_PRECISION_ADAM,
+    bucket_fraction: float = 1.0,
 ) -> StageStateBytes:
     """Model-state bytes per device for a stage of ``params`` parameters.
 
@@ -126,35 +164,35 @@ def stage_state_bytes(
         params: parameters of the stage.
         level: ZeRO level 0..3.
         dp: size of the stage's data-parallel group.
-        gathered_fraction: level 3: fraction of the stage's weights gathered at the peak
-            (1.0 when kept gathered across the step; two buckets' share when bucketed).
-        accumulation_fraction: levels 2-3: fraction of the stage's gradient held unsharded at
-            the peak (1.0 with one reduce-scatter per step; a bucket's share when reduced per
-            micro-batch).
         per_param: bytes per parameter of weights, gradient and optimizer state (mixed-precision
             Adam by default; :data:`FP32_ADAM` for fp32 plans).
+        bucket_fraction: the stage's largest reduction bucket, as a fraction of its parameters.
     """
     meaning = zero_level(level)
     if dp < 1:
         raise ValueError(f"data-parallel size must be >= 1, got {dp}")
-    shard = params / dp
     w, g, o = per_param.weights, per_param.grads, per_param.optimizer
-    weights = (shard if meaning.shards_weights else params) * w
-    grads = (shard if meaning.shards_grads else params) * g
-    optimizer = (shard if meaning.shards_optimizer else params) * o
-    gathered = 0.0
-    accumulation = 0.0
-    if meaning.shards_weights and dp > 1:
-        gathered = (params - shard) * w * min(1.0, gathered_fraction)
-    if meaning.shards_grads and dp > 1:
-        accumulation = (params - shard) * g * min(1.0, accumulation_fraction)
+    sharded = meaning.shards_optimizer and dp > 1  # FSDP2 units over the dp group
+    shard = params / dp
+    master = 0.0 if per_param.master_in_optimizer or not sharded else shard * FP32_BYTES
+    gathered = sharded and meaning.shards_weights
+    compute_copy = not gathered and (sharded or not per_param.master_in_optimizer)
     return StageStateBytes(
-        weights=weights,
-        grads=grads,
-        optimizer=optimizer,
-        gathered_weights=gathered,
-        grad_accumulation=accumulation,
+        weights=master + (params * w if compute_copy else 0.0),
+        optimizer=(shard if sharded else params) * o,
+        gathered_weights=params * w if gathered else 0.0,
+        gradient=params * g,
+        grad_shard=shard * g if sharded else 0.0,
+        reduce_buffer=params * bucket_fraction * g if dp > 1 else 0.0,
     )
+
+
+def autocast_copy_bytes(*, level: int, dp: int, per_param: StateBytesPerParam) -> float:
+    """Bytes per cast parameter (:func:`medley.cost.formulas.layer_autocast_params`) that each
+    micro-batch in flight holds: autocast's compute-dtype copies of fp32 weights, kept for the
+    backward (half precision without FSDP2, which gathers the compute-dtype weights instead)."""
+    sharded = zero_level(level).shards_optimizer and dp > 1
+    return per_param.weights if per_param.master_in_optimizer and not sharded else 0.0
 
 
 def zero_paper_bytes(params: float, *, level: int, dp: int) -> float:

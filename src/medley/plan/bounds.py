@@ -4,8 +4,8 @@
   cost source), activation bytes and held parameters, as prefix sums so any contiguous range is
   O(1).
 * :func:`stage_memory`: a stage's peak bytes per device under a ZeRO option, the same terms the
-  compiler hands the simulator (model state by :mod:`medley.cost.zero_memory`, gathered weights
-  and gradient buffer of streamed ZeRO-3, in-flight activations).
+  compiler hands the simulator (model state by :mod:`medley.cost.zero_memory`, with the gradient
+  and ZeRO-3's gathered weights, in-flight activations).
 * :func:`bottleneck_split`: the layer split minimising the slowest stage (Alpa/HARP's bottleneck
   sweep): binary search on the bottleneck time t, each probe a greedy that gives every stage in
   turn the most layers within t and its memory (optimal for contiguous splits with monotone costs).
@@ -26,7 +26,7 @@ from medley.cost import formulas
 from medley.cost.estimator import DTYPE_BYTES
 from medley.cost.interfaces import CommModel, CostSource, Pass
 from medley.cost.tensor_parallel import TensorParallelCompute, tp_comm_time
-from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
+from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
@@ -42,6 +42,8 @@ class LayerTable:
     ``total[j] - total[i]`` is F+B+W of layers i..j-1 for one micro-batch; ``forward`` the F part
     (what recomputation adds); ``act``/``act_rc`` activation bytes held per in-flight micro-batch
     without/with recomputation; ``params`` parameters held (a tied head keeps its own copy);
+    ``cast``/``cast_rc`` parameters autocast casts and the forward keeps the copies of
+    (:func:`medley.cost.formulas.layer_autocast_params`; recomputing blocks keep none);
     ``dtype`` the training precision the activation bytes and the model-state bytes per parameter
     (:func:`medley.cost.zero_memory.state_bytes_per_param`) are counted in; ``tp`` the
     tensor-parallel degree the figures are one rank's of (times with the TP all-reduces).
@@ -60,6 +62,8 @@ class LayerTable:
     act_rc: tuple[float, ...]
     after_b: tuple[float, ...]
     params: tuple[float, ...]
+    cast: tuple[float, ...]
+    cast_rc: tuple[float, ...]
 
     @property
     def num_layers(self) -> int:
@@ -128,6 +132,7 @@ def layer_table(
         for i in range(model.num_layers)
     ]
     total = [f + b + w for f, b, w in zip(times[Pass.F], times[Pass.B], times[Pass.W], strict=True)]
+    cast = [formulas.layer_autocast_params(model, i, tp=tp) for i in range(model.num_layers)]
     return LayerTable(
         device_type=device_type,
         micro_batch_size=micro_batch_size,
@@ -142,6 +147,8 @@ def layer_table(
         act_rc=_prefix(act_rc),
         after_b=_prefix([min(a, b) for a, b in zip(after_b, act, strict=True)]),
         params=_prefix([float(formulas.layer_held_params(model, i, tp=tp)) for i in range(model.num_layers)]),
+        cast=_prefix(cast),
+        cast_rc=_prefix([c if model.layer_kind(i) != "block" else 0.0 for i, c in enumerate(cast)]),
     )
 
 
@@ -177,16 +184,15 @@ def memory_options(dp: int, *, replicated_level: int = 0) -> tuple[MemoryOption,
 
 @cache  # a pure function of a few small values, asked millions of times by the split sweep
 def option_bytes_per_param(option: MemoryOption, dp: int, *, dtype: str, layers: int | None = None) -> float:
-    """Peak model-state bytes per parameter per device in ``dtype`` (the memory model the
-    compiler books, :func:`medley.cost.zero_memory.stage_state_bytes`), with streamed ZeRO-3's two
-    live buckets counted at their share of a stage of ``layers`` layers (default: at least
-    ``option.buckets``)."""
+    """Peak model-state bytes per parameter per device in ``dtype``: the memory model the compiler
+    books (:func:`medley.cost.zero_memory.stage_state_bytes`) with its transients (the gradient
+    autograd makes, its shard, one bucket's reduction buffer, ZeRO-3's gathered weights: the whole
+    stage for each compute action, streamed or not) all held at once, for a stage of ``layers``
+    layers (default: at least ``option.buckets``) in ``option.buckets`` even buckets."""
     buckets = option.buckets if layers is None else min(option.buckets, max(1, layers))
-    live = min(1.0, 2.0 / buckets) if option.level == 3 else 1.0
-    return stage_state_bytes(
-        1.0, level=option.level, dp=dp, gathered_fraction=live, accumulation_fraction=live,
-        per_param=state_bytes_per_param(dtype),
-    ).peak
+    largest = 1.0 / buckets if layers is None else -(-max(1, layers) // buckets) / max(1, layers)
+    return stage_state_bytes(1.0, level=option.level, dp=dp, per_param=state_bytes_per_param(dtype),
+                             bucket_fraction=largest).peak
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -205,7 +211,8 @@ def stage_memory(
     flight = in_flight if isinstance(in_flight, Flight) else Flight(full=in_flight)
     params = table.params[j] - table.params[i]
     acts = table.act_rc if option.recompute else table.act
-    act = acts[j] - acts[i]
+    casts = table.cast_rc if option.recompute else table.cast
+    act = acts[j] - acts[i] + _copy_bytes(option, dp, table.dtype) * (casts[j] - casts[i])
     state = params * option_bytes_per_param(option, dp, dtype=table.dtype, layers=j - i)
     # A recomputing block holds its forward's activations again during its backward (as the
     # compiler books, plan.compile.recompute_workspace): the largest block's, once.
@@ -219,14 +226,21 @@ def stage_memory(
 
 def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: Flight) -> tuple[float, ...]:
     """c[j] with c[j] - c[i] = :func:`stage_memory` for stages of at least ``option.buckets`` layers
-    (shorter streamed stages hold more, and recomputing stages one block's activations more:
-    check them exactly)."""
+    (shorter stages reduce in larger buckets, and recomputing stages hold one block's activations
+    more: check them exactly)."""
     a = option_bytes_per_param(option, dp, dtype=table.dtype)
+    c = _copy_bytes(option, dp, table.dtype)
     acts = table.act_rc if option.recompute else table.act
+    casts = table.cast_rc if option.recompute else table.cast
     return tuple(
-        a * p + flight.full * x + flight.after_b * y
-        for p, x, y in zip(table.params, acts, table.after_b, strict=True)
+        a * p + flight.full * (x + c * k) + flight.after_b * y
+        for p, x, k, y in zip(table.params, acts, casts, table.after_b, strict=True)
     )
+
+
+def _copy_bytes(option: MemoryOption, dp: int, dtype: str) -> float:
+    """Autocast's weight-copy bytes per cast parameter per micro-batch in flight."""
+    return autocast_copy_bytes(level=option.level, dp=dp, per_param=state_bytes_per_param(dtype))
 
 
 StageCheck = Callable[[int, int, int, float], bool]

@@ -31,7 +31,7 @@ from medley.cost.tensor_parallel import (
 )
 from medley.cost.tied import tied_sum_seconds
 from medley.cost.zero_levels import Payload, zero_level
-from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
+from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
 from medley.plan.layout import PlanLayout, build_schedules
 from medley.plan.tp_links import dp_bytes_factor, scale_hops
 from medley.schedule.ir import Action, Kind, PipelineSchedule
@@ -123,6 +123,12 @@ def _stage_cost(
     if measured_act and not first:
         # Measured layers count what their forward adds; the received input is held on top.
         act, after_b = act + boundary, after_b + boundary
+    # Autocast's copies of the fp32 weights, which each forward keeps for its backward's input
+    # gradients (half precision without FSDP2; a recomputing block keeps none): the B frees them.
+    per_param = state_bytes_per_param(layout.dtype)
+    copies = autocast_copy_bytes(level=level, dp=layout.dp, per_param=per_param)
+    act += copies * sum(formulas.layer_autocast_params(model, i, tp=tp) for i in layout.layer_range(stage)
+                        if not (recompute and model.layer_kind(i) == "block"))
     if fused and fused_known and times[Pass.B] + times[Pass.W] > 0:
         scale = fused_s / (times[Pass.B] + times[Pass.W])  # one autograd call costs less than two
         times[Pass.B], times[Pass.W] = times[Pass.B] * scale, times[Pass.W] * scale
@@ -145,11 +151,9 @@ def _stage_cost(
     times[Pass.B] += overhead
     if not fused:
         times[Pass.W] += overhead
-    params = _stage_params(layout, stage)
-    state = state_bytes_per_param(layout.dtype)
-    shards_grads = zero_level(level).shards_grads and layout.dp > 1
-    grad_buffer = (params - params / layout.dp) * state.grads if shards_grads else 0.0
-    grad_buffer *= _live_fraction(layout, stage)
+    # The stage's whole unsharded gradient, made by its backward (not kept between steps).
+    gradient = stage_state_bytes(_stage_params(layout, stage), level=level, dp=layout.dp,
+                                 per_param=per_param).gradient
     return StageCost(
         forward_s=times[Pass.F],
         backward_input_s=times[Pass.B],
@@ -157,22 +161,9 @@ def _stage_cost(
         activation_bytes=act,
         activation_after_b_bytes=min(after_b, act) if not measured_act else after_b,
         send_bytes=boundary,
-        grad_buffer_bytes=grad_buffer,
+        grad_buffer_bytes=gradient,
+        workspace_bytes=backward_workspace(layout, cost, stage, device_type),
     )
-
-
-def _live_fraction(layout: PlanLayout, stage: int) -> float:
-    """Share of a stage's gathered weights (and unsharded gradient) alive at once.
-
-    Streamed ZeRO-3 frees each bucket right after its compute and reduce-scatters its gradient as
-    it is made, so at most two buckets are live (the one computing, the one prefetched). The
-    simulator books that peak for the whole compute action: exact at the peak, pessimistic
-    between."""
-    setting = layout.zero[stage]
-    if not setting.streams:
-        return 1.0
-    buckets = min(setting.buckets, layout.stage_layers[stage])
-    return min(1.0, 2.0 / buckets)
 
 
 def _stage_params(layout: PlanLayout, stage: int) -> float:
@@ -191,50 +182,38 @@ def _catalog(layout: PlanLayout, cost: CostSource, cluster: Cluster | None = Non
     return CatalogCostSource(layout.model, dtype=layout.dtype)
 
 
-def static_memory(
-    layout: PlanLayout,
-    stage_to_rank: Sequence[int],
-    *,
-    cost: CostSource | None = None,
-    cluster: Cluster | None = None,
-) -> dict[int, float]:
-    """Weights, gradients and optimizer states resident all step, per device (transient buffers of
-    ZeRO-2/3 are the simulator's to add and free).
-
-    A measured source may also know the backward's transient workspace per layer (temporaries and
-    gradients of intermediates, beyond the held activations); one backward runs at a time, so
-    each device reserves its largest layer's. A recomputing block also holds its whole forward's
-    activations again while its backward runs (:func:`recompute_workspace`)."""
+def static_memory(layout: PlanLayout, stage_to_rank: Sequence[int]) -> dict[int, float]:
+    """Model state resident all step, per device (:func:`medley.cost.zero_memory.stage_state_bytes`:
+    weights, FSDP2's shards, optimizer state); the gradient autograd makes, its shard, ZeRO-3's
+    gathered weights and the backward's workspace are the simulator's to add and free."""
     out: dict[int, float] = {}
-    workspace: dict[int, float] = {}
-    measured = getattr(cost, "workspace_bytes", None)
     for stage in range(layout.num_stages):
-        recompute = bool(layout.recompute and layout.recompute[stage])
         state = stage_state_bytes(_stage_params(layout, stage), level=layout.zero[stage].level, dp=layout.dp,
                                   per_param=state_bytes_per_param(layout.dtype))
-        held = state.resident
-        if _fsdp_keeps_shards(layout) and zero_level(layout.zero[stage].level).gathers_after_step:
-            # FSDP2 keeps the sharded parameters the optimizer steps next to the gathered ones.
-            held += _stage_params(layout, stage) / layout.dp * state_bytes_per_param(layout.dtype).weights
-        tp = layout.stage_tp(stage)
         for replica in range(layout.dp):
-            lead = layout.assignment[replica][stage_to_rank[stage]]
-            extra = 0.0
-            if cluster is not None:
-                name = cluster.devices[lead].type.name
-                shape = {"micro_batch_size": layout.micro_batch_size, "seq_len": layout.seq_len}
-                for layer in layout.layer_range(stage):
-                    more = 0.0
-                    if measured is not None:
-                        shrink = activation_scale(layout.model, layer, dtype=layout.dtype, tp=tp, **shape)[0]
-                        more = (measured(layer, device_type=name, **shape) or 0.0) * shrink
-                    if recompute:
-                        more += recompute_workspace(layout, cost, layer, name, tp=tp)
-                    extra = max(extra, more)
             for device in layout.group(replica, stage_to_rank[stage]):  # every TP rank holds the same
-                out[device] = out.get(device, 0.0) + held
-                workspace[device] = max(workspace.get(device, 0.0), extra)
-    return {device: held + workspace.get(device, 0.0) for device, held in out.items()}
+                out[device] = out.get(device, 0.0) + state.resident
+    return out
+
+
+def backward_workspace(layout: PlanLayout, cost: CostSource | None, stage: int, device_type: str) -> float:
+    """Bytes a backward of ``stage`` holds beyond the activations while it runs, its largest
+    layer's: the temporaries and gradients of intermediates a measured source knows per layer, and
+    a recomputing block's whole forward activations held again (:func:`recompute_workspace`)."""
+    measured = getattr(cost, "workspace_bytes", None)
+    recompute = bool(layout.recompute and layout.recompute[stage])
+    tp = layout.stage_tp(stage)
+    shape = {"micro_batch_size": layout.micro_batch_size, "seq_len": layout.seq_len}
+    most = 0.0
+    for layer in layout.layer_range(stage):
+        more = 0.0
+        if measured is not None:
+            shrink = activation_scale(layout.model, layer, dtype=layout.dtype, tp=tp, **shape)[0]
+            more = (measured(layer, device_type=device_type, **shape) or 0.0) * shrink
+        if recompute:
+            more += recompute_workspace(layout, cost, layer, device_type, tp=tp)
+        most = max(most, more)
+    return most
 
 
 def recompute_workspace(
@@ -257,20 +236,6 @@ def recompute_workspace(
     kept = formulas.layer_activation_bytes(model, layer, micro_batch_size=mbs, seq_len=seq,
                                            dtype_bytes=dtype_bytes, recompute=True)
     return max(0.0, full - kept)
-
-
-def _fsdp_keeps_shards(layout: PlanLayout) -> bool:
-    """Whether to book the buffers medley's runtime really holds around ZeRO collectives.
-
-    Measured on CPU (bench/results/runtime.md), fp32 plans with dp > 1: FSDP2 keeps a stage's
-    sharded parameters while they are gathered (level 3 gathers the whole stage, not the part it
-    lacks; levels 1-2 hold both all step), and a gradient reduction holds its buffers next to
-    the gradients (level 0: the flat all-reduce buffer and the reduced copy of the bucket's
-    gradient while the gradients they come from are still referenced; levels 1-3: the new
-    gradient shard), booked until the end of the step's reductions. The bf16
-    mixed-precision model is left as the ZeRO paper's accounting (research/schedules_sim.md).
-    """
-    return layout.dtype == "fp32" and layout.dp > 1
 
 
 class _CollectiveTable:
@@ -312,26 +277,30 @@ class _CollectiveTable:
         meaning = zero_level(layout.zero[stage].level)
         op, payload = meaning.collective(action.kind)
         per_param = self.state.weights if payload is Payload.WEIGHTS else self.state.grads
-        runtime_buffers = _fsdp_keeps_shards(layout)
+        sharded = meaning.shards_optimizer and layout.dp > 1  # FSDP2 units (zero_memory's table)
         if action.kind in (Kind.UNSHARD, Kind.RESHARD):
-            missing = params if runtime_buffers else params - params / layout.dp
-            gathered = missing * self.state.weights * _live_fraction(layout, stage)
-            if not meaning.gathers_for_compute:
-                gathered = 0.0  # levels 1-2 refresh weights that stay gathered all step
+            # Level 3 gathers the bucket whole (next to the shard), and every bucket of the stage
+            # before a compute action (streamed or not: the schedule's UNSHARDs all precede the
+            # F or BW, whose one autograd call needs every layer); levels 1-2 refresh weights
+            # that stay gathered all step.
+            gathered = params * self.state.weights if sharded and meaning.gathers_for_compute else 0.0
             if action.kind is Kind.RESHARD:
                 return CollectiveCost(group=group, op=None, free_bytes=gathered)
             return CollectiveCost(group=group, op=op, nbytes=params * per_param * wire, alloc_bytes=gathered,
                                   compute_s=self.call_overhead)
         if action.kind is Kind.REDUCE_GRAD:
-            freed = 0.0
-            if meaning.shards_grads and layout.dp > 1:
-                freed = (params - params / layout.dp) * per_param * _live_fraction(layout, stage)
-            # (The buffer is booked until the end of the step: a reduction frees at most the
-            # gradient buffer still live, see SimProblem.)
-            buffer = 0.0
-            if runtime_buffers:
-                # Level 0: the flat all-reduce buffer and the reduced copy; FSDP2: the new shard.
-                buffer = (params / layout.dp if meaning.shards_optimizer else 2 * params) * per_param
+            # Levels 1-3 free the bucket's unsharded gradient and make its shard; level 0 keeps
+            # the flat buffer as the reduced gradient, freeing the gradient it came from
+            # (zero_memory's table). Levels 1-3's reduce-scatter input stays until the next
+            # reduction: one bucket's, booked on the stage's first (its last bucket) at the
+            # largest bucket's size. Allocations are booked until the end of the step (a
+            # reduction frees at most the gradient still live, see SimProblem).
+            freed = buffer = 0.0
+            if layout.dp > 1:
+                freed = params * per_param
+                buffer = params / layout.dp * per_param if sharded else freed
+                if sharded and action.bucket in (None, len(buckets) - 1):
+                    buffer += _stage_params(layout, stage) * max(buckets) / sum(buckets) * per_param
             return CollectiveCost(group=group, op=op, nbytes=params * per_param * wire, free_bytes=freed,
                                   alloc_bytes=buffer, compute_s=self.call_overhead)
         device = self.cluster.devices[layout.assignment[replica][rank]].type
@@ -372,7 +341,7 @@ def compile_problem(
         schedules=schedules,
         devices=devices,
         stage_costs=stage_costs,
-        static_memory_bytes=static_memory(layout, s2r, cost=cost, cluster=cluster),
+        static_memory_bytes=static_memory(layout, s2r),
         comm=links,
         tp_members=members,
         peak_flops={d: cluster.devices[d].type.peak_flops(layout.dtype) for d in layout.devices},

@@ -9,8 +9,9 @@ backward runs at W. The head's forward includes the loss, as on the runtime's la
 Each time is the median of the faster half of ``runs`` timed repetitions (other jobs on a shared
 machine only add time) after ``warmup`` untimed ones, with
 torch pinned to ``threads`` threads (the runtime's ranks run one thread each on CPU). Activation
-bytes are allocator deltas (:mod:`medley.profile.memory`): what the forward leaves alive until the
-backward, and what is still alive between B and W.
+bytes are what the forward leaves alive until the backward, and what is still alive between B and
+W: on CPU the exact storage bytes (as the runtime's memory probe counts them), on CUDA allocator
+deltas.
 """
 
 from __future__ import annotations
@@ -83,6 +84,34 @@ def _split_run(layer: ProfiledLayer, x: torch.Tensor, targets: torch.Tensor, dev
                 activation_after_b_bytes=max(0.0, after_b - base))
 
 
+def _live_activations(layer: ProfiledLayer, x: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+    """(bytes F leaves alive, bytes still alive between B and W): the exact sizes of the tensor
+    storages they create, as the runtime's CPU probe counts them (:mod:`medley.runtime.memory`;
+    the C allocator's in-use figure also counts its page rounding, some 5% more)."""
+    from medley.runtime.memory import LiveTensorBytes
+
+    weights = list(layer.module.parameters())
+    layer.module.zero_grad(set_to_none=False)  # gradients exist, as they do after the first step
+    inp = x if layer.kind == "embedding" else x.detach().requires_grad_(True)
+    # Storages that exist already (weights, their gradients, the input) count in no layer's
+    # activations, views of them made during the forward neither.
+    tracker = LiveTensorBytes([*weights, *(w.grad for w in weights if w.grad is not None), x, inp])
+    base = tracker.live()
+    with tracker:
+        out = layer.forward(inp, targets)
+        after_f = tracker.live() - base
+        grad = None if layer.kind == "head" else torch.ones_like(out)
+        held = tracker.live() - base - after_f  # the output gradient, which arrives from the next stage
+        state = None
+        if layer.kind != "embedding":  # token ids carry no gradient: everything happens at W
+            dinputs, state = backward_input([out], None if grad is None else [grad], [inp], weights)
+            inp.grad = None  # the input gradient leaves for the previous stage
+            del dinputs
+        after_b = tracker.live() - base - held if state is not None else after_f
+        del grad, out, state
+    return float(after_f), float(after_b)
+
+
 def _backward_workspace(layer: ProfiledLayer, x: torch.Tensor, targets: torch.Tensor) -> float:
     """Peak live bytes during F and the fused backward beyond what F leaves alive (temporaries and
     gradients of intermediates), the way the runtime's CPU probe (medley.runtime.memory) counts them."""
@@ -125,6 +154,7 @@ def measure_layer(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len
     split = [_split_run(layer, x, targets, dev) for _ in range(runs)]
     fused = [_fused_run(layer, x, targets, dev) for _ in range(runs)]
     workspace = _backward_workspace(layer, x, targets) if dev.type == "cpu" else 0.0
+    live = _live_activations(layer, x, targets) if dev.type == "cpu" else None
     fsdp_forward = fsdp_backward = tp_forward = tp_backward = None
     if dev.type == "cpu":
         from medley.profile.dtensor import measure_tp
@@ -143,8 +173,10 @@ def measure_layer(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len
     return LayerMeasurement(
         kind=kind, micro_batch_size=micro_batch_size, seq_len=seq_len, forward_s=median("forward_s"),
         backward_input_s=median("backward_input_s"), backward_weight_s=median("backward_weight_s"),
-        backward_full_s=quiet_median(fused), activation_bytes=median("activation_bytes"),
-        activation_after_b_bytes=median("activation_after_b_bytes"), backward_workspace_bytes=workspace,
+        backward_full_s=quiet_median(fused),
+        activation_bytes=live[0] if live else median("activation_bytes"),
+        activation_after_b_bytes=live[1] if live else median("activation_after_b_bytes"),
+        backward_workspace_bytes=workspace,
         fsdp_forward_s=fsdp_forward, fsdp_backward_full_s=fsdp_backward, tp_forward_s=tp_forward,
         tp_backward_full_s=tp_backward, runs=runs,
     )

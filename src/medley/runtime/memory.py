@@ -42,13 +42,17 @@ class LiveTensorBytes(TorchDispatchMode):
         if key not in self.storages:
             self.storages[key] = weakref.ref(storage, lambda _, key=key: self.storages.pop(key, None))
 
-    def _sample(self) -> None:
+    def live(self) -> int:
+        """Bytes of the tracked storages alive now."""
         total = 0
         for ref in list(self.storages.values()):
             storage = ref()
             if storage is not None:
                 total += storage.nbytes()
-        self.peak = max(self.peak, total)
+        return total
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, self.live())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
@@ -68,11 +72,14 @@ def probe_peak_bytes(run_step: Callable[[], None], *, existing: Iterable[torch.T
 
 
 def resident_tensors(stages: Iterable[ShardedStage]) -> list[torch.Tensor]:
-    """Tensors alive between steps: weights (and FSDP's gathered copies), gradients, reduced
-    gradients, buffers and optimizer state."""
+    """Tensors alive between steps: weights (FSDP2's gathered copies and the shards its optimizers
+    step), gradients, reduced gradients, buffers and optimizer state."""
     out: list[torch.Tensor] = []
     for stage in stages:
-        params = [*stage.module.parameters(), *stage.weights()]
+        # The optimizers' parameters are FSDP2's shards at levels 1-3, which the module no longer
+        # lists once its gathered weights are swapped in (levels 1-2 between steps).
+        stepped = [p for bucket in stage.buckets for p in bucket]
+        params = [*stage.module.parameters(), *stage.weights(), *stepped]
         out += params + [p.grad for p in params if p.grad is not None] + list(stage.reduced.values())
         out += list(stage.module.buffers())
         for optimizer in stage.optimizers:

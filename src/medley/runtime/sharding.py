@@ -19,6 +19,7 @@ FSDP's own hooks never communicate: gradient sync is off and nothing reshards by
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -254,7 +255,9 @@ class ShardedStage:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
         offset = 0
         for param, grad in zip(params, grads, strict=True):
-            summed = flat[offset:offset + grad.numel()].view_as(grad).to(grad.dtype, copy=True)
+            # A view of the summed buffer (a copy only to another dtype): the buffer becomes the
+            # reduced gradients, as medley.cost.zero_memory books it, not a second copy of them.
+            summed = flat[offset:offset + grad.numel()].view_as(grad).to(grad.dtype)
             offset += grad.numel()
             if isinstance(param, DTensor):
                 summed = DTensor.from_local(summed, param.device_mesh, param.placements, run_check=False,
@@ -301,6 +304,16 @@ def shard_stage(
         root.set_requires_gradient_sync(False)
         root.set_reshard_after_backward(False)
         root.set_is_last_backward(False)
+    elif mixed is not None:
+        # Without FSDP2, cast each layer's input activations to the compute dtype as FSDP2's
+        # mixed precision does (and the pipeline's wire): the residual stream runs in the same
+        # dtype at every level (an fp32 embedding output would keep it in fp32 on the first
+        # stage), which the bf16 profile and the memory model count.
+        for layer in layers.values():
+            layer.register_forward_pre_hook(_cast_input(mixed.param_dtype))
+        # The norms then see a half-precision input beside their fp32 weight, for which torch
+        # warns that its fused kernel does not apply (the composite one computes in fp32).
+        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     # Built before any unshard, so that FSDP stages hold (and step) their sharded parameters.
     buckets = [[p for i in group for p in layers[i].parameters()] for group in groups]
     local_name = {p: name for name, p in module.named_parameters()}
@@ -324,6 +337,17 @@ def _same_kind_groups(params: Sequence[nn.Parameter]) -> list[dict[str, list[nn.
         key = (param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
         groups.setdefault(key, []).append(param)
     return [{"params": members} for members in groups.values()]
+
+
+def _cast_input(dtype: torch.dtype) -> Any:
+    """A forward pre-hook casting a layer's floating-point input activation to ``dtype``."""
+
+    def hook(_module: nn.Module, args: tuple) -> tuple | None:
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            return (args[0].to(dtype), *args[1:])
+        return None
+
+    return hook
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -23,10 +23,12 @@ class StageZero:
         buckets: layer buckets the stage's collectives are split into (bubble policy).
         gather_windows: level 3: gather/reshard rounds per step; 1 keeps the weights gathered
             from first to last use in the step; 0 streams them: every compute action gathers
-            its buckets one ahead of use and frees each after use (so at most two buckets are
-            gathered), and reduce-scatters its gradient after every action that makes one (no
-            unsharded accumulation), the memory floor of ZeRO-3. Each round ends with its gradient
-            reduce-scatter, so more rounds also shard the gradient accumulation.
+            its buckets before it and frees them after it, and reduce-scatters its gradient
+            after every action that makes one (no unsharded accumulation across actions). A
+            compute action is one autograd call over the stage, so it holds all its buckets
+            gathered (medley.cost.zero_memory); the buckets split the collectives. Each round
+            ends with its gradient reduce-scatter, so more rounds also shard the gradient
+            accumulation.
         grad_windows: level 2: reduce-scatters per step; 1 accumulates a full gradient and
             reduces it once, more shard the accumulation (less memory, more traffic).
     """

@@ -6,26 +6,29 @@ modelled as ``static`` (resident all step) plus transient buffers that actions a
 
 * activations: ``activation_bytes`` from the start of F until its backward releases them
   (B keeps ``activation_after_b_bytes`` until W; BW frees everything);
-* the full gradient buffer of a stage, ``grad_buffer_bytes``, from the start of the rank's first
-  W or BW of that stage until REDUCE_GRADs free it (ZeRO-2/3; ZeRO-0/1 keep it in ``static``).
-  Reductions free at most what is live, and the next W/BW after the buffer is fully freed
-  allocates it again (several reduce-scatter rounds per step, or streaming ZeRO-3);
+* the full gradient buffer of a stage, ``grad_buffer_bytes``, made by the rank's first W or BW
+  of that stage (none exists before a step's first backward) and held until REDUCE_GRADs free it
+  or the step ends. The gradient grows as that backward frees its activations, so the action
+  holds the larger of the two: its start books the gradient's excess over the bytes it frees,
+  its end frees the rest. Reductions free
+  at most what is live, and the next W/BW after the buffer is fully freed allocates it again
+  (several reduce-scatter rounds per step, or streaming ZeRO-3);
 * ZeRO collectives, described per action by :class:`CollectiveCost` (gathered weights, ...).
 
 How a caller fills :class:`CollectiveCost` for ZeRO levels 0..3 (one bucket = one stage here;
-with layer buckets give each bucket its share of the bytes). ``P``: the stage's bf16 weight
-bytes, ``G``: its bf16 gradient bytes, ``d``: the DP group size, group: the devices that run the
-stage in every replica.
+with layer buckets give each bucket its share of the bytes), as :mod:`medley.plan.compile` does
+from :mod:`medley.cost.zero_memory`'s table. ``P``: the stage's gathered weight bytes, ``G``:
+its unsharded gradient bytes (``grad_buffer_bytes = G`` at every level), ``d``: the DP group
+size, group: the devices that run the stage in every replica.
 
-* level 0: REDUCE_GRAD is ``ALL_REDUCE`` of ``G`` bytes, frees nothing (gradients and Adam
-  states are static); OPTIM ``compute_s`` = full optimizer step.
-* level 1: REDUCE_GRAD ``REDUCE_SCATTER`` of ``G``; OPTIM on the shard; an UNSHARD after OPTIM
-  (``ALL_GATHER`` of ``P``, ``alloc_bytes=0`` since the full weights are static) re-broadcasts
-  the updated weights.
-* level 2: as level 1, but ``grad_buffer_bytes = G`` on the StageCost and REDUCE_GRAD
-  ``free_bytes = G`` (static holds the ``G/d`` shard).
-* level 3: as level 2, plus UNSHARD ``ALL_GATHER`` of ``P`` with ``alloc_bytes = P - P/d`` before
-  the stage's compute and RESHARD ``free_bytes = P - P/d`` after (static holds ``P/d``).
+* level 0: REDUCE_GRAD is ``ALL_REDUCE`` of ``G`` bytes and frees nothing (the gradient lives
+  until the step ends); OPTIM ``compute_s`` = full optimizer step.
+* level 1: REDUCE_GRAD ``REDUCE_SCATTER`` of ``G``, ``free_bytes = G``; OPTIM on the shard; an
+  UNSHARD after OPTIM (``ALL_GATHER`` of ``P``, ``alloc_bytes=0`` since the gathered weights are
+  static) re-broadcasts the updated weights.
+* level 2: as level 1 (static holds the ``G/d`` gradient shard too).
+* level 3: as level 2, plus UNSHARD ``ALL_GATHER`` of ``P`` with ``alloc_bytes = P`` before the
+  stage's compute and RESHARD ``free_bytes = P`` after (static holds the shard).
 """
 
 from __future__ import annotations
@@ -49,9 +52,12 @@ class StageCost:
         activation_after_b_bytes: still held between the end of B and the end of W.
         send_bytes: the stage's output activation per micro-batch, sent to the next stage; the
             gradient coming back into this stage from the next one has the same size.
-        grad_buffer_bytes: full (unsharded) gradient buffer allocated at the rank's first W or BW
-            of this stage, freed by REDUCE_GRAD ``free_bytes`` (capped at what is still live) and
-            allocated again by the next W/BW once fully freed; 0 when gradients are static.
+        grad_buffer_bytes: full (unsharded) gradient made by the rank's first W or BW of this
+            stage (netted against the activations that action frees, see above), freed by
+            REDUCE_GRAD ``free_bytes`` (capped at what is still live) and allocated again by the
+            next W/BW once fully freed; 0 for none.
+        workspace_bytes: held while a backward (B, W or BW) of this stage runs, beyond its
+            activations: temporaries, gradients of intermediates, recomputed activations.
         send_back_bytes: bytes timed for the gradient the next stage sends back into this one
             (None: ``send_bytes``); they differ when the two stages' tensor-parallel groups
             load their links unlike in the two directions.
@@ -64,6 +70,7 @@ class StageCost:
     activation_after_b_bytes: float = 0.0
     send_bytes: float = 0.0
     grad_buffer_bytes: float = 0.0
+    workspace_bytes: float = 0.0
     send_back_bytes: float | None = None
 
 

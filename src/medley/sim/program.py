@@ -156,10 +156,18 @@ class _Builder:
                         producer = here + stride + m
                         dep = producer if s2r[s + 1] == k else producer + 2 * stride
                     send = not lowered and s > first and s2r[s - 1] != k
+                if kind is not Kind.F:  # the backward's workspace, for as long as it runs
+                    mem_start += cost.workspace_bytes
+                    mem_end += cost.workspace_bytes
                 if (kind is Kind.W or kind is Kind.BW) and live_grad.get(s, 0.0) <= 0.0:
                     # (Re)allocated by the first weight gradient after the last reduction freed it.
-                    live_grad[s] = cost.grad_buffer_bytes
-                    mem_start += cost.grad_buffer_bytes
+                    # The gradient grows as this backward frees its activations and workspace, so
+                    # the action holds the larger of its start (those) and its end (the gradient):
+                    # the gradient's excess over what it frees is booked at the start, the rest
+                    # of the freeing at the end.
+                    grad = live_grad[s] = cost.grad_buffer_bytes
+                    mem_start += max(0.0, grad - mem_end)
+                    mem_end = max(0.0, mem_end - grad)
                 zero_inst = unshard.get(s, -1)
                 zero_dep = self.prog.coll_slot[zero_inst] if zero_inst >= 0 else ZERO_SLOT
                 ops.append((OP_COMPUTE, dur, dep, producer, local, zero_dep, out, mem_start, mem_end, action,
