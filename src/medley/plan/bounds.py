@@ -277,6 +277,7 @@ def bottleneck_split(
     hi: float,
     iterations: int = 24,
     fallback_hi: float | None = None,
+    upper_end: Callable[[int, int, float], int] | None = None,
 ) -> tuple[tuple[int, ...], float] | None:
     """Contiguous split of ``num_layers`` over ``num_stages`` minimising the bottleneck time.
 
@@ -285,7 +286,21 @@ def bottleneck_split(
     program over the reachable cut positions (exact for unlike stages, where the greedy
     "fill each stage" is not). Returns (layers per stage, t) or None when no budget up to ``hi``
     admits a split.
+
+    ``upper_end`` (optional) is a bound ``upper_end(s, i, t) >= stage_end(s, i, t)`` that never
+    decreases with i. A probe the greedy cannot satisfy first runs the greedy with the bound: as
+    every cut the program reaches after stage s lies at or before that greedy's, a bound greedy
+    that falls short of the last layer proves the probe infeasible without the program (the
+    answer is the same; only the work is saved).
     """
+
+    def bound_reaches(t: float) -> bool:
+        """Whether the greedy with ``upper_end`` reaches the last layer (if not, nothing does)."""
+        assert upper_end is not None
+        start = 0
+        for s in range(num_stages):
+            start = min(upper_end(s, start, t), num_layers - (num_stages - s - 1))
+        return start == num_layers
 
     def greedy(t: float) -> tuple[int, ...] | None:
         """Each stage takes the most layers it can: often feasible, never wrong when it is."""
@@ -302,6 +317,8 @@ def bottleneck_split(
         quick = greedy(t)
         if quick is not None:
             return quick
+        if upper_end is not None and not bound_reaches(t):
+            return None
         reach = [[(0, 0)]]
         for s in range(num_stages):
             step = _reachable(reach[-1], s, t, num_layers - (num_stages - s - 1), stage_end)
