@@ -1,6 +1,7 @@
 """The bottleneck sweep's cached ``stage_end`` (:class:`medley.plan.stage_ends.StageEnds`) equals
-the per-option definition it replaces, its ``upper`` bound is a bound that never decreases with the
-start, and :func:`medley.plan.bounds.bottleneck_split` answers the same with such a bound as
+the per-option definition it replaces (on memory prefixes summed layer by layer, which the
+vectorised ones equal float for float), its ``upper`` bound is a bound that never decreases with
+the start, and :func:`medley.plan.bounds.bottleneck_split` answers the same with such a bound as
 without it."""
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from medley.cost.estimator import CatalogCostSource
-from medley.plan.bounds import MemoryOption, bottleneck_split, stage_memory
+from medley.plan.bounds import (
+    Flight,
+    LayerTable,
+    MemoryOption,
+    bottleneck_split,
+    option_bytes_per_param,
+    stage_memory,
+)
 from medley.plan.builder import Setting, balanced_micro_batches, build
 from medley.plan.candidates import Estimator
 from medley.plan.memory_rules import cheapest_per_stage
@@ -47,6 +55,14 @@ def _settings(cluster_arg: str, model_name: str) -> tuple[Setting, ...]:
     return tuple(seen)
 
 
+def _memory_prefix(table: LayerTable, option: MemoryOption, dp: int, flight: Flight) -> list[float]:
+    """The memory prefix, one layer boundary at a time."""
+    a = option_bytes_per_param(option, dp, dtype=table.dtype)
+    acts = table.act_rc if option.recompute else table.act
+    return [a * p + flight.full * x + flight.after_b * y
+            for p, x, y in zip(table.params, acts, table.after_b, strict=True)]
+
+
 def _reference_end(setting: Setting, options: tuple[MemoryOption, ...], s: int, i: int, t: float) -> int:
     """The definition, option by option: the memory prefixes bound the end, short streamed
     stages are checked exactly, then each type's time budget bounds it; the best option's end."""
@@ -56,8 +72,7 @@ def _reference_end(setting: Setting, options: tuple[MemoryOption, ...], s: int, 
     for option in options:
         end = ctx.model.num_layers
         for t_name, _ in setting.stage_types(s):
-            memory = ctx.memory_prefix(t_name, st.micro_batch_size, setting.dtype, option, st.dp,
-                                       setting.flights[s], setting.stage_tp(s))
+            memory = _memory_prefix(setting.table(s, t_name), option, st.dp, setting.flights[s])
             cap = types[t_name].memory_bytes * (1.0 - ctx.headroom)
             end = min(end, bisect_right(memory, memory[i] + cap) - 1)
         short = min(end, i + option.buckets - 1)
@@ -95,6 +110,18 @@ def test_cached_stage_end_equals_the_definition_and_upper_bounds_it(case, pick, 
                 upper = ends.upper(s, i, t)
                 assert upper >= got and upper >= previous
                 previous = upper
+
+
+def test_the_memory_prefix_is_the_same_floats_as_layer_by_layer() -> None:
+    for setting in _settings(*CASES[1])[:8]:
+        st = setting.structure
+        for s in range(st.pp):
+            for t_name, _ in setting.stage_types(s):
+                for option in setting.ladder:
+                    got = setting.ctx.memory_prefix(t_name, st.micro_batch_size, setting.dtype, option, st.dp,
+                                                    setting.flights[s], setting.stage_tp(s))
+                    assert list(got) == _memory_prefix(setting.table(s, t_name), option, st.dp,
+                                                       setting.flights[s])
 
 
 def test_the_instances_exercise_the_exact_check_of_short_streamed_stages() -> None:

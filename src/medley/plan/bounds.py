@@ -19,8 +19,10 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from itertools import accumulate
+
+import numpy as np
 
 from medley.cost import formulas
 from medley.cost.estimator import DTYPE_BYTES
@@ -64,6 +66,13 @@ class LayerTable:
     @property
     def num_layers(self) -> int:
         return len(self.total) - 1
+
+    @cached_property
+    def memory_columns(self) -> dict[str, np.ndarray]:
+        """``params``, ``act``, ``act_rc`` and ``after_b`` as float64 arrays (for
+        :func:`memory_prefix`)."""
+        return {name: np.array(getattr(self, name), dtype=np.float64)
+                for name in ("params", "act", "act_rc", "after_b")}
 
     def time(self, i: int, j: int, *, recompute: bool = False) -> float:
         extra = self.forward[j] - self.forward[i] if recompute else 0.0
@@ -222,11 +231,11 @@ def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: F
     (shorter streamed stages hold more, and recomputing stages one block's activations more:
     check them exactly)."""
     a = option_bytes_per_param(option, dp, dtype=table.dtype)
-    acts = table.act_rc if option.recompute else table.act
-    return tuple(
-        a * p + flight.full * x + flight.after_b * y
-        for p, x, y in zip(table.params, acts, table.after_b, strict=True)
-    )
+    columns = table.memory_columns
+    acts = columns["act_rc"] if option.recompute else columns["act"]
+    # Element by element in float64, in the order written: a * p + full * x + after_b * y.
+    prefix = a * columns["params"] + flight.full * acts + flight.after_b * columns["after_b"]
+    return tuple(prefix.tolist())
 
 
 StageCheck = Callable[[int, int, int, float], bool]

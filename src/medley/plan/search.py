@@ -313,9 +313,10 @@ def structure_bound(estimator: Estimator, st: Structure) -> float:
     as one device at its degree's speed (:meth:`PlanContext.table`, all-reduces included)."""
     mbs = st.micro_batch_size
     counts: dict[tuple[str, int], int] = {}
+    names, tps = estimator.type_names, [st.tp_of(k) for k in range(st.pp)]
     for row in st.assignment:
-        for k, d in enumerate(row):
-            key = (estimator.cluster.devices[d].type.name, st.tp_of(k))
+        for d, tp in zip(row, tps, strict=True):
+            key = (names[d], tp)
             counts[key] = counts.get(key, 0) + 1
     speed = sum(n * mbs / estimator.table(t, mbs, tp=tp).total[-1] for (t, tp), n in counts.items())
     m = -(-estimator.global_batch // mbs // st.dp)

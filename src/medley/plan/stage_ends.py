@@ -20,7 +20,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from medley.plan.bounds import LayerTable, MemoryOption, stage_memory
+from medley.plan.bounds import MemoryOption, stage_memory
 from medley.plan.builder import Setting
 
 
@@ -44,52 +44,29 @@ class FlagCaps:
     loose: int
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _TypeMemory:
-    """One device type of a stage under one option: its memory prefix, capacity and table."""
-
-    prefix: tuple[float, ...]
-    capacity: float
-    table: LayerTable
-
-
 class StageEnds:
     """``stage_end(s, i, t)`` of :func:`~medley.plan.bounds.bottleneck_split` for ``setting``
     under the memory ``options`` (a part of the setting's ladder), with the caps cached."""
 
     def __init__(self, setting: Setting, options: Sequence[MemoryOption]) -> None:
         ctx, st = setting.ctx, setting.structure
-        types = ctx.cluster.device_types()
+        self._setting = setting
         self._options = tuple(options)
         self._num_layers = ctx.model.num_layers
-        self._dp = st.dp
-        self._flights = setting.flights
-        self._stage_types = [setting.stage_types(s) for s in range(st.pp)]
-        self._memory = [
-            [
-                [
-                    _TypeMemory(
-                        prefix=ctx.memory_prefix(t, st.micro_batch_size, setting.dtype, option, st.dp,
-                                                 setting.flights[s], setting.stage_tp(s)),
-                        capacity=types[t].memory_bytes * (1.0 - ctx.headroom),
-                        table=setting.table(s, t),
-                    )
-                    for t, _ in self._stage_types[s]
-                ]
-                for option in self._options
-            ]
-            for s in range(st.pp)
-        ]
+        stage_types = [setting.stage_types(s) for s in range(st.pp)]
+        self._types = [[t for t, _ in pairs] for pairs in stage_types]
+        self._tables = [[setting.table(s, t) for t, _ in pairs] for s, pairs in enumerate(stage_types)]
+        self._capacities = [[ctx.type_capacity(t) for t, _ in pairs] for pairs in stage_types]
+        flags = {o.recompute for o in self._options}
         self._times = [
             {
-                flag: tuple(
-                    (setting.table(s, t).total_rc if flag else setting.table(s, t).total, c)
-                    for t, c in self._stage_types[s]
-                )
-                for flag in {o.recompute for o in self._options}
+                flag: tuple((table.total_rc if flag else table.total, c)
+                            for table, (_, c) in zip(tables, pairs, strict=True))
+                for flag in flags
             }
-            for s in range(st.pp)
+            for tables, pairs in zip(self._tables, stage_types, strict=True)
         ]
+        self._memory: dict[tuple[int, int], list[tuple[float, ...]]] = {}  # (stage, option): prefixes
         self._caps: list[list[tuple[FlagCaps, ...] | None]] = [
             [None] * (self._num_layers + 1) for _ in range(st.pp)
         ]
@@ -161,9 +138,17 @@ class StageEnds:
     def memory_end(self, s: int, o: int, i: int) -> int:
         """The largest end the memory prefixes allow from layer i under option o on every type
         of stage s."""
+        prefixes = self._memory.get((s, o))
+        if prefixes is None:
+            setting, st = self._setting, self._setting.structure
+            prefixes = self._memory[s, o] = [
+                setting.ctx.memory_prefix(t, st.micro_batch_size, setting.dtype, self._options[o], st.dp,
+                                          setting.flights[s], setting.stage_tp(s))
+                for t in self._types[s]
+            ]
         end = self._num_layers
-        for memory in self._memory[s][o]:
-            end = min(end, bisect_right(memory.prefix, memory.prefix[i] + memory.capacity) - 1)
+        for prefix, capacity in zip(prefixes, self._capacities[s], strict=True):
+            end = min(end, bisect_right(prefix, prefix[i] + capacity) - 1)
         return end
 
     def short_end(self, s: int, o: int, i: int, memory_end: int) -> int:
@@ -173,11 +158,11 @@ class StageEnds:
         key = (s, o, i)
         short = self._shorts.get(key)
         if short is None:
-            option = self._options[o]
+            option, flight, dp = self._options[o], self._setting.flights[s], self._setting.structure.dp
             short = min(memory_end, i + option.buckets - 1)
-            for memory in self._memory[s][o]:
-                while short > i and stage_memory(memory.table, i, short, option=option, dp=self._dp,
-                                                 in_flight=self._flights[s]) > memory.capacity:
+            for table, capacity in zip(self._tables[s], self._capacities[s], strict=True):
+                while short > i and stage_memory(table, i, short, option=option, dp=dp,
+                                                 in_flight=flight) > capacity:
                     short -= 1
             self._shorts[key] = short
         return short
