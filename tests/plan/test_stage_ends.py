@@ -18,6 +18,7 @@ from medley.plan.bounds import (
     LayerTable,
     MemoryOption,
     bottleneck_split,
+    memory_prefix,
     option_bytes_per_param,
     stage_memory,
 )
@@ -118,10 +119,9 @@ def test_the_memory_prefix_is_the_same_floats_as_layer_by_layer() -> None:
         for s in range(st.pp):
             for t_name, _ in setting.stage_types(s):
                 for option in setting.ladder:
-                    got = setting.ctx.memory_prefix(t_name, st.micro_batch_size, setting.dtype, option, st.dp,
-                                                    setting.flights[s], setting.stage_tp(s))
-                    assert list(got) == _memory_prefix(setting.table(s, t_name), option, st.dp,
-                                                       setting.flights[s])
+                    table, flight = setting.table(s, t_name), setting.flights[s]
+                    got = memory_prefix(table, option=option, dp=st.dp, flight=flight)
+                    assert got.tolist() == _memory_prefix(table, option, st.dp, flight)
 
 
 def test_the_instances_exercise_the_exact_check_of_short_streamed_stages() -> None:

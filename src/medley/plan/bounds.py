@@ -226,16 +226,15 @@ def stage_memory(
     return state + flight.full * act + flight.after_b * (table.after_b[j] - table.after_b[i]) + rerun
 
 
-def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: Flight) -> tuple[float, ...]:
+def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: Flight) -> np.ndarray:
     """c[j] with c[j] - c[i] = :func:`stage_memory` for stages of at least ``option.buckets`` layers
     (shorter streamed stages hold more, and recomputing stages one block's activations more:
-    check them exactly)."""
+    check them exactly), as a float64 array."""
     a = option_bytes_per_param(option, dp, dtype=table.dtype)
     columns = table.memory_columns
     acts = columns["act_rc"] if option.recompute else columns["act"]
     # Element by element in float64, in the order written: a * p + full * x + after_b * y.
-    prefix = a * columns["params"] + flight.full * acts + flight.after_b * columns["after_b"]
-    return tuple(prefix.tolist())
+    return a * columns["params"] + flight.full * acts + flight.after_b * columns["after_b"]
 
 
 StageCheck = Callable[[int, int, int, float], bool]

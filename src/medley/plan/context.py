@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import chain
 
+import numpy as np
+
 from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
@@ -46,7 +48,7 @@ class PlanContext:
         self.headroom = memory_headroom
         self.comm = TopologyCommModel(cluster)
         self._tables: dict[tuple[str, int, str, int], LayerTable] = {}
-        self._memory_prefixes: dict[tuple, tuple[float, ...]] = {}
+        self._memory_ends: dict[tuple, list[int]] = {}
         self._tensor: dict[str, TensorParallelCompute] = {}
         self.network_loads: dict[tuple, float] = {}  # step_estimate.network_load's, per structure
         self.device_types = cluster.device_types()
@@ -133,7 +135,7 @@ class PlanContext:
                 per_replica[r] = w
         return distribute(total_mb, per_replica)
 
-    def memory_prefix(
+    def memory_ends(
         self,
         device_type: str,
         mbs: int,
@@ -142,13 +144,18 @@ class PlanContext:
         dp: int,
         flight: Flight,
         tp: int = 1,
-    ) -> tuple[float, ...]:
+    ) -> list[int]:
+        """For each first layer i, the largest end j whose stage fits a device of
+        ``device_type`` by the memory prefix (:func:`~medley.plan.bounds.memory_prefix`):
+        ``bisect_right(prefix, prefix[i] + capacity) - 1``, for every i at once."""
         key = (device_type, mbs, dtype, option, dp, flight, tp)
-        prefix = self._memory_prefixes.get(key)
-        if prefix is None:
+        ends = self._memory_ends.get(key)
+        if ends is None:
             table = self.table(device_type, mbs, dtype, tp)
-            prefix = self._memory_prefixes[key] = memory_prefix(table, option=option, dp=dp, flight=flight)
-        return prefix
+            prefix = memory_prefix(table, option=option, dp=dp, flight=flight)
+            found = np.searchsorted(prefix, prefix + self.type_capacity(device_type), side="right") - 1
+            ends = self._memory_ends[key] = found.tolist()
+        return ends
 
     def stage_time(
         self, device_type: str, split: Sequence[int], s: int, option: MemoryOption, mbs: int, tp: int = 1

@@ -13,6 +13,7 @@ is deterministic: fixed enumeration order, ties broken by the enumeration index.
 
 from __future__ import annotations
 
+from bisect import insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -348,11 +349,11 @@ def _estimate(
             continue
     bounded.sort(key=lambda x: (x[0], x[1]))
     base: list[tuple[float, int, Candidate]] = []
+    estimates: list[float] = []  # base's estimates, sorted
     per_pool: dict[str, int] = {}
     for done, (bound, index, st) in enumerate(bounded, start=1):
         if progress is not None:
             progress("estimating structures", done, len(bounded))
-        estimates = sorted(e for e, _, _ in base)
         if bound == float("inf"):
             continue
         if (
@@ -367,6 +368,7 @@ def _estimate(
             continue
         if candidate is not None:
             base.append((candidate.estimate_s, index, candidate))
+            insort(estimates, candidate.estimate_s)
             per_pool[st.pool] = per_pool.get(st.pool, 0) + 1
     base.sort(key=lambda x: (x[0], x[1]))
     keep: dict[int, Candidate] = {}

@@ -66,7 +66,7 @@ class StageEnds:
             }
             for tables, pairs in zip(self._tables, stage_types, strict=True)
         ]
-        self._memory: dict[tuple[int, int], list[tuple[float, ...]]] = {}  # (stage, option): prefixes
+        self._memory: dict[tuple[int, int], list[int]] = {}  # (stage, option): memory end by start
         self._caps: list[list[tuple[FlagCaps, ...] | None]] = [
             [None] * (self._num_layers + 1) for _ in range(st.pp)
         ]
@@ -138,18 +138,16 @@ class StageEnds:
     def memory_end(self, s: int, o: int, i: int) -> int:
         """The largest end the memory prefixes allow from layer i under option o on every type
         of stage s."""
-        prefixes = self._memory.get((s, o))
-        if prefixes is None:
+        ends = self._memory.get((s, o))
+        if ends is None:
             setting, st = self._setting, self._setting.structure
-            prefixes = self._memory[s, o] = [
-                setting.ctx.memory_prefix(t, st.micro_batch_size, setting.dtype, self._options[o], st.dp,
-                                          setting.flights[s], setting.stage_tp(s))
+            per_type = [
+                setting.ctx.memory_ends(t, st.micro_batch_size, setting.dtype, self._options[o], st.dp,
+                                        setting.flights[s], setting.stage_tp(s))
                 for t in self._types[s]
             ]
-        end = self._num_layers
-        for prefix, capacity in zip(prefixes, self._capacities[s], strict=True):
-            end = min(end, bisect_right(prefix, prefix[i] + capacity) - 1)
-        return end
+            ends = self._memory[s, o] = per_type[0] if len(per_type) == 1 else list(map(min, *per_type))
+        return ends[i]
 
     def short_end(self, s: int, o: int, i: int, memory_end: int) -> int:
         """The largest end below i + buckets (and up to ``memory_end``) that the exact check
