@@ -14,8 +14,10 @@ is deterministic: fixed enumeration order, ties broken by the enumeration index.
 from __future__ import annotations
 
 from bisect import insort
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain, cycle
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
@@ -313,12 +315,9 @@ def structure_bound(estimator: Estimator, st: Structure) -> float:
     Infinite when even fully sharded state does not fit the cluster's devices. A TP group counts
     as one device at its degree's speed (:meth:`PlanContext.table`, all-reduces included)."""
     mbs = st.micro_batch_size
-    counts: dict[tuple[str, int], int] = {}
+    # Keys in order of first appearance, row by row (the order the sum below adds them in).
     names, tps = estimator.type_names, [st.tp_of(k) for k in range(st.pp)]
-    for row in st.assignment:
-        for d, tp in zip(row, tps, strict=True):
-            key = (names[d], tp)
-            counts[key] = counts.get(key, 0) + 1
+    counts = Counter(zip(map(names.__getitem__, chain.from_iterable(st.assignment)), cycle(tps)))
     speed = sum(n * mbs / estimator.table(t, mbs, tp=tp).total[-1] for (t, tp), n in counts.items())
     m = -(-estimator.global_batch // mbs // st.dp)
     bound = estimator.global_batch / speed * (m + (st.pp - 1) / 3) / m
