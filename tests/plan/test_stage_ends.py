@@ -132,7 +132,7 @@ def test_the_instances_exercise_the_exact_check_of_short_streamed_stages() -> No
             for o, option in enumerate(setting.ladder):
                 if option.streams:
                     for i in range(setting.ctx.model.num_layers):
-                        end = ends.memory_end(s, o, i)
+                        end = int(ends.memory_ends(s, o)[i])
                         reduced += ends.short_end(s, o, i, end) < min(end, i + option.buckets - 1)
     assert reduced
 

@@ -48,7 +48,7 @@ class PlanContext:
         self.headroom = memory_headroom
         self.comm = TopologyCommModel(cluster)
         self._tables: dict[tuple[str, int, str, int], LayerTable] = {}
-        self._memory_ends: dict[tuple, list[int]] = {}
+        self._memory_ends: dict[tuple, np.ndarray] = {}
         self._tensor: dict[str, TensorParallelCompute] = {}
         self.network_loads: dict[tuple, float] = {}  # step_estimate.network_load's, per structure
         self.dp_groups: dict[tuple, list] = {}  # step_estimate.dp_groups', per structure
@@ -138,24 +138,28 @@ class PlanContext:
 
     def memory_ends(
         self,
-        device_type: str,
+        device_types: tuple[str, ...],
         mbs: int,
         dtype: str,
         option: MemoryOption,
         dp: int,
         flight: Flight,
         tp: int = 1,
-    ) -> list[int]:
-        """For each first layer i, the largest end j whose stage fits a device of
-        ``device_type`` by the memory prefix (:func:`~medley.plan.bounds.memory_prefix`):
-        ``bisect_right(prefix, prefix[i] + capacity) - 1``, for every i at once."""
-        key = (device_type, mbs, dtype, option, dp, flight, tp)
+    ) -> np.ndarray:
+        """For each first layer i, the largest end j whose stage fits a device of every type in
+        ``device_types`` by the memory prefix (:func:`~medley.plan.bounds.memory_prefix`): per
+        type ``bisect_right(prefix, prefix[i] + capacity) - 1``, the least over the types."""
+        key = (device_types, mbs, dtype, option, dp, flight, tp)
         ends = self._memory_ends.get(key)
         if ends is None:
-            table = self.table(device_type, mbs, dtype, tp)
-            prefix = memory_prefix(table, option=option, dp=dp, flight=flight)
-            found = np.searchsorted(prefix, prefix + self.type_capacity(device_type), side="right") - 1
-            ends = self._memory_ends[key] = found.tolist()
+            if len(device_types) == 1:
+                table = self.table(device_types[0], mbs, dtype, tp)
+                prefix = memory_prefix(table, option=option, dp=dp, flight=flight)
+                ends = np.searchsorted(prefix, prefix + self.type_capacity(device_types[0]), side="right") - 1
+            else:
+                ends = np.minimum.reduce([self.memory_ends((t,), mbs, dtype, option, dp, flight, tp)
+                                          for t in device_types])
+            self._memory_ends[key] = ends
         return ends
 
     def stage_time(

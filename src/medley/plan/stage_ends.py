@@ -6,12 +6,12 @@ and, under at least one memory option of a given set, the memory of every such t
 even one layer fits.
 
 The sweep asks it about a million times in a 1,024-device search, so it is arranged for that.
-Memory does not depend on the budget: under each option the memory allows ends up to a cap, and a
-streamed ZeRO-3 option has two caps, one for ends short of its bucket count (such stages gather a
+Memory does not depend on the budget: under each option the memory allows ends up to a limit, and
+a streamed ZeRO-3 option has two, one for ends short of its bucket count (such stages gather a
 larger share of their weights, checked exactly) and one for the rest. Options of one recompute
-flag share their time prefix, and the end under the best option is ``min(T, best cap)``, T the
-end the time budget allows. So per (stage, start) the caps are worked out once
-(:meth:`StageEnds.caps`), and a probe costs one bisection per device type and recompute flag.
+flag share their time prefix, and the end under the best option is ``min(T, best limit)``, T the
+end the time budget allows. So per stage the limits of every start are worked out once
+(:meth:`StageEnds.limits`), and a probe costs one bisection per device type and recompute flag.
 """
 
 from __future__ import annotations
@@ -20,62 +20,53 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from medley.plan.bounds import MemoryOption, stage_memory
 from medley.plan.builder import Setting
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class FlagCaps:
-    """What ``stage_end`` needs for one start i of one stage and one recompute flag.
+class FlagLimits:
+    """What ``stage_end`` needs of one stage under the options of one recompute flag, by first
+    layer i.
 
     Attributes:
         times: (time prefix, micro-batches) of each device type of the stage, with or without
             recomputation as the flag says.
-        plain: the largest memory end of the flag's options that do not stream (-1: none).
-        streams: (option index, threshold i + buckets, memory end) of each streamed ZeRO-3
-            option of the flag; below the threshold its end is the exact check's ``short``.
-        loose: the largest memory end of any option of the flag, short streamed stages
+        plain: by i, the largest memory end of the flag's options that do not stream (-1: none).
+        streams: (option index, buckets, memory end by i) of each streamed ZeRO-3 option of the
+            flag; from i, an end short of i + buckets takes the exact check's
+            (:meth:`StageEnds.short_end`).
+        loose: by i, the largest memory end of any option of the flag, short streamed stages
             unchecked (what :meth:`StageEnds.upper` takes).
     """
 
-    times: tuple[tuple[tuple[float, ...], int], ...]
-    plain: int
-    streams: tuple[tuple[int, int, int], ...]
-    loose: int
+    times: tuple[tuple[Sequence[float], int], ...]
+    plain: list[int]
+    streams: tuple[tuple[int, int, list[int]], ...]
+    loose: list[int]
 
 
 class StageEnds:
     """``stage_end(s, i, t)`` of :func:`~medley.plan.bounds.bottleneck_split` for ``setting``
-    under the memory ``options`` (a part of the setting's ladder), with the caps cached."""
+    under the memory ``options`` (a part of the setting's ladder), with each stage's limits
+    cached."""
 
     def __init__(self, setting: Setting, options: Sequence[MemoryOption]) -> None:
         ctx, st = setting.ctx, setting.structure
         self._setting = setting
         self._options = tuple(options)
         self._num_layers = ctx.model.num_layers
-        stage_types = [setting.stage_types(s) for s in range(st.pp)]
-        self._types = [[t for t, _ in pairs] for pairs in stage_types]
-        self._tables = [[setting.table(s, t) for t, _ in pairs] for s, pairs in enumerate(stage_types)]
-        self._capacities = [[ctx.type_capacity(t) for t, _ in pairs] for pairs in stage_types]
-        flags = {o.recompute for o in self._options}
-        self._times = [
-            {
-                flag: tuple((table.total_rc if flag else table.total, c)
-                            for table, (_, c) in zip(tables, pairs, strict=True))
-                for flag in flags
-            }
-            for tables, pairs in zip(self._tables, stage_types, strict=True)
-        ]
-        self._memory: dict[tuple[int, int], list[int]] = {}  # (stage, option): memory end by start
-        self._caps: list[list[tuple[FlagCaps, ...] | None]] = [
-            [None] * (self._num_layers + 1) for _ in range(st.pp)
-        ]
+        self._stage_types = [setting.stage_types(s) for s in range(st.pp)]
+        self._types = [tuple(t for t, _ in pairs) for pairs in self._stage_types]
+        self._tables = [[setting.table(s, t) for t, _ in pairs] for s, pairs in enumerate(self._stage_types)]
+        self._capacities = [[ctx.type_capacity(t) for t, _ in pairs] for pairs in self._stage_types]
+        self._limits: list[tuple[FlagLimits, ...] | None] = [None] * st.pp
         self._shorts: dict[tuple[int, int, int], int] = {}
 
     def __call__(self, s: int, i: int, t: float) -> int:
-        flags = self._caps[s][i]
-        if flags is None:
-            flags = self._caps[s][i] = self.caps(s, i)
+        flags = self._limits[s] or self.limits(s)
         best = i
         for flag in flags:
             end = self._num_layers  # the end the time budget allows on every type
@@ -83,16 +74,17 @@ class StageEnds:
                 e = bisect_right(times, times[i] + t / c) - 1
                 if e < end:
                     end = e
-            if flag.plain < end:  # plain memory caps it: a streamed option may go further
-                cap = flag.plain
-                for o, threshold, memory_end in flag.streams:
+            plain = flag.plain[i]
+            if plain < end:  # plain memory limits it: a streamed option may go further
+                for o, buckets, memory in flag.streams:
+                    memory_end, threshold = memory[i], i + buckets
                     if end >= threshold and memory_end >= threshold:
                         e = min(end, memory_end)
                     else:
                         e = min(end, self.short_end(s, o, i, memory_end))
-                    if e > cap:
-                        cap = e
-                end = cap
+                    if e > plain:
+                        plain = e
+                end = plain
             if end > best:
                 best = end
         return best
@@ -101,12 +93,10 @@ class StageEnds:
         """A bound on ``self(s, i, t)`` that never decreases with i (as the time and memory
         prefixes do not): the exact check of short streamed stages left out, which only lowers
         ends. :func:`~medley.plan.bounds.bottleneck_split`'s ``upper_end``."""
-        flags = self._caps[s][i]
-        if flags is None:
-            flags = self._caps[s][i] = self.caps(s, i)
+        flags = self._limits[s] or self.limits(s)
         best = i
         for flag in flags:
-            end = flag.loose
+            end = flag.loose[i]
             for times, c in flag.times:
                 e = bisect_right(times, times[i] + t / c) - 1
                 if e < end:
@@ -115,39 +105,36 @@ class StageEnds:
                 best = end
         return best
 
-    def caps(self, s: int, i: int) -> tuple[FlagCaps, ...]:
-        """Per recompute flag among the options, what bounds stage s from start i. Under a plain
-        option the end is min(T, its memory end), T the end the time allows; under a streamed
-        one it is min(T, memory end) when both reach its threshold i + buckets, and
-        min(T, ``short``) otherwise (:meth:`short_end`); the best option's end counts."""
+    def limits(self, s: int) -> tuple[FlagLimits, ...]:
+        """Stage s's limits per recompute flag among the options. Under a plain option the end
+        is min(T, its memory end), T the end the time allows; under a streamed one it is
+        min(T, memory end) when both reach i + buckets, and min(T, ``short``) otherwise
+        (:meth:`short_end`); the best option's end counts."""
         out = []
-        for flag, times in self._times[s].items():
-            plain, streams = -1, []
+        for flag in dict.fromkeys(o.recompute for o in self._options):
+            times = tuple((table.total_rc if flag else table.total, c)
+                          for table, (_, c) in zip(self._tables[s], self._stage_types[s], strict=True))
+            plain_ends, streams, loose_ends = [], [], []
             for o, option in enumerate(self._options):
-                if option.recompute != flag:
-                    continue
-                end = self.memory_end(s, o, i)
-                if option.streams:
-                    streams.append((o, i + option.buckets, end))
-                else:
-                    plain = max(plain, end)
-            loose = max((plain, *(end for _, _, end in streams)))
-            out.append(FlagCaps(times=times, plain=plain, streams=tuple(streams), loose=loose))
-        return tuple(out)
+                if option.recompute == flag:
+                    ends = self.memory_ends(s, o)
+                    loose_ends.append(ends)
+                    if option.streams:
+                        streams.append((o, option.buckets, ends.tolist()))
+                    else:
+                        plain_ends.append(ends)
+            plain = np.maximum.reduce(plain_ends).tolist() if plain_ends else [-1] * (self._num_layers + 1)
+            loose = np.maximum.reduce(loose_ends).tolist()
+            out.append(FlagLimits(times=times, plain=plain, streams=tuple(streams), loose=loose))
+        self._limits[s] = tuple(out)
+        return self._limits[s]
 
-    def memory_end(self, s: int, o: int, i: int) -> int:
-        """The largest end the memory prefixes allow from layer i under option o on every type
-        of stage s."""
-        ends = self._memory.get((s, o))
-        if ends is None:
-            setting, st = self._setting, self._setting.structure
-            per_type = [
-                setting.ctx.memory_ends(t, st.micro_batch_size, setting.dtype, self._options[o], st.dp,
-                                        setting.flights[s], setting.stage_tp(s))
-                for t in self._types[s]
-            ]
-            ends = self._memory[s, o] = per_type[0] if len(per_type) == 1 else list(map(min, *per_type))
-        return ends[i]
+    def memory_ends(self, s: int, o: int) -> np.ndarray:
+        """By first layer i, the largest end the memory prefixes allow under option o on every
+        type of stage s."""
+        setting, st = self._setting, self._setting.structure
+        return setting.ctx.memory_ends(self._types[s], st.micro_batch_size, setting.dtype, self._options[o],
+                                       st.dp, setting.flights[s], setting.stage_tp(s))
 
     def short_end(self, s: int, o: int, i: int, memory_end: int) -> int:
         """The largest end below i + buckets (and up to ``memory_end``) that the exact check
@@ -164,3 +151,4 @@ class StageEnds:
                     short -= 1
             self._shorts[key] = short
         return short
+
