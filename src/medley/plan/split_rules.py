@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from medley.errors import MedleyInputError
-from medley.plan.bounds import bottleneck_split
 from medley.plan.builder import Setting
-from medley.plan.stage_ends import StageEnds
+from medley.plan.sweep import StageEnds, bottleneck_split
 from medley.spec.model import ModelSpec
 
 # Bottleneck sweep bounds: the continuous optimum (every stage takes the share of the model its

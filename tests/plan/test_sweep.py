@@ -1,7 +1,7 @@
-"""The bottleneck sweep's cached ``stage_end`` (:class:`medley.plan.stage_ends.StageEnds`) equals
+"""The bottleneck sweep's cached ``stage_end`` (:class:`medley.plan.sweep.StageEnds`) equals
 the per-option definition it replaces (on memory prefixes summed layer by layer, which the
 vectorised ones equal float for float), its ``upper`` bound is a bound that never decreases with
-the start, and :func:`medley.plan.bounds.bottleneck_split` answers the same with such a bound as
+the start, and :func:`medley.plan.sweep.bottleneck_split` answers the same with such a bound as
 without it."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from medley.plan.bounds import (
     Flight,
     LayerTable,
     MemoryOption,
-    bottleneck_split,
     memory_prefix,
     option_bytes_per_param,
     stage_memory,
@@ -25,7 +24,7 @@ from medley.plan.bounds import (
 from medley.plan.builder import Setting, balanced_micro_batches, build
 from medley.plan.candidates import Estimator
 from medley.plan.memory_rules import cheapest_per_stage
-from medley.plan.stage_ends import StageEnds
+from medley.plan.sweep import StageEnds, bottleneck_split
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 
