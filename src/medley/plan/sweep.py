@@ -53,9 +53,8 @@ class FlagLimits:
 
 
 class StageEnds:
-    """``stage_end(s, i, t)`` of :func:`bottleneck_split` for ``setting``
-    under the memory ``options`` (a part of the setting's ladder), with each stage's limits
-    cached."""
+    """``stage_end(s, i, t)`` of :func:`bottleneck_split` for ``setting`` under the memory
+    ``options`` (a part of the setting's ladder), with each stage's limits cached."""
 
     def __init__(self, setting: Setting, options: Sequence[MemoryOption]) -> None:
         ctx, st = setting.ctx, setting.structure
