@@ -19,6 +19,7 @@ rank (Korthikanti et al., "Reducing Activation Recomputation in Large Transforme
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from medley.cost.interfaces import Pass
 from medley.spec.model import ModelSpec
@@ -103,6 +104,7 @@ def layer_autocast_params(model: ModelSpec, layer_index: int, *, tp: int = 1) ->
     return float(model.vocab_size * model.embed_dim + _projection_params(model))
 
 
+@lru_cache(maxsize=1 << 16)  # the planner's estimates and the compiler ask for the same stages often
 def stage_held_params(model: ModelSpec, first: int, last: int, *, tp: int = 1) -> float:
     """Parameters a stage holding layers ``[first, last)`` keeps per tensor-parallel rank: a tied
     head's copy only when the stage lacks the embedding (with it, the head borrows the

@@ -6,9 +6,6 @@
 * :func:`stage_memory`: a stage's peak bytes per device under a ZeRO option, the same terms the
   compiler hands the simulator (model state by :mod:`medley.cost.zero_memory`, with the gradient
   and ZeRO-3's gathered weights, in-flight activations).
-* :func:`bottleneck_split`: the layer split minimising the slowest stage (Alpa/HARP's bottleneck
-  sweep): binary search on the bottleneck time t, each probe a greedy that gives every stage in
-  turn the most layers within t and its memory (optimal for contiguous splits with monotone costs).
 * :func:`pipeline_time`: 1F1B-style step estimate per replica, (m-1)·t_max + Σ t_s, with HARP's
   link term max(t, transfer) and the family's bubble shape.
 * :func:`aggregate_bound`: the most the cluster could do (no bubbles, no communication).
@@ -17,10 +14,12 @@
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from itertools import accumulate
+
+import numpy as np
 
 from medley.cost import formulas
 from medley.cost.estimator import DTYPE_BYTES
@@ -68,6 +67,13 @@ class LayerTable:
     @property
     def num_layers(self) -> int:
         return len(self.total) - 1
+
+    @cached_property
+    def memory_columns(self) -> dict[str, np.ndarray]:
+        """``params``, ``act``, ``act_rc``, ``cast``, ``cast_rc`` and ``after_b`` as float64 arrays (for
+        :func:`memory_prefix`)."""
+        return {name: np.array(getattr(self, name), dtype=np.float64)
+                for name in ("params", "act", "act_rc", "cast", "cast_rc", "after_b")}
 
     def time(self, i: int, j: int, *, recompute: bool = False) -> float:
         extra = self.forward[j] - self.forward[i] if recompute else 0.0
@@ -224,136 +230,22 @@ def stage_memory(
     return state + flight.full * act + flight.after_b * (table.after_b[j] - table.after_b[i]) + rerun
 
 
-def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: Flight) -> tuple[float, ...]:
+def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: Flight) -> np.ndarray:
     """c[j] with c[j] - c[i] = :func:`stage_memory` for stages of at least ``option.buckets`` layers
     (shorter stages reduce in larger buckets, and recomputing stages hold one block's activations
-    more: check them exactly)."""
+    more: check them exactly), as a float64 array."""
     a = option_bytes_per_param(option, dp, dtype=table.dtype)
     c = _copy_bytes(option, dp, table.dtype)
-    acts = table.act_rc if option.recompute else table.act
-    casts = table.cast_rc if option.recompute else table.cast
-    return tuple(
-        a * p + flight.full * (x + c * k) + flight.after_b * y
-        for p, x, k, y in zip(table.params, acts, casts, table.after_b, strict=True)
-    )
+    columns = table.memory_columns
+    acts = columns["act_rc"] if option.recompute else columns["act"]
+    casts = columns["cast_rc"] if option.recompute else columns["cast"]
+    # Element by element in float64, in the order written: a * p + full * (x + c * k) + after_b * y.
+    return a * columns["params"] + flight.full * (acts + c * casts) + flight.after_b * columns["after_b"]
 
 
 def _copy_bytes(option: MemoryOption, dp: int, dtype: str) -> float:
     """Autocast's weight-copy bytes per cast parameter per micro-batch in flight."""
     return autocast_copy_bytes(level=option.level, dp=dp, per_param=state_bytes_per_param(dtype))
-
-
-StageCheck = Callable[[int, int, int, float], bool]
-"""(stage, first layer, end layer, time budget) -> whether the stage fits that budget and memory."""
-
-
-def _reachable(
-    intervals: list[tuple[int, int]],
-    s: int,
-    t: float,
-    limit: int,
-    stage_end: Callable[[int, int, float], int],
-) -> list[tuple[int, int]]:
-    """End positions stage s can reach from any start in ``intervals`` (disjoint, sorted) within t.
-
-    From start i the reachable ends are i+1..end(i), and end(i) never decreases with i (a later
-    start has the same budget for fewer layers), so one interval of starts yields few intervals of
-    ends: grow each from its first feasible start through the starts it covers."""
-    out: list[tuple[int, int]] = []
-    for a, b in intervals:
-        i = a
-        while i <= b:
-            end = min(stage_end(s, i, t), limit)
-            if end <= i:  # layer i alone does not fit this stage
-                i += 1
-                continue
-            first = i + 1
-            while True:
-                k = min(b, end)
-                grown = min(stage_end(s, k, t), limit) if k > i else end
-                if grown <= end:
-                    break
-                end = grown
-            if out and first <= out[-1][1] + 1:
-                out[-1] = (out[-1][0], max(out[-1][1], end))
-            else:
-                out.append((first, end))
-            i = end + 1
-    return out
-
-
-def bottleneck_split(
-    num_layers: int,
-    num_stages: int,
-    stage_end: Callable[[int, int, float], int],
-    *,
-    lo: float,
-    hi: float,
-    iterations: int = 24,
-    fallback_hi: float | None = None,
-) -> tuple[tuple[int, ...], float] | None:
-    """Contiguous split of ``num_layers`` over ``num_stages`` minimising the bottleneck time.
-
-    ``stage_end(s, i, t)`` is the largest end j such that stage s holding layers i..j-1 fits the
-    budget t (time and memory); i when not even one layer fits. Each probe of t is a dynamic
-    program over the reachable cut positions (exact for unlike stages, where the greedy
-    "fill each stage" is not). Returns (layers per stage, t) or None when no budget up to ``hi``
-    admits a split.
-    """
-
-    def greedy(t: float) -> tuple[int, ...] | None:
-        """Each stage takes the most layers it can: often feasible, never wrong when it is."""
-        start, split = 0, []
-        for s in range(num_stages):
-            end = min(stage_end(s, start, t), num_layers - (num_stages - s - 1))
-            if end <= start:
-                return None
-            split.append(end - start)
-            start = end
-        return tuple(split) if start == num_layers else None
-
-    def probe(t: float) -> tuple[int, ...] | None:
-        quick = greedy(t)
-        if quick is not None:
-            return quick
-        reach = [[(0, 0)]]
-        for s in range(num_stages):
-            step = _reachable(reach[-1], s, t, num_layers - (num_stages - s - 1), stage_end)
-            if not step:
-                return None
-            reach.append(step)
-        if reach[-1][-1][1] != num_layers:
-            return None
-        # Walk back: each stage starts at the latest reachable cut that can still reach its end.
-        split, end = [], num_layers
-        for s in range(num_stages - 1, -1, -1):
-            start = next(
-                i
-                for a, b in reversed(reach[s])
-                for i in range(min(b, end - 1), a - 1, -1)
-                if stage_end(s, i, t) >= end
-            )
-            split.append(end - start)
-            end = start
-        return tuple(reversed(split))
-
-    best = probe(hi)
-    if best is None and fallback_hi is not None and fallback_hi > hi:
-        lo, hi = hi, fallback_hi  # the first guess was too tight
-        best = probe(hi)
-    if best is None:
-        return None
-    best_t = hi
-    for _ in range(iterations):
-        mid = (lo + hi) / 2
-        got = probe(mid)
-        if got is None:
-            lo = mid
-        else:
-            hi, best, best_t = mid, got, mid
-        if hi - lo <= 5e-3 * hi:
-            break
-    return best, best_t
 
 
 def pipeline_time(

@@ -18,6 +18,7 @@ pipeline transfers between groups of different tp are timed: :mod:`medley.plan.t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
@@ -27,6 +28,7 @@ from medley.cost.tensor_parallel import (
     TensorParallelCompute,
     activation_scale,
     tp_activation_bytes,
+    tp_all_reduce_bytes,
     tp_comm_time,
 )
 from medley.cost.tied import tied_sum_seconds
@@ -324,13 +326,24 @@ def compile_problem(
     tensor = TensorParallelCompute(layout.model, cost, catalog=_catalog(layout, cost, cluster))
     links = TopologyCommModel(cluster, p2p_overhead_s=_p2p_overhead(cost)) if comm else None
     stage_costs = []
+    # Replicas whose stage runs on one device type and an equal TP group cost alike: compute each
+    # once (a copy per replica, as scale_hops rescales its transfers in place).
+    known: dict[tuple, StageCost] = {}
+    all_reduce = tp_all_reduce_bytes(layout.model, micro_batch_size=layout.micro_batch_size,
+                                     seq_len=layout.seq_len, dtype=layout.dtype)
     for replica in range(layout.dp):
         row = []
         for stage in range(layout.num_stages):
             group = layout.group(replica, s2r[stage])
             device = cluster.devices[group[0]]
-            row.append(_stage_cost(layout, cost, stage, device.type.name, layout.zero[stage].level,
-                                   fused=fused[stage], tensor=tensor, comm=links, group=group))
+            # What the cost reads of the group beyond its size: the time of its all-reduces.
+            tp_link = len(group) > 1 and links is not None
+            link = links.collective_time(Collective.ALL_REDUCE, group, all_reduce) if tp_link else 0.0
+            key = (stage, device.type.name, len(group), link)
+            if key not in known:
+                known[key] = _stage_cost(layout, cost, stage, device.type.name, layout.zero[stage].level,
+                                         fused=fused[stage], tensor=tensor, comm=links, group=group)
+            row.append(replace(known[key]))
         scale_hops(layout, cluster, replica, s2r, row)
         stage_costs.append(row)
     devices = [list(row) for row in layout.assignment]

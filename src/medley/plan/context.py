@@ -8,6 +8,9 @@ builder and the structure enumeration (:class:`~medley.plan.candidates.Estimator
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
+
+import numpy as np
 
 from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
@@ -45,9 +48,13 @@ class PlanContext:
         self.headroom = memory_headroom
         self.comm = TopologyCommModel(cluster)
         self._tables: dict[tuple[str, int, str, int], LayerTable] = {}
-        self._memory_prefixes: dict[tuple, tuple[float, ...]] = {}
+        self._memory_ends: dict[tuple, np.ndarray] = {}
         self._tensor: dict[str, TensorParallelCompute] = {}
         self.network_loads: dict[tuple, float] = {}  # step_estimate.network_load's, per structure
+        self.dp_groups: dict[tuple, list] = {}  # step_estimate.dp_groups', per structure
+        self.device_types = cluster.device_types()
+        self.type_names = [device.type.name for device in cluster.devices]  # by device id
+        self._no_bf16 = [not device.type.supports_bf16 for device in cluster.devices]
 
     def table(self, device_type: str, mbs: int, dtype: str = "bf16", tp: int = 1) -> LayerTable:
         """One TP rank's layer table at degree ``tp`` (its all-reduces timed on a group of
@@ -87,11 +94,16 @@ class PlanContext:
         return ()
 
     def capacity(self, device: int) -> float:
-        return self.cluster.devices[device].type.memory_bytes * (1.0 - self.headroom)
+        return self.type_capacity(self.type_names[device])
+
+    def type_capacity(self, device_type: str) -> float:
+        """Bytes a device of ``device_type`` may fill (its memory less the headroom)."""
+        return self.device_types[device_type].memory_bytes * (1.0 - self.headroom)
 
     def dtype(self, assignment: Assignment) -> str:
-        types = {self.cluster.devices[d].type for row in assignment for d in row}
-        return "bf16" if all(t.supports_bf16 for t in types) else "fp16"
+        """bf16 when every device of ``assignment`` supports it, else fp16."""
+        no_bf16 = self._no_bf16.__getitem__
+        return "fp16" if any(map(no_bf16, chain.from_iterable(assignment))) else "bf16"
 
     def boundary_time(self, a: int, b: int, mbs: int, tp_a: int = 1, tp_b: int = 1) -> float:
         """One pipeline transfer from the group of ``tp_a`` devices at ``a`` to that of ``tp_b``
@@ -111,7 +123,7 @@ class PlanContext:
         """Replicas grouped by the device types of their ranks (identical replicas share estimates)."""
         groups: dict[tuple[str, ...], list[int]] = {}
         for r, row in enumerate(st.assignment):
-            groups.setdefault(tuple(self.cluster.devices[d].type.name for d in row), []).append(r)
+            groups.setdefault(tuple(map(self.type_names.__getitem__, row)), []).append(r)
         return list(groups.items())
 
     def micro_batches(
@@ -124,22 +136,31 @@ class PlanContext:
                 per_replica[r] = w
         return distribute(total_mb, per_replica)
 
-    def memory_prefix(
+    def memory_ends(
         self,
-        device_type: str,
+        device_types: tuple[str, ...],
         mbs: int,
         dtype: str,
         option: MemoryOption,
         dp: int,
         flight: Flight,
         tp: int = 1,
-    ) -> tuple[float, ...]:
-        key = (device_type, mbs, dtype, option, dp, flight, tp)
-        prefix = self._memory_prefixes.get(key)
-        if prefix is None:
-            table = self.table(device_type, mbs, dtype, tp)
-            prefix = self._memory_prefixes[key] = memory_prefix(table, option=option, dp=dp, flight=flight)
-        return prefix
+    ) -> np.ndarray:
+        """For each first layer i, the largest end j whose stage fits a device of every type in
+        ``device_types`` by the memory prefix (:func:`~medley.plan.bounds.memory_prefix`): per
+        type ``bisect_right(prefix, prefix[i] + capacity) - 1``, the least over the types."""
+        key = (device_types, mbs, dtype, option, dp, flight, tp)
+        ends = self._memory_ends.get(key)
+        if ends is None:
+            if len(device_types) == 1:
+                table = self.table(device_types[0], mbs, dtype, tp)
+                prefix = memory_prefix(table, option=option, dp=dp, flight=flight)
+                ends = np.searchsorted(prefix, prefix + self.type_capacity(device_types[0]), side="right") - 1
+            else:
+                ends = np.minimum.reduce([self.memory_ends((t,), mbs, dtype, option, dp, flight, tp)
+                                          for t in device_types])
+            self._memory_ends[key] = ends
+        return ends
 
     def stage_time(
         self, device_type: str, split: Sequence[int], s: int, option: MemoryOption, mbs: int, tp: int = 1

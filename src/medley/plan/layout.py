@@ -169,15 +169,17 @@ def check_tp(layout: PlanLayout, cluster: Cluster) -> None:
 
 
 def build_schedules(layout: PlanLayout) -> list[PipelineSchedule]:
-    """One schedule per replica, with the ZeRO collectives placed."""
-    schedules = []
-    for micro_batches in layout.micro_batches:
+    """One schedule per replica, with the ZeRO collectives placed (replicas of one micro-batch
+    count share the generated program, which the placement only reads)."""
+    generated: dict[int, PipelineSchedule] = {}
+    for micro_batches in dict.fromkeys(layout.micro_batches):
         try:
-            schedules.append(
-                generate(layout.schedule, pp=layout.pp, micro_batches=micro_batches, **layout.knobs)
+            generated[micro_batches] = generate(
+                layout.schedule, pp=layout.pp, micro_batches=micro_batches, **layout.knobs
             )
         except ValueError as err:
             raise MedleyInputError(f"--schedule {layout.schedule}: {err}") from None
+    schedules = [generated[m] for m in layout.micro_batches]
     if schedules[0].num_stages != layout.num_stages:
         raise MedleyInputError(
             f"--split gives {layout.num_stages} stages but schedule '{layout.schedule}' with pp={layout.pp} "

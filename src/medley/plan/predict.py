@@ -19,6 +19,12 @@ from medley.spec.cluster import Cluster
 
 GB = 1e9
 
+_VALID_PROGRAMS: set[tuple[str, int, int, str]] = set()
+"""(family, pp, micro-batches, knobs) of the generated programs that validated. Validation reads
+only the compute and point-to-point actions, which the ZeRO placement keeps in the generator's
+order, and the generators are deterministic: one check per program serves every plan that runs
+it (a search simulates many plans of the same few programs)."""
+
 
 def simulate_layout(
     layout: PlanLayout, cluster: Cluster, *, cost: CostSource | None = None, comm: bool = True
@@ -28,16 +34,17 @@ def simulate_layout(
         cost = CatalogCostSource.for_cluster(layout.model, cluster, dtype=layout.dtype)
     problem = compile_problem(layout, cluster, cost, comm=comm)
     # Replicas with the same micro-batch count run the same program: check each distinct one once
-    # (a thousand replicas need not be validated a thousand times).
-    checked: set[int] = set()
+    # (a thousand replicas need not be validated a thousand times), and once per process.
+    knobs = repr(sorted(layout.knobs.items()))
     for replica, schedule in enumerate(problem.schedules):
-        if layout.micro_batches[replica] in checked:
+        program = (layout.schedule, layout.pp, layout.micro_batches[replica], knobs)
+        if program in _VALID_PROGRAMS:
             continue
-        checked.add(layout.micro_batches[replica])
         try:
             validate(schedule)
         except ScheduleError as err:
             raise MedleyInputError(f"replica {replica}'s schedule is invalid: {err}") from None
+        _VALID_PROGRAMS.add(program)
     return problem, simulate(problem)
 
 

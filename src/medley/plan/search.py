@@ -13,8 +13,11 @@ is deterministic: fixed enumeration order, ties broken by the enumeration index.
 
 from __future__ import annotations
 
+from bisect import insort
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain, cycle
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
@@ -312,11 +315,9 @@ def structure_bound(estimator: Estimator, st: Structure) -> float:
     Infinite when even fully sharded state does not fit the cluster's devices. A TP group counts
     as one device at its degree's speed (:meth:`PlanContext.table`, all-reduces included)."""
     mbs = st.micro_batch_size
-    counts: dict[tuple[str, int], int] = {}
-    for row in st.assignment:
-        for k, d in enumerate(row):
-            key = (estimator.cluster.devices[d].type.name, st.tp_of(k))
-            counts[key] = counts.get(key, 0) + 1
+    # Keys in order of first appearance, row by row (the order the sum below adds them in).
+    names, tps = estimator.type_names, [st.tp_of(k) for k in range(st.pp)]
+    counts = Counter(zip(map(names.__getitem__, chain.from_iterable(st.assignment)), cycle(tps)))
     speed = sum(n * mbs / estimator.table(t, mbs, tp=tp).total[-1] for (t, tp), n in counts.items())
     m = -(-estimator.global_batch // mbs // st.dp)
     bound = estimator.global_batch / speed * (m + (st.pp - 1) / 3) / m
@@ -347,11 +348,11 @@ def _estimate(
             continue
     bounded.sort(key=lambda x: (x[0], x[1]))
     base: list[tuple[float, int, Candidate]] = []
+    estimates: list[float] = []  # base's estimates, sorted
     per_pool: dict[str, int] = {}
     for done, (bound, index, st) in enumerate(bounded, start=1):
         if progress is not None:
             progress("estimating structures", done, len(bounded))
-        estimates = sorted(e for e, _, _ in base)
         if bound == float("inf"):
             continue
         if (
@@ -366,6 +367,7 @@ def _estimate(
             continue
         if candidate is not None:
             base.append((candidate.estimate_s, index, candidate))
+            insort(estimates, candidate.estimate_s)
             per_pool[st.pool] = per_pool.get(st.pool, 0) + 1
     base.sort(key=lambda x: (x[0], x[1]))
     keep: dict[int, Candidate] = {}

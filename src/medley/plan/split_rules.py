@@ -6,13 +6,11 @@ default split and ``--explain``'s even alternative use them too).
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Sequence
-from typing import Any
 
 from medley.errors import MedleyInputError
-from medley.plan.bounds import bottleneck_split, stage_memory
 from medley.plan.builder import Setting
+from medley.plan.sweep import StageEnds, bottleneck_split
 from medley.spec.model import ModelSpec
 
 # Bottleneck sweep bounds: the continuous optimum (every stage takes the share of the model its
@@ -68,12 +66,9 @@ def by_stage_capacity(setting: Setting) -> tuple[int, ...]:
 def bottleneck(setting: Setting) -> tuple[int, ...] | None:
     """Split rule: the bottleneck sweep over the stages, each stage bounded by its devices' time
     and memory under the cheapest option first, then under any option."""
-    ctx, st, dtype, depth = setting.ctx, setting.structure, setting.dtype, setting.flights
-    mbs, pp, dp = st.micro_batch_size, st.pp, st.dp
+    ctx, st = setting.ctx, setting.structure
+    pp = st.pp
     stage_types = [setting.stage_types(s) for s in range(pp)]
-    types = ctx.cluster.device_types()
-    caps = {t: types[t].memory_bytes * (1.0 - ctx.headroom) for sig, _ in setting.signatures for t in sig}
-    ladder = setting.ladder
     num_layers = ctx.model.num_layers
     slowest = max(
         setting.table(s, t).time(0, num_layers, recompute=True) * c
@@ -85,71 +80,16 @@ def bottleneck(setting: Setting) -> tuple[int, ...] | None:
     ideal = 1.0 / sum(
         1.0 / max(setting.table(s, t).total[-1] * c for t, c in stage_types[s]) for s in range(pp)
     )
-    for allowed in (ladder[:1], ladder):
-        # Per stage and option: [(time prefix, micro-batches, memory prefix, capacity, table)], so
-        # that a probe is a few bisections.
-        plans = [
-            [
-                (
-                    option,
-                    [
-                        (
-                            setting.table(s, t).total_rc if option.recompute else setting.table(s, t).total,
-                            c,
-                            ctx.memory_prefix(t, mbs, dtype, option, dp, depth[s], setting.stage_tp(s)),
-                            caps[t],
-                            setting.table(s, t),
-                        )
-                        for t, c in stage_types[s]
-                    ],
-                )
-                for option in allowed
-            ]
-            for s in range(pp)
-        ]
-
-        limits: dict[tuple[int, int, int], tuple[int, int]] = {}
-
-        def memory_end(
-            s: int, o: int, i: int, plans: list[Any] = plans, limits: dict[Any, tuple[int, int]] = limits
-        ) -> tuple[int, int]:
-            """(largest end the memory prefixes allow from layer i under option o on every type of
-            stage s, largest end below i + buckets the exact check allows for streamed ZeRO-3,
-            whose short stages gather a larger share); neither depends on the time budget."""
-            key = (s, o, i)
-            got = limits.get(key)
-            if got is None:
-                option, items = plans[s][o]
-                end = num_layers
-                for _, _, memory, cap, _ in items:
-                    end = min(end, bisect_right(memory, memory[i] + cap) - 1)
-                short = min(end, i + option.buckets - 1)
-                if option.streams:
-                    for _, _, _, cap, table in items:
-                        while short > i and stage_memory(table, i, short, option=option, dp=dp,
-                                                         in_flight=depth[s]) > cap:
-                            short -= 1
-                got = limits[key] = (end, short)
-            return got
-
-        def stage_end(s: int, i: int, t: float, plans: list[Any] = plans, bound: Any = memory_end) -> int:
-            best = i
-            for o, (option, items) in enumerate(plans[s]):
-                end, short = bound(s, o, i)
-                for times, c, _, _, _ in items:
-                    end = min(end, bisect_right(times, times[i] + t / c) - 1)
-                if option.streams and end - i < option.buckets:
-                    end = min(end, short)
-                best = max(best, end)
-            return best
-
+    for allowed in (setting.ladder[:1], setting.ladder):
+        ends = StageEnds(setting, allowed)
         found = bottleneck_split(
             num_layers,
             pp,
-            stage_end,
+            ends,
             lo=ideal * SWEEP_LOW,
             hi=ideal * SWEEP_HIGH,
             fallback_hi=slowest * SWEEP_FALLBACK,
+            upper_end=ends.upper,
         )
         if found is not None:
             return found[0]

@@ -10,6 +10,7 @@ Only used to prune and order candidates; the simulator gives every reported figu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 from medley.cost import formulas
 from medley.cost.interfaces import Collective
@@ -35,28 +36,25 @@ def step_estimate(
     """Estimated step seconds: slowest replica's pipeline plus the worst stage's exposed DP work."""
     mbs, pp = st.micro_batch_size, st.pp
     chain = len(split)
+    starts = [0, *accumulate(split)]
     worst = 0.0
     rank_busy = 0.0
     stream = stream_times(est, st, family, split, options)
     stage_of_rank = [[s for s in range(chain) if s % pp == k] for k in range(pp)]
     for sig, members in signatures:
         row = st.assignment[members[0]]
+        tables = [est.table(sig[k], mbs, tp=st.tp_of(k)) for k in range(pp)]
         # Streamed ZeRO-3 gathers mostly wait in line with the compute (the simulator shows
         # little overlap), so they are counted on top of it.
         times = [
-            sum(est.stage_time(sig[k], split, s, options[s], mbs, st.tp_of(k)) + stream[s]
+            sum(tables[k].time(starts[s], starts[s + 1], recompute=options[s].recompute) + stream[s]
                 for s in stage_of_rank[k])
             for k in range(pp)
         ]
-        weights = []
-        for k in range(pp):
-            tab = est.table(sig[k], mbs, tp=st.tp_of(k))
-            weights.append(
-                sum(
-                    tab.weight[sum(split[:s]) + split[s]] - tab.weight[sum(split[:s])]
-                    for s in stage_of_rank[k]
-                )
-            )
+        weights = [
+            sum(tables[k].weight[starts[s + 1]] - tables[k].weight[starts[s]] for s in stage_of_rank[k])
+            for k in range(pp)
+        ]
         links = [est.boundary_time(row[k], row[k + 1], mbs, st.tp_of(k), st.tp_of(k + 1))
                  for k in range(pp - 1)]
         m = max(micro_batches[r] for r in members)
@@ -117,8 +115,8 @@ def stream_times(
         tp = st.tp_of(s % st.pp)
         params = float(formulas.stage_held_params(est.model, start, start + n, tp=tp))
         start += n
-        group = tuple(row[s % st.pp] for row in st.assignment)
-        params *= dp_bytes_factor(est.cluster, group, tp)  # the other TP ranks' groups share links
+        group, wire, _ = dp_groups(est, st)[s % st.pp]
+        params *= wire  # the other TP ranks' groups share links
         gather = est.comm.collective_time(Collective.ALL_GATHER, group, params * 2.0)
         scatter = est.comm.collective_time(Collective.REDUCE_SCATTER, group, params * 2.0)
         out.append(actions * gather + scatter)
@@ -139,15 +137,14 @@ def exposed_dp(
     gathers are :func:`stream_times`'. The worst stage counts."""
     pp, dp = st.pp, st.dp
     state = state_bytes_per_param(est.dtype(st.assignment))
+    groups = dp_groups(est, st)
     worst = 0.0
     start = 0
     for s, n in enumerate(split):
         rank = s % pp
         params = float(formulas.stage_held_params(est.model, start, start + n, tp=st.tp_of(rank)))
         start += n
-        group = tuple(st.assignment[r][rank] for r in range(dp))
-        wire = dp_bytes_factor(est.cluster, group, st.tp_of(rank))  # the other TP ranks' groups
-        bandwidth = min(est.cluster.devices[d].type.memory_bandwidth_gbps for d in group) * 1e9
+        group, wire, bandwidth = groups[rank]
         option = options[s]
         meaning = zero_level(option.level)
         shard = params / dp if meaning.shards_optimizer else params
@@ -162,3 +159,20 @@ def exposed_dp(
                 exposed += est.comm.collective_time(Collective.ALL_GATHER, group, gathered)
         worst = max(worst, exposed)
     return worst
+
+
+def dp_groups(est: PlanContext, st: Structure) -> list[tuple[tuple[int, ...], int, float]]:
+    """Per pipeline rank: its DP group (the rank's lead device in every replica), how many TP
+    ranks' collectives share its busiest link (:func:`medley.plan.tp_links.dp_bytes_factor`), and
+    the slowest member's memory bandwidth in bytes/s (what the optimizer step streams at). Cached
+    per structure, as :func:`network_load` is."""
+    key = (st.assignment, st.tp)
+    found = est.dp_groups.get(key)
+    if found is None:
+        found = est.dp_groups[key] = []
+        for rank in range(st.pp):
+            group = tuple(row[rank] for row in st.assignment)
+            wire = dp_bytes_factor(est.cluster, group, st.tp_of(rank))  # the other TP ranks' groups
+            bandwidth = min(est.cluster.devices[d].type.memory_bandwidth_gbps for d in group) * 1e9
+            found.append((group, wire, bandwidth))
+    return found
