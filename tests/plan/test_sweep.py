@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from medley.cost.estimator import CatalogCostSource
+from medley.cost.zero_memory import autocast_copy_bytes, state_bytes_per_param
 from medley.plan.bounds import (
     Flight,
     LayerTable,
@@ -58,9 +59,11 @@ def _settings(cluster_arg: str, model_name: str) -> tuple[Setting, ...]:
 def _memory_prefix(table: LayerTable, option: MemoryOption, dp: int, flight: Flight) -> list[float]:
     """The memory prefix, one layer boundary at a time."""
     a = option_bytes_per_param(option, dp, dtype=table.dtype)
+    c = autocast_copy_bytes(level=option.level, dp=dp, per_param=state_bytes_per_param(table.dtype))
     acts = table.act_rc if option.recompute else table.act
-    return [a * p + flight.full * x + flight.after_b * y
-            for p, x, y in zip(table.params, acts, table.after_b, strict=True)]
+    casts = table.cast_rc if option.recompute else table.cast
+    return [a * p + flight.full * (x + c * k) + flight.after_b * y
+            for p, x, k, y in zip(table.params, acts, casts, table.after_b, strict=True)]
 
 
 def _reference_end(setting: Setting, options: tuple[MemoryOption, ...], s: int, i: int, t: float) -> int:
