@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from functools import cache
+from itertools import accumulate
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -152,9 +153,7 @@ def test_bottleneck_split_answers_the_same_with_an_upper_bound(costs, stages, di
     n = len(costs)
     if stages > n:
         return
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0, *accumulate(costs)]
     dipped = {(s, i) for s, i in dips if i < n}
 
     def stage_end(s: int, i: int, t: float) -> int:
