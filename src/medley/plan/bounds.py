@@ -221,12 +221,16 @@ def stage_memory(
     act = acts[j] - acts[i] + _copy_bytes(option, dp, table.dtype) * (casts[j] - casts[i])
     state = params * option_bytes_per_param(option, dp, dtype=table.dtype, layers=j - i)
     # A recomputing block holds its forward's activations again during its backward (as the
-    # compiler books, plan.compile.recompute_workspace): the largest block's, once.
+    # compiler books, plan.compile.backward_workspace): the largest block's, once, less what the
+    # layers after it freed when their backward ran first (at least what a split B frees).
     rerun = 0.0
     if option.recompute:
-        full, kept = table.act, table.act_rc
-        extra = (full[k + 1] - full[k] - (kept[k + 1] - kept[k]) for k in range(i, j))
-        rerun = max(extra, default=0.0)
+        full, kept, after_b = table.act, table.act_rc, table.after_b
+        gone = 0.0
+        for k in range(j - 1, i - 1, -1):
+            held = kept[k + 1] - kept[k]
+            rerun = max(rerun, full[k + 1] - full[k] - held - gone)
+            gone += max(0.0, held - (after_b[k + 1] - after_b[k]))
     return state + flight.full * act + flight.after_b * (table.after_b[j] - table.after_b[i]) + rerun
 
 

@@ -76,6 +76,7 @@ def _stage_cost(
     times = {kind: 0.0 for kind in Pass}
     act = after_b = fused_s = refwd = 0.0
     fused_known = measured_act = True
+    freed: dict[int, float] = {}  # layer -> what its backward frees of one micro-batch's activations
     dtype_bytes = DTYPE_BYTES[layout.dtype]
     full_time = getattr(cost, "backward_full_time", None)
     fsdp_time = getattr(cost, "fsdp_extra_time", None) if zero_level(level).shards_optimizer else None
@@ -114,12 +115,14 @@ def _stage_cost(
         measured_act = measured_act and found is not None
         shape = {"micro_batch_size": mbs, "seq_len": seq}
         held = tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, **shape) if found else None
-        act += held[0] if held else formulas.layer_activation_bytes(
+        layer_act = held[0] if held else formulas.layer_activation_bytes(
             model, layer, dtype_bytes=dtype_bytes, recompute=recompute, tp=tp, **shape
         )
-        after_b += held[1] if held else formulas.layer_activation_bytes_after_b(
+        layer_after_b = held[1] if held else formulas.layer_activation_bytes_after_b(
             model, layer, dtype_bytes=dtype_bytes, tp=tp, **shape
         )
+        act, after_b = act + layer_act, after_b + layer_after_b
+        freed[layer] = layer_act if fused else max(0.0, layer_act - layer_after_b)
     boundary = formulas.boundary_bytes(model, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes)
     first = layout.layer_range(stage).start == 0
     if measured_act and not first:
@@ -164,7 +167,7 @@ def _stage_cost(
         activation_after_b_bytes=min(after_b, act) if not measured_act else after_b,
         send_bytes=boundary,
         grad_buffer_bytes=gradient,
-        workspace_bytes=backward_workspace(layout, cost, stage, device_type),
+        workspace_bytes=backward_workspace(layout, cost, stage, device_type, freed=freed),
     )
 
 
@@ -198,23 +201,30 @@ def static_memory(layout: PlanLayout, stage_to_rank: Sequence[int]) -> dict[int,
     return out
 
 
-def backward_workspace(layout: PlanLayout, cost: CostSource | None, stage: int, device_type: str) -> float:
-    """Bytes a backward of ``stage`` holds beyond the activations while it runs, its largest
-    layer's: the temporaries and gradients of intermediates a measured source knows per layer, and
-    a recomputing block's whole forward activations held again (:func:`recompute_workspace`)."""
+def backward_workspace(
+    layout: PlanLayout, cost: CostSource | None, stage: int, device_type: str, *,
+    freed: dict[int, float] | None = None,
+) -> float:
+    """Bytes a backward of ``stage`` holds beyond the activations it starts with, at its largest
+    layer: the temporaries and gradients of intermediates a measured source knows per layer, and
+    a recomputing block's whole forward activations held again (:func:`recompute_workspace`), less
+    what the layers after it (run backward first) have freed by then (``freed``: per layer, the
+    activation bytes of one micro-batch its backward lets go)."""
     measured = getattr(cost, "workspace_bytes", None)
     recompute = bool(layout.recompute and layout.recompute[stage])
     tp = layout.stage_tp(stage)
     shape = {"micro_batch_size": layout.micro_batch_size, "seq_len": layout.seq_len}
-    most = 0.0
-    for layer in layout.layer_range(stage):
-        more = 0.0
+    freed = freed or {}
+    most = gone = 0.0
+    for layer in reversed(layout.layer_range(stage)):
+        more = -gone
         if measured is not None:
             shrink = activation_scale(layout.model, layer, dtype=layout.dtype, tp=tp, **shape)[0]
-            more = (measured(layer, device_type=device_type, **shape) or 0.0) * shrink
+            more += (measured(layer, device_type=device_type, **shape) or 0.0) * shrink
         if recompute:
             more += recompute_workspace(layout, cost, layer, device_type, tp=tp)
         most = max(most, more)
+        gone += freed.get(layer, 0.0)
     return most
 
 

@@ -29,6 +29,22 @@ class ProfiledLayer:
 
 
 def build_layer(model: ModelSpec, kind: str, dtype: torch.dtype, device: torch.device) -> ProfiledLayer:
+    """The layer in ``dtype``, its forward run as the runtime runs it: a half-precision one under
+    ``torch.autocast`` (:class:`medley.runtime.executor.RankExecutor`), whose norms compute (and
+    keep for their backward) an fp32 copy of their input."""
+    layer = _build_layer(model, kind, dtype, device)
+    if dtype == torch.float32:
+        return layer
+    plain = layer.forward
+
+    def forward(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=dtype):
+            return plain(x, targets)
+
+    return ProfiledLayer(kind=layer.kind, module=layer.module, forward=forward)
+
+
+def _build_layer(model: ModelSpec, kind: str, dtype: torch.dtype, device: torch.device) -> ProfiledLayer:
     if kind == "embedding":
         module: nn.Module = Embedding(model)
         init_layer(module, 0, 0, model.num_blocks)
