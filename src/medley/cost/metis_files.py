@@ -207,12 +207,7 @@ def load_metis_profile(
     inferred = set()
     for by_mbs in entries.values():
         for entry in by_mbs.values():
-            if len(entry.layer_ms) != model.num_layers:
-                raise MedleyInputError(
-                    f"{entry.path}: {len(entry.layer_ms)} profiled layers but {model.name} has "
-                    f"{model.num_layers} (embedding, {model.num_blocks} blocks, head); use the profile "
-                    "of this model."
-                )
+            _check_layers(entry, model)
             if len(entry.boundary_bytes) > 1:
                 per_token = entry.micro_batch_size * model.hidden_size * PROFILE_ACTIVATION_BYTES
                 inferred.add(round(entry.boundary_bytes[1] / per_token))
@@ -242,10 +237,16 @@ def _read_tp_entries(
         if gpu_names.get(name) != gpu:
             continue
         entry = _read_entry(path, mbs, label, tp=tp)
-        if len(entry.layer_ms) != model.num_layers:
-            raise MedleyInputError(
-                f"{path}: {len(entry.layer_ms)} profiled layers but {model.name} has {model.num_layers}; "
-                "use the profile of this model, or remove the file."
-            )
+        _check_layers(entry, model)
         found.setdefault(name, {}).setdefault(tp, {})[mbs] = entry
     return found
+
+
+def _check_layers(entry: MetisEntry, model: ModelSpec) -> None:
+    """A file of another model (another layer count) is refused, naming it."""
+    if len(entry.layer_ms) != model.num_layers:
+        raise MedleyInputError(
+            f"{entry.path}: {len(entry.layer_ms)} profiled layers but {model.name} has "
+            f"{model.num_layers} (embedding, {model.num_blocks} blocks, head); use the profile "
+            "of this model."
+        )
