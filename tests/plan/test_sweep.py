@@ -63,7 +63,7 @@ def _memory_prefix(table: LayerTable, option: MemoryOption, dp: int, flight: Fli
     c = autocast_copy_bytes(level=option.level, dp=dp, per_param=state_bytes_per_param(table.dtype))
     acts = table.act_rc if option.recompute else table.act
     casts = table.cast_rc if option.recompute else table.cast
-    return [a * p + flight.full * (x + c * k) + flight.after_b * y
+    return [a * p + flight.full * (x + c * k) + flight.after_b * (y + c * k)
             for p, x, k, y in zip(table.params, acts, casts, table.after_b, strict=True)]
 
 

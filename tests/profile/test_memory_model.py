@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from medley.cost.estimator import CatalogCostSource
-from medley.cost.formulas import layer_held_params
+from medley.cost.formulas import layer_autocast_params, layer_held_params
 from medley.cost.zero_memory import (
     BF16_ADAM,
     FP32_ADAM,
@@ -78,3 +78,38 @@ def test_single_replica_books_no_collective_buffers() -> None:
     problem = _problem(0, "fp32", dp=1)
     action = next(a for a in problem.schedules[0].actions[0] if a.kind is Kind.REDUCE_GRAD)
     assert problem.collectives(0, action).alloc_bytes == 0.0
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_autocast_copies_live_until_the_weight_gradient() -> None:
+    """At level 0 a half-precision forward casts the fp32 weights under autocast; the matmuls'
+    autograd nodes keep the copies until W releases them, so a split B does not free them (torch,
+    measured here) and the compiler books them in the bytes held between B and W."""
+    import torch
+
+    from medley.profile.layer_build import ProfiledLayer, build_layer, layer_inputs
+    from medley.profile.layers import measure_live_activations
+
+    cpu = torch.device("cpu")
+    x, targets = layer_inputs(TINY, "block", 2, 32, torch.bfloat16, cpu)
+    half = measure_live_activations(build_layer(TINY, "block", torch.bfloat16, cpu), x, targets)
+    master = build_layer(TINY, "block", torch.float32, cpu)
+
+    def cast_forward(inp: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return master.forward(inp, tgt)
+
+    level0 = measure_live_activations(ProfiledLayer(kind="block", module=master.module, forward=cast_forward),
+                                      x, targets)
+    copies = 2 * layer_autocast_params(TINY, 1)
+    assert level0[0] - half[0] == copies  # after F
+    assert level0[1] - half[1] == copies  # after B: still held
+
+    def block_costs(level: int):
+        stage = _problem(level, "bf16").stage_costs[0][0]
+        return stage.activation_bytes, stage.activation_after_b_bytes
+
+    (act0, after0), (act1, after1) = block_costs(0), block_costs(1)
+    all_copies = 2 * sum(layer_autocast_params(TINY, i) for i in range(TINY.num_layers))
+    assert act0 - act1 == pytest.approx(all_copies)
+    assert after0 - after1 == pytest.approx(all_copies)

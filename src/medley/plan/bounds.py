@@ -218,7 +218,8 @@ def stage_memory(
     params = table.params[j] - table.params[i]
     acts = table.act_rc if option.recompute else table.act
     casts = table.cast_rc if option.recompute else table.cast
-    act = acts[j] - acts[i] + _copy_bytes(option, dp, table.dtype) * (casts[j] - casts[i])
+    copies = _copy_bytes(option, dp, table.dtype) * (casts[j] - casts[i])  # held until W, if split
+    act = acts[j] - acts[i] + copies
     state = params * option_bytes_per_param(option, dp, dtype=table.dtype, layers=j - i)
     # A recomputing block holds its forward's activations again during its backward (as the
     # compiler books, plan.compile.backward_workspace): the largest block's, once, less what the
@@ -231,7 +232,7 @@ def stage_memory(
             held = kept[k + 1] - kept[k]
             rerun = max(rerun, full[k + 1] - full[k] - held - gone)
             gone += max(0.0, held - (after_b[k + 1] - after_b[k]))
-    return state + flight.full * act + flight.after_b * (table.after_b[j] - table.after_b[i]) + rerun
+    return state + flight.full * act + flight.after_b * (table.after_b[j] - table.after_b[i] + copies) + rerun
 
 
 def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: Flight) -> np.ndarray:
@@ -243,8 +244,10 @@ def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: F
     columns = table.memory_columns
     acts = columns["act_rc"] if option.recompute else columns["act"]
     casts = columns["cast_rc"] if option.recompute else columns["cast"]
-    # Element by element in float64, in the order written: a * p + full * (x + c * k) + after_b * y.
-    return a * columns["params"] + flight.full * (acts + c * casts) + flight.after_b * columns["after_b"]
+    # Element by element in float64, in the order written: a * p + full * (x + c * k)
+    # + after_b * (y + c * k).
+    return (a * columns["params"] + flight.full * (acts + c * casts)
+            + flight.after_b * (columns["after_b"] + c * casts))
 
 
 def _copy_bytes(option: MemoryOption, dp: int, dtype: str) -> float:

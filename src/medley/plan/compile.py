@@ -128,12 +128,14 @@ def _stage_cost(
     if measured_act and not first:
         # Measured layers count what their forward adds; the received input is held on top.
         act, after_b = act + boundary, after_b + boundary
-    # Autocast's copies of the fp32 weights, which each forward keeps for its backward's input
-    # gradients (half precision without FSDP2; a recomputing block keeps none): the B frees them.
+    # Autocast's copies of the fp32 weights, which each forward keeps for its backward (half
+    # precision without FSDP2; a recomputing block keeps none). The matmuls' autograd nodes hold
+    # them until they are released, so a split backward frees them at W, not at B.
     per_param = state_bytes_per_param(layout.dtype)
     copies = autocast_copy_bytes(level=level, dp=layout.dp, per_param=per_param)
-    act += copies * sum(formulas.layer_autocast_params(model, i, tp=tp) for i in layout.layer_range(stage)
-                        if not (recompute and model.layer_kind(i) == "block"))
+    copies *= sum(formulas.layer_autocast_params(model, i, tp=tp) for i in layout.layer_range(stage)
+                  if not (recompute and model.layer_kind(i) == "block"))
+    act, after_b = act + copies, after_b + copies
     if fused and fused_known and times[Pass.B] + times[Pass.W] > 0:
         scale = fused_s / (times[Pass.B] + times[Pass.W])  # one autograd call costs less than two
         times[Pass.B], times[Pass.W] = times[Pass.B] * scale, times[Pass.W] * scale

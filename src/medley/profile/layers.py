@@ -84,7 +84,9 @@ def _split_run(layer: ProfiledLayer, x: torch.Tensor, targets: torch.Tensor, dev
                 activation_after_b_bytes=max(0.0, after_b - base))
 
 
-def _live_activations(layer: ProfiledLayer, x: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+def measure_live_activations(
+    layer: ProfiledLayer, x: torch.Tensor, targets: torch.Tensor
+) -> tuple[float, float]:
     """(bytes F leaves alive, bytes still alive between B and W): the exact sizes of the tensor
     storages they create, as the runtime's CPU probe counts them (:mod:`medley.runtime.memory`;
     the C allocator's in-use figure also counts its page rounding, some 5% more)."""
@@ -154,7 +156,7 @@ def measure_layer(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len
     split = [_split_run(layer, x, targets, dev) for _ in range(runs)]
     fused = [_fused_run(layer, x, targets, dev) for _ in range(runs)]
     workspace = _backward_workspace(layer, x, targets) if dev.type == "cpu" else 0.0
-    live = _live_activations(layer, x, targets) if dev.type == "cpu" else None
+    live = measure_live_activations(layer, x, targets) if dev.type == "cpu" else None
     fsdp_forward = fsdp_backward = tp_forward = tp_backward = None
     if dev.type == "cpu":
         from medley.profile.dtensor import measure_tp
