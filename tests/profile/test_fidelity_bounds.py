@@ -156,3 +156,14 @@ def test_compute_and_rest_errors_split_the_busiest_device() -> None:
     assert "is predicted -20.0%" in text and "rest of its step (bubble" in text
     assert "-33.3%" in text
     assert "2.5 ms in transfers and waits for them against 2.0 ms" in text
+
+
+def test_noise_is_the_spread_of_identical_compute_between_steps() -> None:
+    r = _result("noisy", predicted_ms=10.0, fastest_ms=12.0)
+    r.busiest_compute_s = [8e-3, 10e-3, 12e-3, 9e-3, 16e-3]  # median 10 ms, fastest 8 ms
+    assert r.compute_spread == pytest.approx(0.25)
+    quiet = _result("quiet", predicted_ms=10.0, fastest_ms=12.0)
+    assert quiet.compute_spread != quiet.compute_spread  # nan: not measured
+    payload = payload_of([r, quiet], {"commit": "x", "command": "y"})
+    text = markdown_from_payload(json.loads(json.dumps(payload)))
+    assert "took a median +25.0% longer in its median step than in its fastest (worst +25.0%" in text

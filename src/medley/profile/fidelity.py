@@ -301,6 +301,12 @@ def _median_actions(records: Sequence[StepRecord], device: int) -> dict[str, flo
     return {c: statistics.median(row.get(c, 0.0) for row in rows) for c in ACTION_CATEGORIES}
 
 
+def _compute_steps(records: Sequence[StepRecord], device: int) -> list[float]:
+    """A device's seconds in compute and optimizer actions, step by step."""
+    rows = [r.action_time_by_device.get(device, {}) for r in records]
+    return [row.get("compute", 0.0) + row.get("optim", 0.0) for row in rows]
+
+
 def run_case(
     case: FidelityCase,
     profile: Profile,
@@ -373,6 +379,7 @@ def run_case(
             int(d): statistics.median(r.step_time_by_device.get(d, 0.0) for r in timed) for d in devices
         },
         measured_actions_by_device={int(d): _median_actions(timed, d) for d in devices},
+        busiest_compute_s=_compute_steps(timed, int(breakdown["device"])),
         emulated_sleep_s=statistics.median(r.emulated_sleep_s for r in timed),
         tags=tags(layout, case),
     )

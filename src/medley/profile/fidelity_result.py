@@ -29,6 +29,8 @@ class FidelityResult:
         measured_actions_by_device: of it, each rank's median seconds per kind of action
             (``medley.runtime.executor.ACTION_CATEGORIES``: compute, transfer, zero, optim, clip),
             by device id: what tells a compute error from one in the waits.
+        busiest_compute_s: the busiest device's seconds in compute and optimizer actions in each
+            timed step: the same work every step, so their spread is the machine's noise.
         emulated_sleep_s: median per step of the longest emulation sleep of any rank.
         cost_source, compute_share, loaded_compute_share, background_cores, wall_s: how it was
             predicted and run (see :func:`run_case`); step_times_s: every step measured.
@@ -54,6 +56,7 @@ class FidelityResult:
     breakdown: dict[str, float] = field(default_factory=dict)
     measured_by_device: dict[int, float] = field(default_factory=dict)
     measured_actions_by_device: dict[int, dict[str, float]] = field(default_factory=dict)
+    busiest_compute_s: list[float] = field(default_factory=list)
     emulated_sleep_s: float = 0.0
     tags: list[str] = field(default_factory=list)
 
@@ -91,6 +94,14 @@ class FidelityResult:
         if measured <= 0 or "compute_s" not in self.breakdown:
             return float("nan")
         return (self.breakdown["compute_s"] - measured) / measured
+
+    @property
+    def compute_spread(self) -> float:
+        """How much longer the busiest device's compute took in its median timed step than in
+        its fastest (nan if not measured): identical work, so this is the noise of the machine
+        that no prediction of one step time can follow."""
+        steps = [t for t in self.busiest_compute_s if t > 0]
+        return statistics.median(steps) / min(steps) - 1.0 if steps else float("nan")
 
     @property
     def rest_error(self) -> float:
@@ -146,6 +157,8 @@ def summarize(results: Sequence[FidelityResult]) -> dict[str, float]:
         "worst_abs_no_overhead_error": _worst(bare),
         "median_compute_error": _median([r.compute_error for r in results]),
         "median_rest_error": _median([r.rest_error for r in results]),
+        "median_compute_spread": _median([r.compute_spread for r in results]),
+        "worst_compute_spread": _worst([x for x in (r.compute_spread for r in results) if x == x]),
         "median_abs_loaded_step_error": _median(loaded),
         "worst_abs_loaded_step_error": _worst(loaded),
         "median_abs_memory_error": _median(everything),

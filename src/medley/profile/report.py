@@ -99,8 +99,9 @@ def _median(values: Sequence[float]) -> float:
 def _table(results: Sequence[FidelityResult]) -> list[str]:
     lines = [
         "| case | plan | predicted ms | no ovh ms | fastest ms | err | no ovh err | median ms | err "
-        "| loaded err | compute err | rest err | bg cores | peak MB pred / meas per rank | worst mem err |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| loaded err | compute err | rest err | noise | bg cores | peak MB pred / meas per rank "
+        "| worst mem err |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in results:
         memory = " · ".join(
@@ -111,7 +112,8 @@ def _table(results: Sequence[FidelityResult]) -> list[str]:
             f"| {r.case} | {r.plan} | {_ms(r.predicted_step_s)} | {_ms(r.predicted_no_overhead_s)} "
             f"| {_ms(r.fastest_step_s)} | {_pct(r.fastest_step_error)} | {_pct(r.no_overhead_error)} "
             f"| {_ms(r.measured_step_s)} | {_pct(r.step_error)} | {_pct(r.loaded_step_error)} "
-            f"| {_pct(r.compute_error)} | {_pct(r.rest_error)} | {r.background_cores:.2f} | {memory} "
+            f"| {_pct(r.compute_error)} | {_pct(r.rest_error)} | {_pct(r.compute_spread)} "
+            f"| {r.background_cores:.2f} | {memory} "
             f"| {_pct(r.worst_memory_error)} |"
         )
     return lines
@@ -138,7 +140,21 @@ def _summary(results: Sequence[FidelityResult]) -> list[str]:
         f"transfers, collectives, clipping) {s['median_rest_error']:+.1%} against the rest of its "
         "measured step (columns compute err and rest err).",
         "",
+        *_noise(s),
         "Peak memory per rank: " + "; ".join(_memory_phrase(s, dtype) for dtype in ("fp32", "bf16")) + ".",
+    ]
+
+
+def _noise(summary: dict[str, float]) -> list[str]:
+    median = summary["median_compute_spread"]
+    if median != median:  # NaN: a report from before the compute was kept per step
+        return []
+    return [
+        "Noise on identical work: the busiest device runs the same compute actions every step, yet "
+        f"its compute took a median {median:+.1%} longer in its median step than in its fastest "
+        f"(worst {summary['worst_compute_spread']:+.1%}; column noise). A step-time error below that "
+        "cannot be told from the machine's own variation.",
+        "",
     ]
 
 
