@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_plans import config, save_tied_copies, tied_tiny, tiny_plan
+from train_plans import config, save_tied_copies, tied_tiny, tiny_plan, tp_plan
 
 from medley.plan.layout import build_schedules
 from medley.runtime.checkpoint import SafeReader
@@ -123,3 +123,33 @@ def test_the_head_copy_starts_as_the_embedding(position: str) -> None:
     assert last.head.out is not None and whole.head.out is None
     assert torch.equal(last.head.out.weight, whole.embed.tok.weight)
     assert shared_name(spec, "head.out.weight") == "embed.tok.weight"
+
+
+TP_PLANS = {
+    "pp2-tp2,1": dict(tp=(2, 1), dp=1, split="3,3", zero="0,0", schedule="1f1b", micro_batches="4"),
+    # The row path (tied_sum_by_rows) on sharded ends, a TP group at one end, two replicas.
+    "pp2-tp1,2-dp2-zero3,1": dict(tp=(1, 2), dp=2, split="3,3", zero="3,1", schedule="1f1b",
+                                  micro_batches="3,2"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(TP_PLANS))
+def test_tied_pipeline_with_tensor_parallel_stages(name: str, tmp_path: Path) -> None:
+    """The tied ends stay whole on every TP rank (embedding and head are not split): each TP
+    rank's copy takes the same summed gradient, and training equals the one-process reference."""
+    plan = tp_plan(model=tied_tiny(), **TP_PLANS[name])
+    hook = functools.partial(save_tied_copies, str(tmp_path))
+    records = train_local(plan, config(steps=STEPS, checkpoint_every=0, measure_memory=False,
+                                       grad_hook=hook))
+    want = reference_losses(plan.layout, config(steps=STEPS))
+    assert max(abs(r.loss - w) for r, w in zip(records, want, strict=True)) <= TOL
+    found = copies_by_step(tmp_path)
+    assert sorted(found) == list(range(STEPS))
+    layout = plan.layout
+    ends = layout.stage_tp(0) + layout.stage_tp(layout.num_stages - 1)
+    for step, copies in found.items():
+        assert len(copies) == layout.dp * ends, f"step {step}: {len(copies)} copies"
+        for copy in copies[1:]:
+            assert torch.equal(copy["param"], copies[0]["param"]), f"step {step}: the copies differ"
+            assert torch.equal(copy["grad"], copies[0]["grad"]), f"step {step}: the gradients differ"
