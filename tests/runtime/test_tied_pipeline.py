@@ -14,6 +14,7 @@ import torch
 from train_plans import config, save_tied_copies, tied_tiny, tiny_plan, tp_plan
 
 from medley.plan.layout import build_schedules
+from medley.plan.plan import Plan
 from medley.runtime.checkpoint import SafeReader
 from medley.runtime.launch import train_local
 from medley.runtime.model import Decoder, shared_name
@@ -48,24 +49,32 @@ def copies_by_step(directory: Path) -> dict[int, list[dict[str, torch.Tensor]]]:
     return found
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", sorted(PLANS))
-def test_tied_pipeline_matches_the_reference(name: str, tmp_path: Path) -> None:
-    plan = tiny_plan(model=tied_tiny(), **PLANS[name])
-    hook = functools.partial(save_tied_copies, str(tmp_path))
+def check_tied_run(plan: Plan, directory: Path) -> list:
+    """Train ``plan`` (tied tiny) for :data:`STEPS` steps: the losses equal the one-process
+    reference, and every copy of the tied weight (each end's, on every TP rank of every replica)
+    holds the same weight and summed gradient, bit for bit, at every step. Returns the records."""
+    hook = functools.partial(save_tied_copies, str(directory))
     records = train_local(plan, config(steps=STEPS, checkpoint_every=0, measure_memory=False,
                                        grad_hook=hook))
     want = reference_losses(plan.layout, config(steps=STEPS))
     assert max(abs(r.loss - w) for r, w in zip(records, want, strict=True)) <= TOL
-    assert records[0].grad_norm > 1.0, "clipping must be active in this test"
-    found = copies_by_step(tmp_path)
+    found = copies_by_step(directory)
     assert sorted(found) == list(range(STEPS))
+    layout = plan.layout
+    ends = layout.stage_tp(0) + layout.stage_tp(layout.num_stages - 1)
     for step, copies in found.items():
-        replicas = plan.layout.dp
-        assert len(copies) == 2 * replicas, f"step {step}: {len(copies)} copies"
-        for copy in copies[1:]:  # all replicas' copies: weights and summed gradients alike, bit for bit
+        assert len(copies) == layout.dp * ends, f"step {step}: {len(copies)} copies"
+        for copy in copies[1:]:
             assert torch.equal(copy["param"], copies[0]["param"]), f"step {step}: the copies differ"
             assert torch.equal(copy["grad"], copies[0]["grad"]), f"step {step}: the gradients differ"
+    return records
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_tied_pipeline_matches_the_reference(name: str, tmp_path: Path) -> None:
+    records = check_tied_run(tiny_plan(model=tied_tiny(), **PLANS[name]), tmp_path)
+    assert records[0].grad_norm > 1.0, "clipping must be active in this test"
 
 
 @pytest.mark.timeout(240)
@@ -138,18 +147,4 @@ TP_PLANS = {
 def test_tied_pipeline_with_tensor_parallel_stages(name: str, tmp_path: Path) -> None:
     """The tied ends stay whole on every TP rank (embedding and head are not split): each TP
     rank's copy takes the same summed gradient, and training equals the one-process reference."""
-    plan = tp_plan(model=tied_tiny(), **TP_PLANS[name])
-    hook = functools.partial(save_tied_copies, str(tmp_path))
-    records = train_local(plan, config(steps=STEPS, checkpoint_every=0, measure_memory=False,
-                                       grad_hook=hook))
-    want = reference_losses(plan.layout, config(steps=STEPS))
-    assert max(abs(r.loss - w) for r, w in zip(records, want, strict=True)) <= TOL
-    found = copies_by_step(tmp_path)
-    assert sorted(found) == list(range(STEPS))
-    layout = plan.layout
-    ends = layout.stage_tp(0) + layout.stage_tp(layout.num_stages - 1)
-    for step, copies in found.items():
-        assert len(copies) == layout.dp * ends, f"step {step}: {len(copies)} copies"
-        for copy in copies[1:]:
-            assert torch.equal(copy["param"], copies[0]["param"]), f"step {step}: the copies differ"
-            assert torch.equal(copy["grad"], copies[0]["grad"]), f"step {step}: the gradients differ"
+    check_tied_run(tp_plan(model=tied_tiny(), **TP_PLANS[name]), tmp_path)
