@@ -6,6 +6,7 @@ buffers around ZeRO collectives (medley.cost.zero_memory's table)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.formulas import layer_autocast_params, layer_held_params
@@ -42,9 +43,25 @@ def test_bytes_per_parameter_by_dtype() -> None:
     assert BF16_ADAM.weights + BF16_ADAM.grads + BF16_ADAM.optimizer == 18.0
     fp32 = stage_state_bytes(1000.0, level=1, dp=2, per_param=FP32_ADAM)
     assert (fp32.weights, fp32.optimizer, fp32.gradient, fp32.grad_shard) == (6000.0, 4000.0, 4000.0, 2000.0)
-    # fp16 at level 0: 2 B gradient + 12 B master and moments; the fp16 weights are autocast's
-    # per-micro-batch copies, with the activations.
-    assert stage_state_bytes(1000.0, level=0, dp=1).peak == 14000.0
+    # fp16 at level 0: the fp32 master's 4 B gradient + 12 B master and moments; the fp16
+    # weights are autocast's per-micro-batch copies, with the activations. Under FSDP2 the
+    # gradient accumulates in fp16 (2 B) and its reduced shard is the fp32 shard's (4 B / d).
+    assert stage_state_bytes(1000.0, level=0, dp=1).peak == 16000.0
+    fp16_zero1 = stage_state_bytes(1000.0, level=1, dp=2, per_param=MIXED_PRECISION_ADAM)
+    assert (fp16_zero1.gradient, fp16_zero1.grad_shard) == (2000.0, 2000.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_without_fsdp2_the_gradient_is_the_fp32_masters(dtype: torch.dtype) -> None:
+    """What the level-0 booking rests on: autocast computes in half precision from the fp32
+    weights, and autograd hands the fp32 weights an fp32 gradient."""
+    from medley.runtime.model import Block
+
+    block = Block(TINY)
+    with torch.autocast("cpu", dtype=dtype):
+        out = block(torch.randn(1, 8, TINY.hidden_size))
+    out.float().sum().backward()
+    assert {p.grad.dtype for p in block.parameters()} == {torch.float32}
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

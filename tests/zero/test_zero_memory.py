@@ -23,15 +23,17 @@ def test_matches_zero_paper_figure_1(level: int, dp: int, expected_gb: float) ->
 
 @pytest.mark.parametrize("level", [0, 1, 2])
 @pytest.mark.parametrize("dp", [2, 4, 16])
-def test_fp16_state_with_its_gradient_is_the_paper_formula_below_level_3(level: int, dp: int) -> None:
+def test_fp16_state_is_the_paper_formula_but_for_fp32_gradients(level: int, dp: int) -> None:
     """In half precision the stepped FSDP2 shard is the master the optimizer's 12 B count, so
-    level 1 holds the paper's bytes once the gradient exists, level 2's resident state (between
-    its reduce-scatter and the step) is the paper's 2 + 14/d, and level 0 the paper's with its
-    half-precision weights as autocast's per-micro-batch copies (one micro-batch in flight)."""
+    level 1 holds the paper's bytes once the gradient exists. Where the gradient is the fp32
+    master's it takes 4 B, not the paper's 2: level 0's whole gradient (autograd differentiates
+    the fp32 weights; the fp16 weights are autocast's per-micro-batch copies, one micro-batch in
+    flight here) and level 2's reduced shard (FSDP2 reduces into its fp32 shard)."""
     state = stage_state_bytes(PSI, level=level, dp=dp, per_param=MIXED_PRECISION_ADAM)
     held = state.resident + (state.gradient if level < 2 else state.grad_shard)
     held += PSI * autocast_copy_bytes(level=level, dp=dp, per_param=MIXED_PRECISION_ADAM)
-    assert held == pytest.approx(zero_paper_bytes(PSI, level=level, dp=dp))
+    fp32_gradients = {0: 2 * PSI, 1: 0.0, 2: 2 * PSI / dp}[level]
+    assert held == pytest.approx(zero_paper_bytes(PSI, level=level, dp=dp) + fp32_gradients)
 
 
 def test_level_3_keeps_no_half_precision_shard() -> None:

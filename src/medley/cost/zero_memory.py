@@ -18,7 +18,7 @@ devices; :func:`zero_paper_bytes`). medley's runtime runs levels 1-3 as FSDP2 un
   (streamed ZeRO-3 included: buckets split its collectives, not its compute).
 * **gradients are made, not kept.** Between steps there is no gradient (the optimizer's
   ``zero_grad`` frees it). Autograd makes the stage's whole unsharded gradient (in the gradients'
-  dtype: fp32 for bf16, FSDP2 upcasting each backward's bf16 gradient into an fp32 accumulation)
+  accumulation dtype: fp32 for bf16, FSDP2 upcasting each backward's bf16 gradient; fp16 for fp16)
   at the stage's backward; it lives until the step's end at level 0, until the reduce-scatter at
   levels 1-3, whose gradient shard then stays until the step's end.
 * **the reduction's flat buffer.** A gradient reduction copies a bucket's gradient into one
@@ -32,11 +32,15 @@ gradients and optimizer state, d the dp group:
 ======  ===========================  ==============  ==========================================
 level   weights (all step)           optimizer       transient
 ======  ===========================  ==============  ==========================================
-0       w Ψ in fp32, 0 in half       K Ψ             gradient g Ψ; reducing, a bucket's g Ψ_b
-1       w Ψ (+ 4 Ψ/d in fp32)        K Ψ/d           as level 0, then the shard g Ψ/d
+0       w Ψ in fp32, 0 in half       K Ψ             gradient 4 Ψ; reducing, a bucket's g Ψ_b
+1       w Ψ (+ 4 Ψ/d in fp32)        K Ψ/d           gradient g Ψ, a bucket's g Ψ_b, the shard 4 Ψ/d
 2       w Ψ (+ 4 Ψ/d in fp32)        K Ψ/d           as level 1
 3       4 Ψ/d in fp32, else 0        K Ψ/d           as level 1, and the gathered weights w Ψ
 ======  ===========================  ==============  ==========================================
+
+The gradient autograd makes at level 0 is the fp32 master's (4 B whatever g is: fp16 plans
+reduce it in an fp16 buffer and copy the sum back), and the shard FSDP2 reduces into is its fp32
+shard's (4 B); g is what FSDP2 accumulates and reduces in (fp16 in fp16 plans).
 
 Without FSDP2 (level 0, or d = 1) half precision computes under autocast from the fp32 master
 (the optimizer's parameter): no resident half-precision weights, but each forward casts its
@@ -177,12 +181,15 @@ def stage_state_bytes(
     master = 0.0 if per_param.master_in_optimizer or not sharded else shard * FP32_BYTES
     gathered = sharded and meaning.shards_weights
     compute_copy = not gathered and (sharded or not per_param.master_in_optimizer)
+    # Autograd differentiates the weights the layers hold: without FSDP2 the fp32 master, so the
+    # gradient is fp32 whatever the table's dtype; FSDP2's reduced shard takes its fp32 shard's.
+    fp32_grad = max(g, FP32_BYTES) if per_param.master_in_optimizer else g
     return StageStateBytes(
         weights=master + (params * w if compute_copy else 0.0),
         optimizer=(shard if sharded else params) * o,
         gathered_weights=params * w if gathered else 0.0,
-        gradient=params * g,
-        grad_shard=shard * g if sharded else 0.0,
+        gradient=params * (g if sharded else fp32_grad),
+        grad_shard=shard * fp32_grad if sharded else 0.0,
         reduce_buffer=params * bucket_fraction * g if dp > 1 else 0.0,
     )
 
