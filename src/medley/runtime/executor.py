@@ -91,6 +91,9 @@ class RankExecutor:
         before_clip: called at the CLIP action before ``on_clip`` (the tied embeddings' gradient
             sum, :mod:`medley.runtime.tied`).
         device: where activations live (receive buffers are allocated there).
+        synced_stages: the stages whose TP group meets in all-reduces in each forward and backward
+            (blocks on more than one device): what lets a send to a TP group be released once
+            another member of it answered (:class:`~medley.runtime.sends.PendingSends`).
 
     Two attributes steer fp16 runs (:mod:`medley.runtime.precision`): ``loss_scale`` multiplies
     each loss before its backward (the reported losses stay unscaled), and ``skip_optim``, set
@@ -110,7 +113,7 @@ class RankExecutor:
                  slowdown: float = 1.0, on_clip: Callable[[], None] | None = None,
                  before_optim: Callable[[int, int | None], None] | None = None,
                  before_clip: Callable[[], None] | None = None, device: torch.device | None = None,
-                 tp_rank: int = 0) -> None:
+                 tp_rank: int = 0, synced_stages: frozenset[int] = frozenset()) -> None:
         self.schedule = schedule
         self.rank = pipeline_rank
         self.stages = stages
@@ -130,7 +133,8 @@ class RankExecutor:
         self.loss_scale = 1.0
         self.skip_optim = False
         self.state: dict[int, StageState] = {}
-        self.pending_sends = PendingSends(schedule=schedule)
+        self.synced_stages = synced_stages
+        self.pending_sends = self._pending_sends()
 
     @property
     def program(self) -> list[Action]:
@@ -157,7 +161,7 @@ class RankExecutor:
         self.skip_optim = False
         self.action_s = dict.fromkeys(ACTION_CATEGORIES, 0.0)
         if self.pending_sends.schedule is not self.schedule:  # the schedule may be swapped between steps
-            self.pending_sends = PendingSends(schedule=self.schedule)
+            self.pending_sends = self._pending_sends()
         for action in program:
             started = time.perf_counter()
             self._run(action, batch)
@@ -168,6 +172,9 @@ class RankExecutor:
         last = self.schedule.num_stages - 1
         losses = self.state[last].losses if last in self.state else {}
         return [losses[mb].detach() for mb in sorted(losses)]
+
+    def _pending_sends(self) -> PendingSends:
+        return PendingSends(schedule=self.schedule, pipeline=self.pipeline, synced_stages=self.synced_stages)
 
     def _optim(self, action: Action) -> None:
         if self.skip_optim:

@@ -6,10 +6,18 @@ schedule says when it is safe: a receive is blocking in :mod:`medley.runtime.exe
 this rank has received a message that the peer sends *after* its receive of one of our
 messages, that message has arrived, and waiting on its send returns at once. Without this,
 every input gradient a stage sends stays alive until the end of the step.
+
+Between TP groups of unlike degrees a rank may send to a peer that never sends back to it (a tp1
+stage feeding a tp2 one sends each input gradient to both TP ranks and hears from one). Its
+members run one program and meet in the TP all-reduces of every forward and backward of a stage
+with blocks (``synced_stages``): once the member that does send to us has passed such an action
+that comes after the receive of one of our messages, every member has passed that receive too.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -47,20 +55,58 @@ def message_positions(schedule: PipelineSchedule) -> dict[MessageKey, tuple[int,
     return {key: (received[key], sent[key]) for key in received.keys() & sent.keys()}
 
 
+
+
+def tp_meeting(action: Action) -> bool:
+    """Whether ``action`` runs its stage's TP all-reduces (when the stage has them): F, BW, and of
+    a split backward B, except on the first stage, whose B is empty and whose W does the whole
+    backward (token ids take no gradient, :mod:`medley.runtime.executor`)."""
+    if action.kind in (Kind.F, Kind.BW):
+        return True
+    return action.kind is (Kind.W if action.stage == 0 else Kind.B)
+
+
 @dataclass(kw_only=True)
 class PendingSends:
     """This rank's posted sends, released as soon as the schedule proves them delivered.
 
     Args:
         schedule: the replica's schedule with its transfers placed (what every rank executes).
+        pipeline: the global ranks of each pipeline rank of the replica, in TP order (empty: one
+            rank each, no TP).
+        synced_stages: the stages whose forward and backward run TP all-reduces over their TP
+            group (blocks on more than one device).
     """
 
     schedule: PipelineSchedule
+    pipeline: Sequence[Sequence[int]] = ()
+    synced_stages: frozenset[int] = frozenset()
     works: list[tuple[dist.Work, int, MessageKey]] = field(default_factory=list)
     positions: dict[MessageKey, tuple[int, int]] = field(init=False)
+    group_of: dict[int, tuple[int, ...]] = field(init=False)
+    syncs: dict[int, list[int]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.positions = message_positions(self.schedule)
+        self.group_of, self.syncs = {}, {}
+        for k, group in enumerate(self.pipeline):
+            if len(group) < 2:
+                continue
+            row = self.schedule.actions[k]
+            syncs = [i for i, a in enumerate(row) if a.stage in self.synced_stages and tp_meeting(a)]
+            for rank in group:
+                self.group_of[rank], self.syncs[rank] = tuple(group), syncs
+
+    def _delivered(self, dst: int, mine: MessageKey, *, src: int, sent_at: int) -> bool:
+        """Whether ``src``'s send at ``sent_at`` proves that ``dst`` took our message ``mine``."""
+        taken_at = self.positions[mine][0]
+        if dst == src:
+            return taken_at < sent_at
+        if dst not in self.group_of.get(src, ()):
+            return False
+        syncs = self.syncs[src]
+        after = bisect_right(syncs, taken_at)  # the first TP meeting after dst's receive
+        return after < len(syncs) and syncs[after] < sent_at
 
     def add(self, work: dist.Work, *, dst: int, key: MessageKey) -> None:
         """A send of ``key`` to global rank ``dst`` was posted."""
@@ -68,11 +114,13 @@ class PendingSends:
 
     def received(self, *, src: int, key: MessageKey) -> None:
         """This rank finished receiving ``key`` from global rank ``src``: every send to ``src``
-        whose message that rank takes before it sent ``key`` is done; wait on it and drop it."""
+        whose message that rank takes before it sent ``key`` is done, and every send to another
+        member of its TP group that took ours before a TP meeting ``src`` passed before sending
+        ``key``; wait on them and drop them."""
         sent_at = self.positions[key][1]
         keep = []
         for work, dst, mine in self.works:
-            if dst == src and self.positions[mine][0] < sent_at:
+            if self._delivered(dst, mine, src=src, sent_at=sent_at):
                 work.wait()
             else:
                 keep.append((work, dst, mine))

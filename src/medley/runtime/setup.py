@@ -22,6 +22,7 @@ from medley.runtime.model import token_loss_sum
 from medley.runtime.placement import PlacementEntry, world_size_terms
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 from medley.runtime.stages import build_local_stages
+from medley.runtime.tensor_parallel import tp_synced_stages
 from medley.runtime.tied import build_tied_grads
 from medley.schedule.zero_checks import CollectiveMismatchError, check_zero_placement
 
@@ -143,7 +144,7 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
         activation_shape=(layout.micro_batch_size, layout.seq_len, layout.model.hidden_size),
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens,
         autocast_dtype=None if dtype == "fp32" else TORCH_DTYPES[dtype], dtype=TORCH_DTYPES[dtype],
-        slowdown=factor, device=device)
+        slowdown=factor, device=device, synced_stages=tp_synced_stages(layout))
     if layout.tied_copies:
         tied_grads = build_tied_grads(groups, schedules, stages, levels)
         executor.before_clip = None if tied_grads is None else tied_grads.sum_grads

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from medley.plan.layout import tp_undivided
+from medley.plan.layout import PlanLayout, tp_undivided
 from medley.runtime.model import Decoder
 
 TP_DIM = "tp"
@@ -68,3 +68,11 @@ def is_tp_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` (a parameter or its gradient, FSDP-sharded or not) is cut over a TP mesh:
     each TP rank then holds other values, where a replicated one is the same on all of them."""
     return isinstance(tensor, DTensor) and TP_DIM in (tensor.device_mesh.mesh_dim_names or ())
+
+
+def tp_synced_stages(layout: PlanLayout) -> frozenset[int]:
+    """The stages whose TP group meets in all-reduces in every forward and backward: those with a
+    block (the layers :func:`parallelize_blocks` shards) on more than one device."""
+    model = layout.model
+    return frozenset(s for s in range(layout.num_stages) if layout.stage_tp(s) > 1
+                     and any(model.layer_kind(i) == "block" for i in layout.layer_range(s)))
