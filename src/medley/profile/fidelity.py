@@ -26,7 +26,13 @@ from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan
 from medley.plan.predict import predict
 from medley.profile.emulate import EmulatedCluster, core_share, emulated_cluster
-from medley.profile.fidelity_result import FidelityResult, memory_failure, summarize, timing_failure
+from medley.profile.fidelity_result import (
+    FidelityResult,
+    busy_seconds,
+    memory_failure,
+    summarize,
+    timing_failure,
+)
 from medley.profile.load import cpu_meter
 from medley.schedule.ir import Kind
 from medley.sim.problem import SimProblem
@@ -303,8 +309,7 @@ def _median_actions(records: Sequence[StepRecord], device: int) -> dict[str, flo
 
 def _compute_steps(records: Sequence[StepRecord], device: int) -> list[float]:
     """A device's seconds in compute and optimizer actions, step by step."""
-    rows = [r.action_time_by_device.get(device, {}) for r in records]
-    return [row.get("compute", 0.0) + row.get("optim", 0.0) for row in rows]
+    return [busy_seconds(r.action_time_by_device.get(device, {})) for r in records]
 
 
 def run_case(

@@ -5,8 +5,14 @@ many cases (:func:`summarize`) and the bounds a test holds them to (:func:`timin
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+
+def busy_seconds(actions: Mapping[str, float]) -> float:
+    """Of a rank's seconds by kind of action (``medley.runtime.executor.ACTION_CATEGORIES``), those
+    in compute and optimizer actions: what the simulator's compute holds."""
+    return actions.get("compute", 0.0) + actions.get("optim", 0.0)
 
 
 @dataclass(kw_only=True)
@@ -82,8 +88,7 @@ class FidelityResult:
     def measured_busy_s(self) -> float:
         """The busiest device's measured median seconds in compute and optimizer actions (what the
         simulator's ``compute_s`` holds); 0 when not measured."""
-        actions = self.measured_actions_by_device.get(int(self.breakdown.get("device", -1)), {})
-        return actions.get("compute", 0.0) + actions.get("optim", 0.0)
+        return busy_seconds(self.measured_actions_by_device.get(int(self.breakdown.get("device", -1)), {}))
 
     @property
     def compute_error(self) -> float:

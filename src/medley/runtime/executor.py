@@ -27,6 +27,7 @@ from medley.runtime.sharding import ShardedStage
 from medley.runtime.torch_adapter import backward_input, backward_weight
 from medley.schedule.ir import (
     COLLECTIVE_KINDS,
+    COMPUTE_KINDS,
     P2P_KINDS,
     Action,
     Kind,
@@ -38,10 +39,9 @@ from medley.schedule.ir import (
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # What a rank's step time goes to, by the kind of action it was in (``RankExecutor.action_s``).
 ACTION_CATEGORIES: tuple[str, ...] = ("compute", "transfer", "zero", "optim", "clip")
-_CATEGORY = {Kind.F: "compute", Kind.B: "compute", Kind.W: "compute", Kind.BW: "compute",
-             Kind.SEND_F: "transfer", Kind.SEND_B: "transfer", Kind.RECV_F: "transfer",
-             Kind.RECV_B: "transfer", Kind.UNSHARD: "zero", Kind.RESHARD: "zero",
-             Kind.REDUCE_GRAD: "zero", Kind.OPTIM: "optim", Kind.CLIP: "clip"}
+_CATEGORY = {**dict.fromkeys(COMPUTE_KINDS, "compute"), **dict.fromkeys(P2P_KINDS, "transfer"),
+             **dict.fromkeys(COLLECTIVE_KINDS - {Kind.OPTIM, Kind.CLIP}, "zero"), Kind.OPTIM: "optim",
+             Kind.CLIP: "clip"}
 # The actions of a forward-only pass (evaluation): the forwards, their transfers, and the ZeRO-3
 # gathers and releases around them, in the schedule's order.
 FORWARD_KINDS = frozenset({Kind.UNSHARD, Kind.F, Kind.SEND_F, Kind.RECV_F, Kind.RESHARD})
