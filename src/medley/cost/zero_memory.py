@@ -183,7 +183,7 @@ def stage_state_bytes(
     compute_copy = not gathered and (sharded or not per_param.master_in_optimizer)
     # Autograd differentiates the weights the layers hold: without FSDP2 the fp32 master, so the
     # gradient is fp32 whatever the table's dtype; FSDP2's reduced shard takes its fp32 shard's.
-    fp32_grad = max(g, FP32_BYTES) if per_param.master_in_optimizer else g
+    fp32_grad = FP32_BYTES if per_param.master_in_optimizer else g
     return StageStateBytes(
         weights=master + (params * w if compute_copy else 0.0),
         optimizer=(shard if sharded else params) * o,

@@ -55,8 +55,6 @@ def message_positions(schedule: PipelineSchedule) -> dict[MessageKey, tuple[int,
     return {key: (received[key], sent[key]) for key in received.keys() & sent.keys()}
 
 
-
-
 def tp_meeting(action: Action) -> bool:
     """Whether ``action`` runs its stage's TP all-reduces (when the stage has them): F, BW, and of
     a split backward B, except on the first stage, whose B is empty and whose W does the whole
