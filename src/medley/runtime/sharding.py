@@ -278,7 +278,14 @@ def shard_stage(
     ``precision`` (fp32, bf16, fp16) sets the dtypes of :func:`~medley.cost.zero_memory.
     state_bytes_per_param`, which the simulator counts: in half precision, levels 1-3 gather the
     weights in the compute dtype (FSDP2's mixed precision: fp32 shards, half-precision gathered
-    copies) and every level reduces gradients in the plan's gradient dtype (fp32 for bf16)."""
+    copies) and every level reduces gradients in the plan's gradient dtype (fp32 for bf16).
+
+    With one replica (no ``dp_mesh`` or one of size 1) there is nothing to shard: levels 1-3 run
+    as level 0, whose state :mod:`medley.cost.zero_memory` books for them there (as torchtitan
+    applies FSDP only when its shard degree exceeds 1); FSDP2 over one rank would hold the weights
+    twice. The schedule's ZeRO actions then do nothing, as the simulator times them."""
+    if dp_mesh is None or dp_mesh.size() == 1:
+        zero = 0
     meaning = zero_level(zero)
     state = state_bytes_per_param(precision)
     mixed = None
