@@ -210,20 +210,20 @@ def place_collectives(
         raise ValueError("all replicas must place stages on pipeline ranks the same way")
     _check_per_use_gathers(schedules, zero, policy)
     buckets = bucket_layers(stage_layers, zero, policy)
-    bases = [[[a for a in row if a.kind not in COLLECTIVE_KINDS] for row in s.actions] for s in schedules]
-    uses = [
-        max(sum(1 for row in b for a in row if a.stage == s) for b in bases) for s in range(first.num_stages)
-    ]
-    reference = max(range(len(schedules)), key=lambda r: (sum(map(len, bases[r])), -r))
-    same_rounds = [
-        len({tuple(a.kind for row in b for a in row if a.stage == s) for b in bases}) == 1
-        for s in range(first.num_stages)
-    ]
+    # Replicas of one micro-batch count usually share their program object: place its
+    # collectives once (the placement of a replica depends only on its program and the order).
+    distinct = list({id(s): s for s in schedules}.values())
+    which = [next(j for j, d in enumerate(distinct) if d is s) for s in schedules]
+    bases = [[[a for a in row if a.kind not in COLLECTIVE_KINDS] for row in s.actions] for s in distinct]
+    kinds = [_kinds_by_stage(b, first.num_stages) for b in bases]
+    uses = [max(len(k[s]) for k in kinds) for s in range(first.num_stages)]
+    reference = which[max(range(len(schedules)), key=lambda r: (sum(map(len, bases[which[r]])), -r))]
+    same_rounds = [len({tuple(k[s]) for k in kinds}) == 1 for s in range(first.num_stages)]
 
     def pinned(action: Action) -> bool:  # a ZeRO-3 gather: compute waits for it, it cannot be late
         return action.kind is Kind.UNSHARD and zero_level(zero[action.stage].level).gathers_for_compute
 
-    rows: list[list[list[Action]]] = [[] for _ in schedules]
+    placed: list[list[list[Action]]] = [[] for _ in distinct]
     for rank in range(first.num_ranks):
         chains = [
             [
@@ -233,16 +233,30 @@ def place_collectives(
             ]
             for base in bases
         ]
+        # Identical replicas add nothing to the common order: each must allow a move, and a copy
+        # allows exactly what its original does.
         order = _common_order([chains[reference]] + chains[:reference] + chains[reference + 1 :], pinned)
-        for replica, base in enumerate(bases):
-            row = _merge(base[rank], _positions(chains[replica], order, pinned))
-            rows[replica].append(_behind_clip(row, first.stages_of_rank(rank)[0]) if clip_grad else row)
+        for j, base in enumerate(bases):
+            row = _merge(base[rank], _positions(chains[j], order, pinned))
+            placed[j].append(_behind_clip(row, first.stages_of_rank(rank)[0]) if clip_grad else row)
+    rows = [[list(row) for row in placed[j]] for j in which]
     out = []
     for sched, sched_rows in zip(schedules, rows, strict=True):
         placed_sched = sched.with_actions(sched_rows)
         placed_sched.bucket_layers = dict(buckets)
         out.append(placed_sched)
     check_dp_consistency(out)
+    return out
+
+
+def _kinds_by_stage(rows: list[list[Action]], num_stages: int) -> list[list[Kind]]:
+    """The kinds of each stage's actions, rank by rank in program order (stages past the last
+    are left to the validator)."""
+    out: list[list[Kind]] = [[] for _ in range(num_stages)]
+    for row in rows:
+        for a in row:
+            if a.stage < num_stages:
+                out[a.stage].append(a.kind)
     return out
 
 
