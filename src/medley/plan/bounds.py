@@ -247,6 +247,7 @@ def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: F
     return a * columns["params"] + flight.full * (acts + c * casts) + flight.after_b * columns["after_b"]
 
 
+@cache  # a pure function of three small values, asked for every stage the sweeps and rules size
 def _copy_bytes(option: MemoryOption, dp: int, dtype: str) -> float:
     """Autocast's weight-copy bytes per cast parameter per micro-batch in flight."""
     return autocast_copy_bytes(level=option.level, dp=dp, per_param=state_bytes_per_param(dtype))
