@@ -29,6 +29,8 @@ device's program, which is what makes ~100k-action schedules simulate in well un
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from heapq import heappop, heappush
 
 from medley.schedule.ir import Action, Kind
@@ -249,17 +251,25 @@ class _Run:
         return " for a transfer that no rank ever sends (missing SEND?)"
 
 
-def simulate(problem: SimProblem) -> SimResult:
-    """Simulate one training step of ``problem``; raises :class:`SimulationError` if it cannot run."""
-    # The engine allocates ~10 acyclic tuples per action; the cycle collector would rescan them
-    # over and over (a third of the run time at 100k actions) and can find nothing to free.
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Run the block with Python's cycle collector off (as it was before, after). The engine
+    allocates ~10 acyclic tuples per action, and the planner's search millions of small tuples and
+    arrays: the collector would rescan them over and over (a third of the run time at 100k
+    actions) and find nearly nothing to free; what it would have found is freed on leaving."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def simulate(problem: SimProblem) -> SimResult:
+    """Simulate one training step of ``problem``; raises :class:`SimulationError` if it cannot run."""
+    with collector_paused():
         prog = build_program(problem)
         run = _Run(prog)
         run.run()
         return assemble_result(problem, run.record())
-    finally:
-        if was_enabled:
-            gc.enable()
