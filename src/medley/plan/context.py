@@ -60,27 +60,29 @@ class PlanContext:
         """One TP rank's layer table at degree ``tp`` (its all-reduces timed on a group of
         ``tp`` devices of the type on one node, :meth:`tp_group`)."""
         key = (device_type, mbs, dtype, tp)
-        if key not in self._tables:
-            tensor = None
-            if tp > 1:
-                tensor = self._tensor.get(dtype)
-                if tensor is None:
-                    catalog = CatalogCostSource.for_cluster(self.model, self.cluster, dtype=dtype)
-                    tensor = TensorParallelCompute(self.model, self.cost, catalog=catalog)
-                    self._tensor[dtype] = tensor
-            self._tables[key] = layer_table(
-                self.model,
-                self.cost,
-                device_type=device_type,
-                micro_batch_size=mbs,
-                seq_len=self.seq_len,
-                dtype=dtype,
-                tp=tp,
-                tensor=tensor,
-                comm=self.comm,
-                group=self.tp_group(device_type, tp),
-            )
-        return self._tables[key]
+        found = self._tables.get(key)
+        if found is not None:
+            return found
+        tensor = None
+        if tp > 1:
+            tensor = self._tensor.get(dtype)
+            if tensor is None:
+                catalog = CatalogCostSource.for_cluster(self.model, self.cluster, dtype=dtype)
+                tensor = TensorParallelCompute(self.model, self.cost, catalog=catalog)
+                self._tensor[dtype] = tensor
+        found = self._tables[key] = layer_table(
+            self.model,
+            self.cost,
+            device_type=device_type,
+            micro_batch_size=mbs,
+            seq_len=self.seq_len,
+            dtype=dtype,
+            tp=tp,
+            tensor=tensor,
+            comm=self.comm,
+            group=self.tp_group(device_type, tp),
+        )
+        return found
 
     def tp_group(self, device_type: str, tp: int) -> tuple[int, ...]:
         """``tp`` devices of ``device_type`` on one node (the first node with that many), whose

@@ -19,7 +19,7 @@ def cheapest_per_stage(setting: Setting, split: tuple[int, ...]) -> StagePlan | 
     fits every device type that runs it."""
     ctx, st = setting.ctx, setting.structure
     dp = st.dp
-    types = ctx.cluster.device_types()
+    types = ctx.device_types
     ladder = setting.ladder
     options = []
     start = 0

@@ -77,6 +77,8 @@ class _Run:
         self.coll_pushed = [False] * ncoll
         self.coll_head = [0] * n
         self.heap: list[tuple[float, int]] = []  # (ready, transfer id >= 0 or ~collective id)
+        # What book_transfer reads per transfer, bound once (the hot path).
+        self.xfer = (prog.xfer_src, prog.xfer_links, prog.xfer_dur, prog.xfer_slot, prog.xfer_dst)
 
     def advance(self, d: int) -> None:
         """Run device d's program until it blocks on a communication that has not arrived."""
@@ -85,6 +87,7 @@ class _Run:
         i, t, n = self.pc[d], self.clock[d], len(ops)
         busy, exposed_transfer = self.busy[d], self.exposed_transfer[d]
         timeline, mem = self.compute[d], self.mem_events[d]
+        heap = self.heap
         while i < n:
             op = ops[i]
             code = op[0]
@@ -118,7 +121,7 @@ class _Run:
             elif code == OP_SEND:
                 if times[op[2]] < 0:
                     raise SimulationError(self._order_error(d, op[3]))
-                heappush(self.heap, (t, op[1]))
+                heappush(heap, (t, op[1]))
             elif code == OP_ISSUE:
                 inst = op[1]
                 self.coll_issued[inst] += 1
@@ -149,21 +152,22 @@ class _Run:
         heappush(self.heap, (ready, ~inst))
 
     def book_transfer(self, ready: float, x: int) -> None:
-        prog, link_free = self.prog, self.link_free
-        src = prog.xfer_src[x]
-        start = ready if ready > self.p2p_free[src] else self.p2p_free[src]
-        links = prog.xfer_links[x]
+        link_free, p2p_free = self.link_free, self.p2p_free
+        xfer_src, xfer_links, xfer_dur, xfer_slot, xfer_dst = self.xfer
+        src = xfer_src[x]
+        start = ready if ready > p2p_free[src] else p2p_free[src]
+        links = xfer_links[x]
         for link in links:
             if link_free[link] > start:
                 start = link_free[link]
-        end = start + prog.xfer_dur[x]
-        self.p2p_free[src] = end
+        end = start + xfer_dur[x]
+        p2p_free[src] = end
         for link in links:
             link_free[link] = end
         self.xfer_start[x] = start
-        slot = prog.xfer_slot[x]
-        prog.times[slot] = end
-        dst = prog.xfer_dst[x]
+        slot = xfer_slot[x]
+        self.prog.times[slot] = end
+        dst = xfer_dst[x]
         if self.blocked_on[dst] == slot:
             self.blocked_on[dst] = -1
             self.advance(dst)

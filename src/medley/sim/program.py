@@ -66,6 +66,9 @@ class _Builder:
             device_ids=list(self.dense), replica_rank=replica_rank, times=[0.0, 0.0],
             ops=[[] for _ in range(n)], coll_seq=[[] for _ in range(n)],
         )
+        prog = self.prog
+        self.add_transfer = (prog.xfer_src.append, prog.xfer_dst.append, prog.xfer_dur.append,
+                             prog.xfer_links.append, prog.xfer_slot.append, prog.xfer_info.append)
         self.link_ids: dict[str, int] = {}
         self.path_cache: dict[tuple[int, int], tuple[int, ...]] = {}
         self.routes: dict[tuple[int, bool, int], tuple] = {}
@@ -93,7 +96,7 @@ class _Builder:
 
     def build(self) -> Program:
         for r, schedule in enumerate(self.problem.schedules):
-            lowered = any(a.kind in P2P_KINDS for row in schedule.actions for a in row)
+            lowered = not P2P_KINDS.isdisjoint({a.kind for row in schedule.actions for a in row})
             for k, row in enumerate(schedule.actions):
                 self.build_rank(r, k, schedule, row, lowered)
         for inst, members in enumerate(self.prog.coll_members):
@@ -195,14 +198,14 @@ class _Builder:
         if route is None:
             route = self.routes[(r, forward, s)] = self.route(r, k, forward, s, s2r, action)
         src, dst, dur, links, producer_region, arrival_region = route
-        prog = self.prog
-        xid = len(prog.xfer_src)
-        prog.xfer_src.append(src)
-        prog.xfer_dst.append(dst)
-        prog.xfer_dur.append(dur)
-        prog.xfer_links.append(links)
-        prog.xfer_slot.append(arrival_region + mb)
-        prog.xfer_info.append((r, TRANSFER_F if forward else TRANSFER_B, s, mb))
+        add_src, add_dst, add_dur, add_links, add_slot, add_info = self.add_transfer
+        xid = len(self.prog.xfer_src)
+        add_src(src)
+        add_dst(dst)
+        add_dur(dur)
+        add_links(links)
+        add_slot(arrival_region + mb)
+        add_info((r, TRANSFER_F if forward else TRANSFER_B, s, mb))
         return (OP_SEND, xid, producer_region + mb, action)
 
     def route(self, r: int, k: int, forward: bool, s: int, s2r: tuple[int, ...], action: Action) -> tuple:
@@ -229,7 +232,8 @@ class _Builder:
             live_grad[action.stage] = live_grad.get(action.stage, 0.0) - freed
             if live_grad[action.stage] < 1.0:
                 live_grad[action.stage] = 0.0
-            cost = replace(cost, free_bytes=freed)
+            if freed != cost.free_bytes:
+                cost = replace(cost, free_bytes=freed)
         me = self.prog.device_ids[device]
         if me not in cost.group:
             raise ValueError(f"replica {r}: collective table gives {action} the group {cost.group}, "
@@ -250,7 +254,7 @@ class _Builder:
         key3 = (action.kind, _group_stage(action), action.bucket)
         nth = occurrences.get(key3, 0)
         occurrences[key3] = nth + 1
-        if action.kind is Kind.REDUCE_GRAD and nth > 0:
+        if action.kind is Kind.REDUCE_GRAD and nth > 0 and cost.alloc_bytes:
             # A bucket's reduction buffers exist once per step: later reductions of the same
             # bucket (streamed ZeRO-3, gradient windows) accumulate into them.
             cost = replace(cost, alloc_bytes=0.0)
