@@ -159,8 +159,9 @@ class PlanContext:
                 prefix = memory_prefix(table, option=option, dp=dp, flight=flight)
                 ends = np.searchsorted(prefix, prefix + self.type_capacity(device_types[0]), side="right") - 1
             else:
-                ends = np.minimum.reduce([self.memory_ends((t,), mbs, dtype, option, dp, flight, tp)
-                                          for t in device_types])
+                ends = self.memory_ends(device_types[:1], mbs, dtype, option, dp, flight, tp)
+                for t in device_types[1:]:  # elementwise minima, taken pairwise
+                    ends = np.minimum(ends, self.memory_ends((t,), mbs, dtype, option, dp, flight, tp))
             self._memory_ends[key] = ends
         return ends
 
