@@ -151,7 +151,9 @@ class PlanContext:
         """For each first layer i, the largest end j whose stage fits a device of every type in
         ``device_types`` by the memory prefix (:func:`~medley.plan.bounds.memory_prefix`): per
         type ``bisect_right(prefix, prefix[i] + capacity) - 1``, the least over the types."""
-        key = (device_types, mbs, dtype, option, dp, flight, tp)
+        # Plain fields, not the dataclasses, so that hashing and comparing the key stays in C.
+        key = (device_types, mbs, dtype, option.level, option.recompute, option.buckets, dp, flight.full,
+               flight.after_b, tp)
         ends = self._memory_ends.get(key)
         if ends is None:
             if len(device_types) == 1:

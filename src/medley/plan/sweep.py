@@ -125,8 +125,8 @@ class StageEnds:
         flight, tp = setting.flights[s], setting.stage_tp(s)
         out = []
         for flag, members in self._by_flag:
-            times = tuple((table.total_rc if flag else table.total, c)
-                          for table, (_, c) in zip(self._tables[s], self._stage_types[s], strict=True))
+            times = tuple([(table.total_rc if flag else table.total, c)
+                           for table, (_, c) in zip(self._tables[s], self._stage_types[s], strict=True)])
             plain_ends = loose_ends = None
             streams = []
             for o, option in members:  # elementwise maxima, taken pairwise
