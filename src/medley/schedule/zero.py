@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from medley.cost.zero_levels import zero_level
-from medley.schedule.ir import COLLECTIVE_KINDS, Action, Kind, PipelineSchedule
+from medley.schedule.ir import COLLECTIVE_KINDS, COMPUTE_KINDS, Action, Kind, PipelineSchedule
 from medley.schedule.zero_checks import CollectiveMismatchError, check_dp_consistency
 from medley.schedule.zero_settings import Placement, StageZero
 
@@ -83,8 +83,8 @@ def _stage_collectives(
     ZeRO-3 reduces only after the actions that make weight gradients (W, BW) and never pads;
     otherwise it reduces after every action, keeping each round alike.
     """
-    uses = [i for i, a in enumerate(row) if a.is_compute and a.stage == stage]
-    grads = [i for i in uses if row[i].kind in (Kind.W, Kind.BW)]
+    uses = [i for i, a in enumerate(row) if a.stage == stage and a.kind in COMPUTE_KINDS]
+    grads = [i for i in uses if row[i].kind is Kind.W or row[i].kind is Kind.BW]
     buckets: list[int | None] = [None] if nbuckets == 1 else list(range(nbuckets))
     reduce_order = list(reversed(buckets))  # the backward finishes the last bucket first
     gathers = [Action(stage, Kind.UNSHARD, bucket=b) for b in buckets]
@@ -287,12 +287,13 @@ def _behind_clip(row: list[Action], stage: int) -> list[Action]:
     stepped: set[tuple[int, int | None]] = set()
     kept: list[Action] = []
     steps: list[Action] = []
+    optim, unshard = Kind.OPTIM, Kind.UNSHARD
     for action in row:
-        key = (action.stage, action.bucket)
-        if action.kind is Kind.OPTIM:
-            stepped.add(key)
+        kind = action.kind
+        if kind is optim:
+            stepped.add((action.stage, action.bucket))
             steps.append(action)
-        elif action.kind is Kind.UNSHARD and key in stepped:
+        elif kind is unshard and (action.stage, action.bucket) in stepped:
             steps.append(action)
         else:
             kept.append(action)
@@ -300,12 +301,19 @@ def _behind_clip(row: list[Action], stage: int) -> list[Action]:
 
 
 def _merge(base: list[Action], items: Placed) -> list[Action]:
+    """``base`` with each item at its slot (``2i``: before ``base[i]``, ``2i+1``: after it; items
+    of one slot in their order; slots past the end are dropped)."""
     by_slot: dict[int, list[Action]] = {}
     for slot, action in items:
         by_slot.setdefault(slot, []).append(action)
     merged: list[Action] = []
-    for i, action in enumerate(base):
-        merged.extend(by_slot.get(2 * i, ()))
-        merged.append(action)
-        merged.extend(by_slot.get(2 * i + 1, ()))
+    done = 0  # base[:done] is in merged
+    for slot in sorted(by_slot):
+        if slot >= 2 * len(base):
+            break
+        cut = slot // 2 + slot % 2
+        merged.extend(base[done:cut])
+        merged.extend(by_slot[slot])
+        done = cut
+    merged.extend(base[done:])
     return merged
