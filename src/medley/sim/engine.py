@@ -79,14 +79,15 @@ class _Run:
         self.heap: list[tuple[float, int]] = []  # (ready, transfer id >= 0 or ~collective id)
         # What book_transfer reads per transfer, bound once (the hot path).
         self.xfer = (prog.xfer_src, prog.xfer_links, prog.xfer_dur, prog.xfer_slot, prog.xfer_dst)
+        # What advance reads per device, bound once: its ops, their count, its timeline and memory.
+        self.device = [(prog.ops[d], len(prog.ops[d]), self.compute[d], self.mem_events[d]) for d in range(n)]
 
     def advance(self, d: int) -> None:
         """Run device d's program until it blocks on a communication that has not arrived."""
-        prog, times = self.prog, self.prog.times
-        ops = prog.ops[d]
-        i, t, n = self.pc[d], self.clock[d], len(ops)
+        times = self.prog.times
+        ops, n, timeline, mem = self.device[d]
+        i, t = self.pc[d], self.clock[d]
         busy, exposed_transfer = self.busy[d], self.exposed_transfer[d]
-        timeline, mem = self.compute[d], self.mem_events[d]
         heap = self.heap
         while i < n:
             op = ops[i]
