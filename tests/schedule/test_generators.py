@@ -119,3 +119,15 @@ def test_unknown_family_and_knob_are_clear_errors() -> None:
         generate("1f1b", pp=2, micro_batches=4, virtual_stages=2)
     with pytest.raises(ValueError, match="micro_batches must be >= 1"):
         generate("gpipe", pp=2, micro_batches=0)
+
+
+def test_a_generated_program_is_reused_but_each_caller_owns_its_rows() -> None:
+    """generate keeps what it made: a second call returns the same program, and a caller that
+    edits its rows (the ZeRO pass builds new ones, but others may) changes no later answer."""
+    first = generate("hetero-1f1b", pp=3, micro_batches=5, warmup=[4, 3, 1])
+    text = first.to_text()
+    first.actions[0].clear()
+    first.knobs.clear()
+    again = generate("hetero-1f1b", pp=3, micro_batches=5, warmup=[4, 3, 1])
+    assert again.to_text() == text and again.knobs == {"warmup": (4, 3, 1)}
+    assert generate("hetero-1f1b", pp=3, micro_batches=5, warmup=(4, 3, 1)).to_text() == text

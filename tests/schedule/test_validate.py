@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from medley.schedule.generators import generate
@@ -15,7 +17,14 @@ from medley.schedule.ir import (
     loop_stage_to_rank,
     parse_rows,
 )
-from medley.schedule.validate import ScheduleError, in_flight_profile, peak_in_flight, validate
+from medley.schedule.validate import (
+    ScheduleError,
+    check_rules,
+    in_flight_profile,
+    peak_in_flight,
+    validate,
+)
+from medley.schedule.validate_fast import runs_cleanly
 
 
 def schedule_of(rows: list[str], m: int, *, stage_to_rank: tuple[int, ...] | None = None) -> PipelineSchedule:
@@ -114,3 +123,52 @@ def test_valid_hand_written_schedule() -> None:
         family="x", num_stages=2, num_micro_batches=2, stage_to_rank=(0, 1), actions=rows
     )
     validate(schedule)
+
+
+def _mutations(schedule: PipelineSchedule, rng: random.Random) -> list[PipelineSchedule]:
+    """The schedule, and copies with two actions of a row swapped, one dropped, one doubled, or one
+    moved to another rank: most break a rule, some (a swap of independent actions) do not."""
+    out = [schedule]
+    for _ in range(12):
+        rows = [list(r) for r in schedule.actions]
+        rank = rng.randrange(len(rows))
+        row = rows[rank]
+        if len(row) < 2:
+            continue
+        i, j = sorted(rng.sample(range(len(row)), 2))
+        what = rng.randrange(4)
+        if what == 0:
+            row[i], row[j] = row[j], row[i]
+        elif what == 1:
+            del row[i]
+        elif what == 2:
+            row.insert(j, row[i])
+        else:
+            rows[(rank + 1) % len(rows)].insert(0, row.pop(i))
+        out.append(schedule.with_actions(rows))
+    return out
+
+
+@pytest.mark.parametrize("family", ["gpipe", "1f1b", "interleaved", "zb-h1", "hetero-1f1b"])
+def test_fast_proof_agrees_with_the_rules(family: str) -> None:
+    """validate's integer-indexed proof (runs_cleanly) accepts every generated schedule and never
+    accepts one that a rule, checked action by action, rejects."""
+    rng = random.Random(family)
+    accepted = rejected = 0
+    for pp, m in ((1, 3), (2, 2), (2, 5), (3, 7), (4, 8)):
+        knobs = {"virtual_stages": 2} if family == "interleaved" else {}
+        if family == "interleaved" and m % pp:
+            continue
+        generated = generate(family, pp=pp, micro_batches=m, **knobs)
+        assert runs_cleanly(generated)
+        for schedule in _mutations(generated, rng):
+            try:
+                check_rules(schedule)
+                ok = True
+            except ScheduleError:
+                ok = False
+            fast = runs_cleanly(schedule)
+            assert not fast or ok, schedule.to_text()
+            accepted += fast
+            rejected += not ok
+    assert accepted and rejected

@@ -75,6 +75,12 @@ class LayerTable:
         return {name: np.array(getattr(self, name), dtype=np.float64)
                 for name in ("params", "act", "act_rc", "cast", "cast_rc", "after_b")}
 
+    @cached_property
+    def rerun_bytes(self) -> dict[tuple[int, int], float]:
+        """By (i, j), the bytes a recomputing stage of layers i..j-1 holds again at its largest
+        block's backward (:func:`stage_memory`'s term, kept as the planner asks for it)."""
+        return {}
+
     def time(self, i: int, j: int, *, recompute: bool = False) -> float:
         extra = self.forward[j] - self.forward[i] if recompute else 0.0
         return self.total[j] - self.total[i] + extra
@@ -221,18 +227,27 @@ def stage_memory(
     copies = _copy_bytes(option, dp, table.dtype) * (casts[j] - casts[i])  # held until W, if split
     act = acts[j] - acts[i] + copies
     state = params * option_bytes_per_param(option, dp, dtype=table.dtype, layers=j - i)
-    # A recomputing block holds its forward's activations again during its backward (as the
-    # compiler books, plan.compile.backward_workspace): the largest block's, once, less what the
-    # layers after it freed when their backward ran first (at least what a split B frees).
     rerun = 0.0
     if option.recompute:
-        full, kept, after_b = table.act, table.act_rc, table.after_b
-        gone = 0.0
-        for k in range(j - 1, i - 1, -1):
-            held = kept[k + 1] - kept[k]
-            rerun = max(rerun, full[k + 1] - full[k] - held - gone)
-            gone += max(0.0, held - (after_b[k + 1] - after_b[k]))
+        reruns = table.rerun_bytes
+        rerun = reruns.get((i, j))
+        if rerun is None:
+            rerun = reruns[(i, j)] = _rerun_bytes(table, i, j)
     return state + flight.full * act + flight.after_b * (table.after_b[j] - table.after_b[i] + copies) + rerun
+
+
+def _rerun_bytes(table: LayerTable, i: int, j: int) -> float:
+    """A recomputing block holds its forward's activations again during its backward (as the
+    compiler books, plan.compile.backward_workspace): the largest block's of layers i..j-1, once,
+    less what the layers after it freed when their backward ran first (at least what a split B
+    frees)."""
+    full, kept, after_b = table.act, table.act_rc, table.after_b
+    rerun = gone = 0.0
+    for k in range(j - 1, i - 1, -1):
+        held = kept[k + 1] - kept[k]
+        rerun = max(rerun, full[k + 1] - full[k] - held - gone)
+        gone += max(0.0, held - (after_b[k + 1] - after_b[k]))
+    return rerun
 
 
 def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: Flight) -> np.ndarray:
@@ -250,6 +265,7 @@ def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: F
             + flight.after_b * (columns["after_b"] + c * casts))
 
 
+@cache  # a pure function of three small values, asked for every stage the sweeps and rules size
 def _copy_bytes(option: MemoryOption, dp: int, dtype: str) -> float:
     """Autocast's weight-copy bytes per cast parameter per micro-batch in flight."""
     return autocast_copy_bytes(level=option.level, dp=dp, per_param=state_bytes_per_param(dtype))

@@ -23,6 +23,7 @@ a time-only split over the chunks, one memory option per rank).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from medley.plan import builder, memory_rules, split_rules
 from medley.plan.context import PlanContext
@@ -32,6 +33,10 @@ from medley.plan.tp_structures import mixed_structures, tp_degrees, tp_groups
 
 class Estimator(PlanContext):
     """The planner's structures and their candidates over one cluster, model and cost source."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._one_f_one_b: dict[tuple[Structure, int], Candidate | None] = {}
 
     def structures(
         self,
@@ -124,16 +129,26 @@ class Estimator(PlanContext):
         return best
 
     def _candidate(self, st: Structure, family: str, virtual_stages: int, level: int) -> Candidate | None:
-        if family != "interleaved":
+        if family == "interleaved":
+            base = self._candidate(st, "1f1b", virtual_stages, level)
+            if base is None:
+                return None
             return builder.build(
-                self, st, family, split=split_rules.bottleneck, memory=memory_rules.cheapest_per_stage,
-                micro_batches=builder.balanced_micro_batches(), replicated_level=level,
+                self, st, family, split=split_rules.interleaved_chunks, memory=memory_rules.cheapest_per_rank,
+                micro_batches=builder.given_micro_batches(base.micro_batches), virtual_stages=virtual_stages,
+                replicated_level=level,
             )
-        base = self._candidate(st, "1f1b", virtual_stages, level)
-        if base is None:
-            return None
+        if family != "1f1b":
+            return self._swept(st, family, level)
+        # Built once per structure and level: the first pass estimates it, each interleaved depth
+        # starts from it (the build is deterministic).
+        key = (st, level)
+        if key not in self._one_f_one_b:
+            self._one_f_one_b[key] = self._swept(st, family, level)
+        return self._one_f_one_b[key]
+
+    def _swept(self, st: Structure, family: str, level: int) -> Candidate | None:
         return builder.build(
-            self, st, family, split=split_rules.interleaved_chunks, memory=memory_rules.cheapest_per_rank,
-            micro_batches=builder.given_micro_batches(base.micro_batches), virtual_stages=virtual_stages,
-            replicated_level=level,
+            self, st, family, split=split_rules.bottleneck, memory=memory_rules.cheapest_per_stage,
+            micro_batches=builder.balanced_micro_batches(), replicated_level=level,
         )

@@ -60,27 +60,29 @@ class PlanContext:
         """One TP rank's layer table at degree ``tp`` (its all-reduces timed on a group of
         ``tp`` devices of the type on one node, :meth:`tp_group`)."""
         key = (device_type, mbs, dtype, tp)
-        if key not in self._tables:
-            tensor = None
-            if tp > 1:
-                tensor = self._tensor.get(dtype)
-                if tensor is None:
-                    catalog = CatalogCostSource.for_cluster(self.model, self.cluster, dtype=dtype)
-                    tensor = TensorParallelCompute(self.model, self.cost, catalog=catalog)
-                    self._tensor[dtype] = tensor
-            self._tables[key] = layer_table(
-                self.model,
-                self.cost,
-                device_type=device_type,
-                micro_batch_size=mbs,
-                seq_len=self.seq_len,
-                dtype=dtype,
-                tp=tp,
-                tensor=tensor,
-                comm=self.comm,
-                group=self.tp_group(device_type, tp),
-            )
-        return self._tables[key]
+        found = self._tables.get(key)
+        if found is not None:
+            return found
+        tensor = None
+        if tp > 1:
+            tensor = self._tensor.get(dtype)
+            if tensor is None:
+                catalog = CatalogCostSource.for_cluster(self.model, self.cluster, dtype=dtype)
+                tensor = TensorParallelCompute(self.model, self.cost, catalog=catalog)
+                self._tensor[dtype] = tensor
+        found = self._tables[key] = layer_table(
+            self.model,
+            self.cost,
+            device_type=device_type,
+            micro_batch_size=mbs,
+            seq_len=self.seq_len,
+            dtype=dtype,
+            tp=tp,
+            tensor=tensor,
+            comm=self.comm,
+            group=self.tp_group(device_type, tp),
+        )
+        return found
 
     def tp_group(self, device_type: str, tp: int) -> tuple[int, ...]:
         """``tp`` devices of ``device_type`` on one node (the first node with that many), whose
@@ -149,7 +151,9 @@ class PlanContext:
         """For each first layer i, the largest end j whose stage fits a device of every type in
         ``device_types`` by the memory prefix (:func:`~medley.plan.bounds.memory_prefix`): per
         type ``bisect_right(prefix, prefix[i] + capacity) - 1``, the least over the types."""
-        key = (device_types, mbs, dtype, option, dp, flight, tp)
+        # Plain fields, not the dataclasses, so that hashing and comparing the key stays in C.
+        key = (device_types, mbs, dtype, option.level, option.recompute, option.buckets, dp, flight.full,
+               flight.after_b, tp)
         ends = self._memory_ends.get(key)
         if ends is None:
             if len(device_types) == 1:
@@ -157,8 +161,9 @@ class PlanContext:
                 prefix = memory_prefix(table, option=option, dp=dp, flight=flight)
                 ends = np.searchsorted(prefix, prefix + self.type_capacity(device_types[0]), side="right") - 1
             else:
-                ends = np.minimum.reduce([self.memory_ends((t,), mbs, dtype, option, dp, flight, tp)
-                                          for t in device_types])
+                ends = self.memory_ends(device_types[:1], mbs, dtype, option, dp, flight, tp)
+                for t in device_types[1:]:  # elementwise minima, taken pairwise
+                    ends = np.minimum(ends, self.memory_ends((t,), mbs, dtype, option, dp, flight, tp))
             self._memory_ends[key] = ends
         return ends
 

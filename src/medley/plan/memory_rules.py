@@ -19,7 +19,7 @@ def cheapest_per_stage(setting: Setting, split: tuple[int, ...]) -> StagePlan | 
     fits every device type that runs it."""
     ctx, st = setting.ctx, setting.structure
     dp = st.dp
-    types = ctx.cluster.device_types()
+    types = ctx.device_types
     ladder = setting.ladder
     options = []
     start = 0
@@ -100,7 +100,9 @@ def chunk_in_flight(pp: int, micro_batches: int, virtual_stages: int) -> tuple[n
     under-counted medley's schedule, whose first chunks hold more: plans booked as fitting
     overflowed by 15-21%.)"""
     schedule = generate("interleaved", pp=pp, micro_batches=micro_batches, virtual_stages=virtual_stages)
-    return tuple(np.unique(np.array([(0.0,) * virtual_stages, *trace]), axis=0)
+    # The distinct rows in lexicographic order (np.unique's, axis=0), deduplicated before any
+    # array is made: the counts are whole numbers, so comparing the tuples is comparing the rows.
+    return tuple(np.array(sorted({(0.0,) * virtual_stages, *trace}))
                  for trace in in_flight_by_stage(schedule))
 
 

@@ -39,6 +39,7 @@ from medley.plan.ranking import (
 )
 from medley.plan.shortfall import shortfall_error
 from medley.plan.space import MICRO_BATCH_SIZES, SEARCHED_FAMILIES, Candidate, Constraints, Structure
+from medley.sim.engine import collector_paused
 from medley.spec.cluster import Cluster
 from medley.spec.limits import MAX_MICRO_BATCHES, MAX_PLAN_DEVICES
 from medley.spec.model import ModelSpec
@@ -168,6 +169,7 @@ def device_pools(cluster: Cluster, devices: Sequence[int], estimator: Estimator)
     return pools
 
 
+@collector_paused()  # the search makes millions of small objects and no cycles worth finding
 def search(
     cluster: Cluster,
     model: ModelSpec,

@@ -67,6 +67,12 @@ class StageEnds:
         self._capacities = [[ctx.type_capacity(t) for t, _ in pairs] for pairs in self._stage_types]
         self._limits: list[tuple[FlagLimits, ...] | None] = [None] * st.pp
         self._shorts: dict[tuple[int, int, int], int] = {}
+        # The options of each recompute flag (in order of first appearance), with their index.
+        flags = dict.fromkeys(o.recompute for o in self._options)
+        self._by_flag = [
+            (flag, [(o, option) for o, option in enumerate(self._options) if option.recompute == flag])
+            for flag in flags
+        ]
 
     def __call__(self, s: int, i: int, t: float) -> int:
         flags = self._limits[s] or self.limits(s)
@@ -113,21 +119,26 @@ class StageEnds:
         is min(T, its memory end), T the end the time allows; under a streamed one it is
         min(T, memory end) when both reach i + buckets, and min(T, ``short``) otherwise
         (:meth:`short_end`); the best option's end counts."""
+        setting, st = self._setting, self._setting.structure
+        ends_of = setting.ctx.memory_ends
+        types, mbs, dtype, dp = self._types[s], st.micro_batch_size, setting.dtype, st.dp
+        flight, tp = setting.flights[s], setting.stage_tp(s)
         out = []
-        for flag in dict.fromkeys(o.recompute for o in self._options):
-            times = tuple((table.total_rc if flag else table.total, c)
-                          for table, (_, c) in zip(self._tables[s], self._stage_types[s], strict=True))
-            plain_ends, streams, loose_ends = [], [], []
-            for o, option in enumerate(self._options):
-                if option.recompute == flag:
-                    ends = self.memory_ends(s, o)
-                    loose_ends.append(ends)
-                    if option.streams:
-                        streams.append((o, option.buckets, ends.tolist()))
-                    else:
-                        plain_ends.append(ends)
-            plain = np.maximum.reduce(plain_ends).tolist() if plain_ends else [-1] * (self._num_layers + 1)
-            loose = np.maximum.reduce(loose_ends).tolist()
+        for flag, members in self._by_flag:
+            times = tuple([(table.total_rc if flag else table.total, c)
+                           for table, (_, c) in zip(self._tables[s], self._stage_types[s], strict=True)])
+            plain_ends = loose_ends = None
+            streams = []
+            for o, option in members:  # elementwise maxima, taken pairwise
+                ends = ends_of(types, mbs, dtype, option, dp, flight, tp)
+                loose_ends = ends if loose_ends is None else np.maximum(loose_ends, ends)
+                if option.streams:
+                    streams.append((o, option.buckets, ends.tolist()))
+                else:
+                    plain_ends = ends if plain_ends is None else np.maximum(plain_ends, ends)
+            plain = plain_ends.tolist() if plain_ends is not None else [-1] * (self._num_layers + 1)
+            assert loose_ends is not None
+            loose = loose_ends.tolist()
             out.append(FlagLimits(times=times, plain=plain, streams=tuple(streams), loose=loose))
         self._limits[s] = tuple(out)
         return self._limits[s]

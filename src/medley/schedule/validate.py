@@ -25,6 +25,7 @@ from medley.schedule.ir import (
     add_send_recv,
     p2p_peer_stage,
 )
+from medley.schedule.validate_fast import runs_cleanly
 
 
 class ScheduleError(ValueError):
@@ -49,13 +50,21 @@ def validate(
     caps that rank's in-flight activations (see the module docstring for the unit).
     """
     _check_shape(schedule)
+    if not runs_cleanly(schedule):  # the integer-indexed proof; else look rule by rule
+        check_rules(schedule)
+    if activation_limit is not None:
+        _check_memory(schedule, activation_limit, w_fraction)
+
+
+def check_rules(schedule: PipelineSchedule) -> None:
+    """The rules of :func:`validate` but the activation limit, one by one on the actions, raising
+    at the first broken one (what :func:`validate` runs when the fast proof does not go through)."""
+    _check_shape(schedule)
     _check_compute(schedule)
     has_p2p = any(a.kind in P2P_KINDS for row in schedule.actions for a in row)
     lowered = schedule if has_p2p else add_send_recv(schedule)
     _check_p2p(lowered)
     _execute(lowered)
-    if activation_limit is not None:
-        _check_memory(schedule, activation_limit, w_fraction)
 
 
 def _check_shape(schedule: PipelineSchedule) -> None:

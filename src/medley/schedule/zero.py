@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from medley.cost.zero_levels import zero_level
-from medley.schedule.ir import COLLECTIVE_KINDS, Action, Kind, PipelineSchedule
+from medley.schedule.ir import COLLECTIVE_KINDS, COMPUTE_KINDS, Action, Kind, PipelineSchedule
 from medley.schedule.zero_checks import CollectiveMismatchError, check_dp_consistency
 from medley.schedule.zero_settings import Placement, StageZero
 
@@ -83,8 +83,8 @@ def _stage_collectives(
     ZeRO-3 reduces only after the actions that make weight gradients (W, BW) and never pads;
     otherwise it reduces after every action, keeping each round alike.
     """
-    uses = [i for i, a in enumerate(row) if a.is_compute and a.stage == stage]
-    grads = [i for i in uses if row[i].kind in (Kind.W, Kind.BW)]
+    uses = [i for i, a in enumerate(row) if a.stage == stage and a.kind in COMPUTE_KINDS]
+    grads = [i for i in uses if row[i].kind is Kind.W or row[i].kind is Kind.BW]
     buckets: list[int | None] = [None] if nbuckets == 1 else list(range(nbuckets))
     reduce_order = list(reversed(buckets))  # the backward finishes the last bucket first
     gathers = [Action(stage, Kind.UNSHARD, bucket=b) for b in buckets]
@@ -210,20 +210,20 @@ def place_collectives(
         raise ValueError("all replicas must place stages on pipeline ranks the same way")
     _check_per_use_gathers(schedules, zero, policy)
     buckets = bucket_layers(stage_layers, zero, policy)
-    bases = [[[a for a in row if a.kind not in COLLECTIVE_KINDS] for row in s.actions] for s in schedules]
-    uses = [
-        max(sum(1 for row in b for a in row if a.stage == s) for b in bases) for s in range(first.num_stages)
-    ]
-    reference = max(range(len(schedules)), key=lambda r: (sum(map(len, bases[r])), -r))
-    same_rounds = [
-        len({tuple(a.kind for row in b for a in row if a.stage == s) for b in bases}) == 1
-        for s in range(first.num_stages)
-    ]
+    # Replicas of one micro-batch count usually share their program object: place its
+    # collectives once (the placement of a replica depends only on its program and the order).
+    distinct = list({id(s): s for s in schedules}.values())
+    which = [next(j for j, d in enumerate(distinct) if d is s) for s in schedules]
+    bases = [[[a for a in row if a.kind not in COLLECTIVE_KINDS] for row in s.actions] for s in distinct]
+    kinds = [_kinds_by_stage(b, first.num_stages) for b in bases]
+    uses = [max(len(k[s]) for k in kinds) for s in range(first.num_stages)]
+    reference = which[max(range(len(schedules)), key=lambda r: (sum(map(len, bases[which[r]])), -r))]
+    same_rounds = [len({tuple(k[s]) for k in kinds}) == 1 for s in range(first.num_stages)]
 
     def pinned(action: Action) -> bool:  # a ZeRO-3 gather: compute waits for it, it cannot be late
         return action.kind is Kind.UNSHARD and zero_level(zero[action.stage].level).gathers_for_compute
 
-    rows: list[list[list[Action]]] = [[] for _ in schedules]
+    placed: list[list[list[Action]]] = [[] for _ in distinct]
     for rank in range(first.num_ranks):
         chains = [
             [
@@ -233,16 +233,30 @@ def place_collectives(
             ]
             for base in bases
         ]
+        # Identical replicas add nothing to the common order: each must allow a move, and a copy
+        # allows exactly what its original does.
         order = _common_order([chains[reference]] + chains[:reference] + chains[reference + 1 :], pinned)
-        for replica, base in enumerate(bases):
-            row = _merge(base[rank], _positions(chains[replica], order, pinned))
-            rows[replica].append(_behind_clip(row, first.stages_of_rank(rank)[0]) if clip_grad else row)
+        for j, base in enumerate(bases):
+            row = _merge(base[rank], _positions(chains[j], order, pinned))
+            placed[j].append(_behind_clip(row, first.stages_of_rank(rank)[0]) if clip_grad else row)
+    rows = [[list(row) for row in placed[j]] for j in which]
     out = []
     for sched, sched_rows in zip(schedules, rows, strict=True):
         placed_sched = sched.with_actions(sched_rows)
         placed_sched.bucket_layers = dict(buckets)
         out.append(placed_sched)
     check_dp_consistency(out)
+    return out
+
+
+def _kinds_by_stage(rows: list[list[Action]], num_stages: int) -> list[list[Kind]]:
+    """The kinds of each stage's actions, rank by rank in program order (stages past the last
+    are left to the validator)."""
+    out: list[list[Kind]] = [[] for _ in range(num_stages)]
+    for row in rows:
+        for a in row:
+            if a.stage < num_stages:
+                out[a.stage].append(a.kind)
     return out
 
 
@@ -273,12 +287,13 @@ def _behind_clip(row: list[Action], stage: int) -> list[Action]:
     stepped: set[tuple[int, int | None]] = set()
     kept: list[Action] = []
     steps: list[Action] = []
+    optim, unshard = Kind.OPTIM, Kind.UNSHARD
     for action in row:
-        key = (action.stage, action.bucket)
-        if action.kind is Kind.OPTIM:
-            stepped.add(key)
+        kind = action.kind
+        if kind is optim:
+            stepped.add((action.stage, action.bucket))
             steps.append(action)
-        elif action.kind is Kind.UNSHARD and key in stepped:
+        elif kind is unshard and (action.stage, action.bucket) in stepped:
             steps.append(action)
         else:
             kept.append(action)
@@ -286,12 +301,19 @@ def _behind_clip(row: list[Action], stage: int) -> list[Action]:
 
 
 def _merge(base: list[Action], items: Placed) -> list[Action]:
+    """``base`` with each item at its slot (``2i``: before ``base[i]``, ``2i+1``: after it; items
+    of one slot in their order; slots past the end are dropped)."""
     by_slot: dict[int, list[Action]] = {}
     for slot, action in items:
         by_slot.setdefault(slot, []).append(action)
     merged: list[Action] = []
-    for i, action in enumerate(base):
-        merged.extend(by_slot.get(2 * i, ()))
-        merged.append(action)
-        merged.extend(by_slot.get(2 * i + 1, ()))
+    done = 0  # base[:done] is in merged
+    for slot in sorted(by_slot):
+        if slot >= 2 * len(base):
+            break
+        cut = slot // 2 + slot % 2
+        merged.extend(base[done:cut])
+        merged.extend(by_slot[slot])
+        done = cut
+    merged.extend(base[done:])
     return merged

@@ -29,6 +29,8 @@ device's program, which is what makes ~100k-action schedules simulate in well un
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from heapq import heappop, heappush
 
 from medley.schedule.ir import Action, Kind
@@ -75,14 +77,18 @@ class _Run:
         self.coll_pushed = [False] * ncoll
         self.coll_head = [0] * n
         self.heap: list[tuple[float, int]] = []  # (ready, transfer id >= 0 or ~collective id)
+        # What book_transfer reads per transfer, bound once (the hot path).
+        self.xfer = (prog.xfer_src, prog.xfer_links, prog.xfer_dur, prog.xfer_slot, prog.xfer_dst)
+        # What advance reads per device, bound once: its ops, their count, its timeline and memory.
+        self.device = [(prog.ops[d], len(prog.ops[d]), self.compute[d], self.mem_events[d]) for d in range(n)]
 
     def advance(self, d: int) -> None:
         """Run device d's program until it blocks on a communication that has not arrived."""
-        prog, times = self.prog, self.prog.times
-        ops = prog.ops[d]
-        i, t, n = self.pc[d], self.clock[d], len(ops)
+        times = self.prog.times
+        ops, n, timeline, mem = self.device[d]
+        i, t = self.pc[d], self.clock[d]
         busy, exposed_transfer = self.busy[d], self.exposed_transfer[d]
-        timeline, mem = self.compute[d], self.mem_events[d]
+        heap = self.heap
         while i < n:
             op = ops[i]
             code = op[0]
@@ -116,7 +122,7 @@ class _Run:
             elif code == OP_SEND:
                 if times[op[2]] < 0:
                     raise SimulationError(self._order_error(d, op[3]))
-                heappush(self.heap, (t, op[1]))
+                heappush(heap, (t, op[1]))
             elif code == OP_ISSUE:
                 inst = op[1]
                 self.coll_issued[inst] += 1
@@ -147,21 +153,22 @@ class _Run:
         heappush(self.heap, (ready, ~inst))
 
     def book_transfer(self, ready: float, x: int) -> None:
-        prog, link_free = self.prog, self.link_free
-        src = prog.xfer_src[x]
-        start = ready if ready > self.p2p_free[src] else self.p2p_free[src]
-        links = prog.xfer_links[x]
+        link_free, p2p_free = self.link_free, self.p2p_free
+        xfer_src, xfer_links, xfer_dur, xfer_slot, xfer_dst = self.xfer
+        src = xfer_src[x]
+        start = ready if ready > p2p_free[src] else p2p_free[src]
+        links = xfer_links[x]
         for link in links:
             if link_free[link] > start:
                 start = link_free[link]
-        end = start + prog.xfer_dur[x]
-        self.p2p_free[src] = end
+        end = start + xfer_dur[x]
+        p2p_free[src] = end
         for link in links:
             link_free[link] = end
         self.xfer_start[x] = start
-        slot = prog.xfer_slot[x]
-        prog.times[slot] = end
-        dst = prog.xfer_dst[x]
+        slot = xfer_slot[x]
+        self.prog.times[slot] = end
+        dst = xfer_dst[x]
         if self.blocked_on[dst] == slot:
             self.blocked_on[dst] = -1
             self.advance(dst)
@@ -249,17 +256,25 @@ class _Run:
         return " for a transfer that no rank ever sends (missing SEND?)"
 
 
-def simulate(problem: SimProblem) -> SimResult:
-    """Simulate one training step of ``problem``; raises :class:`SimulationError` if it cannot run."""
-    # The engine allocates ~10 acyclic tuples per action; the cycle collector would rescan them
-    # over and over (a third of the run time at 100k actions) and can find nothing to free.
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Run the block with Python's cycle collector off (as it was before, after). The engine
+    allocates ~10 acyclic tuples per action, and the planner's search millions of small tuples and
+    arrays: the collector would rescan them over and over (a third of the run time at 100k
+    actions) and find nearly nothing to free; what it would have found is freed on leaving."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def simulate(problem: SimProblem) -> SimResult:
+    """Simulate one training step of ``problem``; raises :class:`SimulationError` if it cannot run."""
+    with collector_paused():
         prog = build_program(problem)
         run = _Run(prog)
         run.run()
         return assemble_result(problem, run.record())
-    finally:
-        if was_enabled:
-            gc.enable()

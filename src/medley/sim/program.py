@@ -66,6 +66,9 @@ class _Builder:
             device_ids=list(self.dense), replica_rank=replica_rank, times=[0.0, 0.0],
             ops=[[] for _ in range(n)], coll_seq=[[] for _ in range(n)],
         )
+        prog = self.prog
+        self.add_transfer = (prog.xfer_src.append, prog.xfer_dst.append, prog.xfer_dur.append,
+                             prog.xfer_links.append, prog.xfer_slot.append, prog.xfer_info.append)
         self.link_ids: dict[str, int] = {}
         self.path_cache: dict[tuple[int, int], tuple[int, ...]] = {}
         self.routes: dict[tuple[int, bool, int], tuple] = {}
@@ -93,7 +96,7 @@ class _Builder:
 
     def build(self) -> Program:
         for r, schedule in enumerate(self.problem.schedules):
-            lowered = any(a.kind in P2P_KINDS for row in schedule.actions for a in row)
+            lowered = not P2P_KINDS.isdisjoint({a.kind for row in schedule.actions for a in row})
             for k, row in enumerate(schedule.actions):
                 self.build_rank(r, k, schedule, row, lowered)
         for inst, members in enumerate(self.prog.coll_members):
@@ -116,39 +119,45 @@ class _Builder:
         last = schedule.num_stages - 1
         costs = self.problem.stage_costs[r]
         ops = self.prog.ops[device]
+        append = ops.append
         m = schedule.num_micro_batches
+        spans = schedule.micro_batch_stages  # empty: every micro-batch runs stages 0..last
         # slot of (region, s, mb) is base + region * stride + s * m + mb
         base, stride = self.bases[r], schedule.num_stages * m
         unshard: dict[int, int] = {}  # stage -> latest UNSHARD instance listed so far
         reduce: dict[tuple[int, int | None], int] = {}  # (stage, bucket) -> latest REDUCE_GRAD instance
         live_grad: dict[int, float] = {}  # stage -> unsharded gradient bytes not yet reduced
         occurrences: dict[tuple[Kind, int, int | None], int] = {}
+        coll_slot = self.prog.coll_slot
+        kind_f, kind_b, kind_w, kind_bw = Kind.F, Kind.B, Kind.W, Kind.BW
+        send_f, send_b = Kind.SEND_F, Kind.SEND_B
         for action in row:
             kind, s, mb = action.kind, action.stage, action.micro_batch
             if s > last or s2r[s] != k:
                 raise ValueError(f"replica {r} rank {k}: action {action} does not belong to this rank")
             if mb is not None and mb >= m:
                 raise ValueError(f"replica {r} rank {k}: action {action} names micro-batch {mb} of only {m}")
-            if kind is Kind.F or kind is Kind.B or kind is Kind.W or kind is Kind.BW:
+            if kind is kind_f or kind is kind_b or kind is kind_w or kind is kind_bw:
+                assert mb is not None
                 cost = costs[s]
                 here = base + s * m + mb
                 dep = producer = local = ZERO_SLOT
                 # A micro-batch's chain (both ends) is the whole pipeline except in two-direction
                 # schedules, whose up micro-batches enter at stage p.
-                first, end = schedule.stage_span(mb)
-                if kind is Kind.F:
+                first, end = spans[mb] if spans else (0, last)
+                if kind is kind_f:
                     dur, out, mem_start, mem_end = cost.forward_s, here, cost.activation_bytes, 0.0
                     if s > first:
                         producer = here - m
                         dep = producer if s2r[s - 1] == k else producer + 2 * stride
                     send = not lowered and s < end and s2r[s + 1] != k
-                elif kind is Kind.W:
+                elif kind is kind_w:
                     dur, out, mem_start = cost.backward_weight_s, SINK_SLOT, 0.0
                     mem_end = cost.activation_after_b_bytes
                     local = here + stride
                     send = False
                 else:
-                    split = kind is Kind.B
+                    split = kind is kind_b
                     dur = cost.backward_input_s + (0.0 if split else cost.backward_weight_s)
                     out, mem_start, local = here + stride, 0.0, here
                     mem_end = cost.activation_bytes - (cost.activation_after_b_bytes if split else 0.0)
@@ -156,10 +165,10 @@ class _Builder:
                         producer = here + stride + m
                         dep = producer if s2r[s + 1] == k else producer + 2 * stride
                     send = not lowered and s > first and s2r[s - 1] != k
-                if kind is not Kind.F:  # the backward's workspace, for as long as it runs
+                if kind is not kind_f:  # the backward's workspace, for as long as it runs
                     mem_start += cost.workspace_bytes
                     mem_end += cost.workspace_bytes
-                if (kind is Kind.W or kind is Kind.BW) and live_grad.get(s, 0.0) <= 0.0:
+                if (kind is kind_w or kind is kind_bw) and live_grad.get(s, 0.0) <= 0.0:
                     # (Re)allocated by the first weight gradient after the last reduction freed it.
                     # The gradient grows as this backward frees its activations and workspace, so
                     # the action holds the larger of its start (those) and its end (the gradient):
@@ -169,13 +178,14 @@ class _Builder:
                     mem_start += max(0.0, grad - mem_end)
                     mem_end = max(0.0, mem_end - grad)
                 zero_inst = unshard.get(s, -1)
-                zero_dep = self.prog.coll_slot[zero_inst] if zero_inst >= 0 else ZERO_SLOT
-                ops.append((OP_COMPUTE, dur, dep, producer, local, zero_dep, out, mem_start, mem_end, action,
-                            zero_inst))
+                zero_dep = coll_slot[zero_inst] if zero_inst >= 0 else ZERO_SLOT
+                append((OP_COMPUTE, dur, dep, producer, local, zero_dep, out, mem_start, mem_end, action,
+                        zero_inst))
                 if send:  # the SEND add_send_recv would place right after this action
-                    ops.append(self.send_op(r, k, kind is Kind.F, s, mb, s2r, action))
-            elif kind is Kind.SEND_F or kind is Kind.SEND_B:
-                ops.append(self.send_op(r, k, kind is Kind.SEND_F, s, mb, s2r, action))
+                    append(self.send_op(r, k, kind is kind_f, s, mb, s2r, action))
+            elif kind is send_f or kind is send_b:
+                assert mb is not None
+                append(self.send_op(r, k, kind is send_f, s, mb, s2r, action))
             elif kind in P2P_KINDS:
                 continue  # receives are posted early; the consumer waits for the arrival slot
             else:
@@ -188,14 +198,14 @@ class _Builder:
         if route is None:
             route = self.routes[(r, forward, s)] = self.route(r, k, forward, s, s2r, action)
         src, dst, dur, links, producer_region, arrival_region = route
-        prog = self.prog
-        xid = len(prog.xfer_src)
-        prog.xfer_src.append(src)
-        prog.xfer_dst.append(dst)
-        prog.xfer_dur.append(dur)
-        prog.xfer_links.append(links)
-        prog.xfer_slot.append(arrival_region + mb)
-        prog.xfer_info.append((r, TRANSFER_F if forward else TRANSFER_B, s, mb))
+        add_src, add_dst, add_dur, add_links, add_slot, add_info = self.add_transfer
+        xid = len(self.prog.xfer_src)
+        add_src(src)
+        add_dst(dst)
+        add_dur(dur)
+        add_links(links)
+        add_slot(arrival_region + mb)
+        add_info((r, TRANSFER_F if forward else TRANSFER_B, s, mb))
         return (OP_SEND, xid, producer_region + mb, action)
 
     def route(self, r: int, k: int, forward: bool, s: int, s2r: tuple[int, ...], action: Action) -> tuple:
@@ -222,7 +232,8 @@ class _Builder:
             live_grad[action.stage] = live_grad.get(action.stage, 0.0) - freed
             if live_grad[action.stage] < 1.0:
                 live_grad[action.stage] = 0.0
-            cost = replace(cost, free_bytes=freed)
+            if freed != cost.free_bytes:
+                cost = replace(cost, free_bytes=freed)
         me = self.prog.device_ids[device]
         if me not in cost.group:
             raise ValueError(f"replica {r}: collective table gives {action} the group {cost.group}, "
@@ -243,7 +254,7 @@ class _Builder:
         key3 = (action.kind, _group_stage(action), action.bucket)
         nth = occurrences.get(key3, 0)
         occurrences[key3] = nth + 1
-        if action.kind is Kind.REDUCE_GRAD and nth > 0:
+        if action.kind is Kind.REDUCE_GRAD and nth > 0 and cost.alloc_bytes:
             # A bucket's reduction buffers exist once per step: later reductions of the same
             # bucket (streamed ZeRO-3, gradient windows) accumulate into them.
             cost = replace(cost, alloc_bytes=0.0)

@@ -8,6 +8,7 @@ cost-driven families (``zb-h2``, ``bidirectional``) use them.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -40,13 +41,30 @@ def generate(family: str, *, pp: int, micro_batches: int, **knobs: Any) -> Pipel
         generator = _GENERATORS[family]
     except KeyError:
         raise ValueError(f"unknown schedule family {family!r}; expected one of {list(FAMILIES)}") from None
-    try:
-        return generator(pp=pp, micro_batches=micro_batches, **knobs)
-    except TypeError as err:
-        if "unexpected keyword" in str(err):
-            message = f"schedule family {family!r} does not take knob(s) {sorted(knobs)}: {err}"
-            raise ValueError(message) from None
-        raise
+    # Generators are deterministic: a search asks for the same few programs again and again (each
+    # replica's count, each placement policy, the interleaved memory rule). Each caller gets its
+    # own rows (the actions themselves are immutable, and so are the knobs' values).
+    key = (family, pp, micro_batches, repr(sorted(knobs.items())))
+    made = _MADE.get(key)
+    if made is None:
+        try:
+            made = generator(pp=pp, micro_batches=micro_batches, **knobs)
+        except TypeError as err:
+            if "unexpected keyword" in str(err):
+                message = f"schedule family {family!r} does not take knob(s) {sorted(knobs)}: {err}"
+                raise ValueError(message) from None
+            raise
+        _MADE[key] = made
+        if len(_MADE) > MADE_KEPT:
+            _MADE.popitem(last=False)
+    else:
+        _MADE.move_to_end(key)
+    return made.with_actions([list(row) for row in made.actions])
+
+
+MADE_KEPT = 64
+"""Generated programs kept for reuse (the least recently asked for go first)."""
+_MADE: OrderedDict[tuple[str, int, int, str], PipelineSchedule] = OrderedDict()
 
 
 __all__ = ["FAMILIES", "generate"]
