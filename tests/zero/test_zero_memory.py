@@ -88,3 +88,21 @@ def test_level_0_reduces_in_a_flat_buffer_of_its_largest_bucket() -> None:
     state = stage_state_bytes(1000.0, level=0, dp=2, per_param=FP32_ADAM, bucket_fraction=0.5)
     assert (state.weights, state.optimizer, state.gradient) == (4000.0, 8000.0, 4000.0)
     assert (state.grad_shard, state.reduce_buffer) == (0.0, 2000.0)
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_one_replica_runs_every_level_as_level_0(level: int) -> None:
+    """With dp = 1 there is nothing to shard: the runtime builds level 0's stage (no FSDP2 unit,
+    which over one rank held the weights twice), the state the memory model books there."""
+    import torch
+
+    from medley.runtime.model import Decoder
+    from medley.runtime.sharding import shard_stage
+    from medley.spec.model_arg import get_model
+
+    tiny = get_model("tiny")
+    stage = shard_stage(Decoder(tiny, seed=0), zero=level, bucket_layers=None, dp_mesh=None,
+                        optimizer_class=torch.optim.AdamW, optimizer_kwargs={}, precision="bf16")
+    assert stage.zero == 0 and not stage.sharded and not stage.fsdp_units
+    alone = stage_state_bytes(PSI, level=level, dp=1, per_param=BF16_ADAM)
+    assert alone == stage_state_bytes(PSI, level=0, dp=1, per_param=BF16_ADAM)
