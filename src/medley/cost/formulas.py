@@ -90,12 +90,17 @@ def layer_held_params(model: ModelSpec, layer_index: int, *, tp: int = 1) -> flo
     return layer_params(model, layer_index, tp=tp) + (extra if model.tied_embeddings else 0)
 
 
-def layer_autocast_params(model: ModelSpec, layer_index: int, *, tp: int = 1) -> float:
+def layer_autocast_params(
+    model: ModelSpec, layer_index: int, *, tp: int = 1, recompute: bool = False
+) -> float:
     """Weights whose compute-dtype copies a layer's forward keeps under autocast, per
     tensor-parallel rank: its matmuls' matrices (a tied head's borrowed embedding too), which the
     backward needs for the input gradient; not biases (no backward needs them), norms (autocast
-    runs them in fp32) nor an embedding table (lookups are not cast)."""
+    runs them in fp32) nor an embedding table (lookups are not cast). A recomputing block keeps
+    none (its forward reruns inside the backward)."""
     kind = model.layer_kind(layer_index)
+    if kind == "block" and recompute:
+        return 0.0
     if kind == "embedding":
         return float(_projection_params(model))
     if kind == "block":

@@ -107,8 +107,16 @@ def zero_level(level: int) -> ZeroLevel:
         raise ValueError(f"ZeRO level must be 0, 1, 2 or 3, got {level}") from None
 
 
+def fsdp_units(level: int, dp: int) -> bool:
+    """Whether a stage of ZeRO ``level`` on a dp group of ``dp`` runs as FSDP2 units (levels 1-3):
+    with one replica there is nothing to shard and it runs as level 0 (as torchtitan applies FSDP
+    only when its shard degree exceeds 1). The runtime builds stages, and the memory model and the
+    simulator book them, by this."""
+    return dp > 1 and zero_level(level).shards_optimizer
+
+
 def tied_sum_by_rows(zero: Sequence[int], dp: int) -> bool:
     """Whether the tied gradients are summed by rows: each member of the first or the last stage's
-    dp group sums only its shard's rows (that end is ZeRO-1/2/3 with dp > 1), the other end then
-    gathering the summed rows. The runtime sums exactly as this says."""
-    return dp > 1 and (zero_level(zero[0]).shards_optimizer or zero_level(zero[-1]).shards_optimizer)
+    dp group sums only its shard's rows (that end runs as FSDP2 units, :func:`fsdp_units`), the
+    other end then gathering the summed rows. The runtime sums exactly as this says."""
+    return fsdp_units(zero[0], dp) or fsdp_units(zero[-1], dp)

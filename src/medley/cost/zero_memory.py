@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from medley.cost.zero_levels import zero_level
+from medley.cost.zero_levels import fsdp_units, zero_level
 
 WEIGHT_BYTES = 2
 GRAD_BYTES = 2
@@ -176,7 +176,7 @@ def stage_state_bytes(
     if dp < 1:
         raise ValueError(f"data-parallel size must be >= 1, got {dp}")
     w, g, o = per_param.weights, per_param.grads, per_param.optimizer
-    sharded = meaning.shards_optimizer and dp > 1  # FSDP2 units over the dp group
+    sharded = fsdp_units(level, dp)
     shard = params / dp
     master = 0.0 if per_param.master_in_optimizer or not sharded else shard * FP32_BYTES
     gathered = sharded and meaning.shards_weights
@@ -198,8 +198,7 @@ def autocast_copy_bytes(*, level: int, dp: int, per_param: StateBytesPerParam) -
     """Bytes per cast parameter (:func:`medley.cost.formulas.layer_autocast_params`) that each
     micro-batch in flight holds: autocast's compute-dtype copies of fp32 weights, kept for the
     backward (half precision without FSDP2, which gathers the compute-dtype weights instead)."""
-    sharded = zero_level(level).shards_optimizer and dp > 1
-    return per_param.weights if per_param.master_in_optimizer and not sharded else 0.0
+    return per_param.weights if per_param.master_in_optimizer and not fsdp_units(level, dp) else 0.0
 
 
 def zero_paper_bytes(params: float, *, level: int, dp: int) -> float:

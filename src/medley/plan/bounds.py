@@ -26,6 +26,7 @@ from medley.cost.estimator import DTYPE_BYTES
 from medley.cost.interfaces import CommModel, CostSource, Pass
 from medley.cost.tensor_parallel import TensorParallelCompute, tp_comm_time
 from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
+from medley.schedule.zero import split_evenly
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
@@ -160,7 +161,8 @@ def layer_table(
         after_b=_prefix([min(a, b) for a, b in zip(after_b, act, strict=True)]),
         params=_prefix([float(formulas.layer_held_params(model, i, tp=tp)) for i in range(model.num_layers)]),
         cast=_prefix(cast),
-        cast_rc=_prefix([c if model.layer_kind(i) != "block" else 0.0 for i, c in enumerate(cast)]),
+        cast_rc=_prefix([formulas.layer_autocast_params(model, i, tp=tp, recompute=True)
+                         for i in range(model.num_layers)]),
     )
 
 
@@ -202,7 +204,7 @@ def option_bytes_per_param(option: MemoryOption, dp: int, *, dtype: str, layers:
     stage for each compute action, streamed or not) all held at once, for a stage of ``layers``
     layers (default: at least ``option.buckets``) in ``option.buckets`` even buckets."""
     buckets = option.buckets if layers is None else min(option.buckets, max(1, layers))
-    largest = 1.0 / buckets if layers is None else -(-max(1, layers) // buckets) / max(1, layers)
+    largest = 1.0 / buckets if layers is None else max(split_evenly(max(1, layers), buckets)) / max(1, layers)
     return stage_state_bytes(1.0, level=option.level, dp=dp, per_param=state_bytes_per_param(dtype),
                              bucket_fraction=largest).peak
 

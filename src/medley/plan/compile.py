@@ -32,7 +32,7 @@ from medley.cost.tensor_parallel import (
     tp_comm_time,
 )
 from medley.cost.tied import tied_sum_seconds
-from medley.cost.zero_levels import Payload, zero_level
+from medley.cost.zero_levels import Payload, fsdp_units, zero_level
 from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
 from medley.plan.layout import PlanLayout, build_schedules
 from medley.plan.tp_links import dp_bytes_factor, scale_hops
@@ -133,8 +133,8 @@ def _stage_cost(
     # them until they are released, so a split backward frees them at W, not at B.
     per_param = state_bytes_per_param(layout.dtype)
     copies = autocast_copy_bytes(level=level, dp=layout.dp, per_param=per_param)
-    copies *= sum(formulas.layer_autocast_params(model, i, tp=tp) for i in layout.layer_range(stage)
-                  if not (recompute and model.layer_kind(i) == "block"))
+    copies *= sum(formulas.layer_autocast_params(model, i, tp=tp, recompute=recompute)
+                  for i in layout.layer_range(stage))
     act, after_b = act + copies, after_b + copies
     if fused and fused_known and times[Pass.B] + times[Pass.W] > 0:
         scale = fused_s / (times[Pass.B] + times[Pass.W])  # one autograd call costs less than two
@@ -291,13 +291,15 @@ class _CollectiveTable:
         meaning = zero_level(layout.zero[stage].level)
         op, payload = meaning.collective(action.kind)
         per_param = self.state.weights if payload is Payload.WEIGHTS else self.state.grads
-        sharded = meaning.shards_optimizer and layout.dp > 1  # FSDP2 units (zero_memory's table)
+        level = layout.zero[stage].level
+        sharded = fsdp_units(level, layout.dp)
+        state = stage_state_bytes(params, level=level, dp=layout.dp, per_param=self.state)  # the bucket's
         if action.kind in (Kind.UNSHARD, Kind.RESHARD):
             # Level 3 gathers the bucket whole (next to the shard), and every bucket of the stage
             # before a compute action (streamed or not: the schedule's UNSHARDs all precede the
             # F or BW, whose one autograd call needs every layer); levels 1-2 refresh weights
             # that stay gathered all step.
-            gathered = params * self.state.weights if sharded and meaning.gathers_for_compute else 0.0
+            gathered = state.gathered_weights
             if action.kind is Kind.RESHARD:
                 return CollectiveCost(group=group, op=None, free_bytes=gathered)
             return CollectiveCost(group=group, op=op, nbytes=params * per_param * wire, alloc_bytes=gathered,
@@ -311,10 +313,12 @@ class _CollectiveTable:
             # reduction frees at most the gradient still live, see SimProblem).
             freed = buffer = 0.0
             if layout.dp > 1:
-                freed = params * per_param
-                buffer = params / layout.dp * per_param if sharded else freed
+                freed = state.gradient
+                buffer = state.grad_shard if sharded else freed
                 if sharded and action.bucket in (None, len(buckets) - 1):
-                    buffer += _stage_params(layout, stage) * max(buckets) / sum(buckets) * per_param
+                    buffer += stage_state_bytes(_stage_params(layout, stage), level=level, dp=layout.dp,
+                                                per_param=self.state,
+                                                bucket_fraction=max(buckets) / sum(buckets)).reduce_buffer
             return CollectiveCost(group=group, op=op, nbytes=params * per_param * wire, free_bytes=freed,
                                   alloc_bytes=buffer, compute_s=self.call_overhead)
         device = self.cluster.devices[layout.assignment[replica][rank]].type

@@ -19,7 +19,6 @@ def cheapest_per_stage(setting: Setting, split: tuple[int, ...]) -> StagePlan | 
     fits every device type that runs it."""
     ctx, st = setting.ctx, setting.structure
     dp = st.dp
-    types = ctx.device_types
     ladder = setting.ladder
     options = []
     start = 0
@@ -38,7 +37,7 @@ def cheapest_per_stage(setting: Setting, split: tuple[int, ...]) -> StagePlan | 
                         dp=dp,
                         in_flight=setting.flights[s],
                     )
-                    <= types[t].memory_bytes * (1.0 - ctx.headroom)
+                    <= ctx.type_capacity(t)
                     for t in stage_types
                 )
             ),

@@ -327,7 +327,7 @@ def structure_bound(estimator: Estimator, st: Structure) -> float:
     dtype = estimator.dtype(st.assignment)
     table = estimator.table(first.name, mbs, dtype, st.tp_of(0))
     state = state_bytes_per_param(dtype).total * table.params[-1] / (st.pp * st.dp)
-    capacity = first.memory_bytes * (1.0 - estimator.headroom)
+    capacity = estimator.type_capacity(first.name)
     if state > capacity:
         return float("inf")
     if state + table.act[-1] > capacity:

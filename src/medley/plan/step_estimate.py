@@ -107,6 +107,7 @@ def stream_times(
     out = []
     start = 0
     actions = 3 if family == "zb-h1" else 2
+    groups = None
     for s, n in enumerate(split):
         if not options[s].streams or st.dp == 1:
             out.append(0.0)
@@ -115,7 +116,8 @@ def stream_times(
         tp = st.tp_of(s % st.pp)
         params = float(formulas.stage_held_params(est.model, start, start + n, tp=tp))
         start += n
-        group, wire, _ = dp_groups(est, st)[s % st.pp]
+        groups = groups or dp_groups(est, st)
+        group, wire, _ = groups[s % st.pp]
         params *= wire  # the other TP ranks' groups share links
         gather = est.comm.collective_time(Collective.ALL_GATHER, group, params * 2.0)
         scatter = est.comm.collective_time(Collective.REDUCE_SCATTER, group, params * 2.0)

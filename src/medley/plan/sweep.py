@@ -119,10 +119,6 @@ class StageEnds:
         is min(T, its memory end), T the end the time allows; under a streamed one it is
         min(T, memory end) when both reach i + buckets, and min(T, ``short``) otherwise
         (:meth:`short_end`); the best option's end counts."""
-        setting, st = self._setting, self._setting.structure
-        ends_of = setting.ctx.memory_ends
-        types, mbs, dtype, dp = self._types[s], st.micro_batch_size, setting.dtype, st.dp
-        flight, tp = setting.flights[s], setting.stage_tp(s)
         out = []
         for flag, members in self._by_flag:
             times = tuple([(table.total_rc if flag else table.total, c)
@@ -130,7 +126,7 @@ class StageEnds:
             plain_ends = loose_ends = None
             streams = []
             for o, option in members:  # elementwise maxima, taken pairwise
-                ends = ends_of(types, mbs, dtype, option, dp, flight, tp)
+                ends = self.memory_ends(s, o)
                 loose_ends = ends if loose_ends is None else np.maximum(loose_ends, ends)
                 if option.streams:
                     streams.append((o, option.buckets, ends.tolist()))

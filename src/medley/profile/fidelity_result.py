@@ -138,6 +138,7 @@ def _median(values: Sequence[float]) -> float:
 
 
 def _worst(values: Sequence[float]) -> float:
+    values = [v for v in values if v == v]  # nan: not measured in that case
     return max(values) if values else float("nan")
 
 
@@ -163,7 +164,7 @@ def summarize(results: Sequence[FidelityResult]) -> dict[str, float]:
         "median_compute_error": _median([r.compute_error for r in results]),
         "median_rest_error": _median([r.rest_error for r in results]),
         "median_compute_spread": _median([r.compute_spread for r in results]),
-        "worst_compute_spread": _worst([x for x in (r.compute_spread for r in results) if x == x]),
+        "worst_compute_spread": _worst([r.compute_spread for r in results]),
         "median_abs_loaded_step_error": _median(loaded),
         "worst_abs_loaded_step_error": _worst(loaded),
         "median_abs_memory_error": _median(everything),

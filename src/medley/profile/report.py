@@ -230,7 +230,7 @@ def explain_worst(r: FidelityResult) -> str:
     if measured:
         waits = b["bubble_s"] + b["exposed_transfer_s"]
         parts.append(
-            f"That device measured per step (medians) {_ms(measured['compute'] + measured['optim'])} ms in "
+            f"That device measured per step (medians) {_ms(r.measured_busy_s)} ms in "
             f"compute and optimizer actions against {_ms(b['compute_s'])} ms predicted "
             f"({_pct(r.compute_error)}), {_ms(measured['transfer'])} ms in transfers and waits for them "
             f"against {_ms(waits)} ms of predicted bubble and exposed transfer, {_ms(measured['zero'])} ms "

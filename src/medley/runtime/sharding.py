@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from medley.cost.zero_levels import ZeroLevel, zero_level
+from medley.cost.zero_levels import ZeroLevel, fsdp_units, zero_level
 from medley.cost.zero_memory import state_bytes_per_param
 from medley.runtime.model import Decoder, shared_name
 from medley.runtime.tensor_parallel import is_tp_sharded
@@ -281,10 +281,10 @@ def shard_stage(
     copies) and every level reduces gradients in the plan's gradient dtype (fp32 for bf16).
 
     With one replica (no ``dp_mesh`` or one of size 1) there is nothing to shard: levels 1-3 run
-    as level 0, whose state :mod:`medley.cost.zero_memory` books for them there (as torchtitan
-    applies FSDP only when its shard degree exceeds 1); FSDP2 over one rank would hold the weights
+    as level 0 (:func:`~medley.cost.zero_levels.fsdp_units`), whose state
+    :mod:`medley.cost.zero_memory` books for them there; FSDP2 over one rank would hold the weights
     twice. The schedule's ZeRO actions then do nothing, as the simulator times them."""
-    if dp_mesh is None or dp_mesh.size() == 1:
+    if not fsdp_units(zero, 1 if dp_mesh is None else dp_mesh.size()):
         zero = 0
     meaning = zero_level(zero)
     state = state_bytes_per_param(precision)

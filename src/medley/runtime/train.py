@@ -313,7 +313,9 @@ class _Loop:
             eval_loss = float(stats[:, 7 + len(ACTION_CATEGORIES)].sum()) / self.config.eval_batches
         return StepRecord(
             eval_loss=eval_loss, step_time_by_device=self._by_device(stats[:, 2]),
-            action_time_by_device=self._actions_by_device(stats[:, 7:7 + len(ACTION_CATEGORIES)]),
+            action_time_by_device=self._by_device(
+                [dict(zip(ACTION_CATEGORIES, row, strict=True))
+                 for row in stats[:, 7:7 + len(ACTION_CATEGORIES)].tolist()]),
             step=step, loss=loss,
             lr=self.step_lr, grad_norm=grad_norm,
             step_time_s=step_time, tokens_per_s=layout.tokens_per_step / step_time,
@@ -321,14 +323,12 @@ class _Loop:
             peak_memory_bytes=memory, emulated_sleep_s=float(stats[:, 3].max()),
             loss_scale=None if self.scaler is None else float(stats[0, 5]), skipped_steps=int(stats[0, 6]))
 
-    def _actions_by_device(self, columns: torch.Tensor) -> dict[int, dict[str, float]]:
-        """Each rank's seconds per action category, keyed by the rank's plan device."""
-        rows = [dict(zip(ACTION_CATEGORIES, columns[r].tolist(), strict=True)) for r in range(self.world)]
-        return dict(sorted((self.setup.device_of_rank[r], rows[r]) for r in range(self.world)))
-
-    def _by_device(self, column: torch.Tensor) -> dict[int, float]:
-        """One value per global rank, keyed by the rank's plan device (ascending)."""
-        return dict(sorted((self.setup.device_of_rank[r], float(column[r])) for r in range(self.world)))
+    def _by_device(self, values: torch.Tensor | list) -> dict:
+        """One value per global rank (a column of the stats, or a list), keyed by the rank's plan
+        device (ascending)."""
+        values = values.tolist() if isinstance(values, torch.Tensor) else values
+        return dict(sorted(((self.setup.device_of_rank[r], values[r]) for r in range(self.world)),
+                           key=lambda item: item[0]))
 
     def _diverged(self, step: int, loss: float, grad_norm: float) -> MedleyInputError:
         kept = (f"; the checkpoints in {self.config.checkpoint_dir} are from before it"
