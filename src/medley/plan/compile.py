@@ -79,7 +79,7 @@ def _stage_cost(
     freed: dict[int, float] = {}  # layer -> what its backward frees of one micro-batch's activations
     dtype_bytes = DTYPE_BYTES[layout.dtype]
     full_time = getattr(cost, "backward_full_time", None)
-    fsdp_time = getattr(cost, "fsdp_extra_time", None) if zero_level(level).shards_optimizer else None
+    fsdp_time = getattr(cost, "fsdp_extra_time", None) if fsdp_units(level, layout.dp) else None
     fsdp = {kind: 0.0 for kind in Pass}
     measured_bytes = getattr(cost, "activation_bytes", None)
     per_action = getattr(cost, "action_overhead_time", None)
