@@ -52,6 +52,7 @@ class PlanContext:
         self._tensor: dict[str, TensorParallelCompute] = {}
         self.network_loads: dict[tuple, float] = {}  # step_estimate.network_load's, per structure
         self.dp_groups: dict[tuple, list] = {}  # step_estimate.dp_groups', per structure
+        self.link_users: dict[tuple, list] = {}  # step_estimate.link_users', per structure
         self.device_types = cluster.device_types()
         self.type_names = [device.type.name for device in cluster.devices]  # by device id
         self._no_bf16 = [not device.type.supports_bf16 for device in cluster.devices]

@@ -1,9 +1,9 @@
 """The planner's analytic step time of a candidate.
 
 :func:`step_estimate`: the slowest replica's pipeline (:func:`medley.plan.bounds.pipeline_time`
-over its stages' F+B+W, its boundary transfers and streamed ZeRO-3 traffic) plus the worst stage's
-exposed data-parallel work (optimizer step, the gradient reduction past the stage's tail bubble,
-ZeRO-1/2's weight gather after the step).
+over its stages' F+B+W, its boundary transfers and streamed ZeRO-3 traffic) plus the
+data-parallel work past the pipeline's end on the busiest link (gradient reductions past each
+rank's tail bubble, ZeRO-1/2's weight gathers after the step, optimizer steps).
 Only used to prune and order candidates; the simulator gives every reported figure.
 """
 
@@ -33,7 +33,7 @@ def step_estimate(
     signatures: Signatures,
     virtual_stages: int = 1,
 ) -> float:
-    """Estimated step seconds: slowest replica's pipeline plus the worst stage's exposed DP work."""
+    """Estimated step seconds: slowest replica's pipeline plus the exposed DP work (:func:`exposed_dp`)."""
     mbs, pp = st.micro_batch_size, st.pp
     chain = len(split)
     starts = [0, *accumulate(split)]
@@ -75,9 +75,11 @@ def step_estimate(
 
 
 def network_load(est: PlanContext, st: Structure) -> float:
-    """Seconds per micro-batch the busiest node network port (each direction) carries of the
+    """Seconds per micro-batch the busiest node network port (each direction) is busy with the
     pipeline transfers: every replica's hops that leave a node, each TP rank's
-    (:func:`medley.plan.tp_links.hop_bytes_factor`), activations forward and gradients back."""
+    (:func:`medley.plan.tp_links.hop_bytes_factor`), activations forward and gradients back, each
+    for as long as it takes on its path (a hop across a slow tier holds the port longer), as the
+    simulator books them."""
     key = (st.assignment, st.tp, st.micro_batch_size)
     load = est.network_loads.get(key)
     if load is not None:
@@ -90,12 +92,12 @@ def network_load(est: PlanContext, st: Structure) -> float:
             a, b = devices[row[k]].node, devices[row[k + 1]].node
             if a == b:
                 continue
-            forward, back = nbytes * st.tp_of(k + 1), nbytes * st.tp_of(k)
-            for port, moved in (((a, "tx"), forward), ((b, "rx"), forward), ((b, "tx"), back),
-                                ((a, "rx"), back)):
-                ports[port] = ports.get(port, 0.0) + moved
-    bandwidth = est.comm.link_bandwidth(f"node:{devices[0].node}:nic:tx")
-    load = est.network_loads[key] = max(ports.values(), default=0.0) / bandwidth
+            forward = est.comm.p2p_time(row[k], row[k + 1], nbytes * st.tp_of(k + 1))
+            back = est.comm.p2p_time(row[k + 1], row[k], nbytes * st.tp_of(k))
+            for port, busy in (((a, "tx"), forward), ((b, "rx"), forward), ((b, "tx"), back),
+                               ((a, "rx"), back)):
+                ports[port] = ports.get(port, 0.0) + busy
+    load = est.network_loads[key] = max(ports.values(), default=0.0)
     return load
 
 
@@ -133,14 +135,18 @@ def exposed_dp(
     micro_batches: Sequence[int],
     stage_time: float,
 ) -> float:
-    """Per stage: optimizer step, plus the gradient reduction past the tail bubble, plus the
-    weight gather after the step at ZeRO-1/2 (nothing runs behind it), in the plan's dtype
-    (:mod:`medley.cost.zero_levels` says which collective each level runs); streamed ZeRO-3's
-    gathers are :func:`stream_times`'. The worst stage counts."""
+    """The DP work past the pipeline's end, in the plan's dtype (:mod:`medley.cost.zero_levels`
+    says which collective each level runs): per pipeline rank, its stages' gradient reductions
+    (each starting at the rank's tail bubble), then their weight gathers after the step at
+    ZeRO-1/2 (nothing runs behind them) and their optimizer steps. Collectives that share a link
+    wait for each other, as in the simulator: a rank's stages share its devices' ports, and the
+    ranks whose DP groups span nodes share each of those nodes' network ports
+    (:func:`link_users`). Streamed ZeRO-3's gathers are :func:`stream_times`'. The worst link
+    counts."""
     pp, dp = st.pp, st.dp
     state = state_bytes_per_param(est.dtype(st.assignment))
     groups = dp_groups(est, st)
-    worst = 0.0
+    reduce, gather, step = [0.0] * pp, [0.0] * pp, [0.0] * pp
     start = 0
     for s, n in enumerate(split):
         rank = s % pp
@@ -150,17 +156,42 @@ def exposed_dp(
         option = options[s]
         meaning = zero_level(option.level)
         shard = params / dp if meaning.shards_optimizer else params
-        exposed = shard * OPTIMIZER_STEP_BYTES_PER_PARAM / bandwidth
+        step[rank] += shard * OPTIMIZER_STEP_BYTES_PER_PARAM / bandwidth
         if dp > 1:
-            reduce = est.comm.collective_time(meaning.reduction, group, params * state.grads * wire)
-            tail = rank * stage_time / 2.0
             if not option.streams:
-                exposed += max(0.0, reduce - tail)
+                grads = params * state.grads * wire
+                reduce[rank] += est.comm.collective_time(meaning.reduction, group, grads)
             if meaning.gathers_after_step:
                 gathered = params * state.weights * wire
-                exposed += est.comm.collective_time(Collective.ALL_GATHER, group, gathered)
-        worst = max(worst, exposed)
+                gather[rank] += est.comm.collective_time(Collective.ALL_GATHER, group, gathered)
+    worst = 0.0
+    for ranks in link_users(est, st):
+        done = float("-inf")
+        for rank in sorted(ranks, reverse=True):  # later ranks finish their backward first
+            done = max(done, -rank * stage_time / 2.0) + reduce[rank]
+        after = sum(gather[rank] for rank in ranks) + max(step[rank] for rank in ranks)
+        worst = max(worst, max(0.0, done) + after)
     return worst
+
+
+def link_users(est: PlanContext, st: Structure) -> list[tuple[int, ...]]:
+    """The pipeline ranks whose DP collectives share a link: each rank alone (its devices' ports),
+    and for every node, the ranks whose DP group spans nodes with a member there (the node's
+    network port). Cached per structure."""
+    key = (st.assignment, st.tp)
+    found = est.link_users.get(key)
+    if found is None:
+        devices = est.cluster.devices
+        sharing: dict[str, set[int]] = {}
+        for rank, (group, _, _) in enumerate(dp_groups(est, st)):
+            nodes = {devices[d].node for d in group}
+            if len(nodes) > 1:
+                for node in nodes:
+                    sharing.setdefault(node, set()).add(rank)
+        found = [(rank,) for rank in range(st.pp)]
+        found += sorted({tuple(sorted(ranks)) for ranks in sharing.values() if len(ranks) > 1})
+        est.link_users[key] = found
+    return found
 
 
 def dp_groups(est: PlanContext, st: Structure) -> list[tuple[tuple[int, ...], int, float]]:
