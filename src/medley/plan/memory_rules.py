@@ -17,37 +17,38 @@ from medley.schedule.validate import in_flight_by_stage
 def cheapest_per_stage(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
     """Memory rule: each stage takes the first option of the setting's ladder under which it
     fits every device type that runs it."""
-    ctx, st = setting.ctx, setting.structure
-    dp = st.dp
-    ladder = setting.ladder
     options = []
     start = 0
     for s, n in enumerate(split):
-        stage_types = [t for t, _ in setting.stage_types(s)]
-        fit = next(
-            (
-                o
-                for o in ladder
-                if all(
-                    stage_memory(
-                        setting.table(s, t),
-                        start,
-                        start + n,
-                        option=o,
-                        dp=dp,
-                        in_flight=setting.flights[s],
-                    )
-                    <= ctx.type_capacity(t)
-                    for t in stage_types
-                )
-            ),
-            None,
-        )
+        fit = next((o for o in setting.ladder if _stage_fits(setting, s, start, n, o)), None)
         if fit is None:
             return None
         options.append(fit)
         start += n
     return StagePlan(stage_layers=split, options=tuple(options))
+
+
+def given(options: Sequence[MemoryOption]) -> MemoryRule:
+    """Memory rule: ``options`` (one per stage), or None when a stage would not fit under its own
+    (one stage per rank: not for interleaved 1F1B)."""
+
+    def rule(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
+        starts = [sum(split[:s]) for s in range(len(split))]
+        if not all(_stage_fits(setting, s, starts[s], n, options[s]) for s, n in enumerate(split)):
+            return None
+        return StagePlan(stage_layers=split, options=tuple(options))
+
+    return rule
+
+
+def _stage_fits(setting: Setting, s: int, start: int, n: int, option: MemoryOption) -> bool:
+    """Whether stage ``s`` (layers start..start+n) fits every device type that runs it."""
+    return all(
+        stage_memory(setting.table(s, t), start, start + n, option=option, dp=setting.structure.dp,
+                     in_flight=setting.flights[s])
+        <= setting.ctx.type_capacity(t)
+        for t, _ in setting.stage_types(s)
+    )
 
 
 def cheapest_per_rank(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:

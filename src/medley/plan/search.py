@@ -27,6 +27,7 @@ from medley.plan.baselines import run_baselines
 from medley.plan.bounds import aggregate_bound
 from medley.plan.candidates import Estimator
 from medley.plan.layout import TP_DEGREES
+from medley.plan.polish import polish
 from medley.plan.ranking import (
     Objective,
     Progress,
@@ -211,9 +212,10 @@ def search(
     budget = simulate if simulate is not None else simulation_budget(len(devices), top)
     chosen = choose(candidates, budget)
     ranked = simulate_all(chosen, model, seq_len, cluster, cost, constraints, progress)
-    feasible = sorted(
-        (p for p in ranked if p.fits), key=lambda p: (objective_key(p, objective), ranked.index(p))
-    )
+    feasible = _feasible(ranked, objective)
+    if feasible:
+        ranked += polish(feasible[0], estimator, cluster, cost, constraints, objective)
+        feasible = _feasible(ranked, objective)
     feasible = best_placement(feasible, top, cluster, cost, constraints, objective)
     if not feasible:
         raise shortfall_error(estimator, ranked, pools, constraints, global_batch, sizes)
@@ -246,6 +248,12 @@ def search(
                    if p is not None and p.plan.layout.schedule in constraints.schedules}
         result.plans = _with_baselines(result.plans, allowed, top, objective)
     return result
+
+
+def _feasible(ranked: list[RankedPlan], objective: Objective) -> list[RankedPlan]:
+    """The plans that fit, best first (ties in simulation order)."""
+    order = {id(p): i for i, p in enumerate(ranked)}
+    return sorted((p for p in ranked if p.fits), key=lambda p: (objective_key(p, objective), order[id(p)]))
 
 
 def _with_baselines(
