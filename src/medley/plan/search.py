@@ -7,7 +7,8 @@ replica speed, the bottleneck-sweep split under memory, the cheapest memory opti
 The best structures (overall and per device pool) are expanded into every allowed schedule family;
 the best ``simulate`` of those by estimate are compiled to the IR and simulated exactly with
 :func:`medley.plan.predict.predict`, checked against memory, and ranked by simulated throughput
-(or cost per token). Bounds only prune: every figure reported comes from a simulation. The search
+(or cost per token); the best one's neighbours one layer away that the estimate ties are simulated
+too (:mod:`medley.plan.polish`). Bounds only prune: every figure reported comes from a simulation. The search
 is deterministic: fixed enumeration order, ties broken by the enumeration index.
 """
 
