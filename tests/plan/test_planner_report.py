@@ -42,6 +42,10 @@ def test_summary_is_computed_from_the_rows() -> None:
                 "(0 where it fits nowhere).")
     assert expected in lines
     assert f"- Goal >= 1.3x {NAMES[0]} on every mixed case of >= 64 devices: met on 1 of 2" in " ".join(lines)
+    # 1.3 x 0.628 / 1.25: the fraction of the bound that 1.3x would take, against the plan's
+    missed = ("  - missed at 128 devices, m: 1.250x; 1.3x needs 65.3% of the aggregate bound, the plan "
+              "reaches 62.8%.")
+    assert missed in lines
     assert any(line.startswith(f"- Taking away {STEPS[0]} alone") and "median 30%" in line for line in lines)
     assert "- Loss from pruning against the reference search: median 2.0%, worst 3.0% over 2 cases." in lines
     text = report.markdown({**data, "pruning": []})
