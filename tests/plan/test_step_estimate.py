@@ -1,16 +1,19 @@
 """The planner's analytic estimate books its links as the simulator does: collectives that share
-a node's network port queue behind each other, and a pipeline hop across a slow tier holds the
-node's port for as long as it takes on that tier."""
+a node's network port queue behind each other, a pipeline hop across a slow tier holds the node's
+port for as long as it takes on that tier, and 1F1B's in-flight limit makes a slow boundary
+stretch every cycle."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Collective
 from medley.cost.zero_memory import state_bytes_per_param
-from medley.plan.bounds import MemoryOption
+from medley.plan.bounds import MemoryOption, pipeline_time, round_trip_cycle
 from medley.plan.candidates import Estimator
 from medley.plan.compile import OPTIMIZER_STEP_BYTES_PER_PARAM
 from medley.plan.space import Structure
@@ -89,3 +92,29 @@ def test_a_hop_holds_the_node_port_for_its_time_on_the_path(region_gbit: float) 
     assert load == pytest.approx(est.comm.p2p_time(0, 8, nbytes), rel=1e-12)
     if region_gbit < 200.0:
         assert load > 7 * nbytes / est.comm.link_bandwidth("node:a:nic:tx")
+
+
+@settings(max_examples=60, deadline=None)
+@given(times=st.lists(st.floats(0.01, 10.0), min_size=1, max_size=12))
+def test_without_transfers_the_round_trip_never_exceeds_the_slowest_stage(times: list[float]) -> None:
+    """Rank k's loop holds pp-k micro-batches and pp-k stages' compute: their mean, at most the
+    slowest; so without transfers 1F1B's estimate is unchanged."""
+    cycle = round_trip_cycle(times, [0.0] * (len(times) - 1))
+    assert cycle <= max(times) * (1 + 1e-12)
+    m = 8
+    assert pipeline_time("1f1b", stage_times=times, stage_weight_times=[0.0] * len(times),
+                         link_times=[0.0] * (len(times) - 1), micro_batches=m) == pytest.approx(
+        (m - 1) * max(times) + sum(times), rel=1e-12)
+
+
+def test_a_slow_last_boundary_stretches_every_cycle() -> None:
+    """Two equal stages of s seconds joined by a transfer of t: stage 0 keeps two micro-batches
+    in flight, each going s + 2t + s round the loop, so a cycle takes s + t, not max(s, t)."""
+    s, t = 1.0, 0.4
+    assert round_trip_cycle([s, s], [t]) == pytest.approx(s + t)
+    step = pipeline_time("1f1b", stage_times=[s, s], stage_weight_times=[0.0, 0.0], link_times=[t],
+                         micro_batches=10)
+    assert step == pytest.approx(9 * (s + t) + 2 * s + 2 * t)
+    # interleaved and hetero-1f1b hold more micro-batches in flight: their rules stay as they were
+    assert pipeline_time("gpipe", stage_times=[s, s], stage_weight_times=[0.0, 0.0], link_times=[t],
+                         micro_batches=10) == pytest.approx(9 * s + 2 * s + 2 * t)

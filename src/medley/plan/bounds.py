@@ -7,7 +7,8 @@
   compiler hands the simulator (model state by :mod:`medley.cost.zero_memory`, with the gradient
   and ZeRO-3's gathered weights, in-flight activations).
 * :func:`pipeline_time`: 1F1B-style step estimate per replica, (m-1)·t_max + Σ t_s, with HARP's
-  link term max(t, transfer) and the family's bubble shape.
+  link term max(t, transfer), 1F1B's in-flight limit (:func:`round_trip_cycle`) and the family's
+  bubble shape.
 * :func:`aggregate_bound`: the most the cluster could do (no bubbles, no communication).
 """
 
@@ -289,8 +290,12 @@ def pipeline_time(
     boundary transfer between ranks k and k+1. The bottleneck is max(stage, link) as in HARP,
     and at least ``link_load``: the seconds per micro-batch the busiest shared link (a node's
     network port, which every replica's and TP rank's transfers leaving the node cross) carries.
+    1F1B and ZB-H1 (which keeps 1F1B's in-flight micro-batches) are held to
+    :func:`round_trip_cycle` too; hetero-1f1b deepens its warm-up before slow links for that reason.
     """
     bottleneck = max(max(stage_times), max(link_times, default=0.0), link_load)
+    if family in ("1f1b", "zb-h1"):
+        bottleneck = max(bottleneck, round_trip_cycle(stage_times, link_times))
     fill = sum(stage_times) + 2.0 * sum(link_times)
     m = micro_batches
     if family == "zb-h1":
@@ -301,6 +306,23 @@ def pipeline_time(
     if family == "interleaved":
         return (m - 1) * bottleneck + fill / virtual_stages + 2.0 * sum(link_times) * (virtual_stages - 1)
     return (m - 1) * bottleneck + fill
+
+
+def round_trip_cycle(stage_times: Sequence[float], link_times: Sequence[float]) -> float:
+    """The least steady-state time per micro-batch that 1F1B's in-flight limit allows: rank k keeps
+    pp-k micro-batches in flight, and each must go down the rest of the pipeline and back (the
+    later ranks' compute, each boundary's transfer both ways) before rank k runs its backward and
+    takes the next one in; so a cycle takes at least that loop over the micro-batches sharing it.
+    Without transfers this is at most the slowest stage's time; a slow boundary near the end of
+    the pipeline, which few micro-batches share, stretches every cycle."""
+    pp = len(stage_times)
+    worst = below = links = 0.0
+    for k in range(pp - 1, -1, -1):
+        if k < pp - 1:
+            links += link_times[k]
+        worst = max(worst, (stage_times[k] + below + 2.0 * links) / (pp - k))
+        below += stage_times[k]
+    return worst
 
 
 def best_standalone_tokens_per_s(
