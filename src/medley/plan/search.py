@@ -212,7 +212,7 @@ def search(
     candidates = _estimate(estimator, structures, constraints.schedules, progress)
     budget = simulate if simulate is not None else simulation_budget(len(devices), top)
     chosen = choose(candidates, budget)
-    ranked = simulate_all(chosen, model, seq_len, cluster, cost, constraints, progress)
+    ranked = simulate_all(chosen, model, seq_len, cluster, cost, constraints, progress, objective)
     feasible = _feasible(ranked, objective)
     if feasible:
         ranked += polish(feasible[0], estimator, cluster, cost, constraints, objective)
