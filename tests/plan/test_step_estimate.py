@@ -99,11 +99,12 @@ def test_a_hop_holds_the_node_port_for_its_time_on_the_path(region_gbit: float) 
 def test_without_transfers_the_round_trip_never_exceeds_the_slowest_stage(times: list[float]) -> None:
     """Rank k's loop holds pp-k micro-batches and pp-k stages' compute: their mean, at most the
     slowest; so without transfers 1F1B's estimate is unchanged."""
-    cycle = round_trip_cycle(times, [0.0] * (len(times) - 1))
-    assert cycle <= max(times) * (1 + 1e-12)
     m = 8
+    cycle = round_trip_cycle(times, [0.0] * (len(times) - 1), m)
+    assert cycle <= max(times) * (1 + 1e-12)
+    assert round_trip_cycle(times, [], m) == cycle  # no link times given: none
     assert pipeline_time("1f1b", stage_times=times, stage_weight_times=[0.0] * len(times),
-                         link_times=[0.0] * (len(times) - 1), micro_batches=m) == pytest.approx(
+                         link_times=[], micro_batches=m) == pytest.approx(
         (m - 1) * max(times) + sum(times), rel=1e-12)
 
 
@@ -111,10 +112,12 @@ def test_a_slow_last_boundary_stretches_every_cycle() -> None:
     """Two equal stages of s seconds joined by a transfer of t: stage 0 keeps two micro-batches
     in flight, each going s + 2t + s round the loop, so a cycle takes s + t, not max(s, t)."""
     s, t = 1.0, 0.4
-    assert round_trip_cycle([s, s], [t]) == pytest.approx(s + t)
-    step = pipeline_time("1f1b", stage_times=[s, s], stage_weight_times=[0.0, 0.0], link_times=[t],
-                         micro_batches=10)
-    assert step == pytest.approx(9 * (s + t) + 2 * s + 2 * t)
-    # interleaved and hetero-1f1b hold more micro-batches in flight: their rules stay as they were
-    assert pipeline_time("gpipe", stage_times=[s, s], stage_weight_times=[0.0, 0.0], link_times=[t],
-                         micro_batches=10) == pytest.approx(9 * s + 2 * s + 2 * t)
+    assert round_trip_cycle([s, s], [t], 10) == pytest.approx(s + t)
+    assert round_trip_cycle([s, s], [t], 2) == s  # stage 0 holds both micro-batches from the start
+    kw = {"stage_times": [s, s], "stage_weight_times": [0.0, 0.0], "link_times": [t], "micro_batches": 10}
+    assert pipeline_time("1f1b", **kw) == pytest.approx(9 * (s + t) + 2 * s + 2 * t)
+    # gpipe, hetero-1f1b (deeper warm-up before slow links) and interleaved keep their rules
+    assert pipeline_time("gpipe", **kw) == pytest.approx(9 * s + 2 * s + 2 * t)
+    assert pipeline_time("hetero-1f1b", **kw) == pytest.approx(9 * s + 2 * s + 2 * t)
+    interleaved = pipeline_time("interleaved", **kw, virtual_stages=2)
+    assert interleaved == pytest.approx(9 * s + (2 * s + 2 * t) / 2 + 2 * t)

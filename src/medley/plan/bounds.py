@@ -295,7 +295,7 @@ def pipeline_time(
     """
     bottleneck = max(max(stage_times), max(link_times, default=0.0), link_load)
     if family in ("1f1b", "zb-h1"):
-        bottleneck = max(bottleneck, round_trip_cycle(stage_times, link_times))
+        bottleneck = max(bottleneck, round_trip_cycle(stage_times, link_times, micro_batches))
     fill = sum(stage_times) + 2.0 * sum(link_times)
     m = micro_batches
     if family == "zb-h1":
@@ -308,19 +308,22 @@ def pipeline_time(
     return (m - 1) * bottleneck + fill
 
 
-def round_trip_cycle(stage_times: Sequence[float], link_times: Sequence[float]) -> float:
+def round_trip_cycle(stage_times: Sequence[float], link_times: Sequence[float], micro_batches: int) -> float:
     """The least steady-state time per micro-batch that 1F1B's in-flight limit allows: rank k keeps
     pp-k micro-batches in flight, and each must go down the rest of the pipeline and back (the
-    later ranks' compute, each boundary's transfer both ways) before rank k runs its backward and
-    takes the next one in; so a cycle takes at least that loop over the micro-batches sharing it.
-    Without transfers this is at most the slowest stage's time; a slow boundary near the end of
-    the pipeline, which few micro-batches share, stretches every cycle."""
+    later ranks' compute, each boundary's transfer both ways; a missing link time counts as 0)
+    before rank k runs its backward and takes the next one in; so a cycle takes at least that loop
+    over the micro-batches sharing it. A rank that holds all ``micro_batches`` at once never waits
+    on the limit. Without transfers this is at most the slowest stage's time; a slow boundary near
+    the end of the pipeline, which few micro-batches share, stretches every cycle. ``stage_times``
+    are F+B+W (ZB-H1's deferred W is counted in the loop too: an upper estimate there)."""
     pp = len(stage_times)
     worst = below = links = 0.0
     for k in range(pp - 1, -1, -1):
-        if k < pp - 1:
+        if k < pp - 1 and k < len(link_times):
             links += link_times[k]
-        worst = max(worst, (stage_times[k] + below + 2.0 * links) / (pp - k))
+        if pp - k < micro_batches:
+            worst = max(worst, (stage_times[k] + below + 2.0 * links) / (pp - k))
         below += stage_times[k]
     return worst
 

@@ -77,23 +77,23 @@ def step_estimate(
 def network_load(est: PlanContext, st: Structure) -> float:
     """Seconds per micro-batch the busiest node network port (each direction) is busy with the
     pipeline transfers: every replica's hops that leave a node, each TP rank's
-    (:func:`medley.plan.tp_links.hop_bytes_factor`), activations forward and gradients back, each
-    for as long as it takes on its path (a hop across a slow tier holds the port longer), as the
+    (:meth:`PlanContext.boundary_time`), activations forward and gradients back, each for as long
+    as it takes on its path (a hop across a slow tier holds the port longer), as the
     simulator books them."""
     key = (st.assignment, st.tp, st.micro_batch_size)
     load = est.network_loads.get(key)
     if load is not None:
         return load
-    nbytes = formulas.boundary_bytes(est.model, micro_batch_size=st.micro_batch_size, seq_len=est.seq_len)
     ports: dict[tuple[str, str], float] = {}
     devices = est.cluster.devices
+    mbs = st.micro_batch_size
     for row in st.assignment:
         for k in range(st.pp - 1):
             a, b = devices[row[k]].node, devices[row[k + 1]].node
             if a == b:
                 continue
-            forward = est.comm.p2p_time(row[k], row[k + 1], nbytes * st.tp_of(k + 1))
-            back = est.comm.p2p_time(row[k + 1], row[k], nbytes * st.tp_of(k))
+            forward = est.boundary_time(row[k], row[k + 1], mbs, st.tp_of(k), st.tp_of(k + 1))
+            back = est.boundary_time(row[k + 1], row[k], mbs, st.tp_of(k + 1), st.tp_of(k))
             for port, busy in (((a, "tx"), forward), ((b, "rx"), forward), ((b, "tx"), back),
                                ((a, "rx"), back)):
                 ports[port] = ports.get(port, 0.0) + busy
