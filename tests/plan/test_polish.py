@@ -1,5 +1,5 @@
-"""Polishing the best simulated plan (:mod:`medley.plan.polish`): one layer moved into a stage
-with slack, which the estimate cannot rank and the simulation can."""
+"""Polishing the best simulated plan (:mod:`medley.plan.polish`): one layer moved where the
+estimate ties, which the simulation can rank."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from medley.plan import polish as polish_module
 from medley.plan.candidates import Estimator
-from medley.plan.polish import rank_times, slack_moves
+from medley.plan.polish import polish, tied_moves
 from medley.plan.search import search
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
@@ -18,32 +18,49 @@ MODEL = get_model("llama-2-7b")
 
 def _search(rounds: int, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(polish_module, "POLISH_ROUNDS", rounds)
-    return search(parse_cluster_arg(CLUSTER), MODEL, global_batch=32, seq_len=4096, top=1, baselines=False)
+    return search(parse_cluster_arg(CLUSTER), MODEL, global_batch=32, seq_len=4096, top=3, baselines=False)
+
+
+def _estimator(result) -> Estimator:
+    return Estimator(result.cluster, MODEL, result.cost, seq_len=4096, global_batch=32, memory_headroom=0.05)
 
 
 def test_polish_finds_a_faster_split_one_layer_away(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without polishing, the best plan's two A100 stages hold 4 and 3 layers (the head counts as
     one); the simulation prefers 3 and 4, which the estimate ties."""
-    before = _search(0, monkeypatch).best
-    after = _search(3, monkeypatch).best
-    assert after.tokens_per_s > before.tokens_per_s * 1.002
-    old, new = before.plan.layout.stage_layers, after.plan.layout.stage_layers
+    before = _search(0, monkeypatch)
+    after = _search(3, monkeypatch)
+    assert after.best.tokens_per_s > before.best.tokens_per_s * 1.002
+    old, new = before.best.plan.layout.stage_layers, after.best.plan.layout.stage_layers
     assert sum(abs(a - b) for a, b in zip(old, new, strict=True)) == 2  # one layer moved
-    assert [z.level for z in after.plan.layout.zero] == [z.level for z in before.plan.layout.zero]
-    assert after.plan.layout.micro_batches == before.plan.layout.micro_batches
+    assert [z.level for z in after.best.plan.layout.zero] == [z.level for z in before.best.plan.layout.zero]
+    assert after.best.plan.layout.micro_batches == before.best.plan.layout.micro_batches
+    # Only plans that improved join the ranking: the runners-up are the search's own.
+    finalists = {p.candidate.key for p in before.simulated}
+    assert [p.candidate.key for p in after.simulated if p.candidate.key not in finalists] == [
+        after.best.candidate.key]
 
 
-def test_slack_moves_keep_the_bottleneck_and_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tied_moves_keep_the_estimate_and_polished_plans_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     result = _search(0, monkeypatch)
-    cluster = parse_cluster_arg(CLUSTER)
-    est = Estimator(cluster, MODEL, result.cost, seq_len=4096, global_batch=32, memory_headroom=0.05)
-    best = result.best.candidate
-    limit = max(rank_times(est, best, best.stage_layers))
-    moves = list(slack_moves(est, best))
+    est, best = _estimator(result), result.best
+    moves = list(tied_moves(est, best.candidate))
     assert moves
     for move in moves:
-        assert max(rank_times(est, move, move.stage_layers)) <= limit * (1 + 1e-9)
-        assert sum(move.stage_layers) == sum(best.stage_layers)
-        assert move.options == best.options and move.micro_batches == best.micro_batches
-    polished = result.simulated[-len(moves):]
-    assert all(p.fits for p in polished)  # the memory rule booked what the simulator books
+        assert move.estimate_s <= best.candidate.estimate_s * (1 + 1e-6)
+        assert sum(move.stage_layers) == sum(best.candidate.stage_layers)
+        assert move.options == best.candidate.options
+        assert move.micro_batches == best.candidate.micro_batches
+    monkeypatch.setattr(polish_module, "POLISH_ROUNDS", 3)
+    seen = {p.candidate.key for p in result.simulated}
+    improved = polish(best, est, result.cluster, result.cost, result.constraints, "throughput", seen)
+    assert improved and all(p.fits for p in improved)  # the memory rule booked what the simulator books
+    speeds = [best.tokens_per_s, *(p.tokens_per_s for p in improved)]
+    assert speeds == sorted(speeds) and len(set(speeds)) == len(speeds)
+    assert {m.key for m in moves} <= seen  # every neighbour tried is marked simulated
+
+
+def test_interleaved_plans_are_not_polished(monkeypatch: pytest.MonkeyPatch) -> None:
+    result = _search(0, monkeypatch)
+    interleaved = next(p for p in result.simulated if p.plan.layout.schedule == "interleaved")
+    assert list(tied_moves(_estimator(result), interleaved.candidate)) == []

@@ -3,6 +3,7 @@ simulated (:data:`medley.plan.ranking.SIMULATE_WITHIN`): fewer simulations, the 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,15 +20,30 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 def test_skipping_far_estimates_keeps_the_best_plan(cluster: str, monkeypatch: pytest.MonkeyPatch) -> None:
     spec, model = parse_cluster_arg(cluster), get_model("llama-2-7b")
     monkeypatch.setattr(ranking, "SIMULATE_WITHIN", float("inf"))
-    every = search(spec, model, global_batch=64, seq_len=2048, top=1, baselines=False)
+    every = search(spec, model, global_batch=128, seq_len=4096, top=1, baselines=False)
     monkeypatch.setattr(ranking, "SIMULATE_WITHIN", 0.15)
-    pruned = search(spec, model, global_batch=64, seq_len=2048, top=1, baselines=False)
+    pruned = search(spec, model, global_batch=128, seq_len=4096, top=1, baselines=False)
     assert pruned.best.plan.layout == every.best.plan.layout
     assert len(pruned.simulated) < len(every.simulated)
-    fastest = min(p.prediction.step_time_s for p in pruned.simulated if p.fits)
-    kept = {p.candidate.key for p in pruned.simulated}
-    skipped = [p for p in every.simulated if p.candidate.key not in kept]
-    assert all(p.candidate.estimate_s > fastest * 1.15 for p in skipped)
+    # Each device pool's best candidate is simulated whatever its estimate (single-type plans).
+    assert pruned.best_single_type is not None and every.best_single_type is not None
+    assert pruned.best_single_type.plan.layout == every.best_single_type.plan.layout
+
+
+def test_a_far_estimate_is_skipped_unless_always_simulated() -> None:
+    """simulate_all's rule on its own: after a fitting plan of s seconds, a candidate estimated
+    above s x (1 + within) is not simulated, unless its key is in ``always``."""
+    spec, model = parse_cluster_arg("4xA100-80GB+4xV100-32GB+4xT4-16GB"), get_model("llama-2-7b")
+    result = search(spec, model, global_batch=64, seq_len=2048, top=1, baselines=False)
+    first = result.best.candidate
+    step = result.best.prediction.step_time_s
+    far = replace(result.simulated[-1].candidate, estimate_s=step * 1.2)
+    near = replace(far, estimate_s=step * 1.1)
+    args = (model, 2048, spec, result.cost, result.constraints)
+    assert len(ranking.simulate_all([first, far], *args, within=0.15)) == 1
+    assert len(ranking.simulate_all([first, near], *args, within=0.15)) == 2
+    assert len(ranking.simulate_all([first, far], *args, within=0.15, always={far.key})) == 2
+    assert len(ranking.simulate_all([first, far], *args)) == 2
 
 
 def test_cost_ranking_simulates_every_chosen_candidate(monkeypatch: pytest.MonkeyPatch) -> None:

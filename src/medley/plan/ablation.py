@@ -5,11 +5,13 @@ Each step takes one freedom away and searches again over the same cluster, model
 
 * ``schedule``: 1F1B only (the planner's own search with ``--schedules 1f1b``);
 * ``heterogeneity``: a homogeneous treatment of the devices: ranks in cluster order (no
-  type-aware assignment), a uniform layer split and the same micro-batch count on every replica
+  type-aware assignment), a uniform layer split (not polished) and the same micro-batch count on
+  every replica
   (within one), on all devices or one device type's or the k fastest types' devices; schedules,
   ZeRO per stage and bubble placement stay free;
 * ``zero-and-placement``: one memory option (ZeRO level, recomputation) for every stage and the
-  collectives after the step (naive placement); assignment, split and schedules stay free;
+  collectives after the step (naive placement); assignment, split (polished as the planner's:
+  :mod:`medley.plan.polish`) and schedules stay free;
 * ``tp``: tensor-parallel degree 1 everywhere (the planner's own search with
   ``Constraints.tp_degrees = (1,)``).
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass, replace
 from medley.plan import builder, memory_rules, split_rules
 from medley.plan.baselines import Scored, add_candidate, one_option_for_all, simulate_finalists
 from medley.plan.candidates import Estimator
+from medley.plan.polish import polish
 from medley.plan.ranking import RankedPlan
 from medley.plan.search import SearchResult, device_pools, family_variants, search
 from medley.plan.space import MICRO_BATCH_SIZES, PP_CHOICES, Candidate, Constraints, Structure
@@ -230,4 +233,11 @@ def _uniform_zero(result: SearchResult) -> tuple[RankedPlan | None, str]:
             replicated_level=level,
         )
 
-    return constrained_search(est, structures, make, result.constraints, (Placement.NAIVE,)), ""
+    found = constrained_search(est, structures, make, result.constraints, (Placement.NAIVE,))
+    if found is None:
+        return None, ""
+    # The split stays free here, and the planner polishes its best plan's split: so does this step
+    # (one memory option for all stages: the polished neighbours keep it).
+    keys = {found.candidate.key}
+    improved = polish(found, est, result.cluster, result.cost, result.constraints, result.objective, keys)
+    return (improved[-1] if improved else found), ""

@@ -7,7 +7,7 @@ show.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -99,9 +99,10 @@ rank to mean something; fewer on large clusters, whose simulations cost more."""
 
 SIMULATE_WITHIN = 0.15
 """How far (a fraction) above the fastest simulated step a candidate's estimate may lie and still
-be simulated. On the planner bench's synthetic clusters (16 to 256 devices, 7B to 70B, 1 to 8
-sequences per device) no simulated step was more than 7.4% below its estimate, and cutting at 15%
-left every best plan as it was while simulating 0-80% fewer candidates."""
+be simulated (each device pool's best candidate is simulated regardless). On the planner bench's
+synthetic clusters (16 to 256 devices, 7B to 70B, 1 to 8 sequences per device) no simulated step
+was more than 7.4% below its estimate, and cutting at 15% left every best plan as it was while
+simulating up to 58% fewer candidates."""
 
 
 def simulation_budget(num_devices: int, top: int) -> int:
@@ -115,10 +116,12 @@ def simulation_work(candidate: Candidate) -> int:
     return sum(candidate.micro_batches) * len(candidate.stage_layers)
 
 
-def choose(candidates: list[tuple[float, int, Candidate]], budget: int) -> list[Candidate]:
+def choose(
+    candidates: list[tuple[float, int, Candidate]], budget: int
+) -> tuple[list[Candidate], list[Candidate]]:
     """The best by estimate while the count and the simulation work allow (always at least one),
-    then the best of every device pool that still fits the work budget (so single-type plans are
-    simulated too), without duplicates."""
+    and then the best of every further device pool that still fits the work budget (so
+    single-type plans are simulated too), without duplicates."""
     chosen: dict[tuple[Any, ...], Candidate] = {}
     work = 0
     for _, _, candidate in candidates:
@@ -128,31 +131,35 @@ def choose(candidates: list[tuple[float, int, Candidate]], budget: int) -> list[
                 chosen[candidate.key] = candidate
                 work += cost
     pools_seen = {c.structure.pool for c in chosen.values()}
+    pool_best: dict[tuple[Any, ...], Candidate] = {}
     for _, _, candidate in candidates:
         pool = candidate.structure.pool
         cost = simulation_work(candidate)
-        if pool not in pools_seen and work + cost <= SIMULATION_WORK:
-            chosen.setdefault(candidate.key, candidate)
+        if pool not in pools_seen and work + cost <= SIMULATION_WORK and candidate.key not in chosen:
+            pool_best.setdefault(candidate.key, candidate)
             work += cost
             pools_seen.add(pool)
-    return list(chosen.values())
+    return list(chosen.values()), list(pool_best.values())
 
 
 def simulate_all(
     chosen: list[Candidate], model: ModelSpec, seq_len: int, cluster: Cluster, cost: CostSource,
-    constraints: Constraints, progress: Progress | None = None, objective: Objective = "throughput",
+    constraints: Constraints, progress: Progress | None = None, *, within: float | None = None,
+    always: Collection[tuple[Any, ...]] = (),
 ) -> list[RankedPlan]:
     """Simulate each candidate (the memory rules booked what the simulator books, so a candidate
-    that overflows is dropped later, not repaired: none did on the bench's clusters). Ranking by
-    throughput, a candidate whose estimate exceeds the fastest fitting step simulated so far by
-    more than :data:`SIMULATE_WITHIN` is skipped: the estimate leaves out communication that the
-    simulation adds, so such a plan has not been seen to simulate faster."""
+    that overflows is dropped later, not repaired: none did on the bench's clusters). With
+    ``within`` (ranking by throughput: :data:`SIMULATE_WITHIN`), a candidate whose estimate
+    exceeds the fastest fitting step simulated so far by more than that fraction is skipped, unless
+    its key is in ``always``: the estimate leaves out communication that the simulation adds, so
+    such a plan has not been seen to simulate faster."""
     ranked: list[RankedPlan] = []
     fastest = float("inf")
     for done, candidate in enumerate(chosen, start=1):
         if progress is not None:
             progress("simulating candidates", done, len(chosen))
-        if objective == "throughput" and candidate.estimate_s > fastest * (1.0 + SIMULATE_WITHIN):
+        far = within is not None and candidate.estimate_s > fastest * (1.0 + within)
+        if far and candidate.key not in always:
             continue
         try:
             plan = rank_plan(

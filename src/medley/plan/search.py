@@ -8,8 +8,11 @@ The best structures (overall and per device pool) are expanded into every allowe
 the best ``simulate`` of those by estimate are compiled to the IR and simulated exactly with
 :func:`medley.plan.predict.predict`, checked against memory, and ranked by simulated throughput
 (or cost per token); the best one's neighbours one layer away that the estimate ties are simulated
-too (:mod:`medley.plan.polish`). Bounds only prune: every figure reported comes from a simulation. The search
-is deterministic: fixed enumeration order, ties broken by the enumeration index.
+too, and those that improve on it join the ranking (:mod:`medley.plan.polish`). Candidates whose
+estimate lies far behind the fastest simulated step are not simulated
+(:data:`medley.plan.ranking.SIMULATE_WITHIN`). Bounds only prune: every figure reported comes from a
+simulation. The search is deterministic: fixed enumeration order, ties broken by the enumeration
+index.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
 from medley.cost.zero_memory import state_bytes_per_param
 from medley.errors import MedleyInputError
+from medley.plan import ranking
 from medley.plan.baselines import run_baselines
 from medley.plan.bounds import aggregate_bound
 from medley.plan.candidates import Estimator
@@ -211,11 +215,14 @@ def search(
                                            allowed_tp=constraints.tp_degrees))
     candidates = _estimate(estimator, structures, constraints.schedules, progress)
     budget = simulate if simulate is not None else simulation_budget(len(devices), top)
-    chosen = choose(candidates, budget)
-    ranked = simulate_all(chosen, model, seq_len, cluster, cost, constraints, progress, objective)
+    chosen, pool_best = choose(candidates, budget)
+    within = ranking.SIMULATE_WITHIN if objective == "throughput" else None  # read now: tests vary it
+    ranked = simulate_all(chosen + pool_best, model, seq_len, cluster, cost, constraints, progress,
+                          within=within, always={c.key for c in pool_best})
     feasible = _feasible(ranked, objective)
     if feasible:
-        ranked += polish(feasible[0], estimator, cluster, cost, constraints, objective)
+        keys = {p.candidate.key for p in ranked}
+        ranked += polish(feasible[0], estimator, cluster, cost, constraints, objective, keys)
         feasible = _feasible(ranked, objective)
     feasible = best_placement(feasible, top, cluster, cost, constraints, objective)
     if not feasible:
