@@ -6,9 +6,8 @@ Each step takes one freedom away and searches again over the same cluster, model
 * ``schedule``: 1F1B only (the planner's own search with ``--schedules 1f1b``);
 * ``heterogeneity``: a homogeneous treatment of the devices: ranks in cluster order (no
   type-aware assignment), a uniform layer split (not polished) and the same micro-batch count on
-  every replica
-  (within one), on all devices or one device type's or the k fastest types' devices; schedules,
-  ZeRO per stage and bubble placement stay free;
+  every replica (within one), on all devices or one device type's or the k fastest types'
+  devices; schedules, ZeRO per stage and bubble placement stay free;
 * ``zero-and-placement``: one memory option (ZeRO level, recomputation) for every stage and the
   collectives after the step (naive placement); assignment, split (polished as the planner's:
   :mod:`medley.plan.polish`) and schedules stay free;

@@ -216,7 +216,7 @@ def search(
     candidates = _estimate(estimator, structures, constraints.schedules, progress)
     budget = simulate if simulate is not None else simulation_budget(len(devices), top)
     chosen, pool_best = choose(candidates, budget)
-    within = ranking.SIMULATE_WITHIN if objective == "throughput" else None  # read now: tests vary it
+    within = ranking.SIMULATE_WITHIN if objective == "throughput" else None  # read at call time
     ranked = simulate_all(chosen + pool_best, model, seq_len, cluster, cost, constraints, progress,
                           within=within, always={c.key for c in pool_best})
     feasible = _feasible(ranked, objective)
