@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from itertools import accumulate
 
 import numpy as np
 
@@ -33,7 +34,7 @@ def given(options: Sequence[MemoryOption]) -> MemoryRule:
     (one stage per rank: not for interleaved 1F1B)."""
 
     def rule(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
-        starts = [sum(split[:s]) for s in range(len(split))]
+        starts = [0, *accumulate(split)]
         if not all(_stage_fits(setting, s, starts[s], n, options[s]) for s, n in enumerate(split)):
             return None
         return StagePlan(stage_layers=split, options=tuple(options))

@@ -164,6 +164,8 @@ def exposed_dp(
             if meaning.gathers_after_step:
                 gathered = params * state.weights * wire
                 gather[rank] += est.comm.collective_time(Collective.ALL_GATHER, group, gathered)
+    if dp == 1:  # no collectives: the slowest optimizer step
+        return max(0.0, *step)
     worst = 0.0
     for ranks in link_users(est, st):
         done = float("-inf")

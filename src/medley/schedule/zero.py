@@ -212,8 +212,10 @@ def place_collectives(
     buckets = bucket_layers(stage_layers, zero, policy)
     # Replicas of one micro-batch count usually share their program object: place its
     # collectives once (the placement of a replica depends only on its program and the order).
-    distinct = list({id(s): s for s in schedules}.values())
-    which = [next(j for j, d in enumerate(distinct) if d is s) for s in schedules]
+    by_id = {id(s): s for s in schedules}  # in order of first appearance
+    distinct = list(by_id.values())
+    position = {key: j for j, key in enumerate(by_id)}
+    which = [position[id(s)] for s in schedules]
     bases = [[[a for a in row if a.kind not in COLLECTIVE_KINDS] for row in s.actions] for s in distinct]
     kinds = [_kinds_by_stage(b, first.num_stages) for b in bases]
     uses = [max(len(k[s]) for k in kinds) for s in range(first.num_stages)]
