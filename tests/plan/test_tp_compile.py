@@ -91,10 +91,39 @@ def test_transfers_between_groups_load_the_busiest_link() -> None:
     # Forward: one receiver; backward: device 2 feeds both TP ranks over its one NVLink port.
     assert problem.stage_costs[0][0].send_bytes == boundary
     assert problem.stage_costs[0][0].send_back_bytes == 2 * boundary
-    across, cluster2, cost2 = _layout("2xA100-80GB+2xA100-80GB", assignment=((0, 2),), tp=(2, 2))
+    across, cluster2, cost2 = _layout("2xA100-80GB+2xA100-80GB", assignment=((0, 2),), tp=(2, 1))
     problem = compile_problem(across, cluster2, cost2)
-    # Across nodes both ranks' transfers go through the node network: twice the bytes each way.
-    assert problem.stage_costs[0][0].send_bytes == problem.stage_costs[0][0].send_back_bytes == 2 * boundary
+    # Across nodes both receivers' gradients go through device 2's node network: twice the bytes.
+    assert problem.stage_costs[0][0].send_bytes == boundary
+    assert problem.stage_costs[0][0].send_back_bytes == 2 * boundary
+
+
+def test_a_hop_between_groups_of_one_degree_sends_slices_and_gathers_them() -> None:
+    """Megatron's scatter-gather: each of the t transfers is a 1/t slice, so the node network
+    carries the tensor once (was t times) and a device link inside a node 1/t of it; the receiving
+    group's all-gather joins the forward that uses the activation and the backward that uses the
+    gradient."""
+    boundary = formulas.boundary_bytes(MODEL, micro_batch_size=1, seq_len=2048)
+    # (cluster, degree, first device of the second group, bytes on the hop's busiest link)
+    for cluster_arg, tp, second, link_bytes in (("2xA100-80GB+2xA100-80GB", 2, 2, boundary),
+                                                ("8xA100-80GB+8xA100-80GB", 4, 8, boundary),
+                                                ("8xA100-80GB", 2, 2, boundary / 2)):
+        layout, cluster, cost = _layout(cluster_arg, assignment=((0, second),), tp=(tp, tp))
+        problem = compile_problem(layout, cluster, cost)
+        plain = compile_problem(layout, cluster, cost, comm=False)  # no TP communication at all
+        comm = TopologyCommModel(cluster)
+        row, bare = problem.stage_costs[0], plain.stage_costs[0]
+        assert row[0].send_bytes == row[0].send_back_bytes == link_bytes, cluster_arg
+        receivers = tuple(range(second, second + tp))
+        gather = comm.collective_time(Collective.ALL_GATHER, receivers, boundary)
+        assert gather > 0
+        tp_f = sum(tp_comm_time(comm, MODEL, i, Pass.F, group=receivers, micro_batch_size=1,
+                                seq_len=2048, dtype="bf16") for i in layout.layer_range(1))
+        assert row[1].forward_s == pytest.approx(bare[1].forward_s + tp_f + gather, rel=1e-12)
+        back = comm.collective_time(Collective.ALL_GATHER, tuple(range(tp)), boundary)
+        tp_b = sum(tp_comm_time(comm, MODEL, i, Pass.B, group=tuple(range(tp)), micro_batch_size=1,
+                                seq_len=2048, dtype="bf16") for i in layout.layer_range(0))
+        assert row[0].backward_input_s == pytest.approx(bare[0].backward_input_s + tp_b + back, rel=1e-12)
 
 
 def test_dp_collectives_of_a_tp_stage_reduce_a_rank_shard_sharing_the_node_network() -> None:

@@ -101,7 +101,7 @@ def run_case(case: Case) -> dict:
     executor = RankExecutor(
         schedule=schedule.with_actions(no_optim), pipeline_rank=place.pipeline_rank, stages=stages,
         pipeline=groups.pipeline,
-        tp_rank=place.tp_rank, activation_shape=(MBS, SEQ, spec.hidden_size),
+        tp_rank=place.tp_rank, tp_group=groups.tp_group, activation_shape=(MBS, SEQ, spec.hidden_size),
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens)
     reference = Decoder(spec, seed=SEED)
     ref_opt = torch.optim.SGD(reference.parameters(), **sgd)

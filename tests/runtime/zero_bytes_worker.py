@@ -31,6 +31,12 @@ COUNTED: dict[str, tuple[str, int, str]] = {
     "reduce_scatter": ("reduce_scatter_list", 1, "input_list"),
 }
 
+# Pipeline transfers and the all-gathers of scattered hops (test_scattered_hops): a send's tensor.
+HOP_CALLS: dict[str, tuple[str, int, str]] = {
+    "isend": ("send", 0, "tensor"),
+    "all_gather_single": ("all_gather", 0, "output_tensor"),
+}
+
 
 def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
@@ -39,13 +45,13 @@ def _nbytes(value: Any) -> int:
 
 
 @contextlib.contextmanager
-def counting(totals: dict[str, int]) -> Iterator[None]:
-    """Add the bytes of every counted collective issued inside the block to ``totals`` by kind
+def counting(totals: dict[str, int], calls: dict[str, tuple[str, int, str]] = COUNTED) -> Iterator[None]:
+    """Add the bytes of every call of ``calls`` issued inside the block to ``totals`` by kind
     (group size 1 excluded: nothing moves)."""
-    originals = {name: getattr(dist, name) for name in COUNTED}
+    originals = {name: getattr(dist, name) for name in calls}
 
     def wrap(name: str, call: Callable) -> Callable:
-        kind, position, keyword = COUNTED[name]
+        kind, position, keyword = calls[name]
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             if dist.get_world_size(kwargs.get("group")) > 1:
@@ -63,7 +69,12 @@ def counting(totals: dict[str, int]) -> Iterator[None]:
             setattr(dist, name, call)
 
 
-def count_case(case: Case) -> dict:
+def count_hops(case: Case) -> dict:
+    """:func:`count_case` of the pipeline sends and the all-gathers (:data:`HOP_CALLS`)."""
+    return count_case(case, calls=HOP_CALLS)
+
+
+def count_case(case: Case, calls: dict[str, tuple[str, int, str]] = COUNTED) -> dict:
     """Bytes per collective kind of this rank's second step (the first one warms up), keyed
     ``rank<global rank>.<kind>`` so the launcher's per-figure max keeps every rank's."""
     spec = get_model("tiny")
@@ -78,13 +89,13 @@ def count_case(case: Case) -> dict:
     half = None if case.dtype == "fp32" else TORCH_DTYPES[case.dtype]
     executor = RankExecutor(
         schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pipeline=groups.pipeline,
-        tp_rank=place.tp_rank,
+        tp_rank=place.tp_rank, tp_group=groups.tp_group,
         activation_shape=(MBS, SEQ, spec.hidden_size), dtype=TORCH_DTYPES[case.dtype], autocast_dtype=half,
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens)
     totals: dict[str, int] = {}
     for step in range(2):
         batch = replica_batch(global_batch(micro_batches, step), micro_batches, place.replica)
-        with counting(totals) if step == 1 else contextlib.nullcontext():
+        with counting(totals, calls) if step == 1 else contextlib.nullcontext():
             executor.run_step(batch)
     rank = dist.get_rank()
     return {f"rank{rank}.{kind}": float(value) for kind, value in totals.items()} | {f"rank{rank}.steps": 1.0}

@@ -360,7 +360,7 @@ def compile_problem(
                 known[key] = _stage_cost(layout, cost, stage, device.type.name, layout.zero[stage].level,
                                          fused=fused[stage], tensor=tensor, comm=links, group=group)
             row.append(replace(known[key]))
-        scale_hops(layout, cluster, replica, s2r, row)
+        scale_hops(layout, cluster, replica, s2r, row, links)
         stage_costs.append(row)
     devices = [list(row) for row in layout.assignment]
     sequences = sum(layout.micro_batches) * layout.micro_batch_size

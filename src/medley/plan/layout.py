@@ -119,15 +119,27 @@ def tp_sources(*, senders: int, receivers: int) -> tuple[int, ...]:
     input are whole on every TP rank of its group, so receiving rank ``j`` takes the tensor from
     sending rank ``j % senders``: one transfer per receiving rank, equal degrees pair rank with
     rank, and a sender past the receivers' count sends nothing. Activations (forward) and input
-    gradients (backward) follow the same rule with the roles swapped."""
+    gradients (backward) follow the same rule with the roles swapped. Between groups of one
+    degree above 1 each transfer carries a slice only (:func:`tp_scattered`)."""
     return tuple(j % senders for j in range(receivers))
 
 
+def tp_scattered(*, senders: int, receivers: int) -> bool:
+    """Whether a pipeline hop between TP groups of these degrees is scattered, as Megatron-LM
+    scatters and gathers pipeline tensors: between groups of one degree t above 1, sending rank j
+    sends only slice j of t of the flattened tensor (whole on every sender) to receiving rank j,
+    and the receiving group all-gathers the slices in the compute action that uses the tensor
+    (the forward of the activation, the backward of the gradient). Across nodes the network then
+    carries the tensor once instead of t times. Groups of unlike degrees send whole tensors."""
+    return senders == receivers > 1
+
+
 def tp_undivided(model: ModelSpec, tp: int) -> str | None:
-    """The first of the model's heads, KV heads and MLP width (``name (size)``) that ``tp`` does not
-    divide, or None: Megatron's TP splits each of them over the group."""
+    """The first of the model's heads, KV heads, MLP width and hidden size (``name (size)``) that
+    ``tp`` does not divide, or None: Megatron's TP splits each of the first three over the group,
+    and a scattered pipeline hop the hidden states (:func:`tp_scattered`)."""
     for name, size in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
-                       ("ffn_hidden_size", model.ffn_hidden_size)):
+                       ("ffn_hidden_size", model.ffn_hidden_size), ("hidden_size", model.hidden_size)):
         if size % tp:
             return f"{name} ({size})"
     return None

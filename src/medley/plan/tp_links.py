@@ -7,14 +7,18 @@
 * Pipeline transfers follow :func:`medley.plan.layout.tp_sources`: one per receiving TP rank, in
   parallel on distinct device links inside a node (a sender feeding several receivers sends them
   one after another), all through the one node network across nodes. The hop is timed as the
-  leads' transfer of the bytes the busiest link carries (:func:`hop_bytes_factor`).
+  leads' transfer of the bytes the busiest link carries (:func:`hop_bytes_factor`). Between
+  groups of one degree t > 1 each transfer is a 1/t slice (:func:`medley.plan.layout.tp_scattered`)
+  and the receiving group's all-gather of the slices is part of the compute action that uses
+  the tensor (:func:`gather_time`), like the blocks' TP all-reduces.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from medley.plan.layout import PlanLayout
+from medley.cost.interfaces import Collective, CommModel
+from medley.plan.layout import PlanLayout, tp_scattered
 from medley.sim.problem import StageCost
 from medley.spec.cluster import Cluster
 
@@ -27,27 +31,46 @@ def dp_bytes_factor(cluster: Cluster, group: tuple[int, ...], tp: int) -> int:
     return tp
 
 
-def hop_bytes_factor(cluster: Cluster, senders: tuple[int, ...], receivers: tuple[int, ...]) -> int:
-    """Transfers the busiest link carries at a pipeline hop from TP group ``senders`` to group
-    ``receivers`` (:func:`medley.plan.layout.tp_sources`: one per receiving rank): all of them
-    through the node network across nodes; inside a node, those one sender sends."""
-    if cluster.devices[senders[0]].node != cluster.devices[receivers[0]].node:
-        return len(receivers)
-    return -(-len(receivers) // len(senders))
+def hop_bytes_factor(cluster: Cluster, senders: tuple[int, ...], receivers: tuple[int, ...]) -> float:
+    """Tensors' worth of bytes the busiest link carries at a pipeline hop from TP group ``senders``
+    to group ``receivers`` (:func:`medley.plan.layout.tp_sources`: one transfer per receiving
+    rank): all of them through the node network across nodes; inside a node, those one sender
+    sends. A scattered hop's transfers are slices of 1/t (:func:`medley.plan.layout.tp_scattered`)."""
+    across = cluster.devices[senders[0]].node != cluster.devices[receivers[0]].node
+    if tp_scattered(senders=len(senders), receivers=len(receivers)):
+        return 1.0 if across else 1.0 / len(receivers)
+    if across:
+        return float(len(receivers))
+    return float(-(-len(receivers) // len(senders)))
+
+
+def gather_time(
+    comm: CommModel, senders: tuple[int, ...], receivers: tuple[int, ...], nbytes: float
+) -> float:
+    """Seconds the receiving group of a scattered hop spends all-gathering a tensor of ``nbytes``
+    from its slices (0 for a hop that is not scattered)."""
+    if not tp_scattered(senders=len(senders), receivers=len(receivers)):
+        return 0.0
+    return comm.collective_time(Collective.ALL_GATHER, receivers, nbytes)
 
 
 def scale_hops(
-    layout: PlanLayout, cluster: Cluster, replica: int, s2r: Sequence[int], row: list[StageCost]
+    layout: PlanLayout, cluster: Cluster, replica: int, s2r: Sequence[int], row: list[StageCost],
+    comm: CommModel | None = None,
 ) -> None:
     """Each stage's pipeline transfers in ``replica`` at the bytes of the busiest link of the hop
     between TP groups (:func:`hop_bytes_factor`): forward to the next stage's group, and the
-    gradient back from it."""
+    gradient back from it. On ``comm``, a scattered hop's all-gathers (:func:`gather_time`) join
+    the next stage's forward (the activation) and this stage's backward (the gradient)."""
     if not layout.tp:
         return
     for stage in range(len(row) - 1):
-        if layout.layer_range(stage + 1).start == 0:
-            continue  # the second pipeline of a two-direction schedule starts afresh
+        if layout.layer_range(stage + 1).start == 0 or s2r[stage] == s2r[stage + 1]:
+            continue  # a second pipeline starts afresh; a rank hands over in memory
         here, there = layout.group(replica, s2r[stage]), layout.group(replica, s2r[stage + 1])
         nbytes = row[stage].send_bytes
         row[stage].send_bytes = nbytes * hop_bytes_factor(cluster, here, there)
         row[stage].send_back_bytes = nbytes * hop_bytes_factor(cluster, there, here)
+        if comm is not None:
+            row[stage + 1].forward_s += gather_time(comm, here, there, nbytes)
+            row[stage].backward_input_s += gather_time(comm, there, here, nbytes)

@@ -5,7 +5,9 @@ input-gradient half and ``W`` the weight-gradient half of a split backward, ``SE
 point-to-point transfers to the global ranks of the peer stage's TP group (tagged, so
 interleaved stages never mix up their messages; between TP groups of unlike degrees receiving TP
 rank j takes the tensor from sending TP rank ``tp_sources(...)[j]``, forward and backward alike,
-:func:`medley.plan.layout.tp_sources`), and the ZeRO collectives of
+:func:`medley.plan.layout.tp_sources`; between TP groups of one degree t > 1 rank j sends slice j of
+t and the receiving group all-gathers the slices in the compute action that uses the tensor,
+:func:`medley.plan.layout.tp_scattered`), and the ZeRO collectives of
 :mod:`medley.runtime.sharding`. Adjacent stages on the same rank hand activations and gradients
 over in memory. Nothing happens that the list does not say, so every member of a DP group issues
 the collectives the schedule placed, in the same order.
@@ -17,11 +19,12 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from math import prod
 
 import torch
 import torch.distributed as dist
 
-from medley.plan.layout import tp_sources
+from medley.plan.layout import tp_scattered, tp_sources
 from medley.runtime.sends import PendingSends, message_key
 from medley.runtime.sharding import ShardedStage
 from medley.runtime.torch_adapter import backward_input, backward_weight
@@ -94,6 +97,9 @@ class RankExecutor:
         synced_stages: the stages whose TP group meets in all-reduces in each forward and backward
             (blocks on more than one device): what lets a send to a TP group be released once
             another member of it answered (:class:`~medley.runtime.sends.PendingSends`).
+        tp_group: this rank's TP group, where the slices of a scattered hop are all-gathered
+            (:func:`~medley.plan.layout.tp_scattered`); needed when this rank's TP degree is above
+            1 and a neighbouring pipeline rank has the same degree.
 
     Two attributes steer fp16 runs (:mod:`medley.runtime.precision`): ``loss_scale`` multiplies
     each loss before its backward (the reported losses stay unscaled), and ``skip_optim``, set
@@ -113,7 +119,8 @@ class RankExecutor:
                  slowdown: float = 1.0, on_clip: Callable[[], None] | None = None,
                  before_optim: Callable[[int, int | None], None] | None = None,
                  before_clip: Callable[[], None] | None = None, device: torch.device | None = None,
-                 tp_rank: int = 0, synced_stages: frozenset[int] = frozenset()) -> None:
+                 tp_rank: int = 0, synced_stages: frozenset[int] = frozenset(),
+                 tp_group: dist.ProcessGroup | None = None) -> None:
         self.schedule = schedule
         self.rank = pipeline_rank
         self.stages = stages
@@ -134,6 +141,7 @@ class RankExecutor:
         self.skip_optim = False
         self.state: dict[int, StageState] = {}
         self.synced_stages = synced_stages
+        self.tp_group = tp_group
         self.pending_sends = self._pending_sends()
 
     @property
@@ -234,7 +242,7 @@ class RankExecutor:
         else:
             if mb not in st.inputs:
                 raise RuntimeError(f"{stage}F{mb} on rank {self.rank}: its input was never received")
-            inp = st.inputs[mb].detach().requires_grad_(True)
+            inp = self._whole(st.inputs[mb]).detach().requires_grad_(True)
             st.inputs[mb] = inp
         with self._autocast():
             out = self.stages[stage].module(inp)
@@ -250,7 +258,7 @@ class RankExecutor:
         last = stage == self.schedule.num_stages - 1
         outputs = [self._scaled(st.losses[mb])] if last else [st.outputs.pop(mb)]
         # A gradient received in the wire dtype (:attr:`dtype`) takes the output's dtype back.
-        grads = None if last else [st.output_grads.pop(mb).to(outputs[0].dtype)]
+        grads = None if last else [self._whole(st.output_grads.pop(mb)).to(outputs[0].dtype)]
         inputs = [st.inputs.pop(mb)] if stage > 0 else []
         if full:
             torch.autograd.backward(outputs, grads)
@@ -306,6 +314,22 @@ class RankExecutor:
         theirs = self._group(peer_stage)
         return theirs[tp_sources(senders=len(theirs), receivers=len(self.pipeline[self.rank]))[self.tp_rank]]
 
+    def _scattered(self, peer_stage: int) -> bool:
+        """Whether transfers with ``peer_stage`` carry slices (:func:`tp_scattered`)."""
+        return tp_scattered(senders=len(self._group(peer_stage)), receivers=len(self.pipeline[self.rank]))
+
+    def _whole(self, received: torch.Tensor) -> torch.Tensor:
+        """A received activation or gradient, all-gathered over the TP group when it came as this
+        rank's slice (flat; whole tensors are [micro_batch_size, seq, hidden])."""
+        if received.dim() > 1:
+            return received
+        if self.tp_group is None:
+            raise RuntimeError(f"pipeline rank {self.rank} received a slice of a scattered hop but was "
+                               "given no TP group to gather it on (RankExecutor.tp_group)")
+        whole = torch.empty(self.activation_shape, dtype=received.dtype, device=received.device)
+        dist.all_gather_single(whole.view(-1), received, group=self.tp_group)
+        return whole
+
     def _send(self, action: Action) -> None:
         st, mb, peer_stage = self.state[action.stage], action.micro_batch, p2p_peer_stage(action)
         if action.kind is Kind.SEND_F:
@@ -313,13 +337,18 @@ class RankExecutor:
         else:
             tensor, tag = st.input_grads.pop(mb), self._tag(peer_stage, mb, grad=True)
         tensor = tensor.to(self.dtype).contiguous()
+        if self._scattered(peer_stage):  # this rank's slice only; the tensor is whole on every rank
+            tensor = tensor.view(-1).chunk(len(self.pipeline[self.rank]))[self.tp_rank].clone()
         for peer in self._destinations(peer_stage):
             self.pending_sends.add(dist.isend(tensor, dst=peer, tag=tag), dst=peer, key=message_key(action))
 
     def _recv(self, action: Action) -> None:
         st, mb = self.state[action.stage], action.micro_batch
-        buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
         peer_stage = p2p_peer_stage(action)
+        shape = self.activation_shape
+        if self._scattered(peer_stage):
+            shape = (prod(shape) // len(self.pipeline[self.rank]),)
+        buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
         # Tags name the (sending stage, direction) pair, so both ends compute the same one.
         if action.kind is Kind.RECV_F:
             tag = self._tag(peer_stage, mb, grad=False)

@@ -97,6 +97,11 @@ class RankGroups:
         return self.mesh["tp"]
 
     @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """This rank's TP group (None at degree 1)."""
+        return self.tp_mesh.get_group() if self.tp > 1 else None
+
+    @property
     def tp(self) -> int:
         """This rank's TP degree."""
         return len(self.pipeline[self.place.pipeline_rank])

@@ -144,7 +144,8 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
         activation_shape=(layout.micro_batch_size, layout.seq_len, layout.model.hidden_size),
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens,
         autocast_dtype=None if dtype == "fp32" else TORCH_DTYPES[dtype], dtype=TORCH_DTYPES[dtype],
-        slowdown=factor, device=device, synced_stages=tp_synced_stages(layout))
+        slowdown=factor, device=device, synced_stages=tp_synced_stages(layout),
+        tp_group=groups.tp_group)
     if layout.tied_copies:
         tied_grads = build_tied_grads(groups, schedules, stages, levels)
         executor.before_clip = None if tied_grads is None else tied_grads.sum_grads

@@ -131,7 +131,7 @@ def build_tied_grads(groups: RankGroups, schedules: list[PipelineSchedule], stag
     dp = len(table)
     by_rows = tied_sum_by_rows(zero, dp)
     group = pair_groups[place.replica]
-    tp_group = groups.tp_mesh.get_group() if groups.tp > 1 and group is not None else None
+    tp_group = groups.tp_group if group is not None else None
     return TiedGrads(params=params, group=group, by_rows=by_rows, replica=place.replica, dp=dp,
                      tp_group=tp_group, tp_rank=place.tp_rank)
 
