@@ -3,14 +3,16 @@ estimate ties, which the simulation can rank."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from medley.plan import polish as polish_module
 from medley.plan.candidates import Estimator
-from medley.plan.polish import polish, tied_moves
+from medley.plan.polish import polish, polish_leaders, tied_moves
 from medley.plan.search import search
 from medley.plan.space import Constraints
-from medley.spec.cluster_load import parse_cluster_arg
+from medley.spec.cluster_load import cluster_from_dict, parse_cluster_arg
 from medley.spec.model_arg import get_model
 
 CLUSTER = "8xH100-SXM-80GB+8xA100-80GB"
@@ -67,3 +69,50 @@ def test_interleaved_plans_are_not_polished(monkeypatch: pytest.MonkeyPatch) -> 
     result = _search(0, monkeypatch)
     interleaved = next(p for p in result.simulated if p.plan.layout.schedule == "interleaved")
     assert list(tied_moves(_estimator(result), interleaved.candidate)) == []
+
+
+def _plan(tokens_per_s: float) -> SimpleNamespace:
+    return SimpleNamespace(tokens_per_s=tokens_per_s, cost_per_mtoken=None)
+
+
+def test_close_runners_up_are_polished_on_one_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The best plan and the runners-up within POLISH_WITHIN are polished, best first; only what
+    beats the best so far is kept, and every start draws on the same work budget."""
+    ranked = [_plan(100.0), _plan(98.0), _plan(97.5), _plan(90.0)]  # 90 is more than 3% behind
+    gains = {100.0: [_plan(100.5)], 98.0: [_plan(99.0), _plan(101.0)], 97.5: [_plan(102.0)]}
+    calls, budgets = [], set()
+
+    def fake_polish(start, ctx, cluster, cost, constraints, objective, simulated, work):  # noqa: ANN001, ANN202
+        calls.append(start.tokens_per_s)
+        budgets.add(id(work))
+        return gains.get(start.tokens_per_s, [])
+
+    monkeypatch.setattr(polish_module, "polish", fake_polish)
+    kept = polish_leaders(ranked, None, None, None, None, "throughput", set())
+    assert calls == [100.0, 98.0, 97.5] and len(budgets) == 1
+    assert [p.tokens_per_s for p in kept] == [100.5, 101.0, 102.0]  # 99.0 does not beat 100.5
+
+
+def test_a_polished_runner_up_can_become_the_best(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On one H100 and one A100 node in two zones (the planner bench's 16-device cluster),
+    LLaMA-2-7B at 2 sequences per device: a tp2 plan simulates best, and a plan without TP 0.8%
+    behind it moves one layer to its last stage and overtakes it."""
+    racks = {"rack-h": ["h"], "rack-a": ["a"]}
+    cluster = cluster_from_dict({
+        "name": "two-types",
+        "nodes": [{"name": "h", "device": "H100-SXM-80GB", "count": 8},
+                  {"name": "a", "device": "A100-80GB", "count": 8}],
+        "tiers": [{"name": "rack", "bandwidth_gbit": 200, "latency_us": 5, "groups": racks},
+                  {"name": "zone", "bandwidth_gbit": 100, "latency_us": 10,
+                   "groups": {"zone-a": ["rack-h"], "zone-b": ["rack-a"]}},
+                  {"name": "region", "bandwidth_gbit": 25, "latency_us": 1000}],
+    }, source="two-types")
+
+    def best(starts: int):  # noqa: ANN202
+        monkeypatch.setattr(polish_module, "POLISH_STARTS", starts)
+        return search(cluster, MODEL, global_batch=32, seq_len=4096, top=3, baselines=False).best
+
+    alone, leaders = best(1), best(3)
+    assert alone.plan.layout.tp == (2, 2)
+    assert not leaders.plan.layout.tp
+    assert leaders.tokens_per_s > alone.tokens_per_s

@@ -7,8 +7,9 @@ replica speed, the bottleneck-sweep split under memory, the cheapest memory opti
 The best structures (overall and per device pool) are expanded into every allowed schedule family;
 the best ``simulate`` of those by estimate are compiled to the IR and simulated exactly with
 :func:`medley.plan.predict.predict`, checked against memory, and ranked by simulated throughput
-(or cost per token); the best one's neighbours one layer away that the estimate ties are simulated
-too, and those that improve on it join the ranking (:mod:`medley.plan.polish`). Candidates whose
+(or cost per token); the neighbours one layer away that the estimate ties of the best plan and of
+the runners-up close to it are simulated too, and those that improve on the best join the ranking
+(:mod:`medley.plan.polish`). Candidates whose
 estimate lies far behind the fastest simulated step are not simulated
 (:data:`medley.plan.ranking.SIMULATE_WITHIN`). Bounds only prune: every figure reported comes from a
 simulation. The search is deterministic: fixed enumeration order, ties broken by the enumeration
@@ -32,7 +33,7 @@ from medley.plan.baselines import run_baselines
 from medley.plan.bounds import aggregate_bound
 from medley.plan.candidates import Estimator
 from medley.plan.layout import TP_DEGREES
-from medley.plan.polish import polish
+from medley.plan.polish import polish_leaders
 from medley.plan.ranking import (
     Objective,
     Progress,
@@ -222,7 +223,7 @@ def search(
     feasible = _feasible(ranked, objective)
     if feasible:
         keys = {p.candidate.key for p in ranked}
-        ranked += polish(feasible[0], estimator, cluster, cost, constraints, objective, keys)
+        ranked += polish_leaders(feasible, estimator, cluster, cost, constraints, objective, keys)
         feasible = _feasible(ranked, objective)
     feasible = best_placement(feasible, top, cluster, cost, constraints, objective)
     if not feasible:
