@@ -51,15 +51,19 @@ def test_tp2_x_pp2_trains_as_one_process(tp_run) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_tp2_x_dp2_trains_and_evaluates_as_one_process(tmp_path) -> None:
-    """ZeRO-1 over the replicas of each TP rank, replicas with 3 and 1 micro-batches, clipping on;
-    the validation loss (forward only) after the last step too."""
+@pytest.mark.parametrize("shape", [dict(tp=(2,), dp=2, split="6", micro_batches="3,1"),
+                                   dict(tp=(2, 2), dp=1, split="3,3", micro_batches="4")],
+                         ids=["tp2xdp2", "tp2xpp2"])
+def test_tp2_trains_and_evaluates_as_one_process(shape: dict, tmp_path) -> None:
+    """tp2 x dp2: ZeRO-1 over the replicas of each TP rank, replicas with 3 and 1 micro-batches;
+    tp2 x pp2: the pipeline hop scattered (each TP rank sends its slice, the next group gathers).
+    Clipping on; the validation loss (forward only) after the last step too."""
     rng = np.random.default_rng(0)
     rng.integers(0, 256, 20_000, dtype=np.uint16).tofile(tmp_path / "train.bin")
     rng.integers(0, 256, 2_000, dtype=np.uint16).tofile(tmp_path / "val.bin")
     settings = dict(data=str(tmp_path / "train.bin"), val_data=str(tmp_path / "val.bin"), eval_every=3,
                     steps=3, checkpoint_every=0, measure_memory=False, clip_norm=0.5)
-    plan = tp_plan(tp=(2,), dp=2, split="6", zero="1", schedule="1f1b", micro_batches="3,1")
+    plan = tp_plan(zero="1", schedule="1f1b", **shape)
     records = train_local(plan, config(**settings))
     want = reference_run(plan.layout, config(**settings))
     assert max(abs(r.loss - w) for r, w in zip(records, want.losses, strict=True)) <= TOL

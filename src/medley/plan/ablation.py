@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from medley.plan import builder, memory_rules, split_rules
-from medley.plan.baselines import Scored, add_candidate, one_option_for_all, simulate_finalists
+from medley.plan.baselines import Scored, add_candidate, one_option_for_all, rank_finalists
 from medley.plan.candidates import Estimator
-from medley.plan.polish import polish
+from medley.plan.polish import polish_leaders
 from medley.plan.ranking import RankedPlan
 from medley.plan.search import SearchResult, device_pools, family_variants, search
 from medley.plan.space import MICRO_BATCH_SIZES, PP_CHOICES, Candidate, Constraints, Structure
@@ -148,9 +148,10 @@ def constrained_search(
     make: Make,
     constraints: Constraints,
     placements: Sequence[Placement],
-) -> RankedPlan | None:
+) -> list[RankedPlan]:
     """The planner's method under other rules: every structure's 1F1B estimate, the EXPANDED best
-    structures in every allowed family, the FINALISTS best (and each family's best) simulated."""
+    structures in every allowed family, the FINALISTS best (and each family's best) simulated;
+    those that fit, fastest first."""
     base: Scored = []
     for st in structures:
         for level in (0, 1) if st.dp > 1 else (0,):
@@ -166,7 +167,7 @@ def constrained_search(
             if family == "interleaved" and st.pp * chunks > est.model.num_layers:
                 continue
             add_candidate(scored, lambda st=st, f=family, v=chunks, lv=level: make(st, f, v, lv))
-    return simulate_finalists(est, scored, constraints, placements, finalists=FINALISTS)
+    return rank_finalists(est, scored, constraints, placements, finalists=FINALISTS)
 
 
 def _level(candidate: Candidate) -> int:
@@ -188,7 +189,8 @@ def _homogeneous(result: SearchResult) -> tuple[RankedPlan | None, str]:
         )
 
     placements = (Placement.BUBBLE, Placement.NAIVE)
-    return constrained_search(est, structures, make, result.constraints, placements), ""
+    found = constrained_search(est, structures, make, result.constraints, placements)
+    return (found[0] if found else None), ""
 
 
 def _cluster_order(
@@ -233,10 +235,12 @@ def _uniform_zero(result: SearchResult) -> tuple[RankedPlan | None, str]:
         )
 
     found = constrained_search(est, structures, make, result.constraints, (Placement.NAIVE,))
-    if found is None:
+    if not found:
         return None, ""
-    # The split stays free here, and the planner polishes its best plan's split: so does this step
-    # (one memory option for all stages: the polished neighbours keep it).
-    keys = {found.candidate.key}
-    improved = polish(found, est, result.cluster, result.cost, result.constraints, result.objective, keys)
-    return (improved[-1] if improved else found), ""
+    # The split stays free here, and the planner polishes the splits of its best plan and of the
+    # runners-up close to it: so does this step (one memory option for all stages: the polished
+    # neighbours keep it).
+    keys = {p.candidate.key for p in found}
+    improved = polish_leaders(found, est, result.cluster, result.cost, result.constraints,
+                              result.objective, keys)
+    return (improved[-1] if improved else found[0]), ""

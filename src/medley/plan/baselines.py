@@ -132,9 +132,21 @@ def simulate_finalists(
     placements: Sequence[Placement],
     finalists: int = FINALISTS,
 ) -> RankedPlan | None:
+    """The fastest plan of :func:`rank_finalists` (None when none fits)."""
+    ranked = rank_finalists(ctx, scored, constraints, placements, finalists)
+    return ranked[0] if ranked else None
+
+
+def rank_finalists(
+    ctx: PlanContext,
+    scored: Scored,
+    constraints: Constraints,
+    placements: Sequence[Placement],
+    finalists: int = FINALISTS,
+) -> list[RankedPlan]:
     """Simulate the ``finalists`` best by estimate and the best of each family and set of tp
     degrees (the estimate is optimistic for TP structures: they must not crowd the others out)
-    under each of ``placements``; the fastest that fits (None when none does)."""
+    under each of ``placements``; those that fit, fastest first."""
     scored = sorted(scored, key=lambda x: (x[0], x[1]))
     chosen: dict[object, Candidate] = {}
     for _, _, candidate in scored[:finalists]:
@@ -146,7 +158,7 @@ def simulate_finalists(
         if variant not in families:
             families.add(variant)
             chosen.setdefault(candidate.key, candidate)
-    best = None
+    fitting: list[RankedPlan] = []
     for candidate in chosen.values():
         base = candidate.layout(ctx.model, ctx.seq_len)
         for placement in placements:
@@ -155,9 +167,9 @@ def simulate_finalists(
                 ranked = rank_plan(candidate, layout, ctx.cluster, ctx.cost, constraints.memory_headroom)
             except (ValueError, MedleyInputError):  # a layout the compiler rejects
                 continue
-            if ranked.fits and (best is None or ranked.tokens_per_s > best.tokens_per_s):
-                best = ranked
-    return best
+            if ranked.fits:
+                fitting.append(ranked)
+    return sorted(fitting, key=lambda p: -p.tokens_per_s)  # stable: the first found wins a tie
 
 
 def tp_set(st: Structure) -> tuple[int, ...]:

@@ -9,11 +9,10 @@ the best ``simulate`` of those by estimate are compiled to the IR and simulated 
 :func:`medley.plan.predict.predict`, checked against memory, and ranked by simulated throughput
 (or cost per token); the neighbours one layer away that the estimate ties of the best plan and of
 the runners-up close to it are simulated too, and those that improve on the best join the ranking
-(:mod:`medley.plan.polish`). Candidates whose
-estimate lies far behind the fastest simulated step are not simulated
-(:data:`medley.plan.ranking.SIMULATE_WITHIN`). Bounds only prune: every figure reported comes from a
-simulation. The search is deterministic: fixed enumeration order, ties broken by the enumeration
-index.
+(:mod:`medley.plan.polish`). Candidates whose estimate lies far behind the fastest simulated step
+are not simulated (:data:`medley.plan.ranking.SIMULATE_WITHIN`). Bounds only prune: every figure
+reported comes from a simulation. The search is deterministic: fixed enumeration order, ties
+broken by the enumeration index.
 """
 
 from __future__ import annotations

@@ -56,12 +56,13 @@ def gather_time(
 
 def scale_hops(
     layout: PlanLayout, cluster: Cluster, replica: int, s2r: Sequence[int], row: list[StageCost],
-    comm: CommModel | None = None,
+    comm: CommModel | None,
 ) -> None:
     """Each stage's pipeline transfers in ``replica`` at the bytes of the busiest link of the hop
     between TP groups (:func:`hop_bytes_factor`): forward to the next stage's group, and the
-    gradient back from it. On ``comm``, a scattered hop's all-gathers (:func:`gather_time`) join
-    the next stage's forward (the activation) and this stage's backward (the gradient)."""
+    gradient back from it. On ``comm`` (None: no communication timed), a scattered hop's
+    all-gathers (:func:`gather_time`) join the next stage's forward (the activation) and this
+    stage's backward (the gradient)."""
     if not layout.tp:
         return
     for stage in range(len(row) - 1):

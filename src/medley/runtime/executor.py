@@ -242,7 +242,7 @@ class RankExecutor:
         else:
             if mb not in st.inputs:
                 raise RuntimeError(f"{stage}F{mb} on rank {self.rank}: its input was never received")
-            inp = self._whole(st.inputs[mb]).detach().requires_grad_(True)
+            inp = self._whole(st.inputs[mb], stage - 1).detach().requires_grad_(True)
             st.inputs[mb] = inp
         with self._autocast():
             out = self.stages[stage].module(inp)
@@ -258,7 +258,7 @@ class RankExecutor:
         last = stage == self.schedule.num_stages - 1
         outputs = [self._scaled(st.losses[mb])] if last else [st.outputs.pop(mb)]
         # A gradient received in the wire dtype (:attr:`dtype`) takes the output's dtype back.
-        grads = None if last else [self._whole(st.output_grads.pop(mb)).to(outputs[0].dtype)]
+        grads = None if last else [self._whole(st.output_grads.pop(mb), stage + 1).to(outputs[0].dtype)]
         inputs = [st.inputs.pop(mb)] if stage > 0 else []
         if full:
             torch.autograd.backward(outputs, grads)
@@ -315,19 +315,27 @@ class RankExecutor:
         return theirs[tp_sources(senders=len(theirs), receivers=len(self.pipeline[self.rank]))[self.tp_rank]]
 
     def _scattered(self, peer_stage: int) -> bool:
-        """Whether transfers with ``peer_stage`` carry slices (:func:`tp_scattered`)."""
+        """Whether transfers with ``peer_stage`` carry slices (:func:`tp_scattered`); a stage on
+        this rank hands its tensors over whole, in memory."""
+        if peer_stage in self.stages:
+            return False
         return tp_scattered(senders=len(self._group(peer_stage)), receivers=len(self.pipeline[self.rank]))
 
-    def _whole(self, received: torch.Tensor) -> torch.Tensor:
-        """A received activation or gradient, all-gathered over the TP group when it came as this
-        rank's slice (flat; whole tensors are [micro_batch_size, seq, hidden])."""
-        if received.dim() > 1:
-            return received
+    def _slice_numel(self) -> int:
+        """Elements of one TP rank's slice of a scattered tensor (the degree divides the hidden
+        size: :func:`medley.plan.layout.tp_undivided`)."""
+        return prod(self.activation_shape) // len(self.pipeline[self.rank])
+
+    def _whole(self, tensor: torch.Tensor, peer_stage: int) -> torch.Tensor:
+        """An activation or gradient from ``peer_stage``, all-gathered over the TP group first when
+        the hop is scattered (it came as this rank's slice)."""
+        if not self._scattered(peer_stage):
+            return tensor
         if self.tp_group is None:
             raise RuntimeError(f"pipeline rank {self.rank} received a slice of a scattered hop but was "
                                "given no TP group to gather it on (RankExecutor.tp_group)")
-        whole = torch.empty(self.activation_shape, dtype=received.dtype, device=received.device)
-        dist.all_gather_single(whole.view(-1), received, group=self.tp_group)
+        whole = torch.empty(self.activation_shape, dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_single(whole.view(-1), tensor, group=self.tp_group)
         return whole
 
     def _send(self, action: Action) -> None:
@@ -337,17 +345,18 @@ class RankExecutor:
         else:
             tensor, tag = st.input_grads.pop(mb), self._tag(peer_stage, mb, grad=True)
         tensor = tensor.to(self.dtype).contiguous()
-        if self._scattered(peer_stage):  # this rank's slice only; the tensor is whole on every rank
-            tensor = tensor.view(-1).chunk(len(self.pipeline[self.rank]))[self.tp_rank].clone()
+        if self._scattered(peer_stage):
+            # This rank's slice only (the tensor is whole on every TP rank), copied so that the
+            # pending send does not keep the whole tensor alive until it is known delivered.
+            n = self._slice_numel()
+            tensor = tensor.view(-1).narrow(0, self.tp_rank * n, n).clone()
         for peer in self._destinations(peer_stage):
             self.pending_sends.add(dist.isend(tensor, dst=peer, tag=tag), dst=peer, key=message_key(action))
 
     def _recv(self, action: Action) -> None:
         st, mb = self.state[action.stage], action.micro_batch
         peer_stage = p2p_peer_stage(action)
-        shape = self.activation_shape
-        if self._scattered(peer_stage):
-            shape = (prod(shape) // len(self.pipeline[self.rank]),)
+        shape = (self._slice_numel(),) if self._scattered(peer_stage) else self.activation_shape
         buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
         # Tags name the (sending stage, direction) pair, so both ends compute the same one.
         if action.kind is Kind.RECV_F:
