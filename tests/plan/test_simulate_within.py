@@ -16,9 +16,10 @@ from medley.spec.model_arg import get_model
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
-@pytest.mark.parametrize("cluster", ["8xH100-SXM-80GB+8xA100-80GB", "4xA100-80GB+4xV100-32GB+4xT4-16GB"])
-def test_skipping_far_estimates_keeps_the_best_plan(cluster: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    spec, model = parse_cluster_arg(cluster), get_model("llama-2-7b")
+def test_skipping_far_estimates_keeps_the_best_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On three types whose speeds differ widely, several finalists' estimates lie far behind (on
+    two types of near speed, e.g. 8 H100 and 8 A100, none does any more: nothing is skipped)."""
+    spec, model = parse_cluster_arg("4xA100-80GB+4xV100-32GB+4xT4-16GB"), get_model("llama-2-7b")
     monkeypatch.setattr(ranking, "SIMULATE_WITHIN", float("inf"))
     every = search(spec, model, global_batch=128, seq_len=4096, top=1, baselines=False)
     monkeypatch.setattr(ranking, "SIMULATE_WITHIN", 0.15)
