@@ -32,8 +32,8 @@ def _estimator(result) -> Estimator:
 
 
 def test_polish_finds_a_faster_split_one_layer_away(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without polishing, the best plan's V100 and H100 stages hold 5 and 29 layers (the head
-    counts as one); the simulation prefers 4 and 30, which the estimate ties."""
+    """Polishing moves one layer between two stages of the best plan (a split the estimate ties
+    with the plan's, here from its V100 stage to its H100 stage), and the simulation is faster."""
     before = _search(0, monkeypatch)
     after = _search(3, monkeypatch)
     assert after.best.tokens_per_s > before.best.tokens_per_s * 1.002
@@ -103,8 +103,8 @@ def test_close_runners_up_are_polished_on_one_budget(objective: str, monkeypatch
 
 def test_a_polished_runner_up_can_become_the_best(monkeypatch: pytest.MonkeyPatch) -> None:
     """On 8 A100 and 8 V100, LLaMA-2-7B at 2 sequences per device, families that are polished and
-    no TP: polishing only the best plan finds nothing, and a runner-up of another assignment,
-    polished, overtakes it."""
+    no TP: a runner-up of another structure, polished, ends faster than the best plan polished
+    alone."""
 
     def best(starts: int):  # noqa: ANN202
         monkeypatch.setattr(polish_module, "POLISH_STARTS", starts)

@@ -10,9 +10,12 @@ or the k fastest types), pp x dp, an assignment strategy and the micro-batch siz
   ZeRO collectives, stay inside a node where they can; the pipeline crosses the slow links.
 * ``memory-first``: the same with the types sorted by memory, largest first (stage 0 holds the
   most in-flight activations and the embedding).
-* ``slowest-first`` (pools of several types): the same with the slowest type first, as Metis
-  orders types: the fast devices take the most layers and the head on the last ranks, which hold
-  the fewest micro-batches in flight, so they need no recomputation where fastest-first does.
+* ``slowest-first`` (pools of several types, pp > 1): the fastest pp x dp devices of the pool,
+  grouped as in ``stage-major`` but the slowest type first (one of the type orders Metis
+  searches): the fast devices, which take the most layers, and the head then sit on the last
+  ranks, which hold the fewest micro-batches in flight. Where memory binds they can then run
+  without the recomputation fastest-first needs (LLaMA-2-70B on the planner bench's 1,024 devices:
+  ``bench/results/planner.md``).
 * ``replica-major``: replica r is the r-th run of pp devices, so each replica sits on one type
   (and node) where it can; replicas then differ and get micro-batch counts by speed.
 
@@ -87,6 +90,10 @@ class Estimator(PlanContext):
                 for strategy, order in orders.items():
                     if strategy == "replica-major" and (pp == 1 or dp == 1):
                         continue
+                    if strategy == "slowest-first":
+                        if pp == 1:
+                            continue  # replicas of one rank: only their order would change
+                        order = self._slowest_first(orders["stage-major"][: pp * dp])
                     assignment = self.assign(order, pp, dp, strategy)
                     if assignment in seen:
                         continue
@@ -102,25 +109,27 @@ class Estimator(PlanContext):
                     )
 
     def _orders(self, devices: list[int]) -> dict[str, list[int]]:
-        """The device order of each strategy (see the module docstring; ties by device id).
-        ``slowest-first`` took LLaMA-2-70B on the planner bench's 1,024 devices from 290k to 336k
-        tokens/s (no recomputation on the H100 stages)."""
+        """The device order of each strategy (see the module docstring; ties by device id). The
+        ``slowest-first`` entry lists the devices fastest first: a structure takes its fastest
+        pp x dp and orders them with :meth:`_slowest_first`."""
         types = {self.cluster.devices[d].type for d in devices}
-        speed = {t.name: self.table(t.name, 1).total[-1] for t in types}
-
-        def step_time(d: int) -> float:
-            return speed[self.cluster.devices[d].type.name]
-
-        by_speed = sorted(devices, key=lambda d: (step_time(d), d))
+        by_speed = sorted(devices, key=lambda d: (self._step_seconds(d), d))
         memory = {d: self.cluster.devices[d].type.memory_bytes for d in devices}
-        by_memory = sorted(devices, key=lambda d: (-memory[d], step_time(d), d))
+        by_memory = sorted(devices, key=lambda d: (-memory[d], self._step_seconds(d), d))
         orders = {"stage-major": by_speed}
         if by_memory != by_speed:
             orders["memory-first"] = by_memory
         if len(types) > 1:
-            orders["slowest-first"] = sorted(devices, key=lambda d: (-step_time(d), d))
+            orders["slowest-first"] = by_speed
         orders["replica-major"] = by_speed
         return orders
+
+    def _step_seconds(self, device: int) -> float:
+        """One micro-batch of one sequence through the whole model on ``device``'s type."""
+        return self.table(self.cluster.devices[device].type.name, 1).total[-1]
+
+    def _slowest_first(self, devices: list[int]) -> list[int]:
+        return sorted(devices, key=lambda d: (-self._step_seconds(d), d))
 
     # --- one structure, one family -------------------------------------------------------------
     def candidate(self, st: Structure, family: str, *, virtual_stages: int = 2) -> Candidate | None:

@@ -327,11 +327,14 @@ def family_variants(families: Sequence[str]) -> list[tuple[str, dict[str, int]]]
 def structure_bound(estimator: Estimator, st: Structure) -> float:
     """A quick lower estimate of a structure's step: its devices' total speed running whole
     micro-batches with no bubbles, stretched by a third of 1F1B's fill (zero-bubble's share), and
-    by recomputation's extra forward when the first stage's device cannot hold one micro-batch's
-    activations of every layer (what 1F1B's first stage keeps in flight) next to its share of the
-    model state (in the plan's dtype, :func:`medley.cost.zero_memory.state_bytes_per_param`).
-    Infinite when even fully sharded state does not fit the cluster's devices. A TP group counts
-    as one device at its degree's speed (:meth:`PlanContext.table`, all-reduces included)."""
+    by recomputation's extra forward when the structure's roomiest device cannot hold one
+    micro-batch's activations of every layer (what 1F1B's first stage keeps in flight) next to its
+    share of the model state (in the plan's dtype,
+    :func:`medley.cost.zero_memory.state_bytes_per_param`). Infinite when even that device cannot
+    hold its share of the state. The roomiest, not the first stage's, device: the split may give
+    any stage the most layers (fast devices last, ``slowest-first``), so only it keeps this a
+    lower estimate. A TP group counts as one device at its degree's speed
+    (:meth:`PlanContext.table`, all-reduces included)."""
     mbs = st.micro_batch_size
     # Keys in order of first appearance, row by row (the order the sum below adds them in).
     names, tps = estimator.type_names, [st.tp_of(k) for k in range(st.pp)]
@@ -339,11 +342,11 @@ def structure_bound(estimator: Estimator, st: Structure) -> float:
     speed = sum(n * mbs / estimator.table(t, mbs, tp=tp).total[-1] for (t, tp), n in counts.items())
     m = -(-estimator.global_batch // mbs // st.dp)
     bound = estimator.global_batch / speed * (m + (st.pp - 1) / 3) / m
-    first = estimator.cluster.devices[st.assignment[0][0]].type
+    roomiest, tp = max(counts, key=lambda key: estimator.type_capacity(key[0]))  # first of the largest
     dtype = estimator.dtype(st.assignment)
-    table = estimator.table(first.name, mbs, dtype, st.tp_of(0))
+    table = estimator.table(roomiest, mbs, dtype, tp)
     state = state_bytes_per_param(dtype).total * table.params[-1] / (st.pp * st.dp)
-    capacity = estimator.type_capacity(first.name)
+    capacity = estimator.type_capacity(roomiest)
     if state > capacity:
         return float("inf")
     if state + table.act[-1] > capacity:

@@ -21,7 +21,6 @@ PP_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128)
 PP_CHOICES_LARGE = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 LARGE_POOL = 128
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
-STRATEGIES = ("stage-major", "memory-first", "slowest-first", "replica-major")
 SEARCHED_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b", "gpipe")
 DEFAULT_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b")
 
