@@ -8,7 +8,9 @@ with 2, 4 and 6 micro-batches): the executor waits on its sends once per step, s
 input gradient (and one more tensor of its size) stays alive until the step's end, which the
 simulator does not book. TP must add nothing to that: the bytes missing on a tp2
 last stage equal those missing on the tp1 one, to within one hidden-state tensor (whether the
-last send has completed when the peak is sampled varies by rank).
+last send has completed when the peak is sampled varies by rank), in steps of half of one: a hop
+between the two tp2 stages is scattered, so each pending send keeps a half-size slice
+(:func:`medley.plan.layout.tp_scattered`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,6 @@ def test_tp_memory_matches_the_runtime(tmp_path: Path) -> None:
     plain = _run("tiny-pp2-1f1b", tmp_path)
     for device in (2, 3):
         extra = _error(piped, device) - _error(plain, 1)
-        # 0, or one hidden-state send buffer more or less; scaling a measured block's bytes by the
-        # formulas' tp ratio was 53 KB short here (26 KB per block).
-        assert min(abs(extra - k * HIDDEN) for k in (-1, 0, 1)) <= SLACK, (device, extra)
+        # 0, or up to one hidden-state send buffer more or less, in half-size slices; scaling a
+        # measured block's bytes by the formulas' tp ratio was 53 KB short here (26 KB per block).
+        assert min(abs(extra - k * HIDDEN / 2) for k in (-2, -1, 0, 1, 2)) <= SLACK, (device, extra)
