@@ -12,7 +12,7 @@ import tomli_w
 from medley.cost.estimator import CatalogCostSource
 from medley.errors import MedleyInputError
 from medley.plan.inline import inline_layout
-from medley.plan.layout import PlanLayout, check_tp, tp_sources
+from medley.plan.layout import PlanLayout, check_tp, tp_scattered, tp_sources, tp_undivided
 from medley.plan.plan import Plan, load_plan, save_plan
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
@@ -87,3 +87,16 @@ def test_each_receiving_rank_has_one_source() -> None:
     assert tp_sources(senders=2, receivers=1) == (0,)
     assert tp_sources(senders=1, receivers=4) == (0, 0, 0, 0)
     assert tp_sources(senders=4, receivers=2) == (0, 1)
+
+
+def test_only_hops_between_groups_of_one_degree_are_scattered() -> None:
+    assert tp_scattered(senders=2, receivers=2) and tp_scattered(senders=8, receivers=8)
+    assert not tp_scattered(senders=1, receivers=1)
+    assert not tp_scattered(senders=2, receivers=1) and not tp_scattered(senders=2, receivers=4)
+
+
+def test_a_degree_must_divide_the_hidden_size_a_scattered_hop_slices() -> None:
+    """Heads, KV heads and MLP width divide by 2, the hidden states (65 wide) do not."""
+    model = dataclasses.replace(get_model("tiny"), hidden_size=65, explicit_head_dim=16)
+    assert tp_undivided(model, 2) == "hidden_size (65)"
+    assert tp_undivided(get_model("tiny"), 2) is None
