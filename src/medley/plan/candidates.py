@@ -29,6 +29,7 @@ a time-only split over the chunks, one memory option per rank).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import groupby
 from typing import Any
 
 from medley.plan import builder, memory_rules, split_rules
@@ -76,7 +77,8 @@ class Estimator(PlanContext):
         self, pool_name: str, devices: list[int], tp: int, max_pp: int, micro_batch_sizes: Sequence[int]
     ) -> Iterator[Structure]:
         units = tp_groups(self, devices, tp)
-        orders = self._orders(units)
+        seconds = {d: self._step_seconds(d) for d in units}
+        orders = self._orders(units, seconds)
         for pp in PP_CHOICES if len(devices) <= LARGE_POOL else PP_CHOICES_LARGE:
             if pp > min(max_pp, len(units), self.model.num_layers):
                 break
@@ -93,7 +95,7 @@ class Estimator(PlanContext):
                     if strategy == "slowest-first":
                         if pp == 1:
                             continue  # replicas of one rank: only their order would change
-                        order = self._slowest_first(orders["stage-major"][: pp * dp])
+                        order = _slowest_first(order[: pp * dp], seconds)
                     assignment = self.assign(order, pp, dp, strategy)
                     if assignment in seen:
                         continue
@@ -108,14 +110,14 @@ class Estimator(PlanContext):
                         tp=(tp,) * pp if tp > 1 else (),
                     )
 
-    def _orders(self, devices: list[int]) -> dict[str, list[int]]:
-        """The device order of each strategy (see the module docstring; ties by device id). The
-        ``slowest-first`` entry lists the devices fastest first: a structure takes its fastest
-        pp x dp and orders them with :meth:`_slowest_first`."""
+    def _orders(self, devices: list[int], seconds: dict[int, float]) -> dict[str, list[int]]:
+        """The device order of each strategy (see the module docstring; ties by device id), from
+        each device's :meth:`_step_seconds`. The ``slowest-first`` entry lists the devices fastest
+        first: a structure takes its fastest pp x dp and reorders them (:func:`_slowest_first`)."""
         types = {self.cluster.devices[d].type for d in devices}
-        by_speed = sorted(devices, key=lambda d: (self._step_seconds(d), d))
+        by_speed = sorted(devices, key=lambda d: (seconds[d], d))
         memory = {d: self.cluster.devices[d].type.memory_bytes for d in devices}
-        by_memory = sorted(devices, key=lambda d: (-memory[d], self._step_seconds(d), d))
+        by_memory = sorted(devices, key=lambda d: (-memory[d], seconds[d], d))
         orders = {"stage-major": by_speed}
         if by_memory != by_speed:
             orders["memory-first"] = by_memory
@@ -127,9 +129,6 @@ class Estimator(PlanContext):
     def _step_seconds(self, device: int) -> float:
         """One micro-batch of one sequence through the whole model on ``device``'s type."""
         return self.table(self.cluster.devices[device].type.name, 1).total[-1]
-
-    def _slowest_first(self, devices: list[int]) -> list[int]:
-        return sorted(devices, key=lambda d: (-self._step_seconds(d), d))
 
     # --- one structure, one family -------------------------------------------------------------
     def candidate(self, st: Structure, family: str, *, virtual_stages: int = 2) -> Candidate | None:
@@ -167,3 +166,10 @@ class Estimator(PlanContext):
             self, st, family, split=split_rules.bottleneck, memory=memory_rules.cheapest_per_stage,
             micro_batches=builder.balanced_micro_batches(), replicated_level=level,
         )
+
+
+def _slowest_first(fastest_first: list[int], seconds: dict[int, float]) -> list[int]:
+    """``fastest_first`` (sorted by step seconds, then id) with its runs of equal step time in
+    reverse order: the slowest first, ids still ascending within a run (no sort per structure)."""
+    runs = [list(run) for _, run in groupby(fastest_first, key=seconds.__getitem__)]
+    return [d for run in reversed(runs) for d in run]
