@@ -40,7 +40,8 @@ CASES = [
 
 @cache
 def _settings(cluster_arg: str, model_name: str) -> tuple[Setting, ...]:
-    """The settings the 1F1B and ZB-H1 builds of every structure split (up to 4 stages)."""
+    """The settings the 1F1B and ZB-H1 builds of every structure split (up to 4 stages), on one
+    context: their sweeps share its memory limits (:attr:`PlanContext.sweep_memory`)."""
     cluster, model = parse_cluster_arg(cluster_arg), get_model(model_name)
     est = Estimator(cluster, model, CatalogCostSource.for_cluster(model, cluster), seq_len=2048,
                     global_batch=16, memory_headroom=0.05)
@@ -52,8 +53,9 @@ def _settings(cluster_arg: str, model_name: str) -> tuple[Setting, ...]:
     pools = {"all": list(range(cluster.num_devices))}
     for structure in est.structures(pools, max_pp=4, micro_batch_sizes=(1, 2)):
         for family in ("1f1b", "zb-h1"):
-            build(est, structure, family, split=capture, memory=cheapest_per_stage,
-                  micro_batches=balanced_micro_batches())
+            for level in (0, 1):  # ladders whose options sit at different indices share limits
+                build(est, structure, family, split=capture, memory=cheapest_per_stage,
+                      micro_batches=balanced_micro_batches(), replicated_level=level)
     return tuple(seen)
 
 
@@ -134,9 +136,12 @@ def test_the_instances_exercise_the_exact_check_of_short_streamed_stages() -> No
         for s in range(setting.structure.pp):
             for o, option in enumerate(setting.ladder):
                 if option.streams:
+                    memory = next(f.memory for f in ends.limits(s)
+                                  if any(streamed == option for streamed, _, _ in f.memory.streams))
                     for i in range(setting.ctx.model.num_layers):
                         end = int(ends.memory_ends(s, o)[i])
-                        reduced += ends.short_end(s, o, i, end) < min(end, i + option.buckets - 1)
+                        short = ends.short_end(s, memory, option, i, end)
+                        reduced += short < min(end, i + option.buckets - 1)
     assert reduced
 
 

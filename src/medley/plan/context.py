@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain
+from typing import Any
 
 import numpy as np
 
@@ -53,6 +54,7 @@ class PlanContext:
         self.network_loads: dict[tuple, float] = {}  # step_estimate.network_load's, per structure
         self.dp_groups: dict[tuple, list] = {}  # step_estimate.dp_groups', per structure
         self.link_users: dict[tuple, list] = {}  # step_estimate.link_users', per structure
+        self.sweep_memory: dict[tuple, Any] = {}  # sweep.StageEnds' memory limits, per stage setting
         self.device_types = cluster.device_types()
         self.type_names = [device.type.name for device in cluster.devices]  # by device id
         self._no_bf16 = [not device.type.supports_bf16 for device in cluster.devices]

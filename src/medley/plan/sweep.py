@@ -31,30 +31,46 @@ from medley.plan.builder import Setting
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryLimits:
+    """The memory side of ``stage_end`` for one stage under the options of one recompute flag, by
+    first layer i. It depends on the stage's device types, tp, in-flight micro-batches, the
+    structure's dp, micro-batch size and dtype, not on the time budget or the micro-batch counts,
+    so every sweep of a search shares it (:attr:`medley.plan.context.PlanContext.sweep_memory`).
+
+    Attributes:
+        plain: by i, the largest memory end of the flag's options that do not stream (-1: none).
+        streams: (option, buckets, memory end by i) of each streamed ZeRO-3 option of the flag;
+            from i, an end short of i + buckets takes the exact check's
+            (:meth:`StageEnds.short_end`).
+        loose: by i, the largest memory end of any option of the flag, short streamed stages
+            unchecked (what :meth:`StageEnds.upper` takes).
+        shorts: the exact check's ends found so far, by (buckets, i) of a streamed option.
+    """
+
+    plain: list[int]
+    streams: tuple[tuple[MemoryOption, int, list[int]], ...]
+    loose: list[int]
+    shorts: dict[tuple[int, int], int]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class FlagLimits:
-    """What ``stage_end`` needs of one stage under the options of one recompute flag, by first
-    layer i.
+    """What ``stage_end`` needs of one stage under the options of one recompute flag.
 
     Attributes:
         times: (time prefix, micro-batches) of each device type of the stage, with or without
             recomputation as the flag says.
-        plain: by i, the largest memory end of the flag's options that do not stream (-1: none).
-        streams: (option index, buckets, memory end by i) of each streamed ZeRO-3 option of the
-            flag; from i, an end short of i + buckets takes the exact check's
-            (:meth:`StageEnds.short_end`).
-        loose: by i, the largest memory end of any option of the flag, short streamed stages
-            unchecked (what :meth:`StageEnds.upper` takes).
+        memory: the flag's memory limits (:class:`MemoryLimits`).
     """
 
     times: tuple[tuple[Sequence[float], int], ...]
-    plain: list[int]
-    streams: tuple[tuple[int, int, list[int]], ...]
-    loose: list[int]
+    memory: MemoryLimits
 
 
 class StageEnds:
     """``stage_end(s, i, t)`` of :func:`bottleneck_split` for ``setting`` under the memory
-    ``options`` (a part of the setting's ladder), with each stage's limits cached."""
+    ``options`` (a part of the setting's ladder), with each stage's limits cached: the time side
+    here, the memory side in the context for every sweep alike."""
 
     def __init__(self, setting: Setting, options: Sequence[MemoryOption]) -> None:
         ctx, st = setting.ctx, setting.structure
@@ -66,7 +82,6 @@ class StageEnds:
         self._tables = [[setting.table(s, t) for t, _ in pairs] for s, pairs in enumerate(self._stage_types)]
         self._capacities = [[ctx.type_capacity(t) for t, _ in pairs] for pairs in self._stage_types]
         self._limits: list[tuple[FlagLimits, ...] | None] = [None] * st.pp
-        self._shorts: dict[tuple[int, int, int], int] = {}
         # The options of each recompute flag (in order of first appearance), with their index.
         flags = dict.fromkeys(o.recompute for o in self._options)
         self._by_flag = [
@@ -83,14 +98,15 @@ class StageEnds:
                 e = bisect_right(times, times[i] + t / c) - 1
                 if e < end:
                     end = e
-            plain = flag.plain[i]
+            memory = flag.memory
+            plain = memory.plain[i]
             if plain < end:  # plain memory limits it: a streamed option may go further
-                for o, buckets, memory in flag.streams:
-                    memory_end, threshold = memory[i], i + buckets
+                for option, buckets, ends in memory.streams:
+                    memory_end, threshold = ends[i], i + buckets
                     if end >= threshold and memory_end >= threshold:
                         e = min(end, memory_end)
                     else:
-                        e = min(end, self.short_end(s, o, i, memory_end))
+                        e = min(end, self.short_end(s, memory, option, i, memory_end))
                     if e > plain:
                         plain = e
                 end = plain
@@ -105,7 +121,7 @@ class StageEnds:
         flags = self._limits[s] or self.limits(s)
         best = i
         for flag in flags:
-            end = flag.loose[i]
+            end = flag.memory.loose[i]
             for times, c in flag.times:
                 e = bisect_right(times, times[i] + t / c) - 1
                 if e < end:
@@ -119,25 +135,37 @@ class StageEnds:
         is min(T, its memory end), T the end the time allows; under a streamed one it is
         min(T, memory end) when both reach i + buckets, and min(T, ``short``) otherwise
         (:meth:`short_end`); the best option's end counts."""
+        setting, st = self._setting, self._setting.structure
+        flight = setting.flights[s]
+        stage_key = (self._types[s], st.micro_batch_size, setting.dtype, setting.stage_tp(s), st.dp,
+                     flight.full, flight.after_b)
+        cache = setting.ctx.sweep_memory
         out = []
         for flag, members in self._by_flag:
             times = tuple([(table.total_rc if flag else table.total, c)
                            for table, (_, c) in zip(self._tables[s], self._stage_types[s], strict=True)])
-            plain_ends = loose_ends = None
-            streams = []
-            for o, option in members:  # elementwise maxima, taken pairwise
-                ends = self.memory_ends(s, o)
-                loose_ends = ends if loose_ends is None else np.maximum(loose_ends, ends)
-                if option.streams:
-                    streams.append((o, option.buckets, ends.tolist()))
-                else:
-                    plain_ends = ends if plain_ends is None else np.maximum(plain_ends, ends)
-            plain = plain_ends.tolist() if plain_ends is not None else [-1] * (self._num_layers + 1)
-            assert loose_ends is not None
-            loose = loose_ends.tolist()
-            out.append(FlagLimits(times=times, plain=plain, streams=tuple(streams), loose=loose))
+            key = (stage_key, tuple((o.level, o.recompute, o.buckets) for _, o in members))
+            memory = cache.get(key)
+            if memory is None:
+                memory = cache[key] = self.memory_limits(s, members)
+            out.append(FlagLimits(times=times, memory=memory))
         self._limits[s] = tuple(out)
         return self._limits[s]
+
+    def memory_limits(self, s: int, members: list[tuple[int, MemoryOption]]) -> MemoryLimits:
+        """Stage s's :class:`MemoryLimits` under ``members`` (index in the options, option)."""
+        plain_ends = loose_ends = None
+        streams = []
+        for o, option in members:  # elementwise maxima, taken pairwise
+            ends = self.memory_ends(s, o)
+            loose_ends = ends if loose_ends is None else np.maximum(loose_ends, ends)
+            if option.streams:
+                streams.append((option, option.buckets, ends.tolist()))
+            else:
+                plain_ends = ends if plain_ends is None else np.maximum(plain_ends, ends)
+        plain = plain_ends.tolist() if plain_ends is not None else [-1] * (self._num_layers + 1)
+        assert loose_ends is not None
+        return MemoryLimits(plain=plain, streams=tuple(streams), loose=loose_ends.tolist(), shorts={})
 
     def memory_ends(self, s: int, o: int) -> np.ndarray:
         """By first layer i, the largest end the memory prefixes allow under option o on every
@@ -146,20 +174,20 @@ class StageEnds:
         return setting.ctx.memory_ends(self._types[s], st.micro_batch_size, setting.dtype, self._options[o],
                                        st.dp, setting.flights[s], setting.stage_tp(s))
 
-    def short_end(self, s: int, o: int, i: int, memory_end: int) -> int:
+    def short_end(self, s: int, memory: MemoryLimits, option: MemoryOption, i: int, memory_end: int) -> int:
         """The largest end below i + buckets (and up to ``memory_end``) that the exact check
-        allows under streamed option o from layer i, every type of stage s in turn (short
-        streamed stages gather a larger share of their weights than the prefix counts)."""
-        key = (s, o, i)
-        short = self._shorts.get(key)
+        allows under streamed ``option`` from layer i, every type of stage s in turn (short
+        streamed stages gather a larger share of their weights than the prefix counts); kept in
+        ``memory.shorts``."""
+        short = memory.shorts.get((option.buckets, i))
         if short is None:
-            option, flight, dp = self._options[o], self._setting.flights[s], self._setting.structure.dp
+            flight, dp = self._setting.flights[s], self._setting.structure.dp
             short = min(memory_end, i + option.buckets - 1)
             for table, capacity in zip(self._tables[s], self._capacities[s], strict=True):
                 while short > i and stage_memory(table, i, short, option=option, dp=dp,
                                                  in_flight=flight) > capacity:
                     short -= 1
-            self._shorts[key] = short
+            memory.shorts[(option.buckets, i)] = short
         return short
 
 
