@@ -125,6 +125,11 @@ def _search_table(data: dict) -> list[str]:
             f"{r['plan']} | {r['tokens_per_s']:,.0f} | " + " | ".join(_fmt(v.get(n)) for n in NAMES)
             + f" | {_fmt(r.get('versus_best_single_type'))} | {r['aggregate_fraction']:.0%} |"
         )
+    timed = sorted({len(r["search_cpu_runs"]) for r in data["search"] if r.get("search_cpu_runs")})
+    if timed:
+        lines += ["", "Search seconds: the least CPU time of "
+                  + " or ".join(map(str, timed)) + " searches, each in a fresh process (the machine is "
+                  "shared; every run is in the JSON's `search_cpu_runs`)."]
     made = sorted({f"`{r['provenance']['commit']}`" for r in data["search"] if r.get("provenance")})
     if made:
         lines += ["", f"Rows measured at {', '.join(made)}, each with its own command in the JSON."]
