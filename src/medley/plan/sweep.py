@@ -14,8 +14,8 @@ option the memory allows ends up to a limit, and a streamed ZeRO-3 option has tw
 short of its bucket count (such stages gather a larger share of their weights, checked exactly)
 and one for the rest. Options of one recompute flag share their time prefix, and the end under
 the best option is ``min(T, best limit)``, T the end the time budget allows. So per stage the
-limits of every start are worked out once (:meth:`StageEnds.limits`), and a probe costs one
-bisection per device type and recompute flag.
+limits of every start are worked out once (:meth:`StageEnds.limits`; their memory side once per
+search, :class:`MemoryLimits`), and a probe costs one bisection per device type and recompute flag.
 """
 
 from __future__ import annotations
