@@ -3,6 +3,7 @@
 
     timeout 14400 python bench/planner.py                      # everything (hours on a busy machine)
     python bench/planner.py --sections pruning,bound            # the small instances only
+    python bench/planner.py --sections large                    # 70B on examples/large-1024.toml
     python bench/planner.py --sections search --sizes 16 --models llama-2-7b   # one small case
     python bench/planner.py --sizes 16,64 --models llama-2-7b,llama-2-13b --ablation-up-to 64
 
@@ -21,11 +22,14 @@ Sections:
    the best single-type plan (searched separately with the other types excluded), its fraction of
    the aggregate bound, and (up to ``--ablation-up-to`` devices) the ablation
    (:mod:`medley.plan.ablation`): each freedom's constrained search and share of the gain.
-2. ``pruning``: on instances of up to 16 devices, the planner's best against the reference search
+2. ``large``: LLaMA-2-70B on examples/large-1024.toml at 1,024 sequences of 4,096 tokens (the
+   planner's headline goal): the best plan's fraction of the aggregate bound, its shape, and the
+   search's CPU time as in ``search``.
+3. ``pruning``: on instances of up to 16 devices, the planner's best against the reference search
    (:mod:`medley.plan.reference`, ``--reference-budget`` seconds each). The reference is not
    exhaustive over tp (nor, beyond its small seeds, over splits x memory options), hence "loss from
    pruning", not "optimality gap".
-3. ``bound``: fraction of the aggregate bound against samples per device (LLaMA-2-7B, 2,048
+4. ``bound``: fraction of the aggregate bound against samples per device (LLaMA-2-7B, 2,048
    tokens per sequence).
 """
 
@@ -37,6 +41,7 @@ import multiprocessing
 import os
 import platform
 import time
+from itertools import groupby
 from pathlib import Path
 
 from planner_report import markdown
@@ -115,26 +120,69 @@ def _single_type_best(cluster: Cluster, model, global_batch: int, seq_len: int, 
     return best
 
 
-def _timed_search(num_devices: int, model_name: str) -> float:
+def cluster_of(source: str) -> Cluster:
+    """``synthetic:N`` (:func:`synthetic_cluster` of N devices) or a cluster TOML path."""
+    if source.startswith("synthetic:"):
+        size = int(source.split(":", 1)[1])
+        return synthetic_cluster(size, SIZES[size])
+    return parse_cluster_arg(source)
+
+
+def _timed_search(source: str, model_name: str, global_batch: int, seq_len: int) -> float:
     """CPU seconds of one search (baselines excluded) in this process, inputs built untimed."""
-    cluster = synthetic_cluster(num_devices, SIZES[num_devices])
-    model = get_model(model_name)
+    cluster, model = cluster_of(source), get_model(model_name)
     cost = CatalogCostSource.for_cluster(model, cluster)
     start = time.process_time()
     try:
-        search(cluster, model, global_batch=2 * num_devices, seq_len=seq_len_of(model_name), cost=cost,
-               top=1, baselines=False)
+        search(cluster, model, global_batch=global_batch, seq_len=seq_len, cost=cost, top=1, baselines=False)
     except MedleyInputError:
         pass
     return time.process_time() - start
 
 
-def search_cpu_runs(num_devices: int, model_name: str, runs: int) -> list[float]:
+def search_cpu_runs(source: str, model_name: str, global_batch: int, seq_len: int, runs: int) -> list[float]:
     """CPU seconds of ``runs`` searches, each in a fresh spawned process (cold caches, as a
     ``medley plan`` run; never forked: the parent has run torch ops)."""
     context = multiprocessing.get_context("spawn")
     with context.Pool(1, maxtasksperchild=1) as pool:
-        return [pool.apply(_timed_search, (num_devices, model_name)) for _ in range(runs)]
+        return [pool.apply(_timed_search, (source, model_name, global_batch, seq_len)) for _ in range(runs)]
+
+
+def large_case(timing_runs: int) -> dict:
+    """Issue 14's headline goal: LLaMA-2-70B on examples/large-1024.toml at 1,024 sequences of
+    4,096 tokens, the best plan's fraction of the aggregate bound and the search's CPU time."""
+    source, model_name = str(ROOT / "examples" / "large-1024.toml"), "llama-2-70b"
+    global_batch, seq_len = 1024, 4096
+    cluster, model = cluster_of(source), get_model(model_name)
+    cost = CatalogCostSource.for_cluster(model, cluster)
+    start = time.process_time()
+    result = search(cluster, model, global_batch=global_batch, seq_len=seq_len, cost=cost, top=1,
+                    baselines=False)
+    in_bench = time.process_time() - start
+    runs = search_cpu_runs(source, model_name, global_batch, seq_len, timing_runs) if timing_runs else []
+    best = result.best
+    layout, prediction = best.plan.layout, best.prediction
+    types = [cluster.devices[layout.assignment[0][k]].type.name for k in range(layout.pp)]
+    return {
+        "cluster": "examples/large-1024.toml",
+        "devices": cluster.num_devices,
+        "model": model_name,
+        "global_batch": global_batch,
+        "seq_len": seq_len,
+        "tokens_per_s": best.tokens_per_s,
+        "aggregate_tokens_per_s": result.aggregate_tokens_per_s,
+        "aggregate_fraction": best.tokens_per_s / result.aggregate_tokens_per_s,
+        "plan": shape(best),
+        "devices_used": layout.world_size,
+        "stage_types": [t for t, _ in groupby(types)],
+        "recomputing_stages": sum(layout.recompute),
+        "bubble_fraction": prediction.bubble_fraction,
+        "exposed_comm_s": prediction.exposed_comm_s,
+        "step_time_s": prediction.step_time_s,
+        "search_cpu_in_bench_s": in_bench,
+        "search_cpu_runs": runs,
+        "search_cpu_s": min(runs) if runs else in_bench,
+    }
 
 
 def search_case(
@@ -167,7 +215,7 @@ def search_case(
         return row
     row.update(search_cpu_s=time.process_time() - start, search_wall_s=time.perf_counter() - wall, fits=True)
     if timing_runs:  # the machine is shared: the least of fresh runs is the search's own time
-        runs = search_cpu_runs(num_devices, model_name, timing_runs)
+        runs = search_cpu_runs(f"synthetic:{num_devices}", model_name, global_batch, seq_len, timing_runs)
         row.update(search_cpu_in_bench_s=row["search_cpu_s"], search_cpu_runs=runs, search_cpu_s=min(runs))
     best = result.best
     row.update(
@@ -313,7 +361,7 @@ def bound_case(label: str, cluster: Cluster, model_name: str, per_device: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="search,pruning,bound")
+    parser.add_argument("--sections", default="search,large,pruning,bound")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument(
@@ -361,6 +409,9 @@ def main() -> None:
                 rows[(size, model)] = row
         data["search"] = sorted(rows.values(), key=lambda r: (r["devices"], MODELS.index(r["model"])
                                                                if r["model"] in MODELS else len(MODELS)))
+    if "large" in sections:
+        data["large"] = large_case(args.timing_runs)
+        print(json.dumps(data["large"]), flush=True)
     if "pruning" in sections:
         data["pruning"] = []
         for case in pruning_cases():

@@ -65,6 +65,7 @@ def summary(data: dict) -> list[str]:
                 f"{1.3 * r['aggregate_fraction'] / ratio:.1%} of the aggregate bound, the plan reaches "
                 f"{r['aggregate_fraction']:.1%}."
             )
+    out += _time_goals(data)
     ablated = [r["ablation"] for r in rows if r.get("ablation")]
     for step in STEPS:
         shares = [a["steps"][step]["share_of_gain"] for a in ablated
@@ -102,6 +103,51 @@ def summary(data: dict) -> list[str]:
             "missed it and the search ranks the baselines' plans with its own."
         )
     return out
+
+
+def _time_goals(data: dict) -> list[str]:
+    """The search-time goals: <= 2 s up to 64 devices, <= 10 s at 1,024 (search rows, and the
+    large section's search)."""
+    out = []
+    rows = data.get("search", [])
+    for label, limit, chosen in (("up to 64 devices", 2.0, [r for r in rows if r["devices"] <= 64]),
+                                 ("at 1,024 devices", 10.0, [r for r in rows if r["devices"] == 1024])):
+        if not chosen:
+            continue
+        over = [r for r in chosen if r["search_cpu_s"] > limit]
+        said = ", ".join(f"{r['devices']} devices {r['model']} {r['search_cpu_s']:.2f} s" for r in over)
+        out.append(f"- Goal search <= {limit:.0f} s {label}: met on {len(chosen) - len(over)} of "
+                   f"{len(chosen)} rows" + (f"; over: {said}." if over else "."))
+    large = data.get("large")
+    if large:
+        out.append(
+            f"- Goal {large['model']} on {large['cluster']} ({large['global_batch']:,} x "
+            f"{large['seq_len']:,}) >= 75% of the aggregate bound, searched in <= 10 s: "
+            f"{large['aggregate_fraction']:.1%} ({large['tokens_per_s']:,.0f} tokens/s), search "
+            f"{large['search_cpu_s']:.2f} s CPU."
+        )
+    return out
+
+
+def _large_section(data: dict) -> list[str]:
+    r = data["large"]
+    made = data.get("provenance", {}).get("large")
+    how = f"Commit `{made['commit']}`, command `{made['command']}`." if made else ""
+    runs = ", ".join(f"{s:.2f}" for s in r["search_cpu_runs"]) or "none"
+    return [
+        f"## {r['model']} on {r['cluster']} ({r['devices']:,} devices, {r['global_batch']:,} x "
+        f"{r['seq_len']:,} tokens)",
+        "",
+        how,
+        "",
+        "| tokens/s | of bound | plan | devices used | stage types in order | recomputing stages | bubble | "
+        "exposed comm s | step s | search s (cpu; fresh runs) |",
+        "|---:|---:|---|---:|---|---:|---:|---:|---:|---|",
+        f"| {r['tokens_per_s']:,.0f} | {r['aggregate_fraction']:.1%} | {r['plan']} | {r['devices_used']:,} | "
+        f"{' > '.join(r['stage_types'])} | {r['recomputing_stages']} | {r['bubble_fraction']:.1%} | "
+        f"{r['exposed_comm_s']:.2f} | {r['step_time_s']:.2f} | {r['search_cpu_s']:.2f} ({runs}) |",
+        "",
+    ]
 
 
 def _search_table(data: dict) -> list[str]:
@@ -223,6 +269,8 @@ def markdown(data: dict) -> str:
         lines += ["## Summary", "", *said, ""]
     if data.get("search"):
         lines += _search_table(data) + _ablation_table(data)
+    if data.get("large"):
+        lines += _large_section(data)
     if data.get("pruning"):
         lines += _pruning_table(data)
     if data.get("bound"):
