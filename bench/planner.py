@@ -52,6 +52,7 @@ from medley.cost.metis import MetisCostSource
 from medley.errors import MedleyInputError
 from medley.plan.ablation import ablate
 from medley.plan.baselines import run_baselines
+from medley.plan.bounds import aggregate_bound
 from medley.plan.candidates import Estimator
 from medley.plan.reference import reference_search
 from medley.plan.search import search
@@ -199,6 +200,7 @@ def search_case(
         "seq_len": seq_len,
     }
     cost = CatalogCostSource.for_cluster(model, cluster)
+    sizes = tuple(s for s in MICRO_BATCH_SIZES if global_batch % s == 0)
     start = time.process_time()
     wall = time.perf_counter()
     try:
@@ -225,11 +227,12 @@ def search_case(
         simulated=len(result.simulated),
         structures=result.structures_estimated,
         aggregate_fraction=best.tokens_per_s / result.aggregate_tokens_per_s,
+        devices_used=best.plan.layout.world_size,
+        used_fraction=used_fraction(best, cost, seq_len, sizes),
     )
     estimator = Estimator(
         cluster, model, cost, seq_len=seq_len, global_batch=global_batch, memory_headroom=0.05
     )
-    sizes = tuple(s for s in MICRO_BATCH_SIZES if global_batch % s == 0)
     t0 = time.perf_counter()
     result.baselines = run_baselines(estimator, list(range(cluster.num_devices)), sizes, Constraints())
     row["baselines_wall_s"] = time.perf_counter() - t0
@@ -239,6 +242,9 @@ def search_case(
     }
     found = [b.tokens_per_s for b in result.baselines.values() if b is not None]
     row["versus_best_baseline"] = best.tokens_per_s / max(found) if found else None
+    row["baselines_used_fraction"] = {
+        n: None if b is None else used_fraction(b, cost, seq_len, sizes) for n, b in result.baselines.items()
+    }
     if ablation:
         t0 = time.perf_counter()
         row["ablation"] = ablation_row(ablate(result))
@@ -248,6 +254,15 @@ def search_case(
         row["best_single_type"] = name
         row["versus_best_single_type"] = best.tokens_per_s / single if single else None
     return row
+
+
+def used_fraction(plan, cost, seq_len: int, sizes: tuple[int, ...]) -> float:
+    """The plan's tokens/s as a fraction of the aggregate bound of the devices it uses (what it
+    leaves idle does not count against it)."""
+    layout = plan.plan.layout
+    bound = aggregate_bound(plan.plan.cluster, layout.model, cost, seq_len=seq_len, micro_batch_sizes=sizes,
+                            devices=layout.devices)
+    return plan.tokens_per_s / bound
 
 
 def shape(plan) -> str:

@@ -65,6 +65,13 @@ def summary(data: dict) -> list[str]:
                 f"{1.3 * r['aggregate_fraction'] / ratio:.1%} of the aggregate bound, the plan reaches "
                 f"{r['aggregate_fraction']:.1%}."
             )
+            used, theirs = r.get("used_fraction"), (r.get("baselines_used_fraction") or {}).get(NAMES[0])
+            if used is not None and theirs is not None:
+                out.append(
+                    f"  - the plan runs on {r['devices_used']} of the {r['devices']} devices and reaches "
+                    f"{used:.1%} of their bound; {NAMES[0]} reaches {theirs:.1%} of its own devices'; 1.3x "
+                    f"needs {1.3 * used / ratio:.1%} of the plan's devices' bound."
+                )
     out += _time_goals(data)
     ablated = [r["ablation"] for r in rows if r.get("ablation")]
     for step in STEPS:
