@@ -31,7 +31,7 @@ POLISHED_FAMILIES = ("1f1b", "zb-h1", "hetero-1f1b", "gpipe")
 POLISH_TIE = 1e-6
 """How much (a fraction) a neighbour's estimate may exceed the plan's and still count as a tie."""
 POLISH_WORK = 20_000
-"""Most stage-micro-batches simulated while polishing (a third of
+"""Most stage-micro-batches simulated while polishing (in the units of
 :data:`medley.plan.ranking.SIMULATION_WORK`): a handful of simulations on up to 256 devices, none
 where one simulation of the plan costs more."""
 POLISH_WITHIN = 0.03
