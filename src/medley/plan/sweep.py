@@ -82,12 +82,14 @@ class StageEnds:
         self._tables = [[setting.table(s, t) for t, _ in pairs] for s, pairs in enumerate(self._stage_types)]
         self._capacities = [[ctx.type_capacity(t) for t, _ in pairs] for pairs in self._stage_types]
         self._limits: list[tuple[FlagLimits, ...] | None] = [None] * st.pp
-        # The options of each recompute flag (in order of first appearance), with their index.
+        # The options of each recompute flag (in order of first appearance), with their index and
+        # the options' fields (what keys the flag's memory limits in the context).
         flags = dict.fromkeys(o.recompute for o in self._options)
-        self._by_flag = [
-            (flag, [(o, option) for o, option in enumerate(self._options) if option.recompute == flag])
-            for flag in flags
-        ]
+        self._by_flag: list[tuple[bool, list[tuple[int, MemoryOption]], tuple]] = []
+        for flag in flags:
+            members = [(o, option) for o, option in enumerate(self._options) if option.recompute == flag]
+            fields = tuple((option.level, option.recompute, option.buckets) for _, option in members)
+            self._by_flag.append((flag, members, fields))
 
     def __call__(self, s: int, i: int, t: float) -> int:
         flags = self._limits[s] or self.limits(s)
@@ -141,10 +143,10 @@ class StageEnds:
                      flight.full, flight.after_b)
         cache = setting.ctx.sweep_memory
         out = []
-        for flag, members in self._by_flag:
+        for flag, members, fields in self._by_flag:
             times = tuple([(table.total_rc if flag else table.total, c)
                            for table, (_, c) in zip(self._tables[s], self._stage_types[s], strict=True)])
-            key = (stage_key, tuple((o.level, o.recompute, o.buckets) for _, o in members))
+            key = (stage_key, fields)
             memory = cache.get(key)
             if memory is None:
                 memory = cache[key] = self.memory_limits(s, members)
