@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from medley.cost.estimator import CatalogCostSource
 from medley.plan.candidates import Estimator
-from medley.plan.search import search, structure_bound
+from medley.plan.search import search
 from medley.plan.space import Structure
+from medley.plan.structure_bound import structure_bound
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

@@ -9,6 +9,7 @@ from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
 from medley.plan import ranking
+from medley.plan import search as search_module
 from medley.plan.bounds import Flight, MemoryOption, stage_memory
 from medley.plan.builder import build, given_micro_batches
 from medley.plan.candidates import Estimator
@@ -101,9 +102,11 @@ def test_planner_tables_book_what_the_compiler_books_at_tp(option: MemoryOption)
 def test_the_search_picks_tp_where_a_stage_cannot_hold_whole_layers_fast(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Simulate every chosen candidate, so that tp 1's plans lose in the simulation, not only by
-    # their estimates (which the search skips more than 15% behind the fastest simulated step).
+    # Estimate every structure and simulate every chosen candidate, so that tp 1's plans lose in
+    # the simulation, not only by their bounds or estimates (which the search skips when they
+    # cannot beat its 6th best estimate or lie more than 15% behind the fastest simulated step).
     monkeypatch.setattr(ranking, "SIMULATE_WITHIN", float("inf"))
+    monkeypatch.setattr(search_module, "ESTIMATE_RIVALS", 10**9)
     cluster = parse_cluster_arg("8xA100-80GB")
     model = get_model("llama-2-13b")
     result = search(cluster, model, global_batch=16, seq_len=4096, top=3, baselines=False)

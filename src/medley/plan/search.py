@@ -18,14 +18,11 @@ broken by the enumeration index.
 from __future__ import annotations
 
 from bisect import insort
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain, cycle
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
-from medley.cost.zero_memory import state_bytes_per_param
 from medley.errors import MedleyInputError
 from medley.plan import ranking
 from medley.plan.baselines import run_baselines
@@ -45,6 +42,7 @@ from medley.plan.ranking import (
 )
 from medley.plan.shortfall import shortfall_error
 from medley.plan.space import MICRO_BATCH_SIZES, SEARCHED_FAMILIES, Candidate, Constraints, Structure
+from medley.plan.structure_bound import StructureBounds
 from medley.sim.engine import collector_paused
 from medley.spec.cluster import Cluster
 from medley.spec.limits import MAX_MICRO_BATCHES, MAX_PLAN_DEVICES
@@ -324,37 +322,6 @@ def family_variants(families: Sequence[str]) -> list[tuple[str, dict[str, int]]]
     return out
 
 
-def structure_bound(estimator: Estimator, st: Structure) -> float:
-    """A quick lower estimate of a structure's step: its devices' total speed running whole
-    micro-batches with no bubbles, stretched by a third of 1F1B's fill (zero-bubble's share), and
-    by recomputation's extra forward when the structure's roomiest device cannot hold one
-    micro-batch's activations of every layer (what 1F1B's first stage keeps in flight) next to its
-    share of the model state (in the plan's dtype,
-    :func:`medley.cost.zero_memory.state_bytes_per_param`). Infinite when even that device cannot
-    hold its share of the state. The roomiest, not the first stage's, device: the split may give
-    any stage the most layers (fast devices last, ``slowest-first``), so only it keeps this a
-    lower estimate. A TP group counts as one device at its degree's speed
-    (:meth:`PlanContext.table`, all-reduces included)."""
-    mbs = st.micro_batch_size
-    # Keys in order of first appearance, row by row (the order the sum below adds them in).
-    names, tps = estimator.type_names, [st.tp_of(k) for k in range(st.pp)]
-    counts = Counter(zip(map(names.__getitem__, chain.from_iterable(st.assignment)), cycle(tps)))
-    speed = sum(n * mbs / estimator.table(t, mbs, tp=tp).total[-1] for (t, tp), n in counts.items())
-    m = -(-estimator.global_batch // mbs // st.dp)
-    bound = estimator.global_batch / speed * (m + (st.pp - 1) / 3) / m
-    roomiest, tp = max(counts, key=lambda key: estimator.type_capacity(key[0]))  # first of the largest
-    dtype = estimator.dtype(st.assignment)
-    table = estimator.table(roomiest, mbs, dtype, tp)
-    state = state_bytes_per_param(dtype).total * table.params[-1] / (st.pp * st.dp)
-    capacity = estimator.type_capacity(roomiest)
-    if state > capacity:
-        return float("inf")
-    if state + table.act[-1] > capacity:
-        table_rc = table.total_rc[-1] / table.total[-1]
-        bound *= table_rc
-    return bound
-
-
 def _estimate(
     estimator: Estimator, structures: list[Structure], families: Sequence[str], progress: Progress | None
 ) -> list[tuple[float, int, Candidate]]:
@@ -362,9 +329,10 @@ def _estimate(
     beat the ESTIMATE_RIVALS-th best estimate once their pool has POOL_ESTIMATES), then the allowed
     families of the EXPANDED_STRUCTURES most promising ones (and of POOL_ESTIMATES per pool)."""
     bounded = []
+    structure_bound = StructureBounds(estimator)
     for index, st in enumerate(structures):
         try:
-            bounded.append((structure_bound(estimator, st), index, st))
+            bounded.append((structure_bound(st), index, st))
         except ValueError:  # a profile without this device type or micro-batch size
             continue
     bounded.sort(key=lambda x: (x[0], x[1]))
