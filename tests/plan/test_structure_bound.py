@@ -12,7 +12,7 @@ from hypothesis import strategies as hs
 from medley.cost.estimator import CatalogCostSource
 from medley.plan.candidates import Estimator
 from medley.plan.search import search
-from medley.plan.structure_bound import StructureBounds, fill_bound, recompute_bound
+from medley.plan.structure_bound import StructureBounds, block_bound, fill_bound, recompute_bound
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 
@@ -39,12 +39,13 @@ def test_the_bound_is_below_every_estimate_and_infinite_only_where_nothing_fits(
     fits = infinite = 0
     for st in est.structures(pools, max_pp=model.num_layers, micro_batch_sizes=(1, 2)):
         candidate = est.candidate(st, "1f1b")
-        b = bound(st)
+        b, refined = bound(st), bound.refined(st)
+        assert refined >= b
         if candidate is None:
             infinite += b == float("inf")
             continue
         fits += 1
-        assert b <= candidate.estimate_s * (1 + 1e-9), st
+        assert refined <= candidate.estimate_s * (1 + 1e-9), st
     assert fits
     if model_name == "llama-2-70b":
         assert infinite  # most structures cannot hold 70B; the bound says so without a build
@@ -58,8 +59,13 @@ def test_llama_70b_on_16_devices_finds_its_plan() -> None:
     assert result.best.fits and result.best.candidate.structure.tp
 
 
-def _rank(seconds: float, *, recomputing: float | None = None, plain: float = 1.0, most: float = 1.0):
-    return (seconds, recomputing if recomputing is not None else seconds * 4 / 3, plain, most)
+def _rank(seconds: float, *, recomputing: float | None = None, plain: float = 1.0, most: float = 1.0,
+          blocks: int = 10):
+    """A rank of a model of ``blocks`` alike blocks and nothing else, holding ``plain`` of it
+    without recomputation and ``most`` with."""
+    recomputing = recomputing if recomputing is not None else seconds * 4 / 3
+    return (seconds, recomputing, plain, most, seconds / blocks, recomputing / blocks, int(plain * blocks),
+            int(most * blocks))
 
 
 @given(hs.floats(0.01, 10.0), hs.integers(1, 16), hs.integers(1, 8), hs.integers(1, 64))
@@ -89,3 +95,16 @@ def test_memory_limits_raise_the_bound_and_too_little_memory_makes_it_infinite()
     # Each rank holds 1/4: 0.1 plain at 1 s per model, 0.15 recomputing at 1.5: B = 0.325.
     assert recompute_bound(Counter({tight: 1}), 16) == pytest.approx(15 * 0.325 + 4 * 0.325)
     assert recompute_bound(Counter({full: 1}), 16) == float("inf")
+
+
+def test_whole_blocks_raise_the_bottleneck() -> None:
+    """10 blocks of 1 s on 4 alike ranks: 2.5 s by fractions, 3 s by whole blocks (3 + 3 + 2 + 2);
+    the least sum of stage times stays the whole model's 10 s."""
+    rows = Counter({(_rank(10.0),) * 4: 1})
+    assert recompute_bound(rows, 16) == pytest.approx(15 * 2.5 + 10)
+    assert block_bound(rows, 16, 10) == pytest.approx(15 * 3 + 10)
+    # Plain stages hold 2 blocks at most, recomputing ones (4/3 s a block) all: 3 blocks take 4 s.
+    # The least sum: 0.8 of the model plain (8 s), the rest recomputing (0.2 x 40/3 s).
+    tight = Counter({(_rank(10.0, plain=0.2),) * 4: 1})
+    assert block_bound(tight, 16, 10) == pytest.approx(15 * 4 + 8 + 0.2 * 40 / 3)
+    assert block_bound(Counter({(_rank(10.0, plain=0.2, most=0.2),) * 4: 1}), 16, 10) == float("inf")

@@ -346,8 +346,9 @@ def _estimate(
             continue
         if (
             len(estimates) >= ESTIMATE_RIVALS
-            and bound >= estimates[ESTIMATE_RIVALS - 1]
             and per_pool.get(st.pool, 0) >= POOL_ESTIMATES
+            and (bound >= estimates[ESTIMATE_RIVALS - 1]
+                 or structure_bound.refined(st) >= estimates[ESTIMATE_RIVALS - 1])
         ):
             continue
         try:

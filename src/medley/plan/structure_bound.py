@@ -1,26 +1,30 @@
-"""A quick lower bound on a structure's 1F1B step, by which the search orders and skips structures
-before it estimates them (:func:`medley.plan.search.structure_bound`'s caller, ``_estimate``).
+"""Lower bounds on a structure's 1F1B step estimate, by which the search orders and skips
+structures before it builds them (``_estimate`` in :mod:`medley.plan.search`).
 
-The bound relaxes the layer split to fractions of the model: rank k holding a fraction f of it
+The bounds relax the layer split to fractions of the model: rank k holding a fraction f of it
 takes f x its whole-model time. A replica running m micro-batches with stage times t_k takes at
 least (m - 1) x max t_k + sum t_k (1F1B's steady state and fill, as
-:func:`medley.plan.bounds.pipeline_time` estimates it; transfers, DP collectives and layer
-granularity only add). Two lower bounds follow, and the larger counts:
+:func:`medley.plan.bounds.pipeline_time` estimates it; transfers and DP collectives only add).
+Each rank's memory is read at 1F1B's in-flight depth of its position, by the memory prefixes
+(which never count more than the exact check). The larger of these counts:
 
 * :func:`fill_bound`: no recomputation, the fill of the best set of ranks;
-* :func:`recompute_bound`: a rank that cannot hold more than a fraction g_k of the model without
-  recomputation (its roomiest contiguous run under the most frugal plain option, with 1F1B's
-  micro-batches in flight at its position) takes its recomputing time beyond g_k.
+* :func:`recompute_bound`: a rank takes its recomputing time for the share beyond what it holds
+  without recomputing, and holds no more than it can with (infinite when a replica cannot hold
+  the model: no build needed to find that);
+* :func:`block_bound` (:meth:`StructureBounds.refined`, asked only of structures the others do
+  not skip): the same with whole blocks per stage for the bottleneck.
 
-Both hold for every family the search ranks structures by (1F1B) and were checked against the
-estimate over every structure of the bench's 16- and 64-device cases
-(``tests/plan/test_structure_bound.py`` keeps a sample).
+All hold for 1F1B, the family the search ranks structures by; they were checked against the
+estimate over every structure of the bench's 16- and 64-device cases, and
+``tests/plan/test_structure_bound.py`` checks a sample.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from heapq import heapify, heappop, heappush
 
 import numpy as np
 
@@ -28,9 +32,10 @@ from medley.plan.bounds import Flight, memory_options, memory_prefix
 from medley.plan.context import PlanContext
 from medley.plan.space import Structure
 
-Rank = tuple[float, float, float, float]
-"""(whole-model seconds, the same recomputing, the fraction of the model a rank holds at most
-without recomputing, and with)."""
+Rank = tuple[float, float, float, float, float, float, int, int]
+"""A rank's whole-model seconds, the same recomputing, the fractions of the model it holds at most
+without recomputing and with; its shortest block's seconds, the same recomputing, and the blocks
+it holds at most without recomputing and with."""
 
 
 def structure_bound(ctx: PlanContext, st: Structure) -> float:
@@ -45,13 +50,26 @@ class StructureBounds:
     def __init__(self, ctx: PlanContext) -> None:
         self._ctx = ctx
         self._ranks: dict[tuple[str, int, int, str, int, int], Rank] = {}
-        self._times: dict[tuple[str, int, int], tuple[float, float, float, float]] = {}
+        self._times: dict[tuple[str, int, int], tuple[float, ...]] = {}
         self._blocks: dict[tuple, tuple[list[tuple[float, float]], list[tuple[float, float]]]] = {}
 
     def __call__(self, st: Structure) -> float:
         """Infinite when a replica's ranks cannot hold the model between them. A TP group counts
         as one rank at its degree's speed and memory (:meth:`PlanContext.table`, all-reduces
         included)."""
+        rows, micro_batches = self._rows(st)
+        return max(fill_bound(rows, micro_batches), recompute_bound(rows, micro_batches))
+
+    def refined(self, st: Structure) -> float:
+        """A bound at least this one's, with whole blocks per stage (:func:`block_bound`): dearer,
+        so the search asks for it only of structures its bound does not skip."""
+        rows, micro_batches = self._rows(st)
+        return max(fill_bound(rows, micro_batches),
+                   block_bound(rows, micro_batches, self._ctx.model.num_blocks))
+
+    def _rows(self, st: Structure) -> tuple[Counter[tuple[Rank, ...]], int]:
+        """The replicas' ranks (replica ranks: count) and the micro-batches of size
+        ``st.micro_batch_size`` in a step."""
         ctx, mbs = self._ctx, st.micro_batch_size
         tps = tuple(st.tp_of(k) for k in range(st.pp))
         kinds = Counter(tuple(map(ctx.type_names.__getitem__, row)) for row in st.assignment)
@@ -63,40 +81,46 @@ class StructureBounds:
         for types, n in kinds.items():
             rows[tuple(self._rank(t, tp, mbs, dtype, st.dp, flight)
                        for t, tp, flight in zip(types, tps, flights, strict=True))] += n
-        return max(fill_bound(rows, micro_batches), recompute_bound(rows, micro_batches))
+        return rows, micro_batches
 
     def _rank(self, device_type: str, tp: int, mbs: int, dtype: str, dp: int, flight: int) -> Rank:
         """A rank's whole-model seconds without and with recomputation, and the fractions of the
         model's time no contiguous run of layers exceeds that it holds with ``flight``
         micro-batches in flight, without recomputing and with: as many blocks as the least block
         memory allows under the most frugal option, at the longest block's time, plus the
-        embedding and head."""
+        embedding and head. Then its shortest block's seconds without and with recomputation and
+        those block counts."""
         key = (device_type, tp, mbs, dtype, dp, flight)
         found = self._ranks.get(key)
         if found is None:
-            seconds, recomputing, block, others = self._rank_times(device_type, tp, mbs)
+            seconds, recomputing, longest, others, block, block_rc = self._rank_times(device_type, tp, mbs)
             capacity = self._ctx.type_capacity(device_type)
             blocks = self._ctx.model.num_blocks
-            plain, most = (
-                min(1.0, (min(held, blocks) * block + others) / seconds)
-                for held in (max(capacity // (state + flight * act) if state + flight * act > 0 else blocks
-                                 for state, act in memory)
-                             for memory in self._block_memory(device_type, tp, mbs, dtype, dp))
+            plain_blocks, most_blocks = (
+                min(blocks, int(max(capacity // (state + flight * act) if state + flight * act > 0 else blocks
+                                    for state, act in memory)))
+                for memory in self._block_memory(device_type, tp, mbs, dtype, dp)
             )
-            found = self._ranks[key] = (seconds, recomputing, plain, most)
+            plain, most = (min(1.0, (held * longest + others) / seconds)
+                           for held in (plain_blocks, most_blocks))
+            found = self._ranks[key] = (seconds, recomputing, plain, most, block, block_rc, plain_blocks,
+                                        most_blocks)
         return found
 
-    def _rank_times(self, device_type: str, tp: int, mbs: int) -> tuple[float, float, float, float]:
-        """Whole-model seconds without and with recomputation, the longest block's, and the
-        embedding's and head's together."""
+    def _rank_times(self, device_type: str, tp: int, mbs: int) -> tuple[float, ...]:
+        """Whole-model seconds without and with recomputation, the longest block's, the
+        embedding's and head's together, and the shortest block's without and with
+        recomputation."""
         key = (device_type, tp, mbs)
         found = self._times.get(key)
         if found is None:
             table = self._ctx.table(device_type, mbs, tp=tp)
             last = table.num_layers
-            block = max(table.time(i, i + 1) for i in range(1, last - 1))
-            found = self._times[key] = (table.total[-1], table.time(0, last, recompute=True), block,
-                                        table.time(0, 1) + table.time(last - 1, last))
+            plain = [table.time(i, i + 1) for i in range(1, last - 1)]
+            recomputing = [table.time(i, i + 1, recompute=True) for i in range(1, last - 1)]
+            found = self._times[key] = (table.total[-1], table.time(0, last, recompute=True), max(plain),
+                                        table.time(0, 1) + table.time(last - 1, last), min(plain),
+                                        min(recomputing))
         return found
 
     def _block_memory(
@@ -154,14 +178,37 @@ def recompute_bound(rows: Counter[tuple[Rank, ...]], micro_batches: float) -> fl
     least sum of stage times (:func:`_least_sum`, at least B), so it runs at most
     1 + (T - F) / B micro-batches in T; and every replica runs at least one (T >= F). Infinite
     when a replica's ranks cannot hold the model between them."""
-    speed = fill = 0.0
-    longest = 0.0
-    replicas = 0
+    figures = []
     for row, n in rows.items():
         bottleneck = _least_bottleneck(row)
         if bottleneck == float("inf"):
             return bottleneck
-        least = max(_least_sum(row), bottleneck)
+        figures.append((n, bottleneck, _least_sum(row)))
+    return _replicas_step(figures, micro_batches)
+
+
+def block_bound(rows: Counter[tuple[Rank, ...]], micro_batches: float, blocks: int) -> float:
+    """:func:`recompute_bound` with each replica's bottleneck at least the least one whole
+    blocks allow (:func:`_block_bottleneck`)."""
+    figures = []
+    for row, n in rows.items():
+        bottleneck = _least_bottleneck(row)
+        if bottleneck != float("inf"):
+            bottleneck = _block_bottleneck(row, blocks, bottleneck)
+        if bottleneck == float("inf"):
+            return bottleneck
+        figures.append((n, bottleneck, _least_sum(row)))
+    return _replicas_step(figures, micro_batches)
+
+
+def _replicas_step(figures: list[tuple[int, float, float]], micro_batches: float) -> float:
+    """The least step in which replicas (count, least bottleneck B, least sum of stage times F)
+    run ``micro_batches`` micro-batches: within T one runs at most 1 + (T - F) / B (its step is
+    at least (m - 1) B + F, F at least B), and every replica runs at least one (T >= F)."""
+    speed = fill = longest = 0.0
+    replicas = 0
+    for n, bottleneck, least in figures:
+        least = max(least, bottleneck)
         speed += n / bottleneck
         fill += n * least / bottleneck
         longest = max(longest, least)
@@ -175,7 +222,7 @@ def _least_bottleneck(row: Sequence[Rank]) -> float:
     linear sum, walked over its kinks in order); infinite when the c_k sum to less than one."""
     slope, held = 0.0, 0.0  # the sum is slope x B + held between kinks
     kinks: list[tuple[float, float]] = []  # (B, change of slope)
-    for seconds, recomputing, plain, most in row:
+    for seconds, recomputing, plain, most, *_ in row:
         slope += 1.0 / seconds
         plain = min(plain, most)
         kinks.append((seconds * plain, 1.0 / recomputing - 1.0 / seconds))
@@ -194,7 +241,7 @@ def _least_sum(row: Sequence[Rank]) -> float:
     """The least sum of stage times over the splits: the cheapest shares first (each rank's
     plain share at T_k per model, then its recomputing share at R_k)."""
     shares = []
-    for seconds, recomputing, plain, most in row:
+    for seconds, recomputing, plain, most, *_ in row:
         plain = min(plain, most)
         shares += [(seconds, plain), (recomputing, most - plain)]
     left, spent = 1.0, 0.0
@@ -205,3 +252,37 @@ def _least_sum(row: Sequence[Rank]) -> float:
         if left <= 0.0:
             break
     return spent
+
+
+def _block_bottleneck(row: Sequence[Rank], blocks: int, start: float) -> float:
+    """The least B within which the ranks hold ``blocks`` whole blocks between them: a rank holds
+    n plain blocks if n <= its plain count and n x its shortest block's time <= B, or n
+    recomputing ones likewise. Walked up from ``start`` over the times at which a rank's count
+    grows (the larger of the two then, both lower bounds of the bottleneck); infinite when the
+    ranks cannot hold the blocks at all."""
+    kinds = Counter(rank[4:] for rank in row)
+    if sum(n * max(plain, most) for (_, _, plain, most), n in kinds.items()) < blocks:
+        return float("inf")
+
+    def held(kind: tuple[float, float, int, int], at: float) -> int:
+        block, block_rc, plain, most = kind
+        return max(min(plain, int(at / block * (1 + 1e-12))), min(most, int(at / block_rc * (1 + 1e-12))))
+
+    def after(kind: tuple[float, float, int, int], at: float) -> float:
+        block, block_rc, plain, most = kind
+        times = [(n + 1) * t for n, t, cap in ((int(at / block * (1 + 1e-12)), block, plain),
+                                               (int(at / block_rc * (1 + 1e-12)), block_rc, most)) if n < cap]
+        return min(times, default=float("inf"))
+
+    at = start
+    counts = {kind: held(kind, at) for kind in kinds}
+    total = sum(kinds[kind] * count for kind, count in counts.items())
+    queue = [(after(kind, at), i, kind) for i, kind in enumerate(kinds)]
+    heapify(queue)
+    while total < blocks:
+        at, i, kind = heappop(queue)
+        now = held(kind, at)
+        total += kinds[kind] * (now - counts[kind])
+        counts[kind] = now
+        heappush(queue, (after(kind, at), i, kind))
+    return at
