@@ -50,10 +50,11 @@ from medley.spec.model import ModelSpec
 
 INTERLEAVE_DEPTHS = (2, 4)
 
-# Pruning of the 1F1B estimates (see :func:`_estimate`). A structure's bound is a lower estimate of
-# its step, so one whose bound cannot beat the ESTIMATE_RIVALS-th best estimate so far is skipped
-# once its device pool already has POOL_ESTIMATES estimates (every pool keeps a few, so that
-# single-type plans and baselines are compared on the same footing). Of the estimates, the
+# Pruning of the 1F1B estimates (see :func:`_estimate`). A structure's bound is a lower bound on its
+# 1F1B estimate (:mod:`medley.plan.structure_bound`), so one whose bound, or refined bound, cannot
+# beat the ESTIMATE_RIVALS-th best estimate so far is skipped once its device pool already has
+# POOL_ESTIMATES estimates (every pool keeps a few, so that single-type plans and baselines are
+# compared on the same footing). Of the estimates, the
 # EXPANDED_STRUCTURES best, and at least POOL_ESTIMATES per pool, are expanded into every family:
 # the analytic estimate is a few percent off, so near-best structures are kept, not just the best.
 ESTIMATE_RIVALS = 6
@@ -325,9 +326,10 @@ def family_variants(families: Sequence[str]) -> list[tuple[str, dict[str, int]]]
 def _estimate(
     estimator: Estimator, structures: list[Structure], families: Sequence[str], progress: Progress | None
 ) -> list[tuple[float, int, Candidate]]:
-    """1F1B estimate of the structures in order of their bound (skipping those whose bound cannot
-    beat the ESTIMATE_RIVALS-th best estimate once their pool has POOL_ESTIMATES), then the allowed
-    families of the EXPANDED_STRUCTURES most promising ones (and of POOL_ESTIMATES per pool)."""
+    """1F1B estimate of the structures in order of their bound (skipping those that cannot fit, and
+    those whose bound, or failing that refined bound, cannot beat the ESTIMATE_RIVALS-th best
+    estimate once their pool has POOL_ESTIMATES), then the allowed families of the
+    EXPANDED_STRUCTURES most promising ones (and of POOL_ESTIMATES per pool)."""
     bounded = []
     structure_bound = StructureBounds(estimator)
     for index, st in enumerate(structures):
