@@ -189,7 +189,7 @@ def large_case(timing_runs: int) -> dict:
 def search_case(
     num_devices: int, model_name: str, *, singles: bool, ablation: bool, timing_runs: int = 0
 ) -> dict:
-    cluster = synthetic_cluster(num_devices, SIZES[num_devices])
+    cluster = cluster_of(f"synthetic:{num_devices}")
     model = get_model(model_name)
     seq_len, global_batch = seq_len_of(model_name), 2 * num_devices
     row: dict = {

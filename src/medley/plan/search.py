@@ -54,9 +54,9 @@ INTERLEAVE_DEPTHS = (2, 4)
 # 1F1B estimate (:mod:`medley.plan.structure_bound`), so one whose bound, or refined bound, cannot
 # beat the ESTIMATE_RIVALS-th best estimate so far is skipped once its device pool already has
 # POOL_ESTIMATES estimates (every pool keeps a few, so that single-type plans and baselines are
-# compared on the same footing). Of the estimates, the
-# EXPANDED_STRUCTURES best, and at least POOL_ESTIMATES per pool, are expanded into every family:
-# the analytic estimate is a few percent off, so near-best structures are kept, not just the best.
+# compared on the same footing). Of the estimates, the EXPANDED_STRUCTURES best, and at least
+# POOL_ESTIMATES per pool, are expanded into every family: the analytic estimate is a few percent
+# off, so near-best structures are kept, not just the best.
 ESTIMATE_RIVALS = 6
 POOL_ESTIMATES = 2
 EXPANDED_STRUCTURES = 12

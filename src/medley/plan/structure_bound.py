@@ -178,37 +178,29 @@ def recompute_bound(rows: Counter[tuple[Rank, ...]], micro_batches: float) -> fl
     least sum of stage times (:func:`_least_sum`, at least B), so it runs at most
     1 + (T - F) / B micro-batches in T; and every replica runs at least one (T >= F). Infinite
     when a replica's ranks cannot hold the model between them."""
-    figures = []
-    for row, n in rows.items():
-        bottleneck = _least_bottleneck(row)
-        if bottleneck == float("inf"):
-            return bottleneck
-        figures.append((n, bottleneck, _least_sum(row)))
-    return _replicas_step(figures, micro_batches)
+    return _replicas_step(rows, micro_batches)
 
 
 def block_bound(rows: Counter[tuple[Rank, ...]], micro_batches: float, blocks: int) -> float:
     """:func:`recompute_bound` with each replica's bottleneck at least the least one whole
     blocks allow (:func:`_block_bottleneck`)."""
-    figures = []
+    return _replicas_step(rows, micro_batches, blocks)
+
+
+def _replicas_step(rows: Counter[tuple[Rank, ...]], micro_batches: float, blocks: int | None = None) -> float:
+    """The least step in which the replicas run ``micro_batches`` micro-batches: one with least
+    bottleneck B (by whole ``blocks`` too, if given) and least sum of stage times F runs at most
+    1 + (T - F) / B within T (its step is at least (m - 1) B + F, F at least B), and every
+    replica runs at least one (T >= F). Infinite when a replica cannot hold the model."""
+    speed = fill = longest = 0.0
+    replicas = 0
     for row, n in rows.items():
         bottleneck = _least_bottleneck(row)
-        if bottleneck != float("inf"):
+        if blocks is not None and bottleneck != float("inf"):
             bottleneck = _block_bottleneck(row, blocks, bottleneck)
         if bottleneck == float("inf"):
             return bottleneck
-        figures.append((n, bottleneck, _least_sum(row)))
-    return _replicas_step(figures, micro_batches)
-
-
-def _replicas_step(figures: list[tuple[int, float, float]], micro_batches: float) -> float:
-    """The least step in which replicas (count, least bottleneck B, least sum of stage times F)
-    run ``micro_batches`` micro-batches: within T one runs at most 1 + (T - F) / B (its step is
-    at least (m - 1) B + F, F at least B), and every replica runs at least one (T >= F)."""
-    speed = fill = longest = 0.0
-    replicas = 0
-    for n, bottleneck, least in figures:
-        least = max(least, bottleneck)
+        least = max(_least_sum(row), bottleneck)
         speed += n / bottleneck
         fill += n * least / bottleneck
         longest = max(longest, least)
@@ -264,15 +256,17 @@ def _block_bottleneck(row: Sequence[Rank], blocks: int, start: float) -> float:
     if sum(n * max(plain, most) for (_, _, plain, most), n in kinds.items()) < blocks:
         return float("inf")
 
-    def held(kind: tuple[float, float, int, int], at: float) -> int:
+    def reach(kind: tuple[float, float, int, int], at: float) -> tuple[tuple[int, float, int], ...]:
+        """(blocks within ``at``, block seconds, cap) plain and recomputing."""
         block, block_rc, plain, most = kind
-        return max(min(plain, int(at / block * (1 + 1e-12))), min(most, int(at / block_rc * (1 + 1e-12))))
+        return ((int(at / block * (1 + 1e-12)), block, plain),
+                (int(at / block_rc * (1 + 1e-12)), block_rc, most))
+
+    def held(kind: tuple[float, float, int, int], at: float) -> int:
+        return max(min(cap, n) for n, _, cap in reach(kind, at))
 
     def after(kind: tuple[float, float, int, int], at: float) -> float:
-        block, block_rc, plain, most = kind
-        times = [(n + 1) * t for n, t, cap in ((int(at / block * (1 + 1e-12)), block, plain),
-                                               (int(at / block_rc * (1 + 1e-12)), block_rc, most)) if n < cap]
-        return min(times, default=float("inf"))
+        return min(((n + 1) * t for n, t, cap in reach(kind, at) if n < cap), default=float("inf"))
 
     at = start
     counts = {kind: held(kind, at) for kind in kinds}
