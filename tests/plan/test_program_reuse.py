@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from medley.errors import MedleyInputError
-from medley.plan.layout import PlanLayout, build_schedules
+from medley.plan.layout import PlanLayout
+from medley.plan.world import build_schedules
 from medley.schedule.generators import generate
 from medley.schedule.ir import COLLECTIVE_KINDS
 from medley.schedule.zero_settings import Placement, StageZero

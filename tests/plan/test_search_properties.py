@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 
 from medley.plan.baselines import NAMES
 from medley.plan.explain import explain
-from medley.plan.layout import build_schedules
 from medley.plan.predict import predict
 from medley.plan.search import Constraints, search
 from medley.plan.space import distribute
 from medley.plan.sweep import bottleneck_split
+from medley.plan.world import build_schedules
 from medley.schedule.validate import validate
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model

@@ -15,7 +15,7 @@ from medley.cost.interfaces import Collective
 from medley.cost.zero_memory import state_bytes_per_param
 from medley.plan.bounds import MemoryOption, pipeline_time, round_trip_cycle
 from medley.plan.candidates import Estimator
-from medley.plan.compile import OPTIMIZER_STEP_BYTES_PER_PARAM
+from medley.plan.collectives import OPTIMIZER_STEP_BYTES_PER_PARAM
 from medley.plan.space import Structure
 from medley.plan.step_estimate import exposed_dp, network_load
 from medley.spec.cluster_load import cluster_from_dict

@@ -13,8 +13,8 @@ import pytest
 import torch
 from train_plans import config, save_tied_copies, tied_tiny, tiny_plan, tp_plan
 
-from medley.plan.layout import build_schedules
 from medley.plan.plan import Plan
+from medley.plan.world import build_schedules
 from medley.runtime.checkpoint import SafeReader
 from medley.runtime.launch import train_local
 from medley.runtime.model import Decoder, shared_name

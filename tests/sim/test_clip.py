@@ -7,7 +7,7 @@ from dataclasses import replace
 from medley.cost.estimator import CatalogCostSource
 from medley.plan.compile import compile_problem
 from medley.plan.inline import inline_layout
-from medley.plan.layout import build_schedules
+from medley.plan.world import build_schedules
 from medley.schedule.ir import Action, Kind
 from medley.schedule.validate import validate
 from medley.sim.engine import simulate

@@ -31,18 +31,15 @@ from medley.cost.tensor_parallel import (
     tp_all_reduce_bytes,
     tp_comm_time,
 )
-from medley.cost.tied import tied_sum_seconds
-from medley.cost.zero_levels import Payload, fsdp_units, zero_level
+from medley.cost.zero_levels import fsdp_units
 from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
-from medley.plan.layout import PlanLayout, build_schedules
-from medley.plan.tp_links import dp_bytes_factor, scale_hops
-from medley.schedule.ir import Action, Kind, PipelineSchedule
-from medley.sim.problem import CollectiveCost, SimProblem, StageCost
+from medley.plan.collectives import CollectiveTable
+from medley.plan.layout import PlanLayout
+from medley.plan.tp_links import scale_hops
+from medley.plan.world import build_world
+from medley.schedule.ir import Kind, PipelineSchedule
+from medley.sim.problem import SimProblem, StageCost
 from medley.spec.cluster import Cluster
-
-# Adam reads and writes fp32 master weights, momentum and variance (24 B), reads the gradient and
-# writes the half-precision weight (4 B): the step is bound by memory bandwidth.
-OPTIMIZER_STEP_BYTES_PER_PARAM = 28.0
 
 
 def _stage_cost(
@@ -79,7 +76,7 @@ def _stage_cost(
     freed: dict[int, float] = {}  # layer -> what its backward frees of one micro-batch's activations
     dtype_bytes = DTYPE_BYTES[layout.dtype]
     full_time = getattr(cost, "backward_full_time", None)
-    fsdp_time = getattr(cost, "fsdp_extra_time", None) if fsdp_units(level, layout.dp) else None
+    fsdp_time = getattr(cost, "fsdp_extra_time", None) if fsdp_units(level, layout.zero_dp) else None
     fsdp = {kind: 0.0 for kind in Pass}
     measured_bytes = getattr(cost, "activation_bytes", None)
     per_action = getattr(cost, "action_overhead_time", None)
@@ -132,7 +129,7 @@ def _stage_cost(
     # precision without FSDP2; a recomputing block keeps none). The matmuls' autograd nodes hold
     # them until they are released, so a split backward frees them at W, not at B.
     per_param = state_bytes_per_param(layout.dtype)
-    copies = autocast_copy_bytes(level=level, dp=layout.dp, per_param=per_param)
+    copies = autocast_copy_bytes(level=level, dp=layout.zero_dp, per_param=per_param)
     copies *= sum(formulas.layer_autocast_params(model, i, tp=tp, recompute=recompute)
                   for i in layout.layer_range(stage))
     act, after_b = act + copies, after_b + copies
@@ -159,7 +156,7 @@ def _stage_cost(
     if not fused:
         times[Pass.W] += overhead
     # The stage's whole unsharded gradient, made by its backward (not kept between steps).
-    gradient = stage_state_bytes(_stage_params(layout, stage), level=level, dp=layout.dp,
+    gradient = stage_state_bytes(_stage_params(layout, stage), level=level, dp=layout.zero_dp,
                                  per_param=per_param).gradient
     return StageCost(
         forward_s=times[Pass.F],
@@ -195,8 +192,8 @@ def static_memory(layout: PlanLayout, stage_to_rank: Sequence[int]) -> dict[int,
     gathered weights and the backward's workspace are the simulator's to add and free."""
     out: dict[int, float] = {}
     for stage in range(layout.num_stages):
-        state = stage_state_bytes(_stage_params(layout, stage), level=layout.zero[stage].level, dp=layout.dp,
-                                  per_param=state_bytes_per_param(layout.dtype))
+        state = stage_state_bytes(_stage_params(layout, stage), level=layout.zero[stage].level,
+                                  dp=layout.zero_dp, per_param=state_bytes_per_param(layout.dtype))
         for replica in range(layout.dp):
             for device in layout.group(replica, stage_to_rank[stage]):  # every TP rank holds the same
                 out[device] = out.get(device, 0.0) + state.resident
@@ -252,95 +249,59 @@ def recompute_workspace(
     return max(0.0, full - kept)
 
 
-class _CollectiveTable:
-    """What each ZeRO action does, from the stage's level, DP group and bucket share."""
-
-    def __init__(
-        self, layout: PlanLayout, cluster: Cluster, schedule: PipelineSchedule, cost: CostSource | None = None
-    ) -> None:
-        self.layout, self.cluster, self.schedule = layout, cluster, schedule
-        self.state = state_bytes_per_param(layout.dtype)
-        self.optimizer_time = getattr(cost, "optimizer_time", None)
-        measured = getattr(cost, "collective_overhead_time", None)
-        # The runtime's work around each gather or reduction call (measured sources only).
-        self.call_overhead = (measured() or 0.0) if measured is not None else 0.0
-        self.comm = TopologyCommModel(cluster)
-        self._cache: dict[tuple[int, Kind, int, int | None], CollectiveCost] = {}
-
-    def __call__(self, replica: int, action: Action) -> CollectiveCost:
-        key = (replica, action.kind, action.stage, action.bucket)
-        if key not in self._cache:
-            self._cache[key] = self._cost(replica, action)
-        return self._cache[key]
-
-    def _cost(self, replica: int, action: Action) -> CollectiveCost:
-        layout, stage = self.layout, action.stage
-        if action.kind is Kind.CLIP:  # one fp64 partial squared norm per rank, summed world-wide
-            world = tuple(sorted(d for row in layout.assignment for d in row))
-            tied = tied_sum_seconds(self.comm, model=layout.model, assignment=layout.assignment,
-                                    stage_to_rank=self.schedule.stage_to_rank, grad_bytes=self.state.grads,
-                                    zero=[z.level for z in layout.zero])
-            return CollectiveCost(group=world, op=Collective.ALL_REDUCE, nbytes=8.0, compute_s=tied)
-        rank = self.schedule.stage_to_rank[stage]
-        group = tuple(layout.assignment[r][rank] for r in range(layout.dp))
-        buckets = self.schedule.bucket_layers.get(stage, (layout.stage_layers[stage],))
-        share = 1.0 if action.bucket is None else buckets[action.bucket] / sum(buckets)
-        params = _stage_params(layout, stage) * share
-        # The other TP ranks' DP groups run the same collective at once (module docstring).
-        wire = dp_bytes_factor(self.cluster, group, layout.stage_tp(stage))
-        meaning = zero_level(layout.zero[stage].level)
-        op, payload = meaning.collective(action.kind)
-        per_param = self.state.weights if payload is Payload.WEIGHTS else self.state.grads
-        level = layout.zero[stage].level
-        sharded = fsdp_units(level, layout.dp)
-        state = stage_state_bytes(params, level=level, dp=layout.dp, per_param=self.state)  # the bucket's
-        if action.kind in (Kind.UNSHARD, Kind.RESHARD):
-            # Level 3 gathers the bucket whole (next to the shard), and every bucket of the stage
-            # before a compute action (streamed or not: the schedule's UNSHARDs all precede the
-            # F or BW, whose one autograd call needs every layer); levels 1-2 refresh weights
-            # that stay gathered all step.
-            gathered = state.gathered_weights
-            if action.kind is Kind.RESHARD:
-                return CollectiveCost(group=group, op=None, free_bytes=gathered)
-            return CollectiveCost(group=group, op=op, nbytes=params * per_param * wire, alloc_bytes=gathered,
-                                  compute_s=self.call_overhead)
-        if action.kind is Kind.REDUCE_GRAD:
-            # Levels 1-3 free the bucket's unsharded gradient and make its shard; level 0 keeps
-            # the flat buffer as the reduced gradient, freeing the gradient it came from
-            # (zero_memory's table). Levels 1-3's reduce-scatter input stays until the next
-            # reduction: one bucket's, booked on the stage's first (its last bucket) at the
-            # largest bucket's size. Allocations are booked until the end of the step (a
-            # reduction frees at most the gradient still live, see SimProblem).
-            freed = buffer = 0.0
-            if layout.dp > 1:
-                freed = state.gradient
-                buffer = state.grad_shard if sharded else freed
-                if sharded and action.bucket in (None, len(buckets) - 1):
-                    buffer += stage_state_bytes(_stage_params(layout, stage), level=level, dp=layout.dp,
-                                                per_param=self.state,
-                                                bucket_fraction=max(buckets) / sum(buckets)).reduce_buffer
-            return CollectiveCost(group=group, op=op, nbytes=params * per_param * wire, free_bytes=freed,
-                                  alloc_bytes=buffer, compute_s=self.call_overhead)
-        device = self.cluster.devices[layout.assignment[replica][rank]].type
-        shard = params / layout.dp if meaning.shards_optimizer else params
-        measured = self.optimizer_time(shard, device_type=device.name) if self.optimizer_time else None
-        if measured is not None:
-            step_s = measured.seconds
-        else:
-            step_s = shard * OPTIMIZER_STEP_BYTES_PER_PARAM / (device.memory_bandwidth_gbps * 1e9)
-        return CollectiveCost(group=group, op=None, compute_s=step_s)
-
-
 def compile_problem(
     layout: PlanLayout, cluster: Cluster, cost: CostSource, *, comm: bool = True
 ) -> SimProblem:
     """The :class:`SimProblem` of one training step of ``layout`` on ``cluster``."""
-    schedules = build_schedules(layout)
-    s2r = schedules[0].stage_to_rank
-    split = {a.stage for row in schedules[0].actions for a in row if a.kind in (Kind.B, Kind.W)}
-    fused = [stage not in split for stage in range(layout.num_stages)]
-    tensor = TensorParallelCompute(layout.model, cost, catalog=_catalog(layout, cost, cluster))
+    return compile_world((layout,), cluster, cost, comm=comm)
+
+
+def compile_world(
+    groups: Sequence[PlanLayout], cluster: Cluster, cost: CostSource, *, comm: bool = True
+) -> SimProblem:
+    """The :class:`SimProblem` of one training step of the plan made of replica ``groups``
+    (:mod:`medley.plan.segments`): each group's replicas as above, their ZeRO collectives over the
+    plan's sync segments (:class:`~medley.plan.collectives.CollectiveTable`)."""
+    world = build_world(groups)
+    model = world.groups[0].model
+    tensor = TensorParallelCompute(model, cost, catalog=_catalog(world.groups[0], cost, cluster))
     links = TopologyCommModel(cluster, p2p_overhead_s=_p2p_overhead(cost)) if comm else None
+    stage_costs: list[list[StageCost]] = []
+    devices: list[list[int]] = []
+    static: dict[int, float] = {}
+    members: dict[int, tuple[int, ...]] = {}
+    for g, layout in enumerate(world.groups):
+        schedules = world.schedules_of(g)
+        stage_costs += _group_costs(layout, cluster, cost, schedules[0], tensor, links)
+        devices += [list(row) for row in layout.assignment]
+        for device, held in static_memory(layout, schedules[0].stage_to_rank).items():
+            static[device] = static.get(device, 0.0) + held
+        members.update({grp[0]: grp[1:] for r in range(layout.dp) for k in range(layout.pp)
+                        if len(grp := layout.group(r, k)) > 1})
+    first = world.groups[0]
+    sequences = sum(sum(layout.micro_batches) for layout in world.groups) * first.micro_batch_size
+    used = [d for layout in world.groups for d in layout.devices]
+    return SimProblem(
+        schedules=list(world.schedules),
+        devices=devices,
+        stage_costs=stage_costs,
+        static_memory_bytes=static,
+        comm=links,
+        tp_members=members,
+        peak_flops={d: cluster.devices[d].type.peak_flops(first.dtype) for d in used},
+        model_flops_per_step=formulas.megatron_flops_per_step(model, batch_size=sequences,
+                                                              seq_len=first.seq_len),
+        tokens_per_step=float(sum(layout.tokens_per_step for layout in world.groups)),
+        collectives=CollectiveTable(world, cluster, cost),
+    )
+
+
+def _group_costs(layout: PlanLayout, cluster: Cluster, cost: CostSource, schedule: PipelineSchedule,
+                 tensor: TensorParallelCompute, links: TopologyCommModel | None) -> list[list[StageCost]]:
+    """``costs[r][s]``: the stage costs of each replica of one group."""
+    s2r = schedule.stage_to_rank
+    split = {a.stage for row in schedule.actions for a in row if a.kind in (Kind.B, Kind.W)}
+    fused = [stage not in split for stage in range(layout.num_stages)]
     stage_costs = []
     # Replicas whose stage runs on one device type and an equal TP group cost alike: compute each
     # once (a copy per replica, as scale_hops rescales its transfers in place).
@@ -362,24 +323,7 @@ def compile_problem(
             row.append(replace(known[key]))
         scale_hops(layout, cluster, replica, s2r, row, links)
         stage_costs.append(row)
-    devices = [list(row) for row in layout.assignment]
-    sequences = sum(layout.micro_batches) * layout.micro_batch_size
-    members = {g[0]: g[1:] for r in range(layout.dp) for k in range(layout.pp)
-               if len(g := layout.group(r, k)) > 1}
-    return SimProblem(
-        schedules=schedules,
-        devices=devices,
-        stage_costs=stage_costs,
-        static_memory_bytes=static_memory(layout, s2r),
-        comm=links,
-        tp_members=members,
-        peak_flops={d: cluster.devices[d].type.peak_flops(layout.dtype) for d in layout.devices},
-        model_flops_per_step=formulas.megatron_flops_per_step(
-            layout.model, batch_size=sequences, seq_len=layout.seq_len
-        ),
-        tokens_per_step=float(layout.tokens_per_step),
-        collectives=_CollectiveTable(layout, cluster, schedules[0], cost),
-    )
+    return stage_costs
 
 
 def _p2p_overhead(cost: CostSource) -> float:

@@ -11,10 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from medley.errors import MedleyInputError
-from medley.schedule.generators import generate
-from medley.schedule.ir import PipelineSchedule
-from medley.schedule.zero import place_collectives
-from medley.schedule.zero_checks import CollectiveMismatchError
 from medley.schedule.zero_settings import Placement, StageZero
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
@@ -42,6 +38,10 @@ class PlanLayout:
             1 everywhere. Pipeline rank k of replica r runs on the ``tp[k]`` consecutive device ids
             from ``assignment[r][k]`` (:meth:`group`); an interleaved rank's stages share its
             degree, and every replica uses the same degrees.
+        sync_dp: replicas the plan's ZeRO groups span: the replicas of every replica group of an
+            asymmetric plan (:mod:`medley.plan.segments`), whose replicas each hold every layer
+            once; 0 (a plan of alike replicas): ``dp``. What a ZeRO level shards is cut into
+            ``zero_dp`` pieces.
     """
 
     model: ModelSpec
@@ -60,6 +60,12 @@ class PlanLayout:
     knobs: dict[str, Any] = field(default_factory=dict)
     clip_grad: bool = False
     tp: tuple[int, ...] = ()
+    sync_dp: int = 0
+
+    @property
+    def zero_dp(self) -> int:
+        """Members of each ZeRO group: every replica of the plan (``sync_dp``, else ``dp``)."""
+        return self.sync_dp or self.dp
 
     @property
     def num_stages(self) -> int:
@@ -178,30 +184,3 @@ def check_tp(layout: PlanLayout, cluster: Cluster) -> None:
     if len(set(used)) != len(used):
         raise MedleyInputError(f"{where}: the TP groups overlap (a device appears twice); start each "
                                "group past the previous one's last device")
-
-
-def build_schedules(layout: PlanLayout) -> list[PipelineSchedule]:
-    """One schedule per replica, with the ZeRO collectives placed (replicas of one micro-batch
-    count share the generated program, which the placement only reads)."""
-    generated: dict[int, PipelineSchedule] = {}
-    for micro_batches in dict.fromkeys(layout.micro_batches):
-        try:
-            generated[micro_batches] = generate(
-                layout.schedule, pp=layout.pp, micro_batches=micro_batches, **layout.knobs
-            )
-        except ValueError as err:
-            raise MedleyInputError(f"--schedule {layout.schedule}: {err}") from None
-    schedules = [generated[m] for m in layout.micro_batches]
-    if schedules[0].num_stages != layout.num_stages:
-        raise MedleyInputError(
-            f"--split gives {layout.num_stages} stages but schedule '{layout.schedule}' with pp={layout.pp} "
-            f"has {schedules[0].num_stages}; give one layer count per stage"
-        )
-    try:
-        return place_collectives(
-            schedules, layout.zero, stage_layers=layout.stage_layers, policy=layout.placement,
-            clip_grad=layout.clip_grad or layout.tied_copies,
-        )
-    except CollectiveMismatchError as err:
-        raise MedleyInputError(f"--zero / --zero-placement / --gather-windows (the plan's layout.zero): "
-                               f"{err}") from None

@@ -19,7 +19,8 @@ from pydantic import BaseModel, Field, ValidationError
 
 from medley.errors import MedleyInputError
 from medley.fileio import read_toml, write_atomically
-from medley.plan.layout import PlanLayout, build_schedules, check_tp
+from medley.plan.layout import PlanLayout, check_tp
+from medley.plan.world import build_schedules
 from medley.schedule.zero_settings import Placement, StageZero
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import cluster_from_dict

@@ -17,7 +17,7 @@ from medley.cost.interfaces import Collective
 from medley.cost.zero_levels import zero_level
 from medley.cost.zero_memory import state_bytes_per_param
 from medley.plan.bounds import MemoryOption, pipeline_time
-from medley.plan.compile import OPTIMIZER_STEP_BYTES_PER_PARAM
+from medley.plan.collectives import OPTIMIZER_STEP_BYTES_PER_PARAM
 from medley.plan.context import PlanContext, Signatures
 from medley.plan.space import Structure
 from medley.plan.tp_links import dp_bytes_factor

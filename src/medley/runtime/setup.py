@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from medley.errors import MedleyInputError
-from medley.plan.layout import build_schedules
 from medley.plan.plan import Plan
+from medley.plan.world import build_schedules
 from medley.runtime import placement
 from medley.runtime.executor import RankExecutor, with_default_collectives
 from medley.runtime.groups import RankGroups, RankPlace, RankTable, make_groups

@@ -33,7 +33,7 @@ The settings are :mod:`medley.schedule.zero_settings`; the rules a placed schedu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from medley.cost.zero_levels import zero_level
 from medley.schedule.ir import COLLECTIVE_KINDS, COMPUTE_KINDS, Action, Kind, PipelineSchedule
@@ -189,6 +189,9 @@ def place_collectives(
     stage_layers: Sequence[int],
     policy: Placement | str = Placement.BUBBLE,
     clip_grad: bool = False,
+    buckets: Mapping[int, tuple[int, ...]] | None = None,
+    rounds: Sequence[int] | None = None,
+    alike: Sequence[bool] | None = None,
 ) -> list[PipelineSchedule]:
     """Insert the ZeRO collectives of every stage into every replica's schedule.
 
@@ -198,6 +201,12 @@ def place_collectives(
     replica with the most compute sets the issue order every other member of a DP group follows.
     With ``clip_grad`` every rank's optimizer steps wait behind one ``CLIP`` (the world-wide
     gradient-norm all-reduce), issued after the rank's last other action.
+
+    When a stage's DP group reaches beyond these replicas (replica groups of their own shape,
+    :mod:`medley.plan.segments`), the caller says what the whole group shares: ``buckets`` (layers
+    per bucket of each stage; default :func:`bucket_layers`), ``rounds`` (per stage, the compute
+    actions a ZeRO-3 gather per action pads to; default the most of these replicas) and ``alike``
+    (per stage, whether every member runs the same kinds of compute in the same order).
     """
     policy = Placement(policy)
     first = schedules[0]
@@ -209,7 +218,10 @@ def place_collectives(
     if any(s.stage_to_rank != first.stage_to_rank for s in schedules):
         raise ValueError("all replicas must place stages on pipeline ranks the same way")
     _check_per_use_gathers(schedules, zero, policy)
-    buckets = bucket_layers(stage_layers, zero, policy)
+    if buckets is None:
+        buckets = bucket_layers(stage_layers, zero, policy)
+    elif any(sum(buckets[s]) != stage_layers[s] or min(buckets[s]) < 1 for s in range(first.num_stages)):
+        raise ValueError(f"bucket layers {dict(buckets)} do not cut the stages' layers {tuple(stage_layers)}")
     # Replicas of one micro-batch count usually share their program object: place its
     # collectives once (the placement of a replica depends only on its program and the order).
     by_id = {id(s): s for s in schedules}  # in order of first appearance
@@ -218,9 +230,11 @@ def place_collectives(
     which = [position[id(s)] for s in schedules]
     bases = [[[a for a in row if a.kind not in COLLECTIVE_KINDS] for row in s.actions] for s in distinct]
     kinds = [_kinds_by_stage(b, first.num_stages) for b in bases]
-    uses = [max(len(k[s]) for k in kinds) for s in range(first.num_stages)]
+    uses = list(rounds) if rounds is not None else [max(len(k[s]) for k in kinds)
+                                                     for s in range(first.num_stages)]
     reference = which[max(range(len(schedules)), key=lambda r: (sum(map(len, bases[which[r]])), -r))]
-    same_rounds = [len({tuple(k[s]) for k in kinds}) == 1 for s in range(first.num_stages)]
+    same_rounds = list(alike) if alike is not None else [len({tuple(k[s]) for k in kinds}) == 1
+                                                         for s in range(first.num_stages)]
 
     def pinned(action: Action) -> bool:  # a ZeRO-3 gather: compute waits for it, it cannot be late
         return action.kind is Kind.UNSHARD and zero_level(zero[action.stage].level).gathers_for_compute

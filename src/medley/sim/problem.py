@@ -102,6 +102,9 @@ class CollectiveCost:
             of the stage's bucket in the step only, since later ones accumulate into them).
         free_bytes: memory released on this device when the action ends (RESHARD: gathered
             weights; REDUCE_GRAD: the full gradient buffer, down to the shard held in static).
+        unit: what identifies the collective among its members instead of the action's stage and
+            bucket, where members hold it at unlike stages (replicas of their own shape: a sync
+            segment's bucket, :mod:`medley.plan.segments`); None: stage and bucket.
     """
 
     group: tuple[int, ...]
@@ -110,6 +113,7 @@ class CollectiveCost:
     compute_s: float = 0.0
     alloc_bytes: float = 0.0
     free_bytes: float = 0.0
+    unit: tuple[int, int] | None = None
 
 
 CollectiveTable = Callable[[int, Action], CollectiveCost]

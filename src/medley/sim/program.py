@@ -251,14 +251,15 @@ class _Builder:
         if cost.op is None or len(cost.group) == 1:
             ops.append((OP_MEMORY, cost.alloc_bytes, cost.free_bytes, action))
             return
-        key3 = (action.kind, _group_stage(action), action.bucket)
+        key3 = (action.kind, cost.unit) if cost.unit is not None else (action.kind, _group_stage(action),
+                                                                        action.bucket)
         nth = occurrences.get(key3, 0)
         occurrences[key3] = nth + 1
         if action.kind is Kind.REDUCE_GRAD and nth > 0 and cost.alloc_bytes:
             # A bucket's reduction buffers exist once per step: later reductions of the same
             # bucket (streamed ZeRO-3, gradient windows) accumulate into them.
             cost = replace(cost, alloc_bytes=0.0)
-        inst = self.instance(cost.group, action, nth, cost.op, cost.nbytes, cost.compute_s)
+        inst = self.instance(cost.group, action, nth, cost.op, cost.nbytes, cost.compute_s, key3)
         slot_in_group = self.prog.coll_members[inst].index(device)
         self.prog.coll_alloc[inst][slot_in_group] = cost.alloc_bytes
         self.prog.coll_free[inst][slot_in_group] = cost.free_bytes
@@ -274,9 +275,11 @@ class _Builder:
 
     def instance(
         self, group: tuple[int, ...], action: Action, nth: int, op: Collective, nbytes: float,
-        extra_s: float = 0.0,
+        extra_s: float = 0.0, identity: tuple | None = None,
     ) -> int:
-        key = (group, action.kind, _group_stage(action), action.bucket, nth)
+        if identity is None:
+            identity = (action.kind, _group_stage(action), action.bucket)
+        key = (group, *identity, nth)
         inst = self.coll_index.get(key)
         if inst is not None:
             return inst
