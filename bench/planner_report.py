@@ -13,6 +13,7 @@ STEP_TITLES = {
     "heterogeneity": "homogeneous treatment",
     "zero-and-placement": "one ZeRO option, naive placement",
     "tp": "tp 1",
+    "replica-shapes": "alike replicas only",
 }
 BASELINE_POOLS = ("megatron-lm-style", "metis-style", "fastest-type-only")
 """Pool names of the baselines' plans (a search result's best plan with one came from a baseline)."""

@@ -58,10 +58,10 @@ def test_tp_degrees_constraint_limits_the_search() -> None:
     cluster, model = parse_cluster_arg(MIXED), get_model("gpt-neo-2.7b")
     only_one = search(cluster, model, global_batch=64, seq_len=2048, top=3, baselines=False,
                       constraints=Constraints(tp_degrees=(1,)))
-    assert all(set(p.plan.layout.tp) <= {1} for p in only_one.simulated)
+    assert all(set(g.tp) <= {1} for p in only_one.simulated for g in p.plan.groups)
     only_two = search(cluster, model, global_batch=64, seq_len=2048, top=3, baselines=False,
                       constraints=Constraints(tp_degrees=(2,)))
-    assert all(set(p.plan.layout.tp) == {2} for p in only_two.simulated)
+    assert all(set(g.tp) == {2} for p in only_two.simulated for g in p.plan.groups)
     with pytest.raises(MedleyInputError, match="tp_degrees"):
         search(cluster, model, global_batch=64, seq_len=2048, constraints=Constraints(tp_degrees=(3,)))
 
@@ -91,4 +91,4 @@ def test_a_baseline_plan_is_adopted_only_within_the_allowed_schedules() -> None:
     result = search(parse_cluster_arg("2xA100-80GB+4xT4-16GB"), get_model("tiny"), global_batch=24,
                     seq_len=256, top=5, constraints=constraints)
     assert any(p is not None and p.plan.layout.schedule != "zb-h1" for p in result.baselines.values())
-    assert {p.plan.layout.schedule for p in result.plans} == {"zb-h1"}
+    assert {g.schedule for p in result.plans for g in p.plan.groups} == {"zb-h1"}

@@ -56,7 +56,7 @@ def _edited(tmp_path: Path, edit) -> Path:
 @pytest.mark.parametrize(
     ("edit", "words"),
     [
-        (lambda r: r.update(version=99), ["version", "plan version 1"]),
+        (lambda r: r.update(version=99), ["version", "plan versions 1 and 2"]),
         (lambda r: r["layout"].update(stage_layers=[3, 2]), ["layout.stage_layers", "6"]),
         (lambda r: r["layout"].update(assignment=[[0, 1]]), ["layout.assignment", "2 rows"]),
         (lambda r: r["layout"].update(assignment=[[0, 9], [1, 3]]), ["layout.assignment", "0..3"]),

@@ -15,7 +15,7 @@ from medley.plan.predict import predict
 from medley.plan.search import Constraints, search
 from medley.plan.space import distribute
 from medley.plan.sweep import bottleneck_split
-from medley.plan.world import build_schedules
+from medley.plan.world import build_world
 from medley.schedule.validate import validate
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
@@ -59,13 +59,13 @@ def test_every_returned_plan_is_valid_fits_and_covers_each_layer_once(cluster, g
     )
     assert result.plans
     for ranked in result.plans:
-        layout = ranked.plan.layout
-        for schedule in build_schedules(layout):
+        for schedule in build_world(ranked.plan.groups).schedules:  # replica groups of their own shape too
             validate(schedule)
-        covered = [layer for stage in range(layout.num_stages) for layer in layout.layer_range(stage)]
-        assert sorted(covered) == list(range(TINY.num_layers))
-        assert sum(layout.micro_batches) * layout.micro_batch_size == global_batch
-        used = [d for row in layout.assignment for d in row]
+        for layout in ranked.plan.groups:
+            covered = [layer for stage in range(layout.num_stages) for layer in layout.layer_range(stage)]
+            assert sorted(covered) == list(range(TINY.num_layers))
+        assert sum(ranked.plan.micro_batches) * ranked.plan.shared.micro_batch_size == global_batch
+        used = list(ranked.plan.devices)
         assert len(set(used)) == len(used)
         for report in ranked.result.devices:
             capacity = spec.devices[report.device].type.memory_bytes * (1 - constraints.memory_headroom)

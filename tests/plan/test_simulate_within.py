@@ -42,7 +42,8 @@ def test_a_far_estimate_is_skipped_unless_always_simulated() -> None:
     result = search(spec, model, global_batch=64, seq_len=2048, top=1, baselines=False)
     first = result.best.candidate
     step = result.best.prediction.step_time_s
-    far = replace(result.simulated[-1].candidate, estimate_s=step * 1.2)
+    last = [p for p in result.simulated if not p.plan.asymmetric][-1]
+    far = replace(last.candidate, estimate_s=step * 1.2)
     near = replace(far, estimate_s=step * 1.1)
     args = (model, 2048, spec, result.cost, result.constraints)
     assert len(ranking.simulate_all([first, far], *args, within=0.15)) == 1

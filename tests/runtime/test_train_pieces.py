@@ -89,8 +89,8 @@ def test_plan_checks_name_the_setting() -> None:
 def test_zero3_compute_without_unshard_is_an_error() -> None:
     module = Decoder(get_model("tiny"), first_layer=0, last_layer=2)
     params = list(module.parameters())
-    stage = ShardedStage(module=module, zero=3, buckets=[params], fsdp_units=[], dp_group=None, optimizers=[],
-                         bucket_names=[[str(i) for i in range(len(params))]])
+    stage = ShardedStage(module=module, zero=3, buckets=[params], fsdp_units=[], dp_groups=[None],
+                         optimizers=[], bucket_names=[[str(i) for i in range(len(params))]])
     with pytest.raises(RuntimeError, match="UNSHARD.*layout.zero"):
         stage.require_gathered("0F0 on pipeline rank 0")
 

@@ -86,3 +86,30 @@ def save_tied_copies(directory: str, step: int, stages: dict, scale: float | Non
         rank = torch.distributed.get_rank()
         torch.save({k: v.detach().clone() for k, v in full.items()},
                    Path(directory) / f"step{step}-rank{rank}-stage{index}.pt")
+
+
+def asymmetric_plan(*groups: dict[str, object]) -> Plan:
+    """A plan of replica groups of their own shape (:mod:`medley.plan.segments`) on
+    ``sum(devices)`` devices of one node: each group a :func:`tiny_plan` (``pp``, ``dp``,
+    ``split``, ``zero``, ``schedule``, ``micro_batches``, ...) on the devices after the previous
+    group's, in :func:`tiny_plan`'s order."""
+    total = sum(int(g["pp"]) * int(g["dp"]) for g in groups)  # type: ignore[call-overload]
+    cluster = parse_cluster_arg(f"{total}xA100-80GB")
+    layouts, first = [], 0
+    for spec in groups:
+        base = tiny_plan(devices=total, **spec)  # type: ignore[arg-type]
+        layout = base.layout
+        order = sorted(layout.devices)
+        moved = {d: first + order.index(d) for d in order}
+        layouts.append(dataclasses.replace(
+            layout, assignment=tuple(tuple(moved[d] for d in row) for row in layout.assignment)))
+        first += len(order)
+    return Plan(groups=layouts, cluster=cluster)
+
+
+def reference_layout(plan: Plan):  # noqa: ANN201 - a PlanLayout: what the reference needs of a plan
+    """One layout with the plan's whole global batch (model, sequence length, micro-batches), for
+    :mod:`medley.runtime.reference`."""
+    replicas = len(plan.micro_batches)
+    return dataclasses.replace(plan.shared, dp=replicas, micro_batches=plan.micro_batches, sync_dp=0,
+                               assignment=tuple((r,) * plan.shared.pp for r in range(replicas)))

@@ -27,15 +27,16 @@ from medley.fileio import check_output_dir, check_output_file
 from medley.plan.ablation import ablate
 from medley.plan.inline import parse_int_list
 from medley.plan.plan import load_plan, save_plan
-from medley.plan.predict import layer_sources, predict
+from medley.plan.predict import layer_sources, predict_groups
 from medley.plan.search import search
 from medley.plan.space import SEARCHED_FAMILIES, Constraints
+from medley.plan.world import build_world, device_roles
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 
 
 def _constraints(
-    max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, cluster
+    max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, cluster, asymmetric=True
 ) -> Constraints:
     families = tuple(s.strip() for s in schedules.split(",") if s.strip()) if schedules else None
     excluded = ()
@@ -58,6 +59,7 @@ def _constraints(
         memory_headroom=memory_headroom,
         exclude_devices=excluded,
         micro_batch_sizes=sizes,
+        asymmetric=asymmetric,
     )
 
 
@@ -103,6 +105,11 @@ def register(app: typer.Typer) -> None:
             typer.Option("--baselines/--no-baselines",
                          help=f"Also run the baselines (default: on up to {BASELINE_DEVICES} devices)"),
         ] = None,
+        asymmetric: Annotated[
+            bool,
+            typer.Option("--asymmetric/--no-asymmetric",
+                         help="Also plan replica groups of their own shape (a pipeline per device type)"),
+        ] = True,
         as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON")] = False,
     ) -> None:
         """Search the fastest (or cheapest) plans and rank them by exact simulation."""
@@ -119,7 +126,7 @@ def register(app: typer.Typer) -> None:
         spec = with_comm_profile(parse_cluster_arg(cluster), comm_profile)
         model_spec = get_model(model)
         constraints = _constraints(
-            max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, spec
+            max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, spec, asymmetric
         )
         cost = cost_source(model_spec, spec, profiles=profile or (), profiles_dir=profiles, seq_len=seq_len)
         with PhaseBar(not as_json) as progress:
@@ -179,14 +186,14 @@ def register(app: typer.Typer) -> None:
         """Re-simulate a plan file and show its figures per device (and its Gantt chart)."""
         check_pictures(trace=trace, gantt=gantt)
         plan = load_plan(plan_file)
-        layout, cluster = plan.layout, with_comm_profile(plan.cluster, comm_profile)
+        layout, cluster = plan.shared, with_comm_profile(plan.cluster, comm_profile)
         cost = cost_source(layout.model, cluster, profiles=profile or (), profiles_dir=profiles,
                            seq_len=layout.seq_len)
-        prediction, problem, result = predict(layout, cluster, cost=cost)
-        write_pictures(result, trace=trace, gantt=gantt)
-        data = summary(layout, cluster, problem, result)
+        prediction, problem, result = predict_groups(plan.groups, cluster, cost=cost)
+        write_pictures(result, trace=trace, gantt=gantt, roles=device_roles(build_world(plan.groups)))
+        data = summary(plan.groups, cluster, problem, result)
         data["cost_source"] = prediction.cost_source
-        data["cost_sources"] = layer_sources(layout, cluster, cost)
+        data["cost_sources"] = layer_sources(plan.groups, cluster, cost)
         if plan.prediction is not None:
             data["saved_step_time_s"] = plan.prediction.step_time_s
             data["saved_cost_source"] = plan.prediction.cost_source

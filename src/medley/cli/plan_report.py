@@ -8,9 +8,11 @@ from rich.table import Table
 
 from medley.cli.console import print_table
 from medley.plan.ablation import Ablation
+from medley.plan.layout import PlanLayout
 from medley.plan.predict import layer_sources
 from medley.plan.ranking import RankedPlan
 from medley.plan.search import SearchResult
+from medley.spec.cluster import Cluster
 
 GB = 1e9
 BASELINE_DEVICES = 64
@@ -18,8 +20,36 @@ BASELINE_DEVICES = 64
 a 3 s search, on 1,024 devices many minutes."""
 
 
+def group_row(layout: PlanLayout, cluster: Cluster) -> dict:
+    """One replica group's shape as data (a plan of alike replicas is one group)."""
+    return {
+        "schedule": layout.schedule,
+        "knobs": dict(layout.knobs),
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "tp": [layout.tp_of(k) for k in range(layout.pp)],
+        "device_types": sorted({cluster.devices[d].type.name for d in layout.devices}),
+        "devices_used": len(layout.devices),
+        "micro_batch_size": layout.micro_batch_size,
+        "micro_batches": list(layout.micro_batches),
+        "split": list(layout.stage_layers),
+        "zero": [z.level for z in layout.zero],
+        "streamed": [z.streams for z in layout.zero],
+        "recompute": list(layout.recompute),
+        "placement": layout.placement.value,
+    }
+
+
+def _shape_fields(plan: RankedPlan, cluster: Cluster) -> dict:
+    """The plan's shape: its groups (``replica_groups``) and, for alike replicas, the one group's
+    fields at the top level too."""
+    groups = [group_row(layout, cluster) for layout in plan.plan.groups]
+    return {"asymmetric": plan.plan.asymmetric, "devices_used": len(plan.plan.devices),
+            "replica_groups": groups, **({} if plan.plan.asymmetric else groups[0])}
+
+
 def _plan_row(plan: RankedPlan, result: SearchResult) -> dict:
-    layout, pred, cluster = plan.plan.layout, plan.prediction, result.cluster
+    pred, cluster = plan.prediction, result.cluster
     headroom: dict[str, float] = {}
     for report in plan.result.devices:
         device = cluster.devices[report.device]
@@ -39,47 +69,24 @@ def _plan_row(plan: RankedPlan, result: SearchResult) -> dict:
         "headroom_gb_by_type": headroom,
         "versus_baselines": versus,
         "aggregate_fraction": pred.tokens_per_s / result.aggregate_tokens_per_s,
-        "schedule": layout.schedule,
-        "knobs": dict(layout.knobs),
-        "pp": layout.pp,
-        "dp": layout.dp,
-        "tp": [layout.tp_of(k) for k in range(layout.pp)],
-        "devices_used": len(layout.devices),
-        "micro_batch_size": layout.micro_batch_size,
-        "micro_batches": list(layout.micro_batches),
-        "split": list(layout.stage_layers),
-        "zero": [z.level for z in layout.zero],
-        "streamed": [z.streams for z in layout.zero],
-        "recompute": list(layout.recompute),
+        **_shape_fields(plan, cluster),
         "cost_source": pred.cost_source,
-        "cost_sources": layer_sources(layout, cluster, result.cost),  # per device type and layer kind
+        # per device type and layer kind
+        "cost_sources": layer_sources(plan.plan.groups, cluster, result.cost),
     }
 
 
 def _baseline_row(plan: RankedPlan, result: SearchResult) -> dict:
     """A baseline's simulated figures and the shape its system gave it."""
-    layout, cluster = plan.plan.layout, result.cluster
-    return {
-        "tokens_per_s": plan.tokens_per_s,
-        "step_time_s": plan.prediction.step_time_s,
-        "pp": layout.pp,
-        "dp": layout.dp,
-        "tp": [layout.tp_of(k) for k in range(layout.pp)],
-        "schedule": layout.schedule,
-        "knobs": dict(layout.knobs),
-        "device_types": sorted({cluster.devices[d].type.name for row in layout.assignment for d in row}),
-        "devices_used": len(layout.devices),
-        "micro_batch_size": layout.micro_batch_size,
-        "micro_batches": list(layout.micro_batches),
-        "split": list(layout.stage_layers),
-        "zero": [z.level for z in layout.zero],
-        "recompute": list(layout.recompute),
-        "placement": layout.placement.value,
-    }
+    return {"tokens_per_s": plan.tokens_per_s, "step_time_s": plan.prediction.step_time_s,
+            **_shape_fields(plan, result.cluster)}
 
 
 def _shape(plan: RankedPlan) -> str:
-    layout = plan.plan.layout
+    return " + ".join(_group_shape(layout) for layout in plan.plan.groups)
+
+
+def _group_shape(layout: PlanLayout) -> str:
     tp = _tp_text([layout.tp_of(k) for k in range(layout.pp)])
     return f"pp={layout.pp} dp={layout.dp}{tp} {layout.schedule}"
 
@@ -155,33 +162,50 @@ def print_result(data: dict, console: Console) -> None:
     for col in columns:
         shapes.add_column(col, justify="right", overflow="fold")
     for rank, row in enumerate(data["plans"], 1):
-        cells = [
-            str(rank),
-            f"{row['tokens_per_s']:,.0f}",
-            f"{row['step_time_s']:.3f} s",
-            f"{row['bubble_fraction']:.1%}",
-            f"{row['exposed_comm_s'] * 1e3:.0f} ms",
-            " ".join(f"{t}:{g:.1f}" for t, g in row["headroom_gb_by_type"].items()),
-            *(_ratio(row["versus_baselines"][n]) for n in names),
-            f"{row['aggregate_fraction']:.0%}",
-        ]
-        if data["objective"] == "cost":
-            cells.insert(2, f"{row['cost_per_mtoken_usd']:.3f}")
-        figures.add_row(*cells)
-        zero = ["3s" if s else str(z) for z, s in zip(row["zero"], row["streamed"], strict=True)]
-        zero = [z + ("r" if rc else "") for z, rc in zip(zero, row["recompute"], strict=True)]
-        knobs = "".join(f" {k}={v}" for k, v in row["knobs"].items())
-        shapes.add_row(
-            str(rank),
-            f"{row['pp']} x {row['dp']}",
-            _short(row["tp"]),
-            row["schedule"] + knobs,
-            f"{row['micro_batch_size']} x {_short(sorted(set(row['micro_batches'])))}",
-            _short(row["split"]),
-            _short(zero),
-        )
+        _add_figures(figures, rank, row, names, data["objective"])
+        groups = row["replica_groups"]
+        for g, group in enumerate(groups):
+            _add_shape(shapes, f"{rank}" if len(groups) == 1 else f"{rank}.g{g}", group)
     print_table(console, figures)
     print_table(console, shapes)
+    if any(row["asymmetric"] for row in data["plans"]):
+        console.print("N.gK: replica group K of plan N, replicas of their own shape (each holds every layer; "
+                      "replicas meet in the ZeRO groups of the layers they share)")
+    _print_baselines(data, console)
+
+
+def _add_figures(figures: Table, rank: int, row: dict, names: list[str], objective: str) -> None:
+    cells = [
+        str(rank),
+        f"{row['tokens_per_s']:,.0f}",
+        f"{row['step_time_s']:.3f} s",
+        f"{row['bubble_fraction']:.1%}",
+        f"{row['exposed_comm_s'] * 1e3:.0f} ms",
+        " ".join(f"{t}:{g:.1f}" for t, g in row["headroom_gb_by_type"].items()),
+        *(_ratio(row["versus_baselines"][n]) for n in names),
+        f"{row['aggregate_fraction']:.0%}",
+    ]
+    if objective == "cost":
+        cells.insert(2, f"{row['cost_per_mtoken_usd']:.3f}")
+    figures.add_row(*cells)
+
+
+def _add_shape(shapes: Table, label: str, row: dict) -> None:
+    zero = ["3s" if s else str(z) for z, s in zip(row["zero"], row["streamed"], strict=True)]
+    zero = [z + ("r" if rc else "") for z, rc in zip(zero, row["recompute"], strict=True)]
+    knobs = "".join(f" {k}={v}" for k, v in row["knobs"].items())
+    shapes.add_row(
+        label,
+        f"{row['pp']} x {row['dp']}",
+        _short(row["tp"]),
+        row["schedule"] + knobs,
+        f"{row['micro_batch_size']} x {_short(sorted(set(row['micro_batches'])))}",
+        _short(row["split"]),
+        _short(zero),
+    )
+
+
+def _print_baselines(data: dict, console: Console) -> None:
     if not data["baselines"]:
         console.print(f"baselines not run (default above {BASELINE_DEVICES} devices, minutes each); "
                       "--baselines runs them")

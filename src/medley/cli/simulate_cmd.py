@@ -21,6 +21,7 @@ from medley.fileio import check_output_file
 from medley.plan.inline import inline_layout
 from medley.plan.layout import PlanLayout
 from medley.plan.predict import layer_sources, simulate_layout
+from medley.plan.world import build_world
 from medley.sim.problem import SimProblem
 from medley.sim.result import SimResult
 from medley.spec.cluster import Cluster
@@ -35,15 +36,38 @@ PROFILES_HELP = "Directory of Metis-format profiles (DeviceType.A100_tp1_bs1.jso
 GANTT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
-def summary(layout: PlanLayout, cluster: Cluster, problem: SimProblem, result: SimResult) -> dict:
-    """The figures the table shows, as plain data for ``--json``."""
-    s2r = problem.schedules[0].stage_to_rank
-    stages = {
-        d: [s for s, r in enumerate(s2r) if r == rank]
-        for replica in range(layout.dp)
-        for rank in range(layout.pp)
-        for d in layout.group(replica, rank)
+def group_summary(layout: PlanLayout) -> dict:
+    """One replica group's shape, as plain data."""
+    return {
+        "schedule": layout.schedule,
+        "knobs": dict(layout.knobs),
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "tp": [layout.tp_of(k) for k in range(layout.pp)],
+        # tp_groups[k][r]: the devices of replica r's pipeline rank k, TP rank order
+        "tp_groups": [[list(layout.group(r, k)) for r in range(layout.dp)] for k in range(layout.pp)],
+        "split": list(layout.stage_layers),
+        "micro_batches": list(layout.micro_batches),
+        "zero": [z.level for z in layout.zero],
+        "recompute": list(layout.recompute),
     }
+
+
+def summary(layout: PlanLayout | Sequence[PlanLayout], cluster: Cluster, problem: SimProblem,
+            result: SimResult) -> dict:
+    """The figures the table shows, as plain data for ``--json``: a layout, or the replica groups
+    of one plan (``replica_groups``: each group's shape; ``segments``: what their replicas
+    synchronise, :mod:`medley.plan.segments`)."""
+    groups = (layout,) if isinstance(layout, PlanLayout) else tuple(layout)
+    first = groups[0]
+    replicas = [(group, r, g) for g, group in enumerate(groups) for r in range(group.dp)]
+    stages, group_of = {}, {}
+    for replica, (group, r, g) in enumerate(replicas):
+        s2r = problem.schedules[replica].stage_to_rank
+        for rank in range(group.pp):
+            for d in group.group(r, rank):
+                stages[d] = [s for s, k in enumerate(s2r) if k == rank]
+                group_of[d] = g
     devices = []
     for report in result.devices:
         device = cluster.devices[report.device]
@@ -53,6 +77,7 @@ def summary(layout: PlanLayout, cluster: Cluster, problem: SimProblem, result: S
                 "device": report.device,
                 "type": device.type.name,
                 "node": device.node,
+                "group": group_of[report.device],
                 "replica": report.replica,
                 "rank": report.rank,
                 "tp": report.tp,
@@ -70,46 +95,74 @@ def summary(layout: PlanLayout, cluster: Cluster, problem: SimProblem, result: S
                 "fits": report.peak_memory_bytes <= capacity,
             }
         )
-    zero = [
-        {
-            "stage": s,
-            "level": layout.zero[s].level,
-            "layers": layout.stage_layers[s],
-            "zero_comm_s": z.comm_s,
-            "exposed_s": z.exposed_s,
-        }
-        for s, z in sorted(result.zero.items())
-    ]
-    return {
-        "model": layout.model.name,
-        "schedule": layout.schedule,
-        "pp": layout.pp,
-        "dp": layout.dp,
-        "tp": [layout.tp_of(k) for k in range(layout.pp)],
-        # tp_groups[k][r]: the devices of replica r's pipeline rank k, TP rank order
-        "tp_groups": [[list(layout.group(r, k)) for r in range(layout.dp)] for k in range(layout.pp)],
-        "split": list(layout.stage_layers),
-        "micro_batches": list(layout.micro_batches),
-        "micro_batch_size": layout.micro_batch_size,
-        "seq_len": layout.seq_len,
-        "dtype": layout.dtype,
-        "zero": [z.level for z in layout.zero],
-        "zero_placement": str(layout.placement),
+    out: dict = {
+        "model": first.model.name,
+        "micro_batch_size": first.micro_batch_size,
+        "seq_len": first.seq_len,
+        "dtype": first.dtype,
+        "zero_placement": str(first.placement),
+        "replica_groups": [group_summary(group) for group in groups],
         "step_time_s": result.step_time_s,
         "tokens_per_s": result.tokens_per_s,
         "mfu": result.mfu,
         "bubble_fraction": result.bubble_fraction,
         "fits": all(d["fits"] for d in devices),
         "devices": devices,
-        "stages": zero,
     }
+    if len(groups) == 1:  # alike replicas: the group's shape is the plan's, and each stage its segment
+        out.update(group_summary(first))
+        out["stages"] = [
+            {"stage": s, "level": first.zero[s].level, "layers": first.stage_layers[s],
+             "zero_comm_s": z.comm_s, "exposed_s": z.exposed_s}
+            for s, z in sorted(result.zero.items())
+        ]
+    else:
+        world = build_world(groups)
+        out["segments"] = [
+            {"layers": [segment.first, segment.stop - 1], "level": segment.zero.level,
+             "buckets": len(segment.buckets), "tp": segment.tp,
+             "holders": [[h.group, h.replica, h.stage] for h in segment.holders]}
+            for segment in world.segments.segments
+        ]
+    return out
+
+
+def _title(data: dict) -> str:
+    if "schedule" not in data:
+        return (f"{data['model']} · {len(data['replica_groups'])} replica groups of their own shape · ZeRO "
+                f"placement {data['zero_placement']}")
+    tp = f" tp={','.join(map(str, data['tp']))}" if any(t > 1 for t in data.get("tp", ())) else ""
+    return (f"{data['model']} · {data['schedule']} · pp={data['pp']} dp={data['dp']}{tp} "
+            f"· split {data['split']} · ZeRO {data['zero']} ({data['zero_placement']})")
+
+
+def print_groups(data: dict, console: Console) -> None:
+    """One row per replica group of an asymmetric plan: its shape and devices."""
+    table = Table(title="replica groups (each replica holds every layer; replicas meet in the ZeRO "
+                  "groups of the sync segments)")
+    for col in ("group", "replicas", "pp", "tp", "schedule", "split", "micro-batches", "ZeRO", "devices"):
+        table.add_column(col, justify="right")
+    for g, group in enumerate(data["replica_groups"]):
+        devices = sorted(d for rank in group["tp_groups"] for replica in rank for d in replica)
+        knobs = "".join(f" {k}={v}" for k, v in group["knobs"].items())
+        table.add_row(str(g), str(group["dp"]), str(group["pp"]), ",".join(map(str, group["tp"])),
+                      group["schedule"] + knobs, ",".join(map(str, group["split"])),
+                      ",".join(map(str, group["micro_batches"])), ",".join(map(str, group["zero"])),
+                      _span(devices) if devices == list(range(devices[0], devices[-1] + 1)) else
+                      ",".join(map(str, devices)))
+    print_table(console, table)
+    segments = data.get("segments", [])
+    if segments:
+        console.print("sync segments: " + "; ".join(
+            _layers(*s["layers"]) + f" ZeRO-{s['level']} over {len(s['holders'])} replicas"
+            for s in segments))
 
 
 def print_summary(data: dict, console: Console) -> None:
+    if "schedule" not in data:
+        print_groups(data, console)
     table = Table(
-        title=f"{data['model']} · {data['schedule']} · pp={data['pp']} dp={data['dp']}"
-        + (f" tp={','.join(map(str, data['tp']))}" if any(t > 1 for t in data.get("tp", ())) else "") + " "
-        f"· split {data['split']} · ZeRO {data['zero']} ({data['zero_placement']})",
+        title=_title(data),
         caption="transfer, ZeRO, CLIP: idle while that communication runs and blocks the device (exposed); "
         "CLIP wait: at the gradient-norm all-reduce for the other ranks; bubble: for other devices",
     )
@@ -133,7 +186,8 @@ def print_summary(data: dict, console: Console) -> None:
         table.add_row(
             str(d["device"]),
             d["type"],
-            f"{d['replica']}/{d['rank']}" + (f" tp{d['tp_rank']}/{d['tp']}" if d.get("tp", 1) > 1 else ""),
+            (f"g{d['group']} " if "schedule" not in data else "") + f"{d['replica']}/{d['rank']}"
+            + (f" tp{d['tp_rank']}/{d['tp']}" if d.get("tp", 1) > 1 else ""),
             ",".join(map(str, d["stages"])),
             f"{d['busy']:.1%}",
             f"{d['bubble']:.1%}",
@@ -145,7 +199,7 @@ def print_summary(data: dict, console: Console) -> None:
             headroom,
         )
     print_table(console, table)
-    if data["stages"]:
+    if data.get("stages"):
         zt = Table(title="ZeRO communication per stage (worst device of the stage; exposed <= collective)")
         for col in ("stage", "level", "layers", "collective time", "exposed"):
             zt.add_column(col, justify="right")
@@ -158,7 +212,7 @@ def print_summary(data: dict, console: Console) -> None:
                 f"{s['exposed_s'] * 1e3:.1f} ms",
             )
         print_table(console, zt)
-    if any(t > 1 for t in data.get("tp", ())):
+    if "tp_groups" in data and any(t > 1 for t in data.get("tp", ())):
         console.print("tensor parallel: " + "; ".join(
             f"rank {k} tp {t}" + (" on " + ", ".join(_span(g) for g in groups) if t > 1 else "")
             for k, (t, groups) in enumerate(zip(data["tp"], data["tp_groups"], strict=True))))
@@ -173,6 +227,10 @@ def print_summary(data: dict, console: Console) -> None:
     console.print(Text.assemble(
         f"step {data['step_time_s']:.3f} s · {data['tokens_per_s']:,.0f} tokens/s · MFU {data['mfu']:.1%} · "
         f"bubble {data['bubble_fraction']:.1%} · ", verdict))
+
+
+def _layers(first: int, last: int) -> str:
+    return f"layers {first}-{last}" if last > first else f"layer {first}"
 
 
 def _span(devices: list[int]) -> str:
@@ -303,12 +361,15 @@ def check_pictures(*, trace: Path | None, gantt: Path | None) -> None:
                                    f"e.g. {gantt.with_name(gantt.name + '.png')}")
 
 
-def write_pictures(result: SimResult, *, trace: Path | None, gantt: Path | None) -> None:
+def write_pictures(result: SimResult, *, trace: Path | None, gantt: Path | None,
+                   roles: dict[int, str] | None = None) -> None:
+    """The Chrome trace and the Gantt chart of ``result``; ``roles``: each device's part of the plan
+    (:func:`medley.plan.world.device_roles`), shown beside its name."""
     if trace is not None:
         from medley.sim.trace import write_chrome_trace
 
-        write_chrome_trace(result, trace)
+        write_chrome_trace(result, trace, roles=roles)
     if gantt is not None:
         from medley.sim.gantt import write_gantt
 
-        write_gantt(result, gantt)
+        write_gantt(result, gantt, roles=roles)

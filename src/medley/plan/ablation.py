@@ -12,7 +12,9 @@ Each step takes one freedom away and searches again over the same cluster, model
   collectives after the step (naive placement); assignment, split (polished as the planner's:
   :mod:`medley.plan.polish`) and schedules stay free;
 * ``tp``: tensor-parallel degree 1 everywhere (the planner's own search with
-  ``Constraints.tp_degrees = (1,)``).
+  ``Constraints.tp_degrees = (1,)``);
+* ``replica-shapes``: alike replicas only (the planner's own search with
+  ``Constraints.asymmetric = False``: no replica groups of their own shape).
 
 The homogeneous search keeps one tp degree for all stages (Megatron's grid: any degree a node of
 the pool holds); the one-ZeRO-option search takes the planner's structures, tp included.
@@ -38,12 +40,13 @@ from medley.plan.space import MICRO_BATCH_SIZES, PP_CHOICES, Candidate, Constrai
 from medley.plan.tp_structures import tp_degrees, tp_groups
 from medley.schedule.zero_settings import Placement
 
-STEPS = ("schedule", "heterogeneity", "zero-and-placement", "tp")
+STEPS = ("schedule", "heterogeneity", "zero-and-placement", "tp", "replica-shapes")
 REMOVED = {
     "schedule": "1F1B only",
     "heterogeneity": "cluster order, uniform split, equal micro-batches",
     "zero-and-placement": "one memory option for all stages, naive ZeRO placement",
     "tp": "tp 1 on every stage",
+    "replica-shapes": "alike replicas only",
 }
 EXPANDED = 12
 """Structures whose 1F1B estimate is among the best EXPANDED are expanded into every family."""
@@ -94,6 +97,7 @@ def ablate(result: SearchResult) -> Ablation:
         "heterogeneity": _homogeneous,
         "zero-and-placement": _uniform_zero,
         "tp": _tp_one,
+        "replica-shapes": _alike_only,
     }
     steps = []
     for step in STEPS:
@@ -115,6 +119,10 @@ def _one_f_one_b(result: SearchResult) -> tuple[RankedPlan | None, str]:
 
 def _tp_one(result: SearchResult) -> tuple[RankedPlan | None, str]:
     return _constrained(result, replace(result.constraints, tp_degrees=(1,)))
+
+
+def _alike_only(result: SearchResult) -> tuple[RankedPlan | None, str]:
+    return _constrained(result, replace(result.constraints, asymmetric=False))
 
 
 def _constrained(result: SearchResult, constraints: Constraints) -> tuple[RankedPlan | None, str]:

@@ -252,6 +252,7 @@ def build(
     estimate: EstimateRule = analytic,
     virtual_stages: int = 1,
     replicated_level: int = 0,
+    dtype: str | None = None,
 ) -> Candidate | None:
     """The candidate of ``family`` on ``structure`` under the given rules, or None when it cannot
     fit (or, for hetero-1f1b, would equal 1F1B).
@@ -260,9 +261,11 @@ def build(
     of the family, the split and the memory options; the rule may then revise the micro-batches
     from the placed split. Raises what the cost source raises for a device type or micro-batch
     size it cannot answer (``ValueError``). ``replicated_level``: where the memory ladder of
-    replicated stages starts (:func:`~medley.plan.bounds.memory_options`)."""
+    replicated stages starts (:func:`~medley.plan.bounds.memory_options`); ``dtype``: the
+    precision (default: the structure's devices', :meth:`PlanContext.dtype`; a replica group of a
+    plan with others takes the plan's)."""
     st = structure
-    dtype = ctx.dtype(st.assignment)
+    dtype = dtype or ctx.dtype(st.assignment)
     signatures = ctx.signatures(st)
     total = ctx.global_batch // st.micro_batch_size
     counts_now = micro_batches.first(ctx, st, signatures, total)
@@ -329,5 +332,5 @@ def _setting(
         flights=flights(family, depths or (), max(counts)),
         dtype=dtype,
         virtual_stages=virtual_stages,
-        ladder=memory_options(st.dp, replicated_level=replicated_level),
+        ladder=memory_options(st.zero_dp, replicated_level=replicated_level),
     )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from medley.errors import MedleyInputError
 from medley.plan.layout import PlanLayout
-from medley.plan.predict import predict
+from medley.plan.predict import predict_groups
 from medley.plan.search import SearchResult
 from medley.plan.split_rules import uniform_split
 from medley.schedule.zero_settings import Placement, StageZero
@@ -164,22 +164,59 @@ def _fold_rc(layout: PlanLayout) -> tuple[bool, ...]:
     return layout.recompute[: layout.pp] if layout.schedule == "interleaved" else layout.recompute
 
 
+def _group_variants(groups: tuple[PlanLayout, ...]) -> list[tuple[str, str, str, tuple[PlanLayout, ...]]]:
+    """Replica groups of their own shape: each knob set back in every group (schedule,
+    recomputation, ZeRO placement); the other knobs are the groups' own (their splits and
+    micro-batches follow from their shapes and shares)."""
+    out = []
+    if any(g.schedule != "1f1b" for g in groups):
+        folded = tuple(replace(g, schedule="1f1b", knobs={}, stage_layers=_fold(g), zero=_fold_zero(g),
+                               recompute=_fold_rc(g)) for g in groups)
+        out.append(("schedule", "+".join(g.schedule for g in groups), "1f1b in every group", folded))
+    if any(any(g.recompute) for g in groups):
+        out.append(("recomputation", "+".join(str(list(g.recompute)) for g in groups), "none",
+                    tuple(replace(g, recompute=(False,) * g.num_stages) for g in groups)))
+    placement = groups[0].placement
+    other = Placement.BUBBLE if placement is Placement.NAIVE else Placement.NAIVE
+    out.append(("ZeRO placement", PLACEMENT_NAMES[placement], PLACEMENT_NAMES[other],
+                tuple(replace(g, placement=other) for g in groups)))
+    return out
+
+
+def _alike_effect(search_result: SearchResult) -> KnobEffect:
+    """What replicas of their own shape bought: the best plan of alike replicas the search
+    simulated, against the best plan."""
+    best = search_result.best
+    alike = [p for p in search_result.simulated if p.fits and not p.plan.asymmetric]
+    chosen = f"{len(best.plan.groups)} replica groups of their own shape"
+    if not alike:
+        return KnobEffect(knob="replica shapes", chosen=chosen, alternative="alike replicas",
+                          step_time_s=None, slowdown=None)
+    other = min(alike, key=lambda p: p.prediction.step_time_s)
+    seconds = other.prediction.step_time_s
+    return KnobEffect(knob="replica shapes", chosen=chosen,
+                      alternative="alike replicas (the fastest such plan simulated)", step_time_s=seconds,
+                      slowdown=seconds / best.prediction.step_time_s)
+
+
 def explain(search_result: SearchResult) -> Explanation:
     """Explain ``search_result.best``."""
     best = search_result.best
-    layout, cluster, result = best.plan.layout, search_result.cluster, best.result
+    groups, cluster, result = best.plan.groups, search_result.cluster, best.result
     busiest = max(result.devices, key=lambda r: (r.busy_fraction, -r.device))
     headroom = {
         r.device: cluster.devices[r.device].type.memory_bytes - r.peak_memory_bytes for r in result.devices
     }
     tight = min(headroom, key=lambda d: (headroom[d], d))
-    s2r = result.devices and layout.assignment
-    rank = next(k for row in s2r for k, d in enumerate(row) if d == tight)
+    layout, rank = next((g, k) for g in groups for r in range(g.dp) for k in range(g.pp)
+                        if tight in g.group(r, k))
     stage = next(s for s in range(layout.num_stages) if s % layout.pp == rank)
-    knobs = []
-    for knob, chosen, alternative, variant in _variants(layout, result):
+    variants = ([(knob, chosen, alternative, (variant,)) for knob, chosen, alternative, variant
+                 in _variants(groups[0], result)] if len(groups) == 1 else _group_variants(groups))
+    knobs = [] if len(groups) == 1 else [_alike_effect(search_result)]
+    for knob, chosen, alternative, variant in variants:
         try:
-            prediction, _, sim = predict(variant, cluster, cost=search_result.cost)
+            prediction, _, sim = predict_groups(variant, cluster, cost=search_result.cost)
         except (MedleyInputError, ValueError):
             knobs.append(
                 KnobEffect(knob=knob, chosen=chosen, alternative=alternative, step_time_s=None, slowdown=None)

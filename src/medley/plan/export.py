@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from medley.errors import MedleyInputError
 from medley.fileio import write_atomically
 from medley.plan.plan import Plan
 from medley.schedule.generators import generate
@@ -47,6 +48,11 @@ def torchtitan_fqns(model: ModelSpec, layers: range) -> list[str]:
 
 def export_torch(plan: Plan, directory: Path) -> list[Path]:
     """Write the files described in the module docstring; returns their paths."""
+    if plan.asymmetric:
+        raise MedleyInputError(
+            f"--export torch: this plan has {len(plan.groups)} replica groups of their own shape, and "
+            "torch's pipelining and torchtitan run one pipeline shape for every replica; export a plan "
+            "of alike replicas (medley plan --no-asymmetric) or train this one with medley train")
     layout = plan.layout
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,7 @@ def given(options: Sequence[MemoryOption]) -> MemoryRule:
 def _stage_fits(setting: Setting, s: int, start: int, n: int, option: MemoryOption) -> bool:
     """Whether stage ``s`` (layers start..start+n) fits every device type that runs it."""
     return all(
-        stage_memory(setting.table(s, t), start, start + n, option=option, dp=setting.structure.dp,
+        stage_memory(setting.table(s, t), start, start + n, option=option, dp=setting.structure.zero_dp,
                      in_flight=setting.flights[s])
         <= setting.ctx.type_capacity(t)
         for t, _ in setting.stage_types(s)
@@ -58,7 +58,7 @@ def cheapest_per_rank(setting: Setting, split: tuple[int, ...]) -> StagePlan | N
     after each forward (:func:`chunk_in_flight`) weighted by each chunk's activation bytes, on
     top of the chunks' state."""
     ctx, st, v = setting.ctx, setting.structure, setting.virtual_stages
-    pp, dp, stages = st.pp, st.dp, setting.num_stages
+    pp, dp, stages = st.pp, st.zero_dp, setting.num_stages
     moments = chunk_in_flight(pp, max(setting.counts), v)
     ladder = setting.ladder
     options: list[MemoryOption | None] = [None] * stages
@@ -126,7 +126,7 @@ def first_uniform_fit(choices: Sequence[MemoryOption], *, device_type: str, capa
                     starts[s],
                     starts[s] + split[s],
                     option=option,
-                    dp=setting.structure.dp,
+                    dp=setting.structure.zero_dp,
                     in_flight=_one_f_one_b_flight(setting, s),
                 )
                 <= capacity

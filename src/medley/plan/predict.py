@@ -5,10 +5,12 @@ Every figure a plan shows comes from here: the exact simulation of that plan, ne
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass
 from medley.errors import MedleyInputError
-from medley.plan.compile import compile_problem
+from medley.plan.compile import compile_world
 from medley.plan.layout import PlanLayout
 from medley.plan.plan import Prediction
 from medley.schedule.validate import ScheduleError, validate
@@ -30,14 +32,23 @@ def simulate_layout(
     layout: PlanLayout, cluster: Cluster, *, cost: CostSource | None = None, comm: bool = True
 ) -> tuple[SimProblem, SimResult]:
     """Validate the layout's schedules, then simulate one step (catalog costs unless given)."""
+    return simulate_groups((layout,), cluster, cost=cost, comm=comm)
+
+
+def simulate_groups(
+    groups: Sequence[PlanLayout], cluster: Cluster, *, cost: CostSource | None = None, comm: bool = True
+) -> tuple[SimProblem, SimResult]:
+    """:func:`simulate_layout` for a plan of replica groups (:mod:`medley.plan.segments`)."""
+    first = groups[0]
     if cost is None:
-        cost = CatalogCostSource.for_cluster(layout.model, cluster, dtype=layout.dtype)
-    problem = compile_problem(layout, cluster, cost, comm=comm)
+        cost = CatalogCostSource.for_cluster(first.model, cluster, dtype=first.dtype)
+    problem = compile_world(groups, cluster, cost, comm=comm)
     # Replicas with the same micro-batch count run the same program: check each distinct one once
     # (a thousand replicas need not be validated a thousand times), and once per process.
-    knobs = repr(sorted(layout.knobs.items()))
-    for replica, schedule in enumerate(problem.schedules):
-        program = (layout.schedule, layout.pp, layout.micro_batches[replica], knobs)
+    replicas = [(layout, r) for layout in groups for r in range(layout.dp)]
+    for replica, (schedule, (layout, local)) in enumerate(zip(problem.schedules, replicas, strict=True)):
+        knobs = repr(sorted(layout.knobs.items()))
+        program = (layout.schedule, layout.pp, layout.micro_batches[local], knobs)
         if program in _VALID_PROGRAMS:
             continue
         try:
@@ -48,28 +59,32 @@ def simulate_layout(
     return problem, simulate(problem)
 
 
-def layer_sources(layout: PlanLayout, cluster: Cluster, cost: CostSource) -> dict[str, dict[str, str]]:
+def layer_sources(layout: PlanLayout | Sequence[PlanLayout], cluster: Cluster,
+                  cost: CostSource) -> dict[str, dict[str, str]]:
     """Where each layer kind's times came from (``catalog``, ``profile:FILE``, ...), per device
-    type of the plan."""
-    layers = {layout.model.layer_kind(i): i for i in (0, 1, layout.model.num_layers - 1)}
-    types = dict.fromkeys(cluster.devices[d].type.name for row in layout.assignment for d in row)
+    type of the plan (a layout, or the replica groups of one plan)."""
+    groups = (layout,) if isinstance(layout, PlanLayout) else tuple(layout)
+    first = groups[0]
+    layers = {first.model.layer_kind(i): i for i in (0, 1, first.model.num_layers - 1)}
+    types = dict.fromkeys(cluster.devices[d].type.name for group in groups for row in group.assignment
+                          for d in row)
     return {
         name: {
-            kind: cost.layer_time(layer, Pass.F, micro_batch_size=layout.micro_batch_size,
-                                  seq_len=layout.seq_len, device_type=name).source
+            kind: cost.layer_time(layer, Pass.F, micro_batch_size=first.micro_batch_size,
+                                  seq_len=first.seq_len, device_type=name).source
             for kind, layer in layers.items()
         }
         for name in types
     }
 
 
-def cost_source_name(layout: PlanLayout, cost: CostSource, cluster: Cluster) -> str:
-    """All the sources the layout's per-layer times came from, joined by '+'."""
+def cost_source_name(layout: PlanLayout | Sequence[PlanLayout], cost: CostSource, cluster: Cluster) -> str:
+    """All the sources the plan's per-layer times came from, joined by '+'."""
     names = {s for by_kind in layer_sources(layout, cluster, cost).values() for s in by_kind.values()}
     return "+".join(sorted(names))
 
 
-def prediction_of(layout: PlanLayout, result: SimResult, *, cost_source: str) -> Prediction:
+def prediction_of(result: SimResult, *, cost_source: str) -> Prediction:
     reports = result.devices
     return Prediction(
         step_time_s=result.step_time_s,
@@ -86,7 +101,15 @@ def predict(
     layout: PlanLayout, cluster: Cluster, *, cost: CostSource | None = None, comm: bool = True
 ) -> tuple[Prediction, SimProblem, SimResult]:
     """Simulate ``layout`` and return its prediction with the problem and result behind it."""
+    return predict_groups((layout,), cluster, cost=cost, comm=comm)
+
+
+def predict_groups(
+    groups: Sequence[PlanLayout], cluster: Cluster, *, cost: CostSource | None = None, comm: bool = True
+) -> tuple[Prediction, SimProblem, SimResult]:
+    """:func:`predict` for a plan of replica groups."""
+    first = groups[0]
     if cost is None:
-        cost = CatalogCostSource.for_cluster(layout.model, cluster, dtype=layout.dtype)
-    problem, result = simulate_layout(layout, cluster, cost=cost, comm=comm)
-    return prediction_of(layout, result, cost_source=cost_source_name(layout, cost, cluster)), problem, result
+        cost = CatalogCostSource.for_cluster(first.model, cluster, dtype=first.dtype)
+    problem, result = simulate_groups(groups, cluster, cost=cost, comm=comm)
+    return prediction_of(result, cost_source=cost_source_name(groups, cost, cluster)), problem, result

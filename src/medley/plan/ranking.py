@@ -7,15 +7,15 @@ show.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from medley.cost.interfaces import CostSource
 from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan, Prediction
-from medley.plan.predict import predict
-from medley.plan.space import Candidate, Constraints
+from medley.plan.predict import predict_groups
+from medley.plan.space import Candidate, Constraints, GroupedCandidate
 from medley.schedule.zero_settings import Placement
 from medley.sim.result import SimResult
 from medley.spec.cluster import Cluster
@@ -31,7 +31,7 @@ class RankedPlan:
     """A simulated plan with its objective figures."""
 
     plan: Plan
-    candidate: Candidate
+    candidate: Candidate | GroupedCandidate
     result: SimResult
     fits: bool
     cost_per_mtoken: float | None
@@ -48,21 +48,24 @@ class RankedPlan:
 
 
 def rank_plan(
-    candidate: Candidate, layout: PlanLayout, cluster: Cluster, cost: CostSource, headroom: float
+    candidate: Candidate | GroupedCandidate, layout: PlanLayout | Sequence[PlanLayout], cluster: Cluster,
+    cost: CostSource, headroom: float
 ) -> RankedPlan:
-    """Simulate ``layout`` exactly and attach the figures the planner ranks by."""
-    prediction, _, result = predict(layout, cluster, cost=cost)
+    """Simulate ``layout`` (or the replica groups of one plan) exactly and attach the figures the
+    planner ranks by."""
+    groups = (layout,) if isinstance(layout, PlanLayout) else tuple(layout)
+    prediction, _, result = predict_groups(groups, cluster, cost=cost)
     headrooms = [
         cluster.devices[r.device].type.memory_bytes * (1.0 - headroom) - r.peak_memory_bytes
         for r in result.devices
     ]
-    used = layout.devices  # every TP rank is priced
+    used = [d for group in groups for d in group.devices]  # every TP rank is priced
     prices = [cluster.devices[d].price_per_hour for d in used]
     cost_per_mtoken = None
     if all(p is not None for p in prices) and prediction.tokens_per_s > 0:
         cost_per_mtoken = sum(prices) / 3600.0 / prediction.tokens_per_s * 1e6  # type: ignore[arg-type]
     return RankedPlan(
-        plan=Plan(layout=layout, cluster=cluster, prediction=prediction),
+        plan=Plan(groups=groups, cluster=cluster, prediction=prediction),
         candidate=candidate,
         result=result,
         fits=min(headrooms) >= 0.0,
@@ -177,6 +180,24 @@ def simulate_all(
     return ranked
 
 
+def simulate_grouped(
+    grouped: Sequence[GroupedCandidate], model: ModelSpec, seq_len: int, cluster: Cluster, cost: CostSource,
+    constraints: Constraints, progress: Progress | None = None,
+) -> list[RankedPlan]:
+    """Simulate each plan of replica groups of their own shape (:mod:`medley.plan.asymmetric`);
+    one the compiler or the loader's checks refuse is left out."""
+    ranked = []
+    for done, candidate in enumerate(grouped, start=1):
+        if progress is not None:
+            progress("simulating replica groups", done, len(grouped))
+        try:
+            ranked.append(rank_plan(candidate, candidate.layouts(model, seq_len), cluster, cost,
+                                    constraints.memory_headroom))
+        except ValueError:  # MedleyInputError included: groups that cannot run together
+            continue
+    return ranked
+
+
 def best_placement(
     feasible: list[RankedPlan], top: int, cluster: Cluster, cost: CostSource, constraints: Constraints,
     objective: Objective,
@@ -186,10 +207,10 @@ def best_placement(
     the collectives or a clipping barrier ends the step anyway; each keeps the faster policy."""
     out = []
     for i, plan in enumerate(feasible):
-        layout = plan.plan.layout
-        if i < top and layout.dp > 1 and layout.placement is not Placement.NAIVE:
-            naive = rank_plan(plan.candidate, replace(layout, placement=Placement.NAIVE), cluster, cost,
-                              constraints.memory_headroom)
+        groups = plan.plan.groups
+        if i < top and len(plan.plan.micro_batches) > 1 and groups[0].placement is not Placement.NAIVE:
+            naive_groups = [replace(g, placement=Placement.NAIVE) for g in groups]
+            naive = rank_plan(plan.candidate, naive_groups, cluster, cost, constraints.memory_headroom)
             if naive.fits and objective_key(naive, objective) < objective_key(plan, objective):
                 plan = naive
         out.append(plan)

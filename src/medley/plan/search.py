@@ -25,6 +25,7 @@ from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
 from medley.errors import MedleyInputError
 from medley.plan import ranking
+from medley.plan.asymmetric import grouped_candidates, partitions, seeds_of
 from medley.plan.baselines import run_baselines
 from medley.plan.bounds import aggregate_bound
 from medley.plan.candidates import Estimator
@@ -38,6 +39,7 @@ from medley.plan.ranking import (
     choose,
     objective_key,
     simulate_all,
+    simulate_grouped,
     simulation_budget,
 )
 from medley.plan.shortfall import shortfall_error
@@ -60,6 +62,11 @@ INTERLEAVE_DEPTHS = (2, 4)
 ESTIMATE_RIVALS = 6
 POOL_ESTIMATES = 2
 EXPANDED_STRUCTURES = 12
+# Replica groups of their own shape (medley.plan.asymmetric): the devices of the GROUPED_FROM best
+# simulated plans seed partitions (with the devices they leave idle), and the GROUPED_SIMULATED
+# best grouped candidates by estimate are simulated.
+GROUPED_FROM = 2
+GROUPED_SIMULATED = 3
 
 
 @dataclass(kw_only=True)
@@ -222,15 +229,20 @@ def search(
     if feasible:
         keys = {p.candidate.key for p in ranked}
         ranked += polish_leaders(feasible, estimator, cluster, cost, constraints, objective, keys)
-        feasible = _feasible(ranked, objective)
+    if constraints.asymmetric:
+        seeds = [(mbs, tp) for mbs, tp in seeds_of([c for _, _, c in candidates])
+                 if constraints.tp_degrees is None or tp in constraints.tp_degrees]
+        leaders = [p.plan.devices for p in _feasible(ranked, objective)[:GROUPED_FROM]]
+        grouped = grouped_candidates(estimator, partitions(estimator, devices, leaders), seeds,
+                                     constraints.schedules, max_pp=max_pp)
+        ranked += simulate_grouped(grouped[:GROUPED_SIMULATED], model, seq_len, cluster, cost, constraints,
+                                   progress)
+    feasible = _feasible(ranked, objective)
     feasible = best_placement(feasible, top, cluster, cost, constraints, objective)
     if not feasible:
         raise shortfall_error(estimator, ranked, pools, constraints, global_batch, sizes)
-    singles = [
-        p
-        for p in feasible
-        if len({cluster.devices[d].type.name for row in p.plan.layout.assignment for d in row}) == 1
-    ]
+    singles = [p for p in feasible if not p.plan.asymmetric
+               and len({cluster.devices[d].type.name for d in p.plan.devices}) == 1]
     result = SearchResult(
         plans=feasible[:top],
         baselines={},
@@ -272,11 +284,11 @@ def _with_baselines(
     can miss such a plan (on small instances the estimate favours counts by speed where equal
     counts simulate faster); a plan taken this way keeps its baseline's pool name. Only plans of
     the schedule families the search may use are offered (baselines run their systems' own)."""
-    seen = {(p.candidate.key, p.plan.layout.placement) for p in plans}
+    seen = {(p.candidate.key, p.plan.shared.placement) for p in plans}
     merged = list(plans)
     for plan in found.values():
-        if plan is not None and plan.fits and (plan.candidate.key, plan.plan.layout.placement) not in seen:
-            seen.add((plan.candidate.key, plan.plan.layout.placement))
+        if plan is not None and plan.fits and (plan.candidate.key, plan.plan.shared.placement) not in seen:
+            seen.add((plan.candidate.key, plan.plan.shared.placement))
             merged.append(plan)
     order = sorted(range(len(merged)), key=lambda i: (objective_key(merged[i], objective), i))
     return [merged[i] for i in order][:top]

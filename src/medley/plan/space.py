@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from medley.plan.bounds import MemoryOption
 from medley.plan.layout import PlanLayout
+from medley.plan.segments import joined
 from medley.schedule.zero_settings import Placement, StageZero
 from medley.spec.model import ModelSpec
 
@@ -37,6 +38,8 @@ class Constraints:
         micro_batch_sizes: sizes to consider (None: 1, 2, 4, 8, 16).
         tp_degrees: tensor-parallel degrees a pipeline rank may take (None: every degree the model
             and the nodes allow; ``(1,)``: no tensor parallelism).
+        asymmetric: also plan replica groups of their own shape, one per device type
+            (:mod:`medley.plan.asymmetric`); False: every replica alike.
     """
 
     max_pp: int | None = None
@@ -45,6 +48,7 @@ class Constraints:
     exclude_devices: tuple[int, ...] = ()
     micro_batch_sizes: tuple[int, ...] | None = None
     tp_degrees: tuple[int, ...] | None = None
+    asymmetric: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +57,11 @@ class Structure:
 
     ``assignment[r][k]`` is the first device of replica r's pipeline rank k; ``tp[k]`` (empty: 1
     everywhere) its tensor-parallel degree, the group being consecutive device ids
-    (:meth:`medley.plan.layout.PlanLayout.group`)."""
+    (:meth:`medley.plan.layout.PlanLayout.group`). ``sync_dp``: the replicas its ZeRO groups span
+    when it is one replica group of a plan with others (:mod:`medley.plan.asymmetric`; 0: its
+    own ``dp``), over which the memory rules shard; ``sync_with``: devices of those other groups,
+    one per group, which the estimate adds to each pipeline rank's DP ring (their links are the
+    ring's)."""
 
     pool: str
     strategy: str
@@ -62,6 +70,13 @@ class Structure:
     assignment: tuple[tuple[int, ...], ...]
     micro_batch_size: int
     tp: tuple[int, ...] = ()
+    sync_dp: int = 0
+    sync_with: tuple[int, ...] = ()
+
+    @property
+    def zero_dp(self) -> int:
+        """Members of each ZeRO group (:attr:`medley.plan.layout.PlanLayout.zero_dp`)."""
+        return self.sync_dp or self.dp
 
     def tp_of(self, pipeline_rank: int) -> int:
         """Tensor-parallel degree of ``pipeline_rank`` (1 where the structure has no ``tp``)."""
@@ -130,6 +145,43 @@ class Candidate:
             self.stage_layers,
             self.options,
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedCandidate:
+    """Replica groups of their own shape with their analytic estimate.
+
+    Attributes:
+        parts: one candidate per group (device type), each on its own devices.
+        estimate_s: the slowest group's estimated step.
+        dtype: the plan's precision (fp16 when any type lacks bf16).
+    """
+
+    parts: tuple[Candidate, ...]
+    estimate_s: float
+    dtype: str
+
+    @property
+    def key(self) -> tuple:
+        return ("groups", *(part.key for part in self.parts))
+
+    @property
+    def pool(self) -> str:
+        return "groups:" + "+".join(part.structure.pool for part in self.parts)
+
+    def layouts(self, model: ModelSpec, seq_len: int) -> tuple[PlanLayout, ...]:
+        """The groups' layouts, their ZeRO settings unified (:mod:`medley.plan.asymmetric`, step 4:
+        the highest level any stage chose, streamed if any streams), in one precision."""
+        options = [o for part in self.parts for o in part.options]
+        level = max(o.level for o in options)
+        streams = any(o.streams for o in options if o.level == level)
+        layouts = []
+        for part in self.parts:
+            layout = part.layout(model, seq_len)
+            zero = tuple(StageZero(level=level, buckets=z.buckets, gather_windows=0 if streams else 1)
+                         for z in layout.zero)
+            layouts.append(replace(layout, zero=zero, dtype=self.dtype))
+        return joined(layouts)
 
 
 def distribute(total: int, weights: Sequence[float]) -> tuple[int, ...]:

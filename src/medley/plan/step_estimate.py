@@ -111,7 +111,7 @@ def stream_times(
     actions = 3 if family == "zb-h1" else 2
     groups = None
     for s, n in enumerate(split):
-        if not options[s].streams or st.dp == 1:
+        if not options[s].streams or st.zero_dp == 1:
             out.append(0.0)
             start += n
             continue
@@ -143,7 +143,7 @@ def exposed_dp(
     ranks whose DP groups span nodes share each of those nodes' network ports
     (:func:`link_users`). Streamed ZeRO-3's gathers are :func:`stream_times`'. The worst link
     counts."""
-    pp, dp = st.pp, st.dp
+    pp, dp = st.pp, st.zero_dp
     state = state_bytes_per_param(est.dtype(st.assignment))
     groups = dp_groups(est, st)
     reduce, gather, step = [0.0] * pp, [0.0] * pp, [0.0] * pp
@@ -180,7 +180,7 @@ def link_users(est: PlanContext, st: Structure) -> list[tuple[int, ...]]:
     """The pipeline ranks whose DP collectives share a link: each rank alone (its devices' ports),
     and for every node, the ranks whose DP group spans nodes with a member there (the node's
     network port). Cached per structure."""
-    key = (st.assignment, st.tp)
+    key = (st.assignment, st.tp, st.sync_with)
     found = est.link_users.get(key)
     if found is None:
         devices = est.cluster.devices
@@ -197,16 +197,17 @@ def link_users(est: PlanContext, st: Structure) -> list[tuple[int, ...]]:
 
 
 def dp_groups(est: PlanContext, st: Structure) -> list[tuple[tuple[int, ...], int, float]]:
-    """Per pipeline rank: its DP group (the rank's lead device in every replica), how many TP
+    """Per pipeline rank: its DP group (the rank's lead device in every replica, and the devices of
+    the other replica groups it syncs with, ``Structure.sync_with``), how many TP
     ranks' collectives share its busiest link (:func:`medley.plan.tp_links.dp_bytes_factor`), and
     the slowest member's memory bandwidth in bytes/s (what the optimizer step streams at). Cached
     per structure, as :func:`network_load` is."""
-    key = (st.assignment, st.tp)
+    key = (st.assignment, st.tp, st.sync_with)
     found = est.dp_groups.get(key)
     if found is None:
         found = est.dp_groups[key] = []
         for rank in range(st.pp):
-            group = tuple(row[rank] for row in st.assignment)
+            group = tuple(row[rank] for row in st.assignment) + st.sync_with
             wire = dp_bytes_factor(est.cluster, group, st.tp_of(rank))  # the other TP ranks' groups
             bandwidth = min(est.cluster.devices[d].type.memory_bandwidth_gbps for d in group) * 1e9
             found.append((group, wire, bandwidth))

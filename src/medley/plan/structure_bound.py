@@ -79,7 +79,7 @@ class StructureBounds:
         flights = [min(st.pp - k, -(-micro_batches // st.dp)) for k in range(st.pp)]
         rows: Counter[tuple[Rank, ...]] = Counter()
         for types, n in kinds.items():
-            rows[tuple(self._rank(t, tp, mbs, dtype, st.dp, flight)
+            rows[tuple(self._rank(t, tp, mbs, dtype, st.zero_dp, flight)
                        for t, tp, flight in zip(types, tps, flights, strict=True))] += n
         return rows, micro_batches
 

@@ -139,7 +139,7 @@ class StageEnds:
         (:meth:`short_end`); the best option's end counts."""
         setting, st = self._setting, self._setting.structure
         flight = setting.flights[s]
-        stage_key = (self._types[s], st.micro_batch_size, setting.dtype, setting.stage_tp(s), st.dp,
+        stage_key = (self._types[s], st.micro_batch_size, setting.dtype, setting.stage_tp(s), st.zero_dp,
                      flight.full, flight.after_b)
         cache = setting.ctx.sweep_memory
         out = []
@@ -174,7 +174,7 @@ class StageEnds:
         type of stage s."""
         setting, st = self._setting, self._setting.structure
         return setting.ctx.memory_ends(self._types[s], st.micro_batch_size, setting.dtype, self._options[o],
-                                       st.dp, setting.flights[s], setting.stage_tp(s))
+                                       st.zero_dp, setting.flights[s], setting.stage_tp(s))
 
     def short_end(self, s: int, memory: MemoryLimits, option: MemoryOption, i: int, memory_end: int) -> int:
         """The largest end below i + buckets (and up to ``memory_end``) that the exact check
@@ -183,7 +183,7 @@ class StageEnds:
         ``memory.shorts``."""
         short = memory.shorts.get((option.buckets, i))
         if short is None:
-            flight, dp = self._setting.flights[s], self._setting.structure.dp
+            flight, dp = self._setting.flights[s], self._setting.structure.zero_dp
             short = min(memory_end, i + option.buckets - 1)
             for table, capacity in zip(self._tables[s], self._capacities[s], strict=True):
                 while short > i and stage_memory(table, i, short, option=option, dp=dp,

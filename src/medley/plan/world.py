@@ -152,3 +152,19 @@ def _shared_rounds(groups: Sequence[PlanLayout], generated: Sequence[Sequence[Pi
     alike = [[len(variants[find((g, s))]) == 1 for s in range(layout.num_stages)]
              for g, layout in enumerate(groups)]
     return rounds, alike
+
+
+def device_roles(world: World) -> dict[int, str]:
+    """Each device's part of the plan, for pictures: its replica group's shape (pp, schedule) and
+    the layers of its stages (``g1 pp2 1f1b · layers 3-5``)."""
+    roles: dict[int, str] = {}
+    for replica, schedule in enumerate(world.schedules):
+        group, local = world.segments.where(replica)
+        layout = world.groups[group]
+        shape = f"g{group} pp{layout.pp} {layout.schedule}"
+        for rank in range(layout.pp):
+            spans = [layout.layer_range(s) for s in schedule.stages_of_rank(rank)]
+            layers = ", ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in spans)
+            for device in layout.group(local, rank):
+                roles[device] = f"{shape} · layers {layers}"
+    return roles

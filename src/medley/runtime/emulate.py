@@ -17,9 +17,9 @@ from medley.plan.plan import Plan
 
 def slowdown_factors(plan: Plan, overrides: Mapping[int, float] | None = None) -> dict[int, float]:
     """Factor per device id of the plan (>= 1 by default; overrides are taken as given)."""
-    layout, devices = plan.layout, plan.cluster.devices
-    used = sorted(layout.devices)  # every device of every TP group
-    peaks = {d: devices[d].type.peak_flops(layout.dtype) for d in used}
+    devices = plan.cluster.devices
+    used = sorted(plan.devices)  # every device of every TP group
+    peaks = {d: devices[d].type.peak_flops(plan.shared.dtype) for d in used}
     fastest = max(peaks.values())
     factors = {d: fastest / peak for d, peak in peaks.items()}
     for device, factor in (overrides or {}).items():

@@ -1,18 +1,21 @@
 """The process groups of a plan's ranks: who runs what, and which ranks talk to which.
 
-``table[r][k]`` (a :data:`RankTable`) holds the global ranks of replica ``r``'s pipeline rank
-``k`` in TP rank order: the ranks on the devices of ``layout.group(r, k)``
+``table[r][k]`` (a :data:`RankTable`) holds the global ranks of global replica ``r``'s pipeline
+rank ``k`` in TP rank order: the ranks on the devices of that replica group's ``layout.group``
 (:mod:`medley.runtime.placement` builds it from the ranks' devices; ``row_major_table`` without
-one). Pipeline rank ``k`` has the same TP degree in every replica. From the table, every rank
+one). Replicas of one group have one shape; replicas of different groups may differ in depth and
+TP degrees. From the table and the plan's sync segments (:mod:`medley.plan.segments`), every rank
 creates, in one fixed order (``new_group`` is collective over the world):
 
 * per replica, its *replica group* (every rank of the replica, pipeline rank by rank, TP rank by
   rank; with TP 1 everywhere, the replica's pipeline);
 * per (replica, pipeline rank), its *TP group* (the ranks of ``table[r][k]``);
-* per (pipeline rank k, TP rank j), its *dp group* (TP rank j of pipeline rank k in every
-  replica, replica order): the group ZeRO shards and reduces over.
+* per segment and TP rank j, its *ZeRO group* (TP rank j of the segment's holder in every
+  replica, replica order): the group ZeRO shards and reduces over. Segments held by the same ranks
+  share one group: for alike replicas, one per (pipeline rank, TP rank), as the stages of an
+  interleaved rank share theirs.
 
-Each rank's pipeline rank then has a (dp, tp) :class:`DeviceMesh` over its dp and TP groups
+Each segment a rank holds has a (dp, tp) :class:`DeviceMesh` over its ZeRO and TP groups
 (``DeviceMesh.from_group``): TP-sharded parameters live on its ``tp`` dimension and FSDP2 shards
 them over its ``dp`` dimension (FSDP2 wants both from one mesh). torch's ``new_group`` sorts a
 group's ranks by default (and ``init_device_mesh`` builds its groups that way), which would make a
@@ -30,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from medley.plan.segments import SyncSegments
 
 RankTable = tuple[tuple[tuple[int, ...], ...], ...]
 
@@ -55,14 +60,12 @@ def row_major_table(pp: int, dp: int, tp: Sequence[int] = ()) -> RankTable:
 
 
 def check_table(table: RankTable, world: int) -> None:
-    """Refuse a table that does not hold each of the ``world`` ranks once, with the same number of
-    pipeline ranks per replica and the same TP degree per pipeline rank in every replica."""
-    degrees = [len(group) for group in table[0]] if table else []
+    """Refuse a table that does not hold each of the ``world`` ranks once, or a pipeline rank
+    without a rank."""
     ranks = sorted(rank for row in table for group in row for rank in group)
-    if (ranks != list(range(world)) or min(degrees, default=0) < 1
-            or any([len(group) for group in row] != degrees for row in table)):
-        raise ValueError(f"rank table {table} must hold each of the {world} ranks once, with "
-                         f"{len(degrees)} pipeline ranks per replica of TP degrees {degrees} in each")
+    if ranks != list(range(world)) or any(not row or min(map(len, row)) < 1 for row in table):
+        raise ValueError(f"rank table {table} must hold each of the {world} ranks once, with at least one "
+                         "rank per pipeline rank")
 
 
 def place_in(table: RankTable, rank: int) -> RankPlace:
@@ -79,14 +82,19 @@ class RankGroups:
     Attributes:
         table: the rank table of the whole world.
         place: this rank's place in it.
-        mesh: the (dp, tp) mesh of this rank's pipeline rank: its dp group x its TP group.
+        meshes: the (dp, tp) mesh of each segment this rank holds, by segment index.
         replica_group: every rank of this rank's replica, in plan order.
     """
 
     table: RankTable
     place: RankPlace
-    mesh: DeviceMesh
+    meshes: dict[int, DeviceMesh]
     replica_group: dist.ProcessGroup
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The mesh of this rank's first segment (its TP dimension is the rank's TP group)."""
+        return self.meshes[min(self.meshes)]
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -112,18 +120,49 @@ class RankGroups:
         return self.table[self.place.replica]
 
 
-def make_groups(table: RankTable, device_type: str = "cpu") -> RankGroups:
-    """Create every group of ``table`` (collective: every rank calls it with the same table) and
-    return this rank's."""
+def stage_holders(table: RankTable, stage_to_rank: Sequence[int]) -> list[tuple[tuple[int, int], ...]]:
+    """The holders ((replica, pipeline rank) per replica) of each stage of alike replicas: the
+    segments of a plan of one group (:mod:`medley.plan.segments`)."""
+    return [tuple((r, k) for r in range(len(table))) for k in stage_to_rank]
+
+
+def segment_holders(segments: SyncSegments) -> list[tuple[tuple[int, int], ...]]:
+    """The holders ((global replica, pipeline rank), replica order) of each of a plan's segments."""
+    return [tuple((h.replica, h.pipeline_rank) for h in segment.holders) for segment in segments.segments]
+
+
+def make_groups(table: RankTable, holders: Sequence[tuple[tuple[int, int], ...]] | None = None,
+                device_type: str = "cpu") -> RankGroups:
+    """Create every group of ``table`` (collective: every rank calls it with the same table and
+    holders) and return this rank's. ``holders[s]``: the (replica, pipeline rank) holding segment
+    ``s`` in each replica (:func:`segment_holders`); None: one segment per pipeline rank, held by
+    that rank of every replica (alike replicas)."""
     check_table(table, dist.get_world_size())
-    dp, pp = len(table), len(table[0])
+    if holders is None:
+        holders = [tuple((r, k) for r in range(len(table))) for k in range(len(table[0]))]
     place = place_in(table, dist.get_rank())
     replicas = [dist.new_group([rank for group in row for rank in group], sort_ranks=False) for row in table]
     tp_groups = [[dist.new_group(list(group), sort_ranks=False) for group in row] for row in table]
-    dp_groups = [[dist.new_group([table[r][k][j] for r in range(dp)], sort_ranks=False)
-                  for j in range(len(table[0][k]))] for k in range(pp)]
+    columns: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    for members in holders:
+        degrees = {len(table[r][k]) for r, k in members}
+        if len(degrees) != 1:
+            raise ValueError(f"a segment's holders {members} have TP degrees {sorted(degrees)}; they must "
+                             "be one degree")
+        for j in range(degrees.pop()):
+            columns.setdefault(tuple(table[r][k][j] for r, k in members), None)
+    for column in columns:
+        columns[column] = dist.new_group(list(column), sort_ranks=False)
     r, k, j = place.replica, place.pipeline_rank, place.tp_rank
-    ranks = torch.tensor([list(table[replica][k]) for replica in range(dp)])
-    mesh = DeviceMesh.from_group([dp_groups[k][j], tp_groups[r][k]], device_type, mesh=ranks,
-                                 mesh_dim_names=("dp", "tp"))
-    return RankGroups(table=table, place=place, mesh=mesh, replica_group=replicas[r])
+    meshes: dict[int, DeviceMesh] = {}
+    made: dict[tuple[int, ...], DeviceMesh] = {}
+    for segment, members in enumerate(holders):
+        if (r, k) not in members:
+            continue
+        column = tuple(table[rr][kk][j] for rr, kk in members)
+        if column not in made:
+            ranks = torch.tensor([list(table[rr][kk]) for rr, kk in members])
+            made[column] = DeviceMesh.from_group([columns[column], tp_groups[r][k]], device_type, mesh=ranks,
+                                                 mesh_dim_names=("dp", "tp"))
+        meshes[segment] = made[column]
+    return RankGroups(table=table, place=place, meshes=meshes, replica_group=replicas[r])

@@ -163,7 +163,7 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, m
             f"--local-ranks {nprocs}: the plan needs {world_size_terms(plan)} = "
             f"{plan.world_size} ranks; pass --local-ranks {plan.world_size}")
     # Check the data and build any token cache here, once, before a rank starts (they map it).
-    load_data(config, seq_len=plan.layout.seq_len, vocab_size=plan.layout.model.vocab_size)
+    load_data(config, seq_len=plan.shared.seq_len, vocab_size=plan.shared.model.vocab_size)
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"medley-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,

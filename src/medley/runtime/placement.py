@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from medley.errors import MedleyInputError
+from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan
 from medley.spec.catalog import cuda_mismatch
 from medley.spec.cluster import Cluster
@@ -93,7 +94,11 @@ class PlacementEntry:
 def world_size_terms(plan: Plan) -> str:
     """How the plan's rank count comes about, for messages: ``pp P x dp D`` without TP, else
     ``dp D x (tp t0 + t1 + ...)``, the sum of the pipeline ranks' TP degrees."""
-    layout = plan.layout
+    terms = [_group_terms(layout) for layout in plan.groups]
+    return terms[0] if len(terms) == 1 else " + ".join(f"({term})" for term in terms)
+
+
+def _group_terms(layout: PlanLayout) -> str:
     if set(layout.tp) <= {1}:
         return f"pp {layout.pp} x dp {layout.dp}"
     return f"dp {layout.dp} x (tp {' + '.join(str(layout.tp_of(k)) for k in range(layout.pp))})"
@@ -101,7 +106,7 @@ def world_size_terms(plan: Plan) -> str:
 
 def plan_devices(plan: Plan) -> list[int]:
     """The device ids the plan uses (every device of every TP group), ascending."""
-    return sorted(plan.layout.devices)
+    return sorted(plan.devices)
 
 
 def plan_devices_by_node(plan: Plan) -> dict[str, list[int]]:
@@ -161,10 +166,9 @@ def planned_device(plan: Plan, identity: RankIdentity) -> int | None:
 
 
 def _position(plan: Plan) -> dict[int, tuple[int, int]]:
-    """(replica, pipeline rank) of each plan device (each device of its TP group)."""
-    layout = plan.layout
-    return {device: (r, p) for r in range(layout.dp) for p in range(layout.pp)
-            for device in layout.group(r, p)}
+    """(global replica, pipeline rank) of each plan device (each device of its TP group)."""
+    return {device: (r, p) for r, (layout, local) in enumerate(plan.replicas) for p in range(layout.pp)
+            for device in layout.group(local, p)}
 
 
 def _check_gpu(plan: Plan, identity: RankIdentity, device: int) -> None:
@@ -198,7 +202,8 @@ def _missing(plan: Plan, device: int, identities: Sequence[RankIdentity],
 
 def rank_table(plan: Plan, identities: Sequence[RankIdentity]) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """``table[replica][pipeline rank]``: the global ranks on the plan's devices for that position
-    (those of ``layout.group(replica, pipeline rank)``, in TP rank order)."""
+    (those of ``layout.group(replica, pipeline rank)`` of the replica's group, in TP rank order;
+    global replicas, groups in order)."""
     for identity in sorted(identities, key=lambda i: i.rank):
         if identity.error is not None:
             raise MedleyInputError(f"rank {identity.rank}: {identity.error}")
@@ -215,9 +220,8 @@ def rank_table(plan: Plan, identities: Sequence[RankIdentity]) -> tuple[tuple[tu
     for device in plan_devices(plan):
         if device not in owner:
             raise _missing(plan, device, identities, by_node)
-    layout = plan.layout
-    return tuple(tuple(tuple(owner[d].rank for d in layout.group(r, p)) for p in range(layout.pp))
-                 for r in range(layout.dp))
+    return tuple(tuple(tuple(owner[d].rank for d in layout.group(local, p)) for p in range(layout.pp))
+                 for layout, local in plan.replicas)
 
 
 def device_table(plan: Plan, identities: Sequence[RankIdentity]) -> list[int]:

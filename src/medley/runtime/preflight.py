@@ -13,7 +13,7 @@ import os
 
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
-from medley.plan.predict import simulate_layout
+from medley.plan.predict import simulate_groups
 from medley.runtime.placement import my_identity, planned_device
 from medley.runtime.setup import check_plan
 
@@ -25,8 +25,8 @@ RANK_BASE_BYTES = 256 * 2**20
 
 def predicted_peaks(plan: Plan, *, dtype: str) -> dict[int, float]:
     """Peak bytes per device id of the plan when trained in ``dtype`` (fp32, bf16 or fp16)."""
-    layout = dataclasses.replace(plan.layout, dtype=dtype)
-    _, result = simulate_layout(layout, plan.cluster, comm=False)
+    groups = [dataclasses.replace(group, dtype=dtype) for group in plan.groups]
+    _, result = simulate_groups(groups, plan.cluster, comm=False)
     return {report.device: report.peak_memory_bytes for report in result.devices}
 
 

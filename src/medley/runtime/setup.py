@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 
 from medley.errors import MedleyInputError
+from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan
-from medley.plan.world import build_schedules
+from medley.plan.world import build_world
 from medley.runtime import placement
 from medley.runtime.executor import RankExecutor, with_default_collectives
-from medley.runtime.groups import RankGroups, RankPlace, RankTable, make_groups
+from medley.runtime.groups import RankGroups, RankPlace, RankTable, make_groups, segment_holders
 from medley.runtime.model import token_loss_sum
 from medley.runtime.placement import PlacementEntry, world_size_terms
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
@@ -32,9 +33,11 @@ class RankSetup:
     """This rank's share of the plan.
 
     Attributes:
-        replica: data-parallel replica index; pipeline_rank: rank inside the replica; tp_rank: rank
-            inside the pipeline rank's TP group (all from the plan's assignment and tp and this
-            rank's device, not from the launcher's rank order).
+        replica: global data-parallel replica index; pipeline_rank: rank inside the replica;
+            tp_rank: rank inside the pipeline rank's TP group (all from the plan's assignment and
+            tp and this rank's device, not from the launcher's rank order).
+        group: the replica group of this rank's replica; layout: that group's layout (as run: its
+            ``clip_grad`` is the run's).
         device: where this rank computes (cuda:LOCAL_RANK under nccl, else cpu).
         device_of_rank: the plan's device id of every global rank.
         groups: its process groups over the rank table (each in the plan's order): its pipeline
@@ -47,6 +50,8 @@ class RankSetup:
     replica: int
     pipeline_rank: int
     tp_rank: int
+    group: int
+    layout: PlanLayout
     device: torch.device
     device_of_rank: list[int]
     groups: RankGroups
@@ -57,15 +62,19 @@ class RankSetup:
 
 def check_plan(plan: Plan, world_size: int) -> None:
     """What the runtime cannot run, as errors naming the plan setting to change."""
-    layout, model = plan.layout, plan.layout.model
+    layout, model = plan.shared, plan.shared.model
     if world_size != plan.world_size:
         raise MedleyInputError(
             f"the plan needs {world_size_terms(plan)} = {plan.world_size} ranks but {world_size} were "
             f"started; launch {plan.world_size} (torchrun --nproc-per-node {plan.world_size}, or "
             f"--local-ranks {plan.world_size}) or change layout.pp / layout.dp / layout.tp")
-    if layout.schedule == "bidirectional":
+    if any(group.schedule == "bidirectional" for group in plan.groups):
         raise MedleyInputError("layout.schedule 'bidirectional' (the model held twice) is not run by the "
                                "runtime; choose another schedule")
+    if plan.asymmetric and model.tied_embeddings:
+        raise MedleyInputError(f"model '{model.name}' ties its embeddings, which the runtime does not run "
+                               "with replica groups of their own shape (layout.replicas) yet; plan alike "
+                               "replicas (one group) for it")
     if model.word_embed_proj_dim is not None:
         raise MedleyInputError(f"model '{model.name}' projects its word embedding (word_embed_proj_dim), "
                                "which the runtime does not build; use another model")
@@ -119,11 +128,12 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
     device = _device()
     table, devices = _placement(plan, device)
     check_plan(plan, dist.get_world_size())
-    layout = dataclasses.replace(plan.layout, clip_grad=clip_grad)
-    schedules = build_schedules(layout)
-    groups = make_groups(table, device.type)
+    world = build_world([dataclasses.replace(layout, clip_grad=clip_grad) for layout in plan.groups])
+    groups = make_groups(table, segment_holders(world.segments), device.type)
     place = groups.place
-    schedule = with_default_collectives(schedules[place.replica])
+    group, _ = world.segments.where(place.replica)
+    layout = world.groups[group]
+    schedule = with_default_collectives(world.schedules[place.replica])
     levels = [z.level for z in layout.zero]
     try:
         check_zero_placement(schedule, layout.zero)
@@ -134,8 +144,8 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
     stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers, zero=levels,
                                 groups=groups, seed=seed, optimizer_class=optimizer_class,
                                 optimizer_kwargs=optimizer_kwargs, recompute=layout.recompute,
-                                init_from=init_from, precision=dtype)
-    n_tokens = layout.tokens_per_step
+                                init_from=init_from, precision=dtype, units=world.segments.units[group])
+    n_tokens = plan.tokens_per_step
     me = devices[dist.get_rank()]
     factor = 1.0 if slowdown is None else slowdown[me]
     executor = RankExecutor(
@@ -147,9 +157,9 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
         slowdown=factor, device=device, synced_stages=tp_synced_stages(layout),
         tp_group=groups.tp_group)
     if layout.tied_copies:
-        tied_grads = build_tied_grads(groups, schedules, stages, levels)
+        tied_grads = build_tied_grads(groups, list(world.schedules), stages, levels)
         executor.before_clip = None if tied_grads is None else tied_grads.sum_grads
     entries = _report(plan, place, device_id=me, stages=sorted(stages))
     return RankSetup(replica=place.replica, pipeline_rank=place.pipeline_rank, tp_rank=place.tp_rank,
-                     device=device, device_of_rank=devices, groups=groups, stages=stages, executor=executor,
-                     placement=entries)
+                     group=group, layout=layout, device=device, device_of_rank=devices, groups=groups,
+                     stages=stages, executor=executor, placement=entries)

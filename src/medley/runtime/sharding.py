@@ -71,7 +71,9 @@ class ShardedStage:
         zero: ZeRO level 0..3.
         buckets: parameters per bucket, in bucket order (sharded DTensors for levels 1-3).
         fsdp_units: FSDP unit per bucket (levels 1-3 only).
-        dp_group: process group of the stage's data-parallel replicas (None when dp == 1).
+        dp_groups: per bucket, the process group of its ZeRO group: the holders of its sync
+            segment in every replica (:mod:`medley.plan.segments`; for alike replicas the
+            stage's dp group), None when the plan has one replica.
         optimizers: one per bucket, so that OPTIM(stage, bucket) steps just that bucket.
         bucket_names: global (plan-independent) name of each parameter, per bucket.
         copies: parameters that copy another stage's (a tied LM head's copy of the embedding):
@@ -86,7 +88,7 @@ class ShardedStage:
     zero: int
     buckets: list[list[nn.Parameter]]
     fsdp_units: list[FSDPModule]
-    dp_group: dist.ProcessGroup | None
+    dp_groups: list[dist.ProcessGroup | None]
     optimizers: list[torch.optim.Optimizer]
     bucket_names: list[list[str]]
     copies: frozenset[nn.Parameter] = frozenset()
@@ -100,6 +102,16 @@ class ShardedStage:
     @property
     def meaning(self) -> ZeroLevel:
         return zero_level(self.zero)
+
+    @property
+    def replicated(self) -> bool:
+        """Whether the plan has several replicas (gradients are reduced over ZeRO groups)."""
+        return any(group is not None for group in self.dp_groups)
+
+    def dp_group_of(self, param: nn.Parameter) -> dist.ProcessGroup | None:
+        """The ZeRO group of the bucket holding ``param``."""
+        return next(group for group, params in zip(self.dp_groups, self.buckets, strict=True)
+                    if any(p is param for p in params))
 
     @property
     def sharded(self) -> bool:
@@ -139,13 +151,13 @@ class ShardedStage:
             if self.sharded:
                 fsdp_reduce_grad(self.fsdp_units[index])
             else:
-                self._all_reduce(self.buckets[index])
+                self._all_reduce(self.buckets[index], self.dp_groups[index])
 
     def optim_step(self, bucket: int | None) -> None:
         for index in self._indices(bucket):
             if not self.sharded:
                 for param in self.buckets[index]:
-                    param.grad = self.reduced.pop(param, None) if self.dp_group is not None else param.grad
+                    param.grad = self.reduced.pop(param, None) if self.replicated else param.grad
             self.optimizers[index].step()
             self.optimizers[index].zero_grad(set_to_none=True)
         if self.meaning.gathers_after_step:
@@ -167,7 +179,7 @@ class ShardedStage:
 
     def final_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """The reduced gradient of one parameter (as :meth:`final_grads` gives it)."""
-        return self.reduced.get(param) if not self.sharded and self.dp_group is not None else param.grad
+        return self.reduced.get(param) if not self.sharded and self.replicated else param.grad
 
     def _final_grads(self, bucket: int | None) -> list[tuple[nn.Parameter, torch.Tensor]]:
         pairs = []
@@ -246,13 +258,13 @@ class ShardedStage:
     def _indices(self, bucket: int | None) -> range | list[int]:
         return range(len(self.buckets)) if bucket is None else [bucket]
 
-    def _all_reduce(self, params: list[nn.Parameter]) -> None:
-        if self.dp_group is None or not params:
+    def _all_reduce(self, params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+        if group is None or not params:
             return
         # TP-sharded gradients (DTensors) reduce their local slices: the dp group holds one TP rank.
         grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads]).to(self.reduce_dtype)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         offset = 0
         for param, grad in zip(params, grads, strict=True):
             # A view of the summed buffer (a copy only to another dtype): the buffer becomes the
@@ -268,12 +280,17 @@ class ShardedStage:
 
 
 def shard_stage(
-    module: Decoder, *, zero: int, bucket_layers: Sequence[int] | None, dp_mesh: DeviceMesh | None,
+    module: Decoder, *, zero: int, bucket_layers: Sequence[int] | None,
+    dp_mesh: DeviceMesh | Sequence[DeviceMesh | None] | None,
     optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any], precision: str = "fp32",
     tp_rank: int = 0,
 ) -> ShardedStage:
     """Apply the stage's ZeRO level to ``module`` and build its optimizers (over the parameter
     shards for levels 1-3, over whole parameters for level 0).
+
+    ``dp_mesh``: the ZeRO group's (dp, tp) mesh's ``dp`` dimension, or one per bucket where the
+    buckets belong to sync segments of unlike holders (:mod:`medley.plan.segments`); each holds
+    every replica of the plan, so all are of one size.
 
     ``precision`` (fp32, bf16, fp16) sets the dtypes of :func:`~medley.cost.zero_memory.
     state_bytes_per_param`, which the simulator counts: in half precision, levels 1-3 gather the
@@ -284,7 +301,13 @@ def shard_stage(
     as level 0 (:func:`~medley.cost.zero_levels.fsdp_units`), whose state
     :mod:`medley.cost.zero_memory` books for them there; FSDP2 over one rank would hold the weights
     twice. The schedule's ZeRO actions then do nothing, as the simulator times them."""
-    if not fsdp_units(zero, 1 if dp_mesh is None else dp_mesh.size()):
+    layers = module.layer_modules()
+    groups = bucket_layer_groups(sorted(layers), bucket_layers)
+    meshes = list(dp_mesh) if isinstance(dp_mesh, Sequence) else [dp_mesh] * len(groups)
+    if len(meshes) != len(groups) or len({1 if m is None else m.size() for m in meshes}) != 1:
+        raise ValueError(f"{len(meshes)} ZeRO meshes for {len(groups)} buckets; give one per bucket, "
+                         "each over every replica")
+    if not fsdp_units(zero, 1 if meshes[0] is None else meshes[0].size()):
         zero = 0
     meaning = zero_level(zero)
     state = state_bytes_per_param(precision)
@@ -292,16 +315,14 @@ def shard_stage(
     if precision != "fp32":
         mixed = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[state.weight_dtype],
                                      reduce_dtype=TORCH_DTYPES[state.grad_dtype])
-    layers = module.layer_modules()
-    groups = bucket_layer_groups(sorted(layers), bucket_layers)
-    dp_group = dp_mesh.get_group() if dp_mesh is not None and dp_mesh.size() > 1 else None
+    dp_groups = [mesh.get_group() if mesh is not None and mesh.size() > 1 else None for mesh in meshes]
     units: list[FSDPModule] = []
     if meaning.shards_optimizer:
-        for group in groups:
-            wrapped = fully_shard([layers[i] for i in group], mesh=dp_mesh, reshard_after_forward=False,
+        for group, mesh in zip(groups, meshes, strict=True):
+            wrapped = fully_shard([layers[i] for i in group], mesh=mesh, reshard_after_forward=False,
                                   **_policy(mixed))
             units.append(wrapped[0])
-        root = fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, **_policy(mixed))
+        root = fully_shard(module, mesh=meshes[0], reshard_after_forward=False, **_policy(mixed))
         for unit in [*units, root]:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
@@ -327,7 +348,7 @@ def shard_stage(
     bucket_names = [[shared_name(module.spec, local_name[p]) for p in params] for params in buckets]
     copies = frozenset(p for p, name in local_name.items() if shared_name(module.spec, name) != name)
     optimizers = [optimizer_class(_same_kind_groups(params), **optimizer_kwargs) for params in buckets]
-    stage = ShardedStage(module=module, zero=zero, buckets=buckets, fsdp_units=units, dp_group=dp_group,
+    stage = ShardedStage(module=module, zero=zero, buckets=buckets, fsdp_units=units, dp_groups=dp_groups,
                          optimizers=optimizers, bucket_names=bucket_names, copies=copies,
                          reduce_dtype=TORCH_DTYPES[state.grad_dtype], tp_rank=tp_rank)
     if meaning.gathers_after_step:  # weights stay gathered between steps at levels 1-2

@@ -4,7 +4,7 @@ and ZeRO-sharded over its dp group (:mod:`medley.runtime.groups` makes both from
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import torch
 from medley.runtime.groups import RankGroups
 from medley.runtime.hf_weights import load_hf_tensors, load_hf_weights
 from medley.runtime.model import Decoder
-from medley.runtime.sharding import ShardedStage, shard_stage
+from medley.runtime.sharding import ShardedStage, bucket_layer_groups, shard_stage
 from medley.runtime.tensor_parallel import parallelize_blocks
 from medley.schedule.ir import PipelineSchedule
 from medley.spec.model import ModelSpec
@@ -38,13 +38,16 @@ def build_local_stages(
     spec: ModelSpec, *, schedule: PipelineSchedule, split: Sequence[int], zero: Sequence[int],
     groups: RankGroups, seed: int, optimizer_class: type[torch.optim.Optimizer],
     optimizer_kwargs: dict[str, Any], recompute: Sequence[bool] = (), init_from: Path | None = None,
-    precision: str = "fp32",
+    precision: str = "fp32", units: Mapping[int, Sequence[tuple[int, int]]] | None = None,
 ) -> dict[int, ShardedStage]:
     """Build, tensor-parallelise (TP degree > 1) and shard only the stages this rank runs in
     ``schedule`` (its replica's program); with ``init_from`` (a Hugging Face model directory) each
     stage reads its own layers' weights from it (under ZeRO-1/2/3 without TP only this rank's rows
     of them; under TP whole layers, before each TP rank keeps its slice); ``precision``: the run's
-    dtype (see :func:`medley.runtime.sharding.shard_stage`)."""
+    dtype (see :func:`medley.runtime.sharding.shard_stage`). ``units[s]``: the (segment, bucket in
+    segment) of each bucket of stage s (:attr:`medley.plan.segments.SyncSegments.units`): each
+    bucket is sharded over, and its blocks split on, its segment's mesh (``groups.meshes``); None:
+    every bucket on the rank's one mesh (alike replicas)."""
     if len(split) != schedule.num_stages or len(zero) != schedule.num_stages:
         raise ValueError(f"split {tuple(split)} and zero {tuple(zero)} must give one entry per stage "
                          f"({schedule.num_stages} stages)")
@@ -57,9 +60,13 @@ def build_local_stages(
                          recompute=bool(recompute and recompute[stage]), init=init_from is None)
         if init_from is not None and groups.tp > 1:
             load_hf_weights(module, init_from)
-        parallelize_blocks(module, groups.tp_mesh)
+        buckets = bucket_layer_groups(list(range(first, last)), schedule.bucket_layers.get(stage))
+        meshes = ([groups.mesh] * len(buckets) if units is None
+                  else [groups.meshes[segment] for segment, _ in units[stage]])
+        for layers, mesh in zip(buckets, meshes, strict=True):
+            parallelize_blocks(module, mesh["tp"], layers=layers)
         stages[stage] = shard_stage(module, zero=zero[stage], bucket_layers=schedule.bucket_layers.get(stage),
-                                    dp_mesh=groups.dp_mesh, optimizer_class=optimizer_class,
+                                    dp_mesh=[mesh["dp"] for mesh in meshes], optimizer_class=optimizer_class,
                                     optimizer_kwargs=optimizer_kwargs, precision=precision,
                                     tp_rank=place.tp_rank)
         if init_from is not None and groups.tp == 1:  # after sharding, as a checkpoint load: a ZeRO-2/3

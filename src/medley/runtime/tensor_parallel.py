@@ -14,6 +14,8 @@ keeps its own slice (``src_data_rank=None``: no broadcast).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -52,16 +54,19 @@ def block_plan(swiglu: bool) -> dict[str, ColwiseParallel | RowwiseParallel | Pr
     return plan
 
 
-def parallelize_blocks(module: Decoder, tp_mesh: DeviceMesh) -> None:
-    """Shard every block of ``module`` over ``tp_mesh`` (a 1-D mesh named ``tp``), in place."""
+def parallelize_blocks(module: Decoder, tp_mesh: DeviceMesh, *,
+                       layers: Collection[int] | None = None) -> None:
+    """Shard every block of ``module`` (those among the global layer indices ``layers``, if given)
+    over ``tp_mesh`` (a 1-D mesh named ``tp``), in place."""
     if tp_mesh.size() == 1:
         return
     spec = module.spec
     undivided = tp_undivided(spec, tp_mesh.size())
     if undivided is not None:
         raise ValueError(f"TP degree {tp_mesh.size()} does not divide the model's {undivided}")
-    for block in module.blocks.values():
-        parallelize_module(block, tp_mesh, block_plan(spec.mlp == "swiglu"), src_data_rank=None)
+    for key, block in module.blocks.items():
+        if layers is None or int(key) + 1 in layers:
+            parallelize_module(block, tp_mesh, block_plan(spec.mlp == "swiglu"), src_data_rank=None)
 
 
 def is_tp_sharded(tensor: torch.Tensor) -> bool:

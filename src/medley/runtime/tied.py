@@ -76,9 +76,10 @@ class TiedGrads:
                 piece.copy_(total)
         else:
             dist.all_reduce(pieces[0], op=dist.ReduceOp.SUM, group=self.group)
-        for (stage, _), grad in zip(self.params, grads, strict=True):
-            if self.by_rows and not stage.sharded and stage.dp_group is not None:
-                self._gather_rows(grad, stage.dp_group)
+        for (stage, param), grad in zip(self.params, grads, strict=True):
+            group = stage.dp_group_of(param)
+            if self.by_rows and not stage.sharded and group is not None:
+                self._gather_rows(grad, group)
 
     def _rows(self, stage: ShardedStage, grad: torch.Tensor) -> torch.Tensor:
         """This replica's rows of a gradient: a shard (ZeRO-1/2/3) is all of them, a full one a slice."""

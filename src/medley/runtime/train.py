@@ -94,11 +94,11 @@ class _Loop:
         self.plan, self.config, self.setup, self.scaler = plan, config, setup, scaler
         self.step_index, self.step_lr = 0, config.lr
         self.skipped_steps = torch.zeros((), dtype=torch.int64)  # checkpointed, whatever the precision
-        layout = plan.layout
+        layout = plan.shared
         # The launching process checked the data and built any token cache: ranks map it.
         self.source = load_data(config, seq_len=layout.seq_len, vocab_size=layout.model.vocab_size,
                                 verify=False)
-        self.sequences = sum(layout.micro_batches) * layout.micro_batch_size
+        self.sequences = sum(plan.micro_batches) * layout.micro_batch_size
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.sq_norm = torch.zeros((), dtype=torch.float64)
         if not setup.executor.carries_clip:  # clipping off, not fp16, no tied copies
@@ -109,12 +109,14 @@ class _Loop:
                      "optimizer": config.optimizer, "seq_len": layout.seq_len, "seed": config.seed,
                      "global_batch": self.sequences,
                      "hf_dir": None if config.hf_dir is None else str(Path(config.hf_dir).resolve()),
-                     "plan": {"pp": layout.pp, "dp": layout.dp, "split": list(layout.stage_layers),
-                              "zero": [z.level for z in layout.zero],
-                              "tp": [layout.tp_of(k) for k in range(layout.pp)]}}
+                     "plan": [{"pp": group.pp, "dp": group.dp, "split": list(group.stage_layers),
+                               "zero": [z.level for z in group.zero],
+                               "tp": [group.tp_of(k) for k in range(group.pp)]} for group in plan.groups]}
+        if not plan.asymmetric:
+            self.meta["plan"] = self.meta["plan"][0]
         flops = formulas.megatron_flops_per_step(layout.model, batch_size=self.sequences,
                                                  seq_len=layout.seq_len)
-        devices = [plan.cluster.devices[d].type for d in layout.devices]
+        devices = [plan.cluster.devices[d].type for d in plan.devices]
         peak = sum(t.peak_flops(resolve_dtype(plan, config)) for t in devices)
         self.flops_per_peak = flops / peak if setup.device.type == "cuda" and peak > 0 else None
 
@@ -220,10 +222,10 @@ class _Loop:
         return state if self.scaler is None else {**state, **self.scaler.state()}
 
     def _batch(self, step: int) -> MicroBatches:
-        layout = self.plan.layout
+        layout = self.plan.shared
         tokens = self.source.global_batch(step=step, seed=self.config.seed, sequences=self.sequences,
                                           seq_len=layout.seq_len).to(self.setup.device)
-        return replica_slice(tokens, micro_batches=layout.micro_batches,
+        return replica_slice(tokens, micro_batches=self.plan.micro_batches,
                              micro_batch_size=layout.micro_batch_size, replica=self.setup.replica)
 
     def _step(self, step: int) -> torch.Tensor:
@@ -259,10 +261,10 @@ class _Loop:
         through the plan's pipeline), summed over the ``eval_batches`` batches; 0 when not due."""
         if not self.config.eval_due(step):
             return torch.zeros(1, dtype=torch.float64)
-        layout, total = self.plan.layout, 0.0
+        layout, total = self.plan.shared, 0.0
         for index in range(self.config.eval_batches):
             tokens = self.source.eval_batch(index, sequences=self.sequences).to(self.setup.device)
-            batch = replica_slice(tokens, micro_batches=layout.micro_batches,
+            batch = replica_slice(tokens, micro_batches=self.plan.micro_batches,
                                   micro_batch_size=layout.micro_batch_size, replica=self.setup.replica)
             total += self._own(self.setup.executor.run_forward(batch))
         return torch.tensor([total], dtype=torch.float64)
@@ -303,7 +305,6 @@ class _Loop:
                                f"{stats[:, 5:7].tolist()}: a bug in medley's fp16 loss scaling")
         if self.rank != 0:
             return None
-        layout = self.plan.layout
         step_time = float(stats[:, 2].max())
         memory = {}
         if self.setup.device.type == "cuda" and self.config.measure_memory:
@@ -318,7 +319,7 @@ class _Loop:
                  for row in stats[:, 7:7 + len(ACTION_CATEGORIES)].tolist()]),
             step=step, loss=loss,
             lr=self.step_lr, grad_norm=grad_norm,
-            step_time_s=step_time, tokens_per_s=layout.tokens_per_step / step_time,
+            step_time_s=step_time, tokens_per_s=self.plan.tokens_per_step / step_time,
             mfu=None if self.flops_per_peak is None else self.flops_per_peak / step_time,
             peak_memory_bytes=memory, emulated_sleep_s=float(stats[:, 3].max()),
             loss_scale=None if self.scaler is None else float(stats[0, 5]), skipped_steps=int(stats[0, 6]))

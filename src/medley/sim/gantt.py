@@ -41,7 +41,8 @@ def _time_scale(step: float) -> tuple[float, str]:
     return 1e6, "µs"
 
 
-def write_gantt(result: SimResult, path: str | Path, *, title: str | None = None) -> Path:
+def write_gantt(result: SimResult, path: str | Path, *, title: str | None = None,
+                roles: dict[int, str] | None = None) -> Path:
     """Draw ``result`` to a PNG at ``path`` and return the path."""
     path = Path(path)
     reports = result.devices
@@ -68,7 +69,9 @@ def write_gantt(result: SimResult, path: str | Path, *, title: str | None = None
     for device, bars in comm.items():
         ax.broken_barh([b for b, _ in bars], (row_of[device] + 0.25, 0.15), facecolors=[c for _, c in bars])
     ax.set_yticks(range(len(reports)))
-    ax.set_yticklabels([f"dev {r.device} ({r.label})" for r in reports], fontsize=8)
+    roles = roles or {}
+    ax.set_yticklabels([f"dev {r.device} ({r.label})" + (f"\n{roles[r.device]}" if r.device in roles else "")
+                        for r in reports], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, result.step_time_s * scale)
     ax.set_xlabel(f"time ({unit})")

@@ -22,12 +22,13 @@ def _us(seconds: float) -> float:
     return seconds * 1e6
 
 
-def _metadata(result: SimResult) -> list[dict]:
+def _metadata(result: SimResult, roles: dict[int, str]) -> list[dict]:
     events = []
     for report in result.devices:
         pid = report.device
         tp = f", tp rank {report.tp_rank} of {report.tp}" if report.tp > 1 else ""
-        label = f"device {pid} (replica {report.replica}, rank {report.rank}{tp})"
+        role = f"; {roles[pid]}" if pid in roles else ""
+        label = f"device {pid} (replica {report.replica}, rank {report.rank}{tp}{role})"
         events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": label}})
         events.append({"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}})
         for tid, name in _THREADS.items():
@@ -40,8 +41,10 @@ def _slice(pid: int, tid: int, name: str, cat: str, start: float, end: float, **
             "dur": _us(end - start), "args": args}
 
 
-def chrome_trace_events(result: SimResult) -> list[dict]:
-    events = _metadata(result)
+def chrome_trace_events(result: SimResult, roles: dict[int, str] | None = None) -> list[dict]:
+    """The trace events of ``result``; ``roles``: a description per device id added to its name
+    (its replica group's shape and its layers, say)."""
+    events = _metadata(result, roles or {})
     for device, timeline in result.compute.items():
         for start, end, action in timeline:
             events.append(_slice(device, COMPUTE_TID, str(action), action.kind.value, start, end,
@@ -66,10 +69,10 @@ def chrome_trace_events(result: SimResult) -> list[dict]:
     return events
 
 
-def write_chrome_trace(result: SimResult, path: str | Path) -> Path:
+def write_chrome_trace(result: SimResult, path: str | Path, *, roles: dict[int, str] | None = None) -> Path:
     """Write ``result`` as Chrome trace JSON to ``path`` and return the path."""
     path = Path(path)
-    payload = {"traceEvents": chrome_trace_events(result), "displayTimeUnit": "ms",
+    payload = {"traceEvents": chrome_trace_events(result, roles), "displayTimeUnit": "ms",
                "otherData": {"step_time_s": result.step_time_s, "tokens_per_s": result.tokens_per_s,
                              "mfu": result.mfu}}
     write_atomically(path, json.dumps(payload))
