@@ -224,6 +224,9 @@ def check_config(config: TrainConfig) -> None:
         check_output_dir(config.checkpoint_dir, flag="--checkpoint-dir")
     if config.log_jsonl is not None:
         check_output_file(config.log_jsonl, flag="--log-jsonl")
+        if Path(config.log_jsonl).is_symlink():  # appended to in place: a link would be written through
+            raise MedleyInputError(f"--log-jsonl {config.log_jsonl}: is a symbolic link, which medley never "
+                                   "writes through; give the path of the file itself")
     _check_eval(config)
     if config.checkpoint_every < 0:
         raise MedleyInputError(f"--checkpoint-every {config.checkpoint_every} must be >= 0")
