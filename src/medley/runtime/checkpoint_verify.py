@@ -101,69 +101,77 @@ def _shape(value: object) -> list[int] | None:
     return list(value)
 
 
-def _check_entry(key: object, entry: object) -> None:
+def _check_entry(key: object, entry: object) -> list[torch.Size]:
+    """The chunk offsets of a valid tensor entry (attributes read with ``getattr``: a crafted
+    pickle may leave any of them out)."""
     if not isinstance(key, str):
         raise RefusedEntry(f"it has a key {key!r} that is not a name")
     if not isinstance(entry, TensorStorageMetadata):
         raise RefusedEntry(f"entry {key!r} is {type(entry).__name__}, not a tensor: medley "
                            "writes only tensors (DCP would unpickle bytes entries, which can run code)")
-    size = _shape(entry.size)
-    if size is None or getattr(entry.properties, "dtype", None) not in _DTYPE_OF:
+    size = _shape(getattr(entry, "size", None))
+    dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+    if size is None or not isinstance(dtype, torch.dtype) or dtype not in _DTYPE_OF:
         raise RefusedEntry(f"entry {key!r} has no valid shape or dtype")
-    if not isinstance(entry.chunks, list) or not entry.chunks:
+    chunks = getattr(entry, "chunks", None)
+    if not isinstance(chunks, list) or not chunks:
         raise RefusedEntry(f"entry {key!r} has no chunks")
-    volume = 0
-    for chunk in entry.chunks:
+    volume, offsets_seen = 0, []
+    for chunk in chunks:
         offsets = _shape(getattr(chunk, "offsets", None))
         sizes = _shape(getattr(chunk, "sizes", None))
         if (not isinstance(chunk, ChunkStorageMetadata) or offsets is None or sizes is None
                 or len(offsets) != len(size) or len(sizes) != len(size)
-                or any(o + s > d for o, s, d in zip(offsets, sizes, size, strict=True))):
+                or any(o + n > d for o, n, d in zip(offsets, sizes, size, strict=True))):
             raise RefusedEntry(f"entry {key!r} has a chunk outside its shape {size}")
         volume += math.prod(sizes)
-    if volume != math.prod(size) or len({tuple(c.offsets) for c in entry.chunks}) != len(entry.chunks):
+        offsets_seen.append(chunk.offsets)
+    if volume != math.prod(size) or len(set(offsets_seen)) != len(offsets_seen):
         raise RefusedEntry(f"entry {key!r} has chunks that do not cover its shape {size} once")
+    return offsets_seen
 
 
-def _check_storage(metadata: Metadata) -> None:
-    entries = metadata.state_dict_metadata
-    storage = metadata.storage_data
+def _check_storage(storage: object, chunks: set[MetadataIndex]) -> None:
+    """Each chunk (``chunks``) stored once, in a DCP data file, in bytes no other chunk uses."""
     if not isinstance(storage, dict):
         raise RefusedEntry("it has no storage table")
+    extents = []
     for index, info in storage.items():
         fqn = getattr(index, "fqn", None)
-        if not isinstance(index, MetadataIndex) or fqn not in entries:
-            raise RefusedEntry(f"it stores {fqn!r}, which is not one of its entries")
+        if not isinstance(index, MetadataIndex) or index not in chunks:
+            raise RefusedEntry(f"it stores {fqn!r} at {getattr(index, 'offset', None)!r}, which is no chunk "
+                               "of its entries")
         path = getattr(info, "relative_path", None)
         if not isinstance(info, _StorageInfo) or not isinstance(path, str) or not _DATA_FILE.fullmatch(path):
             raise RefusedEntry(f"entry {fqn!r} is stored in {path!r}, which is not a DCP "
                                "data file of the step directory")
-        if not (_is_int(info.offset) and _is_int(info.length) and info.offset >= 0 and info.length >= 0):
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)  # may be left out
+        if not (_is_int(offset) and _is_int(length) and offset >= 0 and length >= 0):
             raise RefusedEntry(f"entry {fqn!r} has an invalid offset or length")
         if getattr(info, "transform_descriptors", None):
             raise RefusedEntry(f"entry {fqn!r} is stored behind a stream transform "
                                f"({info.transform_descriptors!r}), which medley never writes")
-    extents = sorted((info.relative_path, info.offset, info.length, index.fqn)
-                     for index, info in storage.items())
+        extents.append((path, offset, length, fqn))
+    missing = next(iter(chunks - set(storage)), None)
+    if missing is not None:
+        raise RefusedEntry(f"entry {missing.fqn!r} has a chunk at {list(missing.offset or ())} with no "
+                           "storage")
+    extents.sort()
     for (file, start, length, fqn), (next_file, next_start, _, next_fqn) in zip(extents, extents[1:],
                                                                                  strict=False):
         if file == next_file and start + length > next_start:  # DCP writes each chunk once, end to end
             raise RefusedEntry(f"entries {fqn!r} and {next_fqn!r} are stored in overlapping bytes of {file}")
-    for key, entry in entries.items():
-        for chunk in entry.chunks:
-            if MetadataIndex(key, chunk.offsets) not in storage:
-                raise RefusedEntry(f"entry {key!r} has a chunk at {list(chunk.offsets)} "
-                                   "with no storage")
 
 
 def check_dcp_metadata(metadata: object) -> Metadata:
     """``metadata`` if it is DCP metadata of tensors only, each stored in a DCP data file of the
     step directory (a plain ``__R_N.distcp`` name) without transforms; else :class:`RefusedEntry`."""
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(metadata, Metadata) or not isinstance(entries, dict):
         raise RefusedEntry("it does not hold DCP metadata")
-    for key, entry in metadata.state_dict_metadata.items():
-        _check_entry(key, entry)
-    _check_storage(metadata)
+    chunks = {MetadataIndex(key, offsets) for key, entry in entries.items()
+              for offsets in _check_entry(key, entry)}
+    _check_storage(getattr(metadata, "storage_data", None), chunks)
     return metadata
 
 
@@ -192,7 +200,7 @@ class SafeReader(FileSystemReader):
             if not isinstance(loaded, Metadata):
                 raise pickle.UnpicklingError(f"{path} does not hold DCP metadata")
             metadata = check_dcp_metadata(loaded)
-        if not isinstance(metadata.storage_meta, StorageMeta):
+        if not isinstance(getattr(metadata, "storage_meta", None), StorageMeta):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
