@@ -1,10 +1,11 @@
 """Reading user files with errors that name the file, and writing files atomically.
 
-Every file medley writes goes through :func:`write_atomically` (a new temporary file renamed over
-the path: a symbolic link there is replaced, never written through), :func:`open_no_follow` or
-:func:`write_new_file`; every tree it removes through :func:`remove_path`. None of them follows a
-symbolic link at the path they write or remove, so a link planted in a directory medley writes
-(a received checkpoint directory, an output folder) cannot make it change a file elsewhere."""
+The writers here never follow a symbolic link at the path they write or remove, so a link planted
+in a directory medley writes (a received checkpoint directory, an output folder) cannot make it
+change a file elsewhere: :func:`write_atomically` (a new temporary file renamed over the path: a
+link there is replaced, not written through) for plans, traces, charts, profiles and reports;
+:func:`open_no_follow`, :func:`write_new_file` and :func:`append_text` for the lock file,
+``medley.json``, exports and logs; :func:`remove_path` for every tree medley removes."""
 
 from __future__ import annotations
 

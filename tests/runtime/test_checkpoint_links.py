@@ -149,8 +149,12 @@ def test_the_writers_never_write_through_a_link(tmp_path: Path, precious: Path) 
 
 def test_a_linked_log_jsonl_is_refused_before_training(tmp_path: Path, precious: Path) -> None:
     os.symlink(precious, tmp_path / "log.jsonl")
-    with pytest.raises(MedleyInputError, match="--log-jsonl .*log.jsonl: is a symbolic link"):
-        check_config(config(log_jsonl=tmp_path / "log.jsonl"))
+    os.link(precious, tmp_path / "hard.jsonl")
+    for name, what in (("log.jsonl", "is a symbolic link"), ("hard.jsonl", "has other hard links")):
+        with pytest.raises(MedleyInputError, match=f"--log-jsonl .*{name}: {what}.*path of a regular"):
+            check_config(config(log_jsonl=tmp_path / name))
+    check_config(config(log_jsonl=tmp_path / "new.jsonl"))  # a new file, or a regular one, is fine
+    assert precious.read_text() == PRECIOUS and not (tmp_path / "new.jsonl").exists()
 
 
 @pytest.mark.timeout(120)
