@@ -1,10 +1,18 @@
-"""Reading user files with errors that name the file, and writing files atomically."""
+"""Reading user files with errors that name the file, and writing files atomically.
+
+The writers here never follow a symbolic link at the path they write or remove, so a link planted
+in a directory medley writes (a received checkpoint directory, an output folder) cannot make it
+change a file elsewhere: :func:`write_atomically` (a new temporary file renamed over the path: a
+link there is replaced, not written through) for plans, traces, charts, profiles and reports;
+:func:`open_no_follow`, :func:`write_new_file` and :func:`append_text` for the lock file,
+``medley.json``, exports and logs; :func:`remove_path` for every tree medley removes."""
 
 from __future__ import annotations
 
 import errno
 import os
 import shutil
+import stat
 import tempfile
 import tomllib
 from pathlib import Path
@@ -71,8 +79,87 @@ def _check_parent(path: Path, *, flag: str) -> None:
                                "choose another location.")
 
 
+class UnsafePathError(OSError):
+    """A path medley was to write is a symbolic link, a hard link to another name or not a
+    regular file: refused, so that nothing outside the paths given is changed. ``filename`` is
+    the path, ``strerror`` what it is."""
+
+
+def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags | O_NOFOLLOW)`` for writing: a symbolic link at ``path`` (even a
+    dangling one), a FIFO, a device, a directory or a regular file with another hard link is an
+    :class:`UnsafePathError` (with ``O_CREAT | O_EXCL`` any existing entry is an ``EEXIST``
+    OSError). ``O_TRUNC`` is applied only once the file is known to be safe. Returns the
+    descriptor; the caller closes it."""
+    truncate = bool(flags & os.O_TRUNC)
+    try:
+        fd = os.open(path, (flags & ~os.O_TRUNC) | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UnsafePathError(errno.ELOOP, "is a symbolic link, which medley never writes through",
+                                  str(path)) from None
+        if err.errno == errno.ENXIO:  # a FIFO without a reader
+            raise UnsafePathError(errno.ENXIO, "is not a regular file, so medley does not write it",
+                                  str(path)) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        what = None
+        if not stat.S_ISREG(info.st_mode):
+            what = "is not a regular file, so medley does not write it"
+        elif info.st_nlink > 1:
+            what = "has other hard links, so writing it would change another file too"
+        if what is not None:
+            raise UnsafePathError(errno.EPERM, what, str(path))
+        os.set_blocking(fd, True)
+        if truncate:
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_new_file(path: Path, data: bytes | str) -> None:
+    """Create ``path`` (it must not exist, not even as a link) and write ``data`` into it, synced.
+    An OSError (``EEXIST``, disk full) propagates; a partly written file is removed."""
+    raw = data.encode() if isinstance(data, str) else data
+    fd = open_no_follow(Path(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(raw)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        Path(path).unlink(missing_ok=True)
+        raise
+
+
+def append_text(path: Path, text: str) -> None:
+    """Append ``text`` to ``path`` (created if missing), never through a link
+    (:func:`open_no_follow`); an OSError propagates."""
+    with os.fdopen(open_no_follow(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as handle:
+        handle.write(text)
+
+
+def remove_path(path: Path) -> None:
+    """Remove ``path`` if it is there: a directory tree, a file, or a symbolic link itself (never
+    what a link points to; links inside a tree are removed as links). Best effort, as cleanup
+    after a failure: what cannot be removed stays, and nothing is raised."""
+    path = Path(path)
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
+
+
 def os_error_message(path: Path, err: OSError) -> str:
     """One line for a failed write: the path, the reason and, when the disk is full, its free space."""
+    if isinstance(err, UnsafePathError):
+        return f"{err.filename}: {err.strerror}; remove it or choose another location."
     reason = err.strerror or str(err) or type(err).__name__
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         try:
@@ -86,7 +173,9 @@ def os_error_message(path: Path, err: OSError) -> str:
 
 def write_atomically(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file renamed into place: the file appears
-    whole or not at all, and an old version stays intact until then. A failed write (disk full,
+    whole or not at all, and an old version stays intact until then. The temporary file is new
+    (``O_EXCL``, not following links) and the rename replaces a link at ``path`` rather than
+    writing through it. A failed write (disk full,
     permissions) is a :class:`MedleyInputError` naming the path; no temporary file is left."""
     path = Path(path)
     tmp: str | None = None

@@ -82,7 +82,7 @@ def test_export_arguments_are_checked(hf_models, tmp_path: Path) -> None:
     line = one_line_error(["export", str(tmp_path / "nowhere"), "--hf", str(tmp_path / "out")])
     assert "not a directory" in line
     line = one_line_error(["export", str(hf_models["llama"]), "--hf", str(tmp_path / "out")])
-    assert "medley.json is missing or corrupt" in line
+    assert "no medley.json, so this is not a medley checkpoint step" in line
     line = one_line_error(["export", str(tmp_path), "--hf", str(hf_models["llama"])])
     assert "already exists" in line
     assert not (tmp_path / "out").exists()

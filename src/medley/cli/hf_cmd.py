@@ -3,25 +3,30 @@
 
 from __future__ import annotations
 
-import shutil
+import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from medley.cli.errors import MedleyInputError, exit_on_input_error
-from medley.fileio import check_output_dir
+from medley.fileio import check_output_dir, remove_path
 
 
 def export_checkpoints(out: Path) -> Path:
     """Where a run with ``--export-hf OUT`` and no ``--checkpoint-dir`` saves its final step
-    (the same path on every rank; removed after the export)."""
-    return out.parent / f".{out.name}.checkpoints"
+    (the same path on every rank; removed after the export). A symbolic link there is refused:
+    the run would write and then remove checkpoints wherever it points."""
+    directory = out.parent / f".{out.name}.checkpoints"
+    if directory.is_symlink():
+        raise MedleyInputError(f"--export-hf {out}: {directory} (where the run keeps its checkpoints until "
+                               "the export) is a symbolic link; delete it, or give --checkpoint-dir")
+    return directory
 
 
 def check_export_target(out: Path, *, flag: str) -> Path:
     out = check_output_dir(Path(out), flag=flag)
-    if out.exists():
+    if os.path.lexists(out):
         raise MedleyInputError(f"{flag} {out}: already exists; give a new directory (the export "
                                "creates it)")
     return out
@@ -70,7 +75,7 @@ def export_after_training(checkpoint_dir: Path, out: Path, *, temporary: bool) -
         return export_hf(latest, out)
     finally:
         if temporary:
-            shutil.rmtree(checkpoint_dir, ignore_errors=True)
+            remove_path(checkpoint_dir)
 
 
 def register(app: typer.Typer) -> None:

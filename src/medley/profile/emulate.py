@@ -31,6 +31,7 @@ import tomli_w
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.profile_format import Profile
 from medley.cost.profiles import ProfileCostSource
+from medley.fileio import write_atomically
 from medley.spec.catalog import get_device_type, load_catalog
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import cluster_from_dict
@@ -118,8 +119,8 @@ def emulated_cluster(
     link_gbps = link.bandwidth_bytes_per_s / 1e9
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    catalog_path = (directory / f"{name}-devices.toml").resolve()
-    catalog_path.write_text(tomli_w.dumps(_catalog(profile, slowdowns, link_gbps)))
+    catalog_path = directory.resolve() / f"{name}-devices.toml"  # the file itself: a link there is replaced
+    write_atomically(catalog_path, tomli_w.dumps(_catalog(profile, slowdowns, link_gbps)))
     spec = {
         "name": name,
         "catalog": str(catalog_path),

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from medley.fileio import write_atomically
 from medley.profile.fidelity import FidelityResult, summarize
 
 READING = """\
@@ -322,6 +323,6 @@ def write_report(
     results: Sequence[FidelityResult], meta: dict[str, Any], *, json_path: Path, md_path: Path
 ) -> None:
     """Write the JSON, then render the Markdown from what was written."""
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(payload_of(results, meta), indent=1) + "\n")
-    md_path.write_text(markdown_from_payload(json.loads(json_path.read_text())))
+    text = json.dumps(payload_of(results, meta), indent=1) + "\n"
+    write_atomically(json_path, text)
+    write_atomically(md_path, markdown_from_payload(json.loads(text)))

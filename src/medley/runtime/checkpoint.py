@@ -12,18 +12,18 @@ pp, dp, split or ZeRO levels. The data position is the step (batches are a funct
 Each save goes to ``.tmp-step-N`` and is renamed to ``step-N`` once complete, so a crash mid-save
 leaves the previous checkpoint intact; nothing is saved from non-finite tensors, and a failed
 write (disk full) removes the temporary directory. ``medley.json`` beside the DCP files records
-the model, optimizer, data order (seed, global batch, data) and a sha256 per file, all checked
-before any tensor is read. Loading never unpickles code: tensors are read by DCP's
-``weights_only`` loads and the DCP metadata through an unpickler that accepts only an exact list
-of (module, name) pairs.
+the model, optimizer, data order (seed, global batch, data), every tensor entry (key, dtype,
+global shape) and a sha256 per file, all checked before any tensor is read
+(:mod:`medley.runtime.checkpoint_verify`, which also says what the hashes protect against).
+Loading never unpickles code and reads exactly the tensors this run's model and optimizer have.
+Nothing medley writes or removes here follows a symbolic link: a ``step-N`` that is a link is
+refused, and leftover ``.tmp-*`` / ``.old-*`` links are removed as links.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,67 +31,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from medley.errors import MedleyInputError
-from medley.fileio import os_error_message
+from medley.fileio import open_no_follow, os_error_message, remove_path
+from medley.runtime.checkpoint_verify import (
+    FORMAT,
+    META_FILE,
+    SafeReader,
+    TensorsOnlyPlanner,
+    check_entries,
+    check_hashes,
+    checked_metadata,
+    entry_of,
+    listed_files,
+    manifest_of,
+    read_meta,
+    resume_fix,
+    sha256_of,
+)
 from medley.runtime.optim import ensure_state
 from medley.runtime.sharding import ShardedStage
 
 PREFIX = "step-"
-META_FILE = "medley.json"
-FORMAT = 2  # 2: medley.json holds a sha256 per file of the checkpoint
 KEEP = 2  # newest checkpoints kept; older ones are deleted after each save
-_HASH_CHUNK = 1 << 20
-
-# The exact globals a DCP ``.metadata`` pickle names (listed from checkpoints torch 2.13 writes, by
-# pickletools): its dataclasses, torch.Size, dtypes, the layout lookup and the checkpoint's path.
-# Pairs, never module prefixes: pickle protocol 4 resolves dotted names, so a prefix rule lets
-# ("torch.distributed.checkpoint.filesystem", "os.system") through.
-_DCP_METADATA_CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                         "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
-                         "_MEM_FORMAT_ENCODING")
-_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
-SAFE_GLOBALS = frozenset({
-    *(("torch.distributed.checkpoint.metadata", name) for name in _DCP_METADATA_CLASSES),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    *(("torch", name) for name in _DTYPES),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-})
-
-
-class RefusedGlobal(pickle.UnpicklingError):
-    """A ``.metadata`` pickle names a global outside :data:`SAFE_GLOBALS`."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in SAFE_GLOBALS:
-            return super().find_class(module, name)
-        raise RefusedGlobal(f"checkpoint metadata names {module}.{name}, which is not DCP metadata")
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file reader with a restricted unpickler for the ``.metadata`` file."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as handle:
-            try:
-                metadata = _MetadataUnpickler(handle).load()
-            except RefusedGlobal:
-                raise
-            except Exception as err:  # truncated or garbled: UnpicklingError, EOFError, ValueError, ...
-                raise pickle.UnpicklingError(f"{path} is not readable DCP metadata ({err})") from None
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{path} does not hold DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 def checkpoint_state(stages: dict[int, ShardedStage], *, for_load: bool,
@@ -132,10 +96,18 @@ def checkpoint_path(directory: Path, next_step: int) -> Path:
 def latest_checkpoint(directory: Path | None) -> Path | None:
     """The checkpoint with the highest step under ``directory`` (None if there is none). A step
     directory with files but no ``medley.json`` is an error: checkpoints only appear (by rename)
-    once complete, so it was damaged, and resuming from an older one would overwrite it."""
+    once complete, so it was damaged, and resuming from an older one would overwrite it. A
+    ``step-N`` that is a symbolic link is refused: it would make medley read and rotate a
+    directory outside the one given."""
     if directory is None or not Path(directory).is_dir():
         return None
-    steps = sorted((p for p in Path(directory).glob(f"{PREFIX}*") if p.is_dir()), key=lambda p: p.name)
+    found = sorted(Path(directory).glob(f"{PREFIX}*"), key=lambda p: p.name)
+    link = next((p for p in found if p.is_symlink()), None)
+    if link is not None:
+        raise MedleyInputError(
+            f"checkpoint {link}: is a symbolic link; medley reads and writes checkpoints only inside "
+            "--checkpoint-dir: replace it by the step directory itself, or delete the link")
+    steps = [p for p in found if p.is_dir()]
     for path in steps:
         if not (path / META_FILE).is_file() and any(path.iterdir()):
             raise MedleyInputError(
@@ -150,14 +122,6 @@ def shared_error(error: str | None) -> str | None:
     gathered: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, error)
     return next((e for e in gathered if e), None)
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _hash_files(directory: Path, names: list[str]) -> dict[str, str]:
@@ -203,20 +167,23 @@ def _write_failure(tmp: Path, err: BaseException) -> str:
 
 
 def _publish(directory: Path, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
-    """Rank 0: write medley.json, rename ``tmp`` to ``final`` and rotate out the oldest."""
-    with open(tmp / META_FILE, "w") as handle:
+    """Rank 0: write medley.json, rename ``tmp`` to ``final`` and rotate out the oldest. Renames
+    move links themselves and removals remove them as links: nothing outside is touched."""
+    with os.fdopen(open_no_follow(tmp / META_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as handle:
         json.dump(meta, handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
     old = directory / f".old-{final.name}"
-    if final.exists():  # the same step saved again after a restart: replaced only once the new one is whole
+    if os.path.lexists(final):  # the same step saved again after a restart: replaced once the new is whole
+        remove_path(old)
         os.rename(final, old)
     os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    remove_path(old)
     for previous in sorted(directory.glob(f"{PREFIX}*"), key=lambda p: p.name)[:-KEEP]:
         doomed = directory / f".old-{previous.name}"
+        remove_path(doomed)
         os.rename(previous, doomed)  # out of sight at once: a half-deleted step-N would look damaged
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove_path(doomed)
 
 
 def save_checkpoint(directory: Path, *, next_step: int, stages: dict[int, ShardedStage],
@@ -241,21 +208,21 @@ def save_checkpoint(directory: Path, *, next_step: int, stages: dict[int, Sharde
     if dist.get_rank() == 0:
         try:
             for leftover in [tmp, *directory.glob(".old-*")]:  # a save or rotation cut short earlier
-                shutil.rmtree(leftover, ignore_errors=True)
+                remove_path(leftover)
             tmp.mkdir(parents=True)
         except OSError as err:
             error = "checkpoint " + os_error_message(tmp, err)
     _raise_if(shared_error(error))
     try:
-        dcp.save(state, storage_writer=FileSystemWriter(tmp, thread_count=1))
+        written = dcp.save(state, storage_writer=FileSystemWriter(tmp, thread_count=1))
         hashes = _hash_files(tmp, _checkpoint_files(tmp))
     except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure
         error = _write_failure(tmp, err)
     _raise_if(shared_error(error), cleanup=tmp)
     if dist.get_rank() == 0:
         try:
-            _publish(directory, tmp, final,
-                     {**meta, "format": FORMAT, "next_step": next_step, "files": hashes})
+            _publish(directory, tmp, final, {**meta, "format": FORMAT, "next_step": next_step,
+                                             "entries": manifest_of(written), "files": hashes})
         except OSError as err:
             error = "checkpoint " + os_error_message(tmp, err)
     _raise_if(shared_error(error), cleanup=tmp)
@@ -266,22 +233,8 @@ def _raise_if(error: str | None, *, cleanup: Path | None = None) -> None:
     if error is None:
         return
     if cleanup is not None and dist.get_rank() == 0:
-        shutil.rmtree(cleanup, ignore_errors=True)
+        remove_path(cleanup)
     raise MedleyInputError(error)
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads((Path(path) / META_FILE).read_text())
-    except (OSError, ValueError) as err:
-        raise MedleyInputError(
-            f"checkpoint {path}: {META_FILE} is missing or corrupt ({err}); delete the directory or point "
-            "--checkpoint-dir elsewhere") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
-        raise MedleyInputError(
-            f"checkpoint {path}: {META_FILE} is not a medley checkpoint of format {FORMAT} (with a hash per "
-            "file); resume it with the medley that wrote it, or use another --checkpoint-dir")
-    return meta
 
 
 # Settings that fix what the checkpoint's tensors mean: a resume with another value is refused.
@@ -311,20 +264,12 @@ def check_meta(path: Path, saved: dict[str, Any], expected: dict[str, Any], *,
     return changed
 
 
-def verify_files(path: Path, saved: dict[str, Any]) -> None:
-    """Collective: every file the checkpoint lists is there with the sha256 written at save."""
-    listed: dict[str, str] = saved["files"]
-    missing = sorted(name for name in listed if not (Path(path) / name).is_file())
-    if missing:
-        raise MedleyInputError(
-            f"checkpoint {path}: {missing[0]} is missing; delete {path} to resume from the checkpoint "
-            "before it")
-    actual = _hash_files(Path(path), list(listed))
-    bad = next((name for name in sorted(listed) if actual.get(name) != listed[name]), None)
-    if bad is not None:
-        raise MedleyInputError(
-            f"checkpoint {Path(path) / bad}: its content changed since it was saved (sha256 mismatch); "
-            f"delete {path} to resume from the checkpoint before it")
+def _expected_entries(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """Collective: the entries (kind, dtype, global shape) the tensors of every rank's ``state``
+    load from, keyed as saved."""
+    gathered: list[dict[str, dict[str, Any]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {key: entry_of(value) for key, value in state.items()})
+    return {key: entry for part in gathered for key, entry in (part or {}).items()}
 
 
 def load_checkpoint(path: Path, *, stages: dict[int, ShardedStage], expected: dict[str, Any],
@@ -332,25 +277,30 @@ def load_checkpoint(path: Path, *, stages: dict[int, ShardedStage], expected: di
                     train_state: dict[str, torch.Tensor] | None = None) -> tuple[int, list[str]]:
     """Collective: fill this rank's stages and optimizers from ``path``, and in place those
     ``train_state`` tensors the checkpoint has; returns the next step and the data-order settings
-    that changed (accepted with ``reset_data_order``)."""
-    saved = read_meta(path)
+    that changed (accepted with ``reset_data_order``). Before any tensor is read: medley.json,
+    the file hashes, the ``.metadata`` and its entries against those of this run (every rank's
+    model, optimizer and ``train_state``), each refusal one :class:`MedleyInputError`."""
+    fix = resume_fix(path)
+    saved = read_meta(path, fix=fix)
     changed = check_meta(path, saved, expected, reset_data_order=reset_data_order)
-    verify_files(path, saved)
+    check_hashes(path, saved, _hash_files(Path(path), listed_files(path, saved, fix=fix)), fix=fix)
+    metadata = checked_metadata(path, saved, fix=fix)
+    tied = any(stage.module.spec.tied_embeddings for stage in stages.values())  # the same on every rank
     state = checkpoint_state(stages, for_load=True)
+    copies = checkpoint_state(stages, for_load=True, copies=True) if tied else {}
+    extra = {f"train.{name}": value for name, value in (train_state or {}).items()}
+    check_entries(path, saved["entries"], _expected_entries({**state, **copies, **extra}),
+                  optional=set(extra), what="this run", fix=fix)
+    state.update({key: value for key, value in extra.items() if key in saved["entries"]})
     try:
-        # The metadata's own error first (DCP's wraps it in two others); the keys the checkpoint has.
-        saved_keys = SafeReader(path).read_metadata().state_dict_metadata
-        state.update({f"train.{name}": value for name, value in (train_state or {}).items()
-                      if f"train.{name}" in saved_keys})
-        dcp.load(state, storage_reader=SafeReader(path))
-        if any(stage.module.spec.tied_embeddings for stage in stages.values()):  # every rank: collective
-            dcp.load(checkpoint_state(stages, for_load=True, copies=True), storage_reader=SafeReader(path))
+        for part in [state, copies] if tied else [state]:  # every rank loads both: collective
+            dcp.load(part, storage_reader=SafeReader(path, metadata=metadata), planner=TensorsOnlyPlanner())
     except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure (a BaseException)
         failures = _failures(err)
         reason = f"{type(failures[0]).__name__}: {failures[0]}" if failures else type(err).__name__
         raise MedleyInputError(
             f"checkpoint {path} is corrupt or does not match this model ({reason.splitlines()[0][:300]}); "
-            "delete it to resume from the one before, or use another --checkpoint-dir") from None
+            f"{fix}") from None
     for stage in stages.values():
         stage.refresh_gathered()
     torch.set_rng_state(state["train.rng"])

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from medley.errors import MedleyInputError
-from medley.fileio import check_output_dir, check_output_file
+from medley.fileio import UnsafePathError, check_output_dir, check_output_file, open_no_follow
 from medley.runtime.data import DataOptions, DataSource, load_source
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 
@@ -224,6 +225,7 @@ def check_config(config: TrainConfig) -> None:
         check_output_dir(config.checkpoint_dir, flag="--checkpoint-dir")
     if config.log_jsonl is not None:
         check_output_file(config.log_jsonl, flag="--log-jsonl")
+        _check_appendable(Path(config.log_jsonl), flag="--log-jsonl")
     _check_eval(config)
     if config.checkpoint_every < 0:
         raise MedleyInputError(f"--checkpoint-every {config.checkpoint_every} must be >= 0")
@@ -232,6 +234,20 @@ def check_config(config: TrainConfig) -> None:
     if config.dtype not in (None, *TORCH_DTYPES):
         raise MedleyInputError(f"--dtype '{config.dtype}' must be fp32, bf16 or fp16")
     _check_loss_scale(config)
+
+
+def _check_appendable(path: Path, *, flag: str) -> None:
+    """An existing ``path`` that is appended to in place is a regular file of its own: not a link
+    (it would be written through), a FIFO or a file with other hard links."""
+    if not os.path.lexists(path):
+        return
+    try:
+        os.close(open_no_follow(path, os.O_WRONLY | os.O_APPEND))
+    except UnsafePathError as err:
+        raise MedleyInputError(f"{flag} {path}: {err.strerror}; give the path of a regular file") from None
+    except OSError as err:
+        raise MedleyInputError(f"{flag} {path}: cannot write ({err.strerror}); check the path and its "
+                               "permissions") from None
 
 
 def _check_eval(config: TrainConfig) -> None:

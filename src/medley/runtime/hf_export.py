@@ -6,27 +6,39 @@ process without a process group reads the whole model from it, whatever plan wro
 output holds the weights in safetensors (shards with ``model.safetensors.index.json`` above
 ``max_shard_bytes``), a ``config.json`` made from the checkpoint's model and copies of the
 tokenizer files of the Hugging Face directory the run came from (recorded as ``hf_dir`` in
-``medley.json``). It is written into a temporary directory renamed into place.
+``medley.json``). It is written into a new temporary directory (each file created new, never
+through a link) renamed into place; a failed write (disk full) removes it and is one line.
+The step is checked as a resume checks it (:mod:`medley.runtime.checkpoint_verify`): its
+``model.*`` entries must be exactly the parameters of the model medley.json names.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from medley.errors import MedleyInputError
-from medley.fileio import os_error_message
-from medley.runtime.checkpoint import SafeReader, read_meta, sha256_of
+from medley.fileio import os_error_message, remove_path, write_new_file
+from medley.runtime.checkpoint_verify import (
+    EXPORT_FIX,
+    SafeReader,
+    TensorsOnlyPlanner,
+    check_entries,
+    check_hashes,
+    checked_metadata,
+    entry_of,
+    listed_files,
+    read_meta,
+    sha256_of,
+)
 from medley.runtime.hf_names import check_hf_family, hf_name
 from medley.runtime.hf_weights import INDEX_FILE, SINGLE_FILE
 from medley.runtime.model import Decoder
@@ -51,41 +63,31 @@ def _checkpoint_model(step_dir: Path, meta: dict[str, Any]) -> ModelSpec:
     return spec
 
 
-def _verify(step_dir: Path, meta: dict[str, Any]) -> None:
-    for name, digest in sorted(meta["files"].items()):
-        path = step_dir / name
-        if not path.is_file() or sha256_of(path) != digest:
-            raise MedleyInputError(printable(f"checkpoint {path}: missing or changed since it was saved "
-                                             "(sha256 mismatch); export another step"))
-
-
 def read_model_tensors(step_dir: Path) -> tuple[ModelSpec, dict[str, torch.Tensor], dict[str, Any]]:
     """The checkpoint's model, its parameters by medley name (full tensors) and its medley.json."""
     step_dir = Path(step_dir)
-    meta = read_meta(step_dir)
+    meta = read_meta(step_dir, fix=EXPORT_FIX)
     spec = _checkpoint_model(step_dir, meta)
-    _verify(step_dir, meta)
+    names = listed_files(step_dir, meta, fix=EXPORT_FIX)
+    check_hashes(step_dir, meta, {name: sha256_of(step_dir / name) for name in names}, fix=EXPORT_FIX)
+    metadata = checked_metadata(step_dir, meta, fix=EXPORT_FIX)
     with torch.device("meta"):
-        names = [name for name, _ in Decoder(spec, init=False).named_parameters()]
+        params = dict(Decoder(spec, init=False).named_parameters())
+    expected = {f"model.{name}": entry_of(param) for name, param in params.items()}
+    model_entries = {key: entry for key, entry in meta["entries"].items() if key.startswith("model.")}
+    check_entries(step_dir, model_entries, expected, optional=set(),
+                  what=f"the model medley.json names ({spec.num_blocks} blocks)", fix=EXPORT_FIX)
+    state = {f"model.{name}": torch.empty(param.shape, dtype=param.dtype) for name, param in params.items()}
     try:
-        saved = SafeReader(step_dir).read_metadata().state_dict_metadata
-        state = {}
-        for name in names:
-            entry = saved.get(f"model.{name}")
-            if not isinstance(entry, TensorStorageMetadata):
-                raise MedleyInputError(printable(f"checkpoint {step_dir}: tensor 'model.{name}' is missing; "
-                                                 "export a checkpoint of this model"))
-            state[f"model.{name}"] = torch.empty(entry.size, dtype=entry.properties.dtype)
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": it is meant to be
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=SafeReader(step_dir), no_dist=True)
-    except MedleyInputError:
-        raise
+            dcp.load(state, storage_reader=SafeReader(step_dir, metadata=metadata),
+                     planner=TensorsOnlyPlanner(), no_dist=True)
     except (Exception, CheckpointException) as err:
         reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        raise MedleyInputError(printable(f"checkpoint {step_dir} is corrupt ({reason}); export another "
-                                         "step")) from None
-    return spec, {name: state[f"model.{name}"] for name in names}, meta
+        raise MedleyInputError(printable(f"checkpoint {step_dir} is corrupt ({reason}); "
+                                         f"{EXPORT_FIX}")) from None
+    return spec, {name: state[f"model.{name}"] for name in params}, meta
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -102,18 +104,20 @@ def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict
 
 
 def _write_weights(directory: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
+    """The safetensors files (serialized in memory, a shard at a time, then written by
+    :func:`write_new_file`: a full disk is an OSError naming the file, not a SafetensorError)."""
     shards = _shards(tensors, max_shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], directory / SINGLE_FILE, metadata={"format": "pt"})
+        write_new_file(directory / SINGLE_FILE, save(shards[0], metadata={"format": "pt"}))
         return
     weight_map = {}
     for index, shard in enumerate(shards, start=1):
         file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, directory / file, metadata={"format": "pt"})
+        write_new_file(directory / file, save(shard, metadata={"format": "pt"}))
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
-                                                    "weight_map": weight_map}, indent=1))
+    write_new_file(directory / INDEX_FILE, json.dumps({"metadata": {"total_size": total},
+                                                       "weight_map": weight_map}, indent=1))
 
 
 def _write_config(directory: Path, spec: ModelSpec, hf_dir: Path | None) -> None:
@@ -126,24 +130,25 @@ def _write_config(directory: Path, spec: ModelSpec, hf_dir: Path | None) -> None
             original = {}
         if isinstance(original, dict):
             cfg.update({key: original[key] for key in _TOKEN_IDS if key in original})
-    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    write_new_file(directory / "config.json", json.dumps(cfg, indent=1))
     for name in TOKENIZER_FILES if hf_dir is not None else ():
         if (hf_dir / name).is_file():
-            shutil.copyfile(hf_dir / name, directory / name)
+            write_new_file(directory / name, (hf_dir / name).read_bytes())
 
 
 def export_hf(step_dir: Path, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write checkpoint ``step_dir`` as a Hugging Face model directory at ``out`` (atomically: a
     temporary directory renamed into place; an existing ``out`` is refused)."""
     out = Path(out)
-    if out.exists():
-        raise MedleyInputError(printable(f"--hf {out}: already exists; give a new directory"))
+    if os.path.lexists(out):
+        raise MedleyInputError(printable(f"--hf {out}: already exists; give a new directory (the export "
+                                         "creates it)"))
     spec, params, meta = read_model_tensors(step_dir)
     tensors = {hf_name(name): tensor.contiguous() for name, tensor in params.items()}
     hf_dir = Path(meta["hf_dir"]) if isinstance(meta.get("hf_dir"), str) else None
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_path(tmp)
         tmp.mkdir(parents=True)
         _write_weights(tmp, tensors, max_shard_bytes)
         _write_config(tmp, spec, hf_dir)
@@ -151,9 +156,9 @@ def export_hf(step_dir: Path, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYT
             os.chmod(file, 0o644)
         os.rename(tmp, out)
     except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_path(tmp)
         raise MedleyInputError(printable(os_error_message(out, err))) from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_path(tmp)
         raise
     return out

@@ -5,6 +5,9 @@ run and writes its host and pid into it. The kernel drops the lock when the hold
 it ends (``kill -9`` included), so a lock left by a dead run is simply taken over; while the
 holder lives, a second run is refused with a message that names it. On a file system without
 ``flock`` the pid written in the file decides (a holder on this host is alive while its pid is).
+The lock file is opened without following links (:func:`medley.fileio.open_no_follow`): a
+``.medley.lock`` that is a symbolic link, a hard link or not a regular file is refused, so a
+received checkpoint directory cannot make the run overwrite another file.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from medley.errors import MedleyInputError
+from medley.fileio import UnsafePathError, open_no_follow
 
 LOCK_FILE = ".medley.lock"
 
@@ -40,10 +44,11 @@ class DirectoryLock:
             self.handle.close()
 
 
-def _holder(path: Path) -> dict[str, object]:
+def _holder(handle: IO[str]) -> dict[str, object]:
     try:
-        holder = json.loads(path.read_text() or "{}")
-    except (OSError, ValueError):
+        handle.seek(0)
+        holder = json.loads(handle.read(4096) or "{}")
+    except (OSError, ValueError, RecursionError):
         return {}
     return holder if isinstance(holder, dict) else {}
 
@@ -75,7 +80,11 @@ def acquire(directory: Path) -> DirectoryLock:
     path = directory / LOCK_FILE
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        handle = open(path, "a+")
+        handle = os.fdopen(open_no_follow(path, os.O_RDWR | os.O_CREAT), "r+")
+    except UnsafePathError as err:
+        raise MedleyInputError(
+            f"--checkpoint-dir {directory}: {path} {err.strerror}; delete {path} (medley creates its own) "
+            "or choose another --checkpoint-dir") from None
     except OSError as err:
         raise MedleyInputError(
             f"--checkpoint-dir {directory}: cannot create {path} ({err.strerror}); choose another "
@@ -84,9 +93,10 @@ def acquire(directory: Path) -> DirectoryLock:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
         if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            holder = _holder(handle)
             handle.close()
-            raise _refuse(directory, path, _holder(path)) from None
-        holder = _holder(path)  # no flock here: the pid decides
+            raise _refuse(directory, path, holder) from None
+        holder = _holder(handle)  # no flock here: the pid decides
         if holder.get("host") == socket.gethostname() and holder.get("pid") != os.getpid() and pid_alive(
                 holder.get("pid")):
             handle.close()

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from medley.cost import formulas
 from medley.errors import MedleyInputError
+from medley.fileio import append_text
 from medley.plan.plan import Plan
 from medley.runtime import checkpoint, lock
 from medley.runtime.collector import StepGarbageCollector
@@ -348,8 +349,7 @@ class _Loop:
             return
         path = Path(self.config.log_jsonl)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as handle:
-            handle.write(json.dumps(record.as_json(), allow_nan=False) + "\n")
+        append_text(path, json.dumps(record.as_json(), allow_nan=False) + "\n")
 
     def _probe_memory(self, records: list[StepRecord]) -> None:
         """One more step under the memory tracker (after the last checkpoint: it changes nothing
@@ -369,5 +369,5 @@ class _Loop:
         for record in records:
             record.peak_memory_bytes = dict(memory)
         if self.rank == 0 and self.config.log_jsonl is not None:
-            with open(self.config.log_jsonl, "a") as handle:
-                handle.write(json.dumps({"memory_probe": {str(k): v for k, v in memory.items()}}) + "\n")
+            append_text(Path(self.config.log_jsonl),
+                    json.dumps({"memory_probe": {str(k): v for k, v in memory.items()}}) + "\n")

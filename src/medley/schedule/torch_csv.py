@@ -18,9 +18,11 @@ This module does not import torch.
 from __future__ import annotations
 
 import csv
+import io
 import re
 from pathlib import Path
 
+from medley.fileio import write_atomically
 from medley.schedule.ir import COMPUTE_KINDS, Action, Kind, PipelineSchedule
 from medley.schedule.validate import ScheduleError
 
@@ -61,8 +63,9 @@ def to_torch_rows(schedule: PipelineSchedule, *, drop_unsupported: bool = False)
 
 
 def write_torch_csv(schedule: PipelineSchedule, path: str | Path, *, drop_unsupported: bool = False) -> None:
-    with open(path, "w", newline="") as handle:
-        csv.writer(handle).writerows(to_torch_rows(schedule, drop_unsupported=drop_unsupported))
+    text = io.StringIO(newline="")
+    csv.writer(text).writerows(to_torch_rows(schedule, drop_unsupported=drop_unsupported))
+    write_atomically(Path(path), text.getvalue())
 
 
 def parse_torch_action(text: str) -> list[Action]:
