@@ -42,9 +42,13 @@ class Case:
     table: RankTable | None = None
     dtype: str = "fp32"  # the run's precision (the equality cases are fp32)
     tp: tuple[int, ...] = ()
+    groups: tuple = ()  # replica groups of their own shape (PlanLayouts, medley.plan.segments): then
+    # ``schedules`` are every replica's (groups in order), and split/zero/pp/dp are unused
 
     @property
     def world(self) -> int:
+        if self.groups:
+            return sum(len(ranks) for row in self.table or () for ranks in row)
         return self.dp * (sum(self.tp) if self.tp else self.pp)
 
 

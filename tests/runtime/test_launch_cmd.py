@@ -3,6 +3,7 @@ the plan uses, its own --nproc-per-node, the node's plan devices only, the rende
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -300,3 +301,28 @@ def test_the_others_are_stopped_after_a_grace(capsys: pytest.CaptureFixture[str]
     assert (code, line) == (1, "node one: its torchrun agent failed (exit code 1); the other nodes were "
                                "stopped (--debug shows torchrun's report)")
     assert time.monotonic() - started < GRACE_S + 5
+
+
+@pytest.mark.timeout(400)
+def test_local_launch_of_an_asymmetric_plan_equals_the_reference(tmp_path: Path) -> None:
+    """Replica groups of their own shape across nodes of 1 and 3 devices: group 0 a pp-2 replica
+    on devices 3 and 0 (across the nodes), group 1 a replica of the whole model on device 1 and
+    group 2 one on device 2: the launch starts every group's ranks where the plan puts them, and
+    the losses equal the single-process reference."""
+    cluster = cluster_file(tmp_path, node_toml("one", 1), node_toml("three", 3))
+    split_two = tiny_plan(cluster, pp=2, dp=1, assignment=((3, 0),), split="2,2", micro_batches="3")
+    whole = tiny_plan(cluster, pp=1, dp=2, assignment=((1,), (2,)), split="4", micro_batches="2,1")
+    plan = Plan(groups=[split_two.layout, whole.layout], cluster=split_two.cluster)
+    done = launch_local(plan_file(tmp_path, plan), *TRAIN)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    reference = dataclasses.replace(split_two.layout, dp=3, micro_batches=plan.micro_batches, sync_dp=0,
+                                    assignment=((0, 1), (2, 3), (4, 5)))
+    want = reference_losses(reference, TrainConfig(steps=3, seed=3, warmup_steps=2, lr=3e-3, min_lr=3e-4,
+                                                   clip_norm=1.0, weight_decay=0.1))
+    losses = [r["loss"] for r in out["records"]]
+    assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, want, strict=True)) <= TOL
+    placed = {p["rank"]: (p["device"], p["replica"], p["pipeline_rank"]) for p in out["placement"]}
+    assert sorted(placed) == [0, 1, 2, 3]
+    expected = {(3, 0, 0), (0, 0, 1), (1, 1, 0), (2, 2, 0)}
+    assert set(placed.values()) == expected

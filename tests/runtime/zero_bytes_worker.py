@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from equality_worker import LR, MBS, SEED, SEQ, Case, global_batch, replica_batch
 
+from medley.plan.world import build_world
 from medley.runtime.executor import RankExecutor, with_default_collectives
-from medley.runtime.groups import make_groups
+from medley.runtime.groups import make_groups, segment_holders
 from medley.runtime.model import token_loss_sum
 from medley.runtime.sharding import TORCH_DTYPES
 from medley.runtime.stages import build_local_stages
@@ -78,13 +79,22 @@ def count_case(case: Case, calls: dict[str, tuple[str, int, str]] = COUNTED) -> 
     """Bytes per collective kind of this rank's second step (the first one warms up), keyed
     ``rank<global rank>.<kind>`` so the launcher's per-figure max keeps every rank's."""
     spec = get_model("tiny")
-    groups = make_groups(case.table)
+    split, zero, units, holders = case.split, case.zero, None, None
+    if case.groups:  # replica groups of their own shape: each replica's own split, ZeRO and units
+        world = build_world(case.groups)
+        holders = segment_holders(world.segments)
+    groups = make_groups(case.table, holders)
     place = groups.place
+    if case.groups:
+        group, _ = world.segments.where(place.replica)
+        layout = world.groups[group]
+        split, zero = layout.stage_layers, tuple(z.level for z in layout.zero)
+        units = world.segments.units[group]
     micro_batches = [s.num_micro_batches for s in case.schedules]
     schedule = with_default_collectives(case.schedules[place.replica])
-    stages = build_local_stages(spec, schedule=schedule, split=case.split, zero=case.zero, groups=groups,
+    stages = build_local_stages(spec, schedule=schedule, split=split, zero=zero, groups=groups,
                                 seed=SEED, optimizer_class=torch.optim.SGD, optimizer_kwargs=dict(lr=LR),
-                                precision=case.dtype)
+                                precision=case.dtype, units=units)
     n_tokens = sum(micro_batches) * MBS * SEQ
     half = None if case.dtype == "fp32" else TORCH_DTYPES[case.dtype]
     executor = RankExecutor(

@@ -83,11 +83,11 @@ def run(plan: Plan, config, *, local_ranks: int | None):  # noqa: ANN001, ANN201
 def split_label(plan: Plan, split: str | None) -> str:
     """The split as the user gave it, labelled: ``--split 2,2`` is blocks per stage (the plan's
     stage_layers count the embedding and the head too)."""
-    layers = ",".join(str(n) for n in plan.layout.stage_layers)
+    layers = " + ".join(",".join(str(n) for n in group.stage_layers) for group in plan.groups)
     if split is None:
         return f"split {layers} (layers per stage)"
     given = [int(v) for v in split.split(",")]
-    unit = "layers" if sum(given) == plan.layout.model.num_layers else "blocks"
+    unit = "layers" if sum(given) == plan.shared.model.num_layers else "blocks"
     return f"split {','.join(map(str, given))} ({unit} per stage)"
 
 
@@ -161,9 +161,9 @@ def run_json(records) -> dict[str, list[dict]]:  # noqa: ANN001 - a launch.Train
 
 
 def print_records(plan: Plan, records: list, console: Console, *, split: str | None = None) -> None:
-    layout = plan.layout
-    table = Table(title=f"{layout.model.name} · {layout.schedule} · pp={layout.pp} dp={layout.dp} · "
-                  f"{split_label(plan, split)} · ZeRO {[z.level for z in layout.zero]}")
+    shapes = " + ".join(f"{g.schedule} pp={g.pp} dp={g.dp}" for g in plan.groups)
+    zero = " + ".join(str([z.level for z in g.zero]) for g in plan.groups)
+    table = Table(title=f"{plan.shared.model.name} · {shapes} · {split_label(plan, split)} · ZeRO {zero}")
     evaluated = any(r.eval_loss is not None for r in records)
     for col in ("step", "loss", *(["eval loss"] if evaluated else []), "lr", "grad norm", "step time",
                 "tokens/s"):
@@ -291,9 +291,9 @@ def register(app: typer.Typer) -> None:
         from medley.runtime.config import load_data
 
         # A bad --data fails once, before launch; a text data set is tokenized here, once.
-        load_data(config, seq_len=the_plan.layout.seq_len, vocab_size=the_plan.layout.model.vocab_size)
+        load_data(config, seq_len=the_plan.shared.seq_len, vocab_size=the_plan.shared.model.vocab_size)
         if init_from is not None:
-            hf_cmd.check_init_from(the_plan.layout.model, init_from)
+            hf_cmd.check_init_from(the_plan.shared.model, init_from)
         check_fits(the_plan, config, local_ranks=local_ranks)
         records = run_stopping_cleanly(the_plan, config, local_ranks=local_ranks)
         if records is None:
