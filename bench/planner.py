@@ -69,11 +69,14 @@ SIZES = {16: 2, 64: 4, 256: 4, 1024: 4}
 MODELS = ("llama-2-7b", "llama-2-13b", "llama-2-70b", "gpt-3-175b")
 
 
-def synthetic_cluster(num_devices: int, num_types: int) -> Cluster:
-    """``num_devices`` split evenly over the first ``num_types`` of TYPES, 8 per node."""
-    per_type = num_devices // num_types
+def synthetic_cluster(num_devices: int, num_types: int,
+                      types: list[tuple[str, float]] | None = None) -> Cluster:
+    """``num_devices`` split evenly over the first ``num_types`` of TYPES (or over ``types``), 8
+    per node."""
+    types = types or TYPES[:num_types]
+    per_type = num_devices // len(types)
     nodes, racks = [], {}
-    for t, (device, price) in enumerate(TYPES[:num_types]):
+    for t, (device, price) in enumerate(types):
         node_count = max(1, per_type // 8)
         count = min(8, per_type)
         for rack in range((node_count + 7) // 8):
@@ -91,7 +94,7 @@ def synthetic_cluster(num_devices: int, num_types: int) -> Cluster:
         {"name": "zone", "bandwidth_gbit": 100, "latency_us": 10, "groups": zones},
         {"name": "region", "bandwidth_gbit": 25, "latency_us": 1000},
     ]
-    raw = {"name": f"synthetic-{num_devices}x{num_types}", "nodes": nodes, "tiers": tiers}
+    raw = {"name": f"synthetic-{num_devices}x{len(types)}", "nodes": nodes, "tiers": tiers}
     return cluster_from_dict(raw, source=raw["name"])
 
 
@@ -121,6 +124,48 @@ def _single_type_best(cluster: Cluster, model, global_batch: int, seq_len: int, 
     return best
 
 
+_HOMOGENEOUS: dict[tuple, float] = {}
+
+
+def homogeneous_fraction(num_devices: int, device: str, model_name: str, global_batch: int,
+                         seq_len: int) -> float:
+    """The fraction of the aggregate bound the search reaches on ``num_devices`` devices of one
+    type, shaped as the synthetic clusters (0 when nothing fits); cached per case."""
+    key = (num_devices, device, model_name, global_batch, seq_len)
+    if key not in _HOMOGENEOUS:
+        price = dict(TYPES).get(device, 1.0)
+        cluster, model = synthetic_cluster(num_devices, 1, [(device, price)]), get_model(model_name)
+        cost = CatalogCostSource.for_cluster(model, cluster)
+        try:
+            result = search(cluster, model, global_batch=global_batch, seq_len=seq_len, cost=cost, top=1,
+                            baselines=False)
+            _HOMOGENEOUS[key] = result.best.tokens_per_s / result.aggregate_tokens_per_s
+        except MedleyInputError:
+            _HOMOGENEOUS[key] = 0.0
+    return _HOMOGENEOUS[key]
+
+
+def heterogeneity(cluster: Cluster, model_name: str, global_batch: int, seq_len: int, cost,
+                  fraction: float) -> dict:
+    """Issue 27's heterogeneity efficiency: the plan's fraction of the aggregate bound over the
+    weighted fraction the same search reaches on homogeneous clusters of each type with as many
+    devices as the mixed cluster and the same samples per device (weights: each type's share of
+    the mixed cluster's aggregate bound)."""
+    model = get_model(model_name)
+    by_type = cluster.devices_by_type()
+    sizes = tuple(s for s in MICRO_BATCH_SIZES if global_batch % s == 0)
+    bounds = {t: aggregate_bound(cluster, model, cost, seq_len=seq_len, micro_batch_sizes=sizes, devices=ids)
+              for t, ids in by_type.items()}
+    total = sum(bounds.values())
+    per_device = global_batch // cluster.num_devices
+    by = {t: {"weight": bounds[t] / total,
+              "homogeneous_fraction": homogeneous_fraction(cluster.num_devices, t, model_name,
+                                                           per_device * cluster.num_devices, seq_len)}
+          for t in by_type}
+    reference = sum(v["weight"] * v["homogeneous_fraction"] for v in by.values())
+    return {"by_type": by, "reference": reference, "efficiency": fraction / reference if reference else None}
+
+
 def cluster_of(source: str) -> Cluster:
     """``synthetic:N`` (:func:`synthetic_cluster` of N devices) or a cluster TOML path."""
     if source.startswith("synthetic:"):
@@ -129,10 +174,20 @@ def cluster_of(source: str) -> Cluster:
     return parse_cluster_arg(source)
 
 
-def _timed_search(source: str, model_name: str, global_batch: int, seq_len: int) -> float:
+def cost_of(cluster: Cluster, model, profiles: str | None):
+    """The catalog estimate, or the Metis-format profiles of directory ``profiles`` (catalog for the
+    rest)."""
+    catalog = CatalogCostSource.for_cluster(model, cluster)
+    if profiles is None:
+        return catalog
+    return MetisCostSource.from_directory(Path(profiles), model, fallback=catalog)
+
+
+def _timed_search(source: str, model_name: str, global_batch: int, seq_len: int,
+                  profiles: str | None = None) -> float:
     """CPU seconds of one search (baselines excluded) in this process, inputs built untimed."""
     cluster, model = cluster_of(source), get_model(model_name)
-    cost = CatalogCostSource.for_cluster(model, cluster)
+    cost = cost_of(cluster, model, profiles)
     start = time.process_time()
     try:
         search(cluster, model, global_batch=global_batch, seq_len=seq_len, cost=cost, top=1, baselines=False)
@@ -141,12 +196,14 @@ def _timed_search(source: str, model_name: str, global_batch: int, seq_len: int)
     return time.process_time() - start
 
 
-def search_cpu_runs(source: str, model_name: str, global_batch: int, seq_len: int, runs: int) -> list[float]:
+def search_cpu_runs(source: str, model_name: str, global_batch: int, seq_len: int, runs: int,
+                    profiles: str | None = None) -> list[float]:
     """CPU seconds of ``runs`` searches, each in a fresh spawned process (cold caches, as a
     ``medley plan`` run; never forked: the parent has run torch ops)."""
     context = multiprocessing.get_context("spawn")
     with context.Pool(1, maxtasksperchild=1) as pool:
-        return [pool.apply(_timed_search, (source, model_name, global_batch, seq_len)) for _ in range(runs)]
+        return [pool.apply(_timed_search, (source, model_name, global_batch, seq_len, profiles))
+                for _ in range(runs)]
 
 
 def large_case(timing_runs: int) -> dict:
@@ -162,8 +219,10 @@ def large_case(timing_runs: int) -> dict:
     in_bench = time.process_time() - start
     runs = search_cpu_runs(source, model_name, global_batch, seq_len, timing_runs) if timing_runs else []
     best = result.best
-    layout, prediction = best.plan.layout, best.prediction
-    types = [cluster.devices[layout.assignment[0][k]].type.name for k in range(layout.pp)]
+    prediction = best.prediction
+    fraction = best.tokens_per_s / result.aggregate_tokens_per_s
+    used = set(best.plan.devices)
+    idle = {t: len([d for d in ids if d not in used]) for t, ids in cluster.devices_by_type().items()}
     return {
         "cluster": "examples/large-1024.toml",
         "devices": cluster.num_devices,
@@ -172,11 +231,15 @@ def large_case(timing_runs: int) -> dict:
         "seq_len": seq_len,
         "tokens_per_s": best.tokens_per_s,
         "aggregate_tokens_per_s": result.aggregate_tokens_per_s,
-        "aggregate_fraction": best.tokens_per_s / result.aggregate_tokens_per_s,
+        "aggregate_fraction": fraction,
         "plan": shape(best),
-        "devices_used": layout.world_size,
-        "stage_types": [t for t, _ in groupby(types)],
-        "recomputing_stages": sum(layout.recompute),
+        "asymmetric": best.plan.asymmetric,
+        "devices_used": len(used),
+        "idle_by_type": {t: n for t, n in idle.items() if n},
+        "stage_types": [[t for t, _ in groupby(cluster.devices[d].type.name for d in g.assignment[0])]
+                        for g in best.plan.groups],
+        "recomputing_stages": sum(sum(g.recompute) for g in best.plan.groups),
+        "heterogeneity": heterogeneity(cluster, model_name, global_batch, seq_len, cost, fraction),
         "bubble_fraction": prediction.bubble_fraction,
         "exposed_comm_s": prediction.exposed_comm_s,
         "step_time_s": prediction.step_time_s,
@@ -187,7 +250,8 @@ def large_case(timing_runs: int) -> dict:
 
 
 def search_case(
-    num_devices: int, model_name: str, *, singles: bool, ablation: bool, timing_runs: int = 0
+    num_devices: int, model_name: str, *, singles: bool, ablation: bool, timing_runs: int = 0,
+    heterogeneity_rows: bool = True,
 ) -> dict:
     cluster = cluster_of(f"synthetic:{num_devices}")
     model = get_model(model_name)
@@ -227,9 +291,13 @@ def search_case(
         simulated=len(result.simulated),
         structures=result.structures_estimated,
         aggregate_fraction=best.tokens_per_s / result.aggregate_tokens_per_s,
-        devices_used=best.plan.layout.world_size,
+        devices_used=len(best.plan.devices),
+        asymmetric=best.plan.asymmetric,
         used_fraction=used_fraction(best, cost, seq_len, sizes),
     )
+    if SIZES[num_devices] > 1 and heterogeneity_rows:
+        row["heterogeneity"] = heterogeneity(cluster, model_name, global_batch, seq_len, cost,
+                                             row["aggregate_fraction"])
     estimator = Estimator(
         cluster, model, cost, seq_len=seq_len, global_batch=global_batch, memory_headroom=0.05
     )
@@ -259,18 +327,21 @@ def search_case(
 def used_fraction(plan, cost, seq_len: int, sizes: tuple[int, ...]) -> float:
     """The plan's tokens/s as a fraction of the aggregate bound of the devices it uses (what it
     leaves idle does not count against it)."""
-    layout = plan.plan.layout
-    bound = aggregate_bound(plan.plan.cluster, layout.model, cost, seq_len=seq_len, micro_batch_sizes=sizes,
-                            devices=layout.devices)
+    bound = aggregate_bound(plan.plan.cluster, plan.plan.shared.model, cost, seq_len=seq_len,
+                            micro_batch_sizes=sizes, devices=plan.plan.devices)
     return plan.tokens_per_s / bound
 
 
 def shape(plan) -> str:
-    """Pool, pp x dp (tp where not 1), schedule and micro-batch size of a ranked plan."""
-    layout = plan.plan.layout
-    pool = plan.candidate.structure.pool
-    tp = "" if all(t == 1 for t in layout.tp) else f" tp={','.join(map(str, layout.tp))}"
-    return f"{pool} pp={layout.pp} dp={layout.dp}{tp} {layout.schedule} mbs={layout.micro_batch_size}"
+    """Pool, pp x dp (tp where not 1), schedule and micro-batch size of a ranked plan; each
+    replica group's, joined by ' + ', for replica groups of their own shape."""
+    candidate = plan.candidate
+    parts = getattr(candidate, "parts", None) or (candidate,)
+    shapes = []
+    for part, layout in zip(parts, plan.plan.groups, strict=True):
+        tp = "" if all(t == 1 for t in layout.tp) else f" tp={','.join(map(str, layout.tp))}"
+        shapes.append(f"{part.structure.pool} pp={layout.pp} dp={layout.dp}{tp} {layout.schedule}")
+    return " + ".join(shapes) + f" mbs={plan.plan.shared.micro_batch_size}"
 
 
 def ablation_row(ablation) -> dict:
@@ -286,6 +357,38 @@ def ablation_row(ablation) -> dict:
             }
             for step in ablation.steps
         },
+    }
+
+
+PROFILE_CASES = [  # (cluster, model, profile directory): A100-40GB + V100-16GB, measured layers
+    (f"{n}xA100-40GB+{n}xV100-16GB", model, profiles)
+    for n in (8, 32)
+    for model, profiles in (("opt-350m", str(PROFILES)), ("gpt-neo-2.7b", str(ROOT / "bench" / "data" /
+                                                                                 "metis-gpt-neo-2.7")))
+]
+
+
+def profile_case(source: str, model_name: str, profiles: str, timing_runs: int) -> dict:
+    """A search driven by measured per-layer profiles (Metis format, the public sets), 8 sequences
+    of 2,048 tokens per device: its time (the least of fresh runs) and its best plan."""
+    cluster, model = cluster_of(source), get_model(model_name)
+    global_batch, seq_len = 8 * cluster.num_devices, 2048
+    cost = cost_of(cluster, model, profiles)
+    start = time.process_time()
+    result = search(cluster, model, global_batch=global_batch, seq_len=seq_len, cost=cost, top=1,
+                    baselines=False)
+    in_bench = time.process_time() - start
+    runs = (search_cpu_runs(source, model_name, global_batch, seq_len, timing_runs, profiles)
+            if timing_runs else [])
+    best = result.best
+    return {
+        "cluster": source, "devices": cluster.num_devices, "model": model_name,
+        "profiles": str(Path(profiles).relative_to(ROOT)), "global_batch": global_batch, "seq_len": seq_len,
+        "tokens_per_s": best.tokens_per_s, "plan": shape(best), "asymmetric": best.plan.asymmetric,
+        "devices_used": len(best.plan.devices),
+        "aggregate_fraction": best.tokens_per_s / result.aggregate_tokens_per_s,
+        "search_cpu_in_bench_s": in_bench, "search_cpu_runs": runs,
+        "search_cpu_s": min(runs) if runs else in_bench,
     }
 
 
@@ -376,7 +479,7 @@ def bound_case(label: str, cluster: Cluster, model_name: str, per_device: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="search,large,pruning,bound")
+    parser.add_argument("--sections", default="search,large,profiles,pruning,bound")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument(
@@ -427,6 +530,12 @@ def main() -> None:
     if "large" in sections:
         data["large"] = large_case(args.timing_runs)
         print(json.dumps(data["large"]), flush=True)
+    if "profiles" in sections:
+        data["profiles"] = []
+        for case in PROFILE_CASES:
+            row = profile_case(*case, timing_runs=args.timing_runs)
+            print(json.dumps(row), flush=True)
+            data["profiles"].append(row)
     if "pruning" in sections:
         data["pruning"] = []
         for case in pruning_cases():

@@ -30,6 +30,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from medley.cost import formulas
+from medley.cost.interfaces import Collective
+from medley.cost.zero_memory import state_bytes_per_param
 from medley.plan import builder, memory_rules, split_rules
 from medley.plan.candidates import Estimator
 from medley.plan.space import Candidate, GroupedCandidate, Structure, distribute
@@ -116,16 +119,31 @@ class GroupPlanner:
         return best
 
 
+def sync_floor(est: Estimator, parts: dict[str, list[int]], dtype: str) -> float:
+    """Seconds the gradient synchronisation of replica groups on ``parts`` takes at least: every
+    layer's gradients are reduce-scattered over a ring through one device of each part, so the
+    whole model's gradients cross its slowest link once per step (whatever the ZeRO level, the
+    shapes or the overlap)."""
+    grads = formulas.total_params(est.model) * state_bytes_per_param(dtype).grads
+    ring = tuple(ids[0] for ids in parts.values())
+    return est.comm.collective_time(Collective.REDUCE_SCATTER, ring, grads)
+
+
 def grouped_candidates(est: Estimator, partitions: Sequence[dict[str, list[int]]],
                        seeds: Sequence[tuple[int, int]], families: Sequence[str], *,
-                       max_pp: int) -> list[GroupedCandidate]:
+                       max_pp: int, beat_s: float = float("inf")) -> list[GroupedCandidate]:
     """The fastest grouped candidate (over the ZeRO levels) of each partition of the devices
     (name -> devices; :func:`partitions`) and seed (micro-batch size, TP degree), fastest estimate
-    first (module doc)."""
+    first (module doc). A partition whose :func:`sync_floor` is not below ``beat_s`` (the fastest
+    step simulated so far) cannot win and is not planned."""
+    if est.model.tied_embeddings:  # not run by the runtime with replica groups (medley.runtime.setup)
+        return []
     devices = sorted(d for part in partitions[0].values() for d in part) if partitions else []
     dtype = est.dtype((tuple(devices),))
     out = []
     for parts in partitions:
+        if sync_floor(est, parts, dtype) >= beat_s:
+            continue
         for mbs, tp in dict.fromkeys(seeds):
             if est.global_batch % mbs or len(parts) < 2:
                 continue
@@ -140,8 +158,9 @@ def grouped_candidates(est: Estimator, partitions: Sequence[dict[str, list[int]]
 def partitions(est: Estimator, devices: Sequence[int],
                used: Sequence[Sequence[int]] = ()) -> list[dict[str, list[int]]]:
     """Ways to cut ``devices`` into replica groups: one group per device type; and for each
-    device set in ``used`` (the best symmetric plans' devices), that set as one group (its
-    pipelines may mix types) with the devices it leaves idle grouped by type."""
+    device set in ``used`` (the best symmetric plans' devices): that set as one group (its
+    pipelines may mix types) with the devices it leaves idle grouped by type, and that set alone
+    cut by type."""
     by_type = est.cluster.devices_by_type(devices)
     out = [dict(by_type)] if len(by_type) > 1 else []
     for held in used:
@@ -149,7 +168,10 @@ def partitions(est: Estimator, devices: Sequence[int],
         if idle:
             out.append({"used": sorted(held), **{f"idle {t}": ids
                                                   for t, ids in est.cluster.devices_by_type(idle).items()}})
-    return out
+            inside = est.cluster.devices_by_type(held)
+            if len(inside) > 1:
+                out.append(inside)
+    return [parts for i, parts in enumerate(out) if parts not in out[:i]]
 
 
 def _grouped(est: Estimator, parts: dict[str, list[int]], mbs: int, tp: int, families: Sequence[str], *,

@@ -232,9 +232,13 @@ def search(
     if constraints.asymmetric:
         seeds = [(mbs, tp) for mbs, tp in seeds_of([c for _, _, c in candidates])
                  if constraints.tp_degrees is None or tp in constraints.tp_degrees]
-        leaders = [p.plan.devices for p in _feasible(ranked, objective)[:GROUPED_FROM]]
+        leading = _feasible(ranked, objective)
+        leaders = [p.plan.devices for p in leading[:GROUPED_FROM]]
+        fastest = min((p.prediction.step_time_s for p in leading), default=float("inf"))
+        if objective != "throughput":  # a slower plan can still be cheaper
+            fastest = float("inf")
         grouped = grouped_candidates(estimator, partitions(estimator, devices, leaders), seeds,
-                                     constraints.schedules, max_pp=max_pp)
+                                     constraints.schedules, max_pp=max_pp, beat_s=fastest)
         ranked += simulate_grouped(grouped[:GROUPED_SIMULATED], model, seq_len, cluster, cost, constraints,
                                    progress)
     feasible = _feasible(ranked, objective)
