@@ -126,3 +126,27 @@ def test_segments_cover_every_layer_exactly_once_per_replica(groups: list[PlanLa
         for replica in range(layout.dp):
             schedule = world.schedules[segments.first_replica[g] + replica]
             assert schedule.bucket_layers == buckets
+
+
+def test_tied_embeddings_are_refused_with_replica_groups_and_never_planned() -> None:
+    """The runtime does not yet sum a tied embedding's copies across replica groups: medley train
+    refuses such a plan in one line, and the planner does not make one."""
+    from medley.cost.estimator import CatalogCostSource
+    from medley.plan.asymmetric import grouped_candidates
+    from medley.plan.candidates import Estimator
+    from medley.runtime.setup import check_plan
+
+    tied = dataclasses.replace(TINY, name="tiny-tied", tied_embeddings=True)
+    groups = [dataclasses.replace(group(pp=2, dp=1, first=0, split=(2, 4), micro_batches=(2,)), model=tied),
+              dataclasses.replace(group(pp=1, dp=1, first=2, split=(6,), micro_batches=(2,)), model=tied)]
+    cluster = parse_cluster_arg("3xA100-80GB")
+    with pytest.raises(MedleyInputError, match="ties its embeddings.*layout.replicas"):
+        check_plan(Plan(groups=groups, cluster=cluster), 3)
+    cluster = parse_cluster_arg("2xA100-80GB+2xV100-32GB")
+    est = Estimator(cluster, tied, CatalogCostSource.for_cluster(tied, cluster), seq_len=16, global_batch=8,
+                    memory_headroom=0.05)
+    parts = cluster.devices_by_type()
+    assert grouped_candidates(est, [parts], [(1, 1)], ("1f1b",), max_pp=6) == []
+    untied = Estimator(cluster, TINY, CatalogCostSource.for_cluster(TINY, cluster), seq_len=16,
+                       global_batch=8, memory_headroom=0.05)
+    assert grouped_candidates(untied, [parts], [(1, 1)], ("1f1b",), max_pp=6)  # the same, untied: planned

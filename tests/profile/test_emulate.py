@@ -12,7 +12,7 @@ from medley.cost.interfaces import Collective, Pass
 from medley.cost.profile_format import Profile
 from medley.profile.collectives import model_time
 from medley.profile.emulate import emulated_cluster
-from medley.profile.fidelity import case_layout, describe, emulate, tags
+from medley.profile.fidelity import case_groups, describe, emulate, tags
 from medley.profile.fidelity_cases import default_cases
 from medley.spec.model_arg import get_model
 
@@ -57,7 +57,7 @@ def test_a_tp_group_is_one_emulated_node(tmp_path: Path, profile: Profile, name:
     case = next(c for c in default_cases() if c.name == name)
     emulated, _ = emulate(case, profile, profile_name="p.json", directory=tmp_path, cores=2)
     assert [list(node.device_ids) for node in emulated.cluster.nodes] == nodes
-    layout = case_layout(case, emulated)
+    (layout,) = case_groups(case, emulated)
     assert layout.tp == tp and sorted(layout.devices) == list(range(case.world))
     assert "tensor parallel" in tags(layout, case) and f"tp{','.join(map(str, tp))}" in describe(layout)
 

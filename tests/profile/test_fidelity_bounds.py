@@ -10,7 +10,7 @@ import pytest
 from medley.cost.profile_format import load_profile
 from medley.profile.fidelity import (
     FidelityResult,
-    case_layout,
+    case_groups,
     describe,
     emulate,
     memory_failure,
@@ -137,10 +137,11 @@ def test_planned_case_runs_the_planners_plan(tmp_path: Path) -> None:
     profile = load_profile(Path(__file__).parents[2] / "bench" / "results" / "profile-cpu-tiny.json")
     case = planned_cases(top=1)[0]
     emulated, _ = emulate(case, profile, profile_name="p.json", directory=tmp_path, cores=2)
-    layout = case_layout(case, emulated)
-    assert layout.model == TINY and layout.dtype == "bf16" and layout.clip_grad  # the planner always clips
-    assert sum(layout.micro_batches) * layout.micro_batch_size == case.global_batch
-    assert "planner's plan" in tags(layout, case) and describe(layout).endswith("bf16")
+    groups = case_groups(case, emulated)  # alike replicas, or replica groups of their own shape
+    for layout in groups:  # the planner always clips
+        assert layout.model == TINY and layout.dtype == "bf16" and layout.clip_grad
+    assert sum(sum(g.micro_batches) for g in groups) * groups[0].micro_batch_size == case.global_batch
+    assert "planner's plan" in tags(groups, case) and "bf16" in describe(groups)
 
 
 def test_compute_and_rest_errors_split_the_busiest_device() -> None:

@@ -18,13 +18,14 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from medley.cost.profile_format import Profile
 from medley.plan.inline import devices_needed, inline_layout, parse_tp
 from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan
-from medley.plan.predict import predict
+from medley.plan.predict import predict_groups
+from medley.plan.segments import joined
 from medley.profile.emulate import EmulatedCluster, core_share, emulated_cluster
 from medley.profile.fidelity_result import (
     FidelityResult,
@@ -46,7 +47,7 @@ __all__ = [
     "FidelityCase",
     "FidelityResult",
     "build_plan",
-    "case_layout",
+    "case_groups",
     "describe",
     "emulate",
     "memory_failure",
@@ -84,6 +85,10 @@ class FidelityCase:
         global_batch: sequences per step the planner plans for.
         tp: tensor-parallel degree per pipeline rank, as ``--tp`` takes it (``"2"``, ``"2,1"``;
             None: no TP). Each TP group's devices form one emulated node.
+        groups: replica groups of their own shape (:mod:`medley.plan.segments`), each a dict of
+            the fields above that a group chooses (``pp``, ``dp``, ``schedule``, ``split``,
+            ``zero``, ``micro_batches``; no TP), on consecutive devices in group order; the
+            case's own pp, dp, split, zero and micro_batches are then unused.
     """
 
     name: str
@@ -107,6 +112,7 @@ class FidelityCase:
     from_planner: int = 0
     global_batch: int = 8
     tp: str | None = None
+    groups: tuple[dict[str, Any], ...] = ()
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -115,6 +121,8 @@ class FidelityCase:
 
     @property
     def world(self) -> int:
+        if self.groups:
+            return sum(int(g["pp"]) * int(g.get("dp", 1)) for g in self.groups)
         return len(self.slowdowns) if self.from_planner else devices_needed(pp=self.pp, dp=self.dp,
                                                                              tp=self.degrees)
 
@@ -122,7 +130,7 @@ class FidelityCase:
     def node_sizes(self) -> tuple[int, ...]:
         """Devices per emulated node in id order: one TP group each (the inline layout's
         :func:`~medley.plan.inline.default_assignment` puts rank k's dp groups side by side)."""
-        if self.from_planner:
+        if self.from_planner or self.groups:
             return ()
         return tuple(t for t in self.degrees for _ in range(self.dp))
 
@@ -132,8 +140,14 @@ class FidelityCase:
         return PLANNER_MICRO_BATCH_SIZES if self.from_planner else (self.micro_batch_size,)
 
 
-def describe(layout: PlanLayout, slowdowns: Sequence[float] = ()) -> str:
-    """The plan in words, from its layout (what ran, whoever chose it)."""
+def describe(layout: PlanLayout | Sequence[PlanLayout], slowdowns: Sequence[float] = ()) -> str:
+    """The plan in words, from its layout or replica groups (what ran, whoever chose it)."""
+    if not isinstance(layout, PlanLayout):
+        groups = tuple(layout)
+        if len(groups) > 1:
+            return " + ".join(f"[{describe(g)}]" for g in groups) + (
+                "" if all(f == 1.0 for f in slowdowns) else ", slow " + ",".join(f"{f:g}" for f in slowdowns))
+        layout = groups[0]
     counts = sorted(set(layout.micro_batches))
     mb = ",".join(map(str, layout.micro_batches)) if len(counts) > 1 else str(counts[0])
     parts = [
@@ -160,8 +174,15 @@ def describe(layout: PlanLayout, slowdowns: Sequence[float] = ()) -> str:
     return ", ".join(parts)
 
 
-def tags(layout: PlanLayout, case: FidelityCase) -> list[str]:
+def tags(layout: PlanLayout | Sequence[PlanLayout], case: FidelityCase) -> list[str]:
     """What a plan exercises, as labels the report groups errors by."""
+    if not isinstance(layout, PlanLayout):
+        groups = tuple(layout)
+        if len(groups) > 1:
+            inner = dict.fromkeys(t for g in groups for t in tags(g, case) if not t.endswith(" ranks"))
+            ranks = sum(g.world_size for g in groups)
+            return [f"{ranks} ranks", "replica groups", "data parallel", *inner]
+        layout = groups[0]
     out = [f"{layout.world_size} ranks", layout.schedule, layout.dtype]
     out += ["pipeline"] if layout.pp > 1 else []
     out += ["tensor parallel"] if layout.tp else []
@@ -209,8 +230,9 @@ def emulate(
     return emulated, share
 
 
-def case_layout(case: FidelityCase, emulated: EmulatedCluster) -> PlanLayout:
-    """The case's plan: written out, or the planner's (``medley plan``'s search) on ``emulated``."""
+def case_groups(case: FidelityCase, emulated: EmulatedCluster) -> tuple[PlanLayout, ...]:
+    """The case's plan as replica groups: written out (one group, or ``case.groups``), or the
+    planner's (``medley plan``'s search) on ``emulated``."""
     if case.from_planner:
         from medley.plan.search import Constraints, search
 
@@ -225,8 +247,22 @@ def case_layout(case: FidelityCase, emulated: EmulatedCluster) -> PlanLayout:
         )
         if len(result.plans) < case.from_planner:
             raise ValueError(f"case {case.name}: the planner ranked only {len(result.plans)} plans")
-        layout = result.plans[case.from_planner - 1].plan.layout
-        return dataclasses.replace(layout, dtype=case.dtype)
+        groups = result.plans[case.from_planner - 1].plan.groups
+        return joined([dataclasses.replace(layout, dtype=case.dtype) for layout in groups])
+    if case.groups:
+        layouts, first = [], 0
+        for spec in case.groups:
+            layout = _inline(dataclasses.replace(case, groups=(), tp=None, **spec), emulated)
+            order = sorted(layout.devices)
+            moved = {d: first + order.index(d) for d in order}
+            layouts.append(dataclasses.replace(
+                layout, assignment=tuple(tuple(moved[d] for d in row) for row in layout.assignment)))
+            first += len(order)
+        return joined(layouts)
+    return (_inline(case, emulated),)
+
+
+def _inline(case: FidelityCase, emulated: EmulatedCluster) -> PlanLayout:
     layout = inline_layout(
         cluster=emulated.cluster,
         model=case.model,
@@ -271,9 +307,9 @@ def build_plan(
         cores=cores,
         background_cores=background_cores,
     )
-    layout = case_layout(case, emulated)
-    prediction, _, _ = predict(layout, emulated.cluster, cost=emulated.cost)
-    return Plan(layout=layout, cluster=emulated.cluster, prediction=prediction), share
+    groups = case_groups(case, emulated)
+    prediction, _, _ = predict_groups(groups, emulated.cluster, cost=emulated.cost)
+    return Plan(groups=groups, cluster=emulated.cluster, prediction=prediction), share
 
 
 def _breakdown(problem: SimProblem, result: SimResult, emulated: EmulatedCluster) -> dict[str, float]:
@@ -337,18 +373,18 @@ def run_case(
 
     cores = cores or os.cpu_count() or 1
     place = functools.partial(emulate, case, profile_name=profile_name, directory=directory, cores=cores)
-    layout = case_layout(case, place(profile)[0])
-    used = sorted(layout.devices)  # every device of every TP group
+    groups = case_groups(case, place(profile)[0])
+    used = sorted(d for layout in groups for d in layout.devices)  # every device of every TP group
     emulated, share = place(profile, used=used)
-    prediction, problem, result = predict(layout, emulated.cluster, cost=emulated.cost)
+    prediction, problem, result = predict_groups(groups, emulated.cluster, cost=emulated.cost)
     breakdown = _breakdown(problem, result, emulated)
     bare, _ = place(profile.model_copy(update={"overhead": None}), used=used)
-    no_overhead, _, _ = predict(layout, bare.cluster, cost=bare.cost)
-    plan = Plan(layout=layout, cluster=emulated.cluster, prediction=prediction)
+    no_overhead, _, _ = predict_groups(groups, bare.cluster, cost=bare.cost)
+    plan = Plan(groups=groups, cluster=emulated.cluster, prediction=prediction)
     config = TrainConfig(
         steps=steps,
         emulate=True,
-        clip_norm=1.0 if layout.clip_grad else None,
+        clip_norm=1.0 if groups[0].clip_grad else None,
         data="synthetic",
         measure_memory=True,
         progress=False,
@@ -358,13 +394,13 @@ def run_case(
     with cpu_meter() as use:
         records = train_local(plan, config)
     loaded, loaded_share = place(profile, used=used, background_cores=use[0].background_cores)
-    loaded_prediction, _, _ = predict(layout, loaded.cluster, cost=loaded.cost)
+    loaded_prediction, _, _ = predict_groups(groups, loaded.cluster, cost=loaded.cost)
     timed = records[warmup_steps:] or records
     times = [r.step_time_s for r in timed]
     devices = sorted({d for r in timed for d in r.step_time_by_device})
     return FidelityResult(
         case=case.name,
-        plan=describe(layout, case.slowdowns),
+        plan=describe(groups, case.slowdowns),
         dtype=case.dtype,
         predicted_step_s=prediction.step_time_s,
         predicted_no_overhead_s=no_overhead.step_time_s,
@@ -386,5 +422,5 @@ def run_case(
         measured_actions_by_device={int(d): _median_actions(timed, d) for d in devices},
         busiest_compute_s=_compute_steps(timed, int(breakdown["device"])),
         emulated_sleep_s=statistics.median(r.emulated_sleep_s for r in timed),
-        tags=tags(layout, case),
+        tags=tags(groups, case),
     )

@@ -3,8 +3,8 @@
 Written-out plans over two models cover pipelines and data parallelism, every schedule family
 the runtime runs (GPipe, 1F1B, hetero-1F1B, ZB-H1, interleaved), ZeRO 0-3 with layer buckets and
 streamed ZeRO-3, recompute, gradient clipping, uneven splits and uneven replicas, emulated slow
-ranks, tensor parallelism (tp2 alone, with pp2, and tp2 then tp1), 2 to 4 ranks, fp32 and bf16
-autocast; the rest are taken straight from ``medley plan``'s
+ranks, tensor parallelism (tp2 alone, with pp2, and tp2 then tp1), replica groups of their own
+shape, 2 to 4 ranks, fp32 and bf16 autocast; the rest are taken straight from ``medley plan``'s
 ranking on small emulated clusters (bf16, as the planner plans), where plans live.
 """
 
@@ -209,6 +209,24 @@ def _tensor_parallel() -> list[FidelityCase]:
     ]
 
 
+def _replica_groups() -> list[FidelityCase]:
+    """Replica groups of their own shape (3 ranks): a pp-2 replica beside a replica of the whole
+    model, at ZeRO-1 and ZeRO-3 on the segments they share, and with the whole-model replica on an
+    emulated slow device and fewer micro-batches."""
+    tiny = TINY
+    pipeline = dict(pp=2, dp=1, split="1,3", micro_batches="4")
+    whole = dict(pp=1, dp=1, split="4", micro_batches="4")
+    return [
+        FidelityCase(name="tiny-groups-pp2+pp1-zero1", model=tiny,
+                     groups=({**pipeline, "zero": "1,1"}, {**whole, "zero": "1"})),
+        FidelityCase(name="tiny-groups-pp2+pp1-zero3", model=tiny,
+                     groups=({**pipeline, "zero": "3,3"}, {**whole, "zero": "3"})),
+        FidelityCase(name="tiny-groups-pp2+slow-pp1", model=tiny, slowdowns=(1.0, 1.0, 2.0),
+                     groups=({**pipeline, "micro_batches": "6", "zero": "1,1"},
+                             {**whole, "micro_batches": "2", "zero": "1"})),
+    ]
+
+
 def planned_cases(*, top: int = 2) -> list[FidelityCase]:
     """The planner's ``top`` plans on each of :data:`PLANNER_CLUSTERS` (tiny model, bf16, 8
     sequences of 128 tokens per step)."""
@@ -230,9 +248,9 @@ def planned_cases(*, top: int = 2) -> list[FidelityCase]:
 
 
 def default_cases() -> list[FidelityCase]:
-    """Every case: the first study's, the planner's regime, tensor parallelism, and the planner's
-    own plans."""
-    return _classic() + _planner_regime() + _tensor_parallel() + planned_cases()
+    """Every case: the first study's, the planner's regime, tensor parallelism, replica groups of
+    their own shape, and the planner's own plans."""
+    return _classic() + _planner_regime() + _tensor_parallel() + _replica_groups() + planned_cases()
 
 
 QUICK = ("tiny-pp2-1f1b-clip", "tiny-dp2-zero1-b4-clip")
