@@ -1,6 +1,6 @@
 """Fidelity of the simulator against medley's runtime on this machine (CPU, gloo, 2-4 ranks).
 
-    .venv/bin/python bench/fidelity.py [--quick] [--steps 20] [--reuse-profiles] [--cases a,b]
+    .venv/bin/python bench/fidelity.py [--quick] [--steps 20] [--reuse-profiles] [--cases a,b] [--name N]
 
 Profiles the models (layers, gloo collectives, the runtime's overhead per action and per
 transfer), then for each plan of medley.profile.fidelity_cases.default_cases() (written-out plans
@@ -29,10 +29,12 @@ def main() -> None:
                         help="use bench/results/profile-cpu-*.json as they are (no re-profiling per case)")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--name", default="",
+                        help="results file name (default fidelity, or fidelity-quick with --quick)")
     parser.add_argument("--render-only", action="store_true",
                         help="rewrite the Markdown from the JSON, running nothing")
     args = parser.parse_args()
-    name = "fidelity-quick" if args.quick else "fidelity"
+    name = args.name or ("fidelity-quick" if args.quick else "fidelity")
     if args.render_only:
         from medley.profile.report import markdown_from_payload
 
