@@ -103,11 +103,26 @@ def test_local_dry_run_lists_this_machines_agents(plan: Path) -> None:
     (["launch", "plan.toml", "--rdzv-endpoint", "a b:1"], "--rdzv-endpoint 'a b:1': not HOST:PORT"),
     (["launch", "plan.toml", "--rdzv-endpoint", "h:70000"], "--rdzv-endpoint 'h:70000': not HOST:PORT"),
     (["launch", "plan.toml", "--rdzv-id", "a;b"], "--rdzv-id 'a;b'"),
+    (["launch", "plan.toml", "--rdzv-id", "job\n"], "--rdzv-id 'job\\n': use 1-64 letters"),
+    (["launch", "plan.toml", "--rdzv-endpoint", "--help"], "--rdzv-endpoint '--help': not HOST:PORT"),
+    (["launch", "plan.toml", "--rdzv-endpoint", "h:1\n"], "--rdzv-endpoint 'h:1\\n': not HOST:PORT"),
     (["launch", "plan.toml", "--slurm", "."], "--slurm .: is a directory"),
     (["launch", "plan.toml", "--bogus"], "No such option: --bogus"),
 ])
 def test_bad_input_is_one_line(plan: Path, args: list[str], match: str) -> None:
     assert match in one_line_error(args)
+
+
+def test_a_newline_plan_path_prints_escaped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commands printed for people keep a hostile plan path on its line, escaped."""
+    monkeypatch.chdir(tmp_path)
+    name = "p\ntouch X\n#\x1b[2J.toml"
+    make_plan(tmp_path).rename(tmp_path / name)
+    result = runner.invoke(app, ["launch", name, "--slurm", "job.sbatch"])
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.stdout and "\ntouch X" not in result.stdout
+    assert "--plan $'p\\ntouch X\\n#\\x1b[2J.toml'" in result.stdout
+    assert "p\\ntouch X\\n#\\x1b[2J.toml: 2 nodes" in result.stdout
 
 
 def test_nothing_is_written_when_a_flag_is_bad(plan: Path) -> None:

@@ -26,6 +26,7 @@ from medley.runtime.nodes import (
     NodeLaunch,
     node_launches,
     parse_endpoint,
+    shell_quote,
     slurm_script,
     used_nodes,
 )
@@ -175,6 +176,40 @@ def test_slurm_script_stops_the_other_nodes_when_one_fails(tmp_path: Path) -> No
     done = subprocess.run(["bash", str(path)], env=tool_env(bin_dir, tmp_path / "log"), timeout=30,
                           capture_output=True, text=True)
     assert done.returncode == 1 and "a node failed; stopping the others" in done.stderr
+
+
+NEWLINE_PLAN = "p\ntouch X\n#.toml"  # the hostile probe's plan path
+
+
+def test_slurm_script_runs_no_line_of_a_plan_path(tmp_path: Path) -> None:
+    """A plan path with newlines (and an ESC) stays one quoted word on its line and a comment stays
+    one line: the script has as many lines as for a plain path, and running it (fake srun and
+    torchrun) creates no marker file and hands torchrun the path byte for byte."""
+    plan = one_and_three(tmp_path)
+    path = NEWLINE_PLAN + "\x1b[31m"
+    script = slurm_script(plan, LaunchSettings(plan_path=path, rdzv_id="j", train_args=("--data", path)),
+                          job_name="j")
+    plain = slurm_script(plan, LaunchSettings(plan_path="p.toml", rdzv_id="j", train_args=("--data", "d")),
+                         job_name="j")
+    assert len(script.splitlines()) == len(plain.splitlines()) and "\x1b" not in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    bin_dir = fake_tools(tmp_path)
+    (bin_dir / "torchrun").write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$LOG.$MEDLEY_NODE"\n')
+    job, log = tmp_path / "job.sbatch", tmp_path / "log"
+    job.write_text(script)
+    subprocess.run(["bash", str(job)], env=tool_env(bin_dir, log), cwd=tmp_path, check=True, timeout=30)
+    assert not (tmp_path / "X").exists()
+    for node in ("one", "three"):
+        argv = Path(f"{log}.{node}").read_text().split("\0")[:-1]
+        assert flag(tuple(argv), "--plan") == path and flag(tuple(argv), "--data") == path
+
+
+@given(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), max_size=12))
+def test_a_quoted_word_is_one_line_and_the_same_string_to_bash(text: str) -> None:
+    word = shell_quote(text)
+    assert word.isprintable()
+    done = subprocess.run(["bash", "-c", f"printf %s {word}"], capture_output=True, check=True, timeout=10)
+    assert done.stdout == text.encode()
 
 
 def test_a_plan_file_round_trip_keeps_the_nodes(tmp_path: Path) -> None:

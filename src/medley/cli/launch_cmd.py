@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import socket
 import sys
 import uuid
@@ -27,14 +26,16 @@ from medley.runtime.nodes import (
     VISIBLE_ENV,
     LaunchSettings,
     NodeLaunch,
+    check_rdzv_id,
     launches_json,
     node_launches,
+    shell_quote,
     slurm_script,
 )
 from medley.runtime.placement import world_size_terms
+from medley.spec.cluster_schema import printable
 
 LOCAL_ENV = {VISIBLE_ENV: "", ONE_THREAD_ENV: "1"}  # gloo on CPU, a core per rank
-_RDZV_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _OWN_FLAGS = {"plan": "--plan", "local_ranks": "--local-ranks"}
 
 
@@ -81,12 +82,12 @@ def local_settings(plan_path: Path, train_args: list[str]) -> LaunchSettings:
 def describe(plan_path: Path, plan: Plan, launches: list[NodeLaunch]) -> str:
     """The commands for people: a header, then per node its host, devices and command line."""
     endpoint = launches[0].argv[launches[0].argv.index("--rdzv-endpoint") + 1]
-    lines = [f"{plan_path}: {len(launches)} nodes, {plan.world_size} ranks ({world_size_terms(plan)}); "
-             f"rendezvous {endpoint} (c10d). Run on each node, with the plan file at that path there:"]
+    lines = [f"{printable(plan_path)}: {len(launches)} nodes, {plan.world_size} ranks "
+             f"({world_size_terms(plan)}); rendezvous {endpoint} (c10d). Run on each node, with the plan "
+             "file at that path there:"]
     for launch in launches:
-        host = launch.host or "host not given"
-        lines += ["", f"# node {launch.node} ({host}): devices {','.join(map(str, launch.devices))}",
-                  launch.command]
+        host, devices = printable(launch.host or "host not given"), ",".join(map(str, launch.devices))
+        lines += ["", f"# node {printable(launch.node)} ({host}): devices {devices}", launch.command]
     return "\n".join(lines)
 
 
@@ -97,8 +98,8 @@ def check_flags(*, local: bool, slurm: Path | None, as_json: bool, dry_run: bool
     if local and as_json and not dry_run:
         raise MedleyInputError("--json lists the commands with --dry-run; for the training records as JSON "
                                "put --json after --")
-    if rdzv_id is not None and not _RDZV_ID.match(rdzv_id):
-        raise MedleyInputError(f"--rdzv-id '{rdzv_id}': use 1-64 letters, digits, '.', '_' or '-'")
+    if rdzv_id is not None:
+        check_rdzv_id(rdzv_id)
 
 
 def register(app: typer.Typer) -> None:
@@ -143,7 +144,7 @@ def register(app: typer.Typer) -> None:
         else:
             typer.echo(describe(plan, the_plan, launches))
         if slurm is not None and not as_json:
-            typer.echo(f"\nwrote {slurm}: submit it with sbatch {slurm}")
+            typer.echo(f"\nwrote {printable(slurm)}: submit it with sbatch {shell_quote(str(slurm))}")
 
 
 def start_local(launches: list[NodeLaunch]) -> None:

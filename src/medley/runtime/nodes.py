@@ -11,6 +11,7 @@ plan devices starts no agent. Pure text: nothing here imports torch or starts a 
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -27,7 +28,9 @@ RDZV_PORT = 29500
 ENDPOINT_VAR = "${MEDLEY_RDZV_ENDPOINT}"  # the SLURM script sets it (from the plan or SLURM's node list)
 TORCHRUN = ("torchrun",)
 MEDLEY = ("--no-python", "medley")
-_ENDPOINT = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>[0-9]{1,5}))?$")
+_ENDPOINT = re.compile(r"(?P<host>[A-Za-z0-9_][A-Za-z0-9_.\-]*|\[[0-9A-Fa-f:.]+\])(?::(?P<port>[0-9]{1,5}))?")
+_RDZV_ID = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_ANSI_C = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,13 +83,37 @@ class NodeLaunch:
     @property
     def command(self) -> str:
         """The shell line: ``NAME=value ... torchrun ...``."""
-        assignments = [f"{key}={shlex.quote(value)}" for key, value in self.env.items()]
+        assignments = [f"{key}={shell_quote(value)}" for key, value in self.env.items()]
         return " ".join([*assignments, *(_quote(arg) for arg in self.argv)])
+
+
+def shell_quote(arg: str) -> str:
+    """``arg`` as one shell word on one line: shlex's quoting, or bash's ``$'...'`` (ANSI-C) quoting
+    when it holds a character that is not printable (a newline, ESC), each such character written
+    as the ``\\xHH`` escapes of its bytes (those of the file name, for a path)."""
+    if arg.isprintable():
+        return shlex.quote(arg)
+    return "$'" + "".join(_ANSI_C.get(c) or (c if c.isprintable() else _bytes_escape(c)) for c in arg) + "'"
+
+
+def _bytes_escape(char: str) -> str:
+    try:
+        data = os.fsencode(char)
+    except UnicodeEncodeError:  # a lone surrogate that is no undecodable file-name byte
+        data = char.encode("utf-8", "surrogatepass")
+    return "".join(f"\\x{b:02x}" for b in data)
 
 
 def _quote(arg: str) -> str:
     """``arg`` for a shell line; the SLURM script's endpoint variable stays a variable."""
-    return f'"{arg}"' if arg == ENDPOINT_VAR else shlex.quote(arg)
+    return f'"{arg}"' if arg == ENDPOINT_VAR else shell_quote(arg)
+
+
+def check_rdzv_id(text: str, *, flag: str = "--rdzv-id") -> str:
+    """``text`` if it is a rendezvous (and SLURM job) id: 1-64 letters, digits, '.', '_' or '-'."""
+    if _RDZV_ID.fullmatch(text) is None:
+        raise MedleyInputError(f"{flag} '{printable(text)}': use 1-64 letters, digits, '.', '_' or '-'")
+    return text
 
 
 def used_nodes(plan: Plan) -> list[tuple[Node, tuple[int, ...]]]:
@@ -97,7 +124,7 @@ def used_nodes(plan: Plan) -> list[tuple[Node, tuple[int, ...]]]:
 
 def parse_endpoint(text: str, *, flag: str = "--rdzv-endpoint") -> str:
     """``HOST[:PORT]`` as ``HOST:PORT`` (port 29500 by default); anything else is an input error."""
-    match = _ENDPOINT.match(text.strip())
+    match = _ENDPOINT.fullmatch(text)
     if match is None or not 1 <= int(match["port"] or RDZV_PORT) <= 65535:
         raise MedleyInputError(
             f"{flag} '{printable(text)}': not HOST:PORT; give a host name or address and a port "
@@ -148,30 +175,31 @@ def slurm_script(plan: Plan, settings: LaunchSettings, *, job_name: str) -> str:
     The rendezvous is ``settings.rdzv_endpoint``, else the first node's host on port 29500."""
     nodes = used_nodes(plan)
     launches = node_launches(plan, settings, endpoint=ENDPOINT_VAR)
+    check_rdzv_id(job_name, flag="the SLURM job name")
     hosts = [n.host for n in launches]
     known = all(h is not None for h in hosts)
     if settings.rdzv_endpoint is not None:
-        endpoint = shlex.quote(parse_endpoint(settings.rdzv_endpoint))
+        endpoint = shell_quote(parse_endpoint(settings.rdzv_endpoint))
     elif known:
-        endpoint = shlex.quote(rendezvous_endpoint(settings.plan_path, nodes, None))
+        endpoint = shell_quote(rendezvous_endpoint(settings.plan_path, nodes, None))
     else:
         endpoint = f'"${{hosts[0]}}:{RDZV_PORT}"'
     lines = ["#!/bin/bash",
-             f"# medley launch --slurm: {settings.plan_path} on {len(launches)} nodes, "
+             f"# medley launch --slurm: {printable(settings.plan_path)} on {len(launches)} nodes, "
              f"{sum(n.nproc for n in launches)} ranks. Submit with sbatch; add your partition, account,",
              "# time, --cpus-per-task and GPU (--gres) lines as your site needs.",
              f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={len(launches)}",
              "#SBATCH --ntasks-per-node=1"]
     if known:
-        lines.append(f"#SBATCH --nodelist={','.join(str(h) for h in hosts)}")
+        lines.append(f"#SBATCH --nodelist={','.join(printable(h) for h in hosts)}")
     lines += ["set -u", 'hosts=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))']
     if not known:
         lines.append("# node i of the plan runs on the allocation's i-th host: make sure these are the right "
                      "machines (--nodelist or constraints)")
     lines += [f"MEDLEY_RDZV_ENDPOINT={endpoint}", "pids=()"]
     for i, launch in enumerate(launches):
-        host = shlex.quote(str(launch.host)) if known else f'"${{hosts[{i}]}}"'
-        lines += [f"# node {launch.node}: devices {','.join(map(str, launch.devices))}",
+        host = shell_quote(str(launch.host)) if known else f'"${{hosts[{i}]}}"'
+        lines += [f"# node {printable(launch.node)}: devices {','.join(map(str, launch.devices))}",
                   f"srun --nodes=1 --ntasks=1 --nodelist={host} env {launch.command} &", "pids+=($!)"]
     lines += ['for _ in "${pids[@]}"; do',
               "  if ! wait -n; then",
