@@ -21,6 +21,7 @@ from launch_plans import cluster_file, node_toml, plan_file, tiny_plan
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan, load_plan
 from medley.runtime.agents import GRACE_S, run_agents
+from medley.runtime.lock import acquire
 from medley.runtime.nodes import (
     LaunchSettings,
     NodeLaunch,
@@ -290,6 +291,55 @@ def test_local_launch_ctrl_c_stops_every_agent_and_rank(tmp_path: Path) -> None:
     assert stderr.strip().splitlines()[-1] == "error: interrupted (Ctrl-C)"
     time.sleep(1)
     assert not [pid for pid in agents + ranks if Path(f"/proc/{pid}").exists()]
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` exists and is no zombie (an orphan's zombie waits for PID 1 to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_local_launch_leaves_no_agent_or_rank(tmp_path: Path, sig: signal.Signals) -> None:
+    """`kill -9` (or SIGTERM) of `medley launch --local`, in its own session, while its ranks train:
+    within 5 s no agent or rank is left (they were re-parented to PID 1 and trained on) and the
+    checkpoint directory's lock is free for the next run."""
+    cluster = cluster_file(tmp_path, node_toml("one", 1), node_toml("two", 1))
+    plan = plan_file(tmp_path, tiny_plan(cluster, pp=2, dp=1, assignment=((0, 1),), split="2,2"))
+    checkpoints = tmp_path / "ck"
+    train = ("--steps", "100000", "--checkpoint-dir", str(checkpoints))
+    process = subprocess.Popen(
+        [MEDLEY, "launch", str(plan), "--local", "--", *train],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    agents: list[int] = []
+    ranks: list[int] = []
+    while time.monotonic() < deadline and process.poll() is None:
+        agents = children(process.pid)
+        ranks = [r for a in agents for r in children(a)]
+        if len(agents) == 2 and len(ranks) == 2 and (checkpoints / ".medley.lock").exists():
+            break
+        time.sleep(0.2)
+    assert len(agents) == 2 and len(ranks) == 2, process.stderr.read() if process.poll() is not None else ""
+    time.sleep(1)  # rank 0 holds the lock
+    with pytest.raises(MedleyInputError, match="another run"):
+        acquire(checkpoints)
+    process.send_signal(sig)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + sig), stderr
+    if sig == signal.SIGTERM:
+        assert stderr.strip().splitlines()[-1].startswith("error: stopped (SIGTERM): the agents and ranks")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(map(running, agents + ranks)):
+        time.sleep(0.1)
+    left = [pid for pid in agents + ranks if running(pid)]
+    for pid in left:  # leave no orphan behind when this fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left
+    acquire(checkpoints).release()
 
 
 def stand_in(node: str, script: str) -> NodeLaunch:

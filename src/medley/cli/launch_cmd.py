@@ -67,7 +67,8 @@ def free_port() -> int:
 
 
 def local_settings(plan_path: Path, train_args: list[str]) -> LaunchSettings:
-    """Every agent on this machine: this Python's torchrun and medley, 127.0.0.1 and a free port."""
+    """Every agent on this machine: this Python's torchrun and medley, 127.0.0.1 and a free port;
+    the agents and their ranks die with this process (:mod:`medley.runtime.local_agent`)."""
     script = Path(sys.executable).with_name("medley")
     program = ("--no-python", str(script)) if script.exists() else ("-m", "medley.cli.main")
     env = dict(LOCAL_ENV)
@@ -75,7 +76,7 @@ def local_settings(plan_path: Path, train_args: list[str]) -> LaunchSettings:
         env["OMP_NUM_THREADS"] = "1"  # what torchrun would set, without its banner on stdout
     return LaunchSettings(plan_path=str(plan_path.resolve()), train_args=tuple(train_args),
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id=f"medley-{uuid.uuid4().hex[:10]}",
-                          launcher=(sys.executable, "-m", "torch.distributed.run"), program=program,
+                          launcher=(sys.executable, "-m", "medley.runtime.local_agent"), program=program,
                           extra_env=env)
 
 
@@ -151,9 +152,14 @@ def start_local(launches: list[NodeLaunch]) -> None:
     """Run the agents here; exit with their outcome (one line on stderr when it needs one)."""
     from medley.cli.errors import print_error
     from medley.errors import debug_enabled
-    from medley.runtime.agents import run_agents
+    from medley.runtime.agents import Stopped, run_agents
 
-    code, line = run_agents(launches, debug=debug_enabled())
+    try:
+        code, line = run_agents(launches, debug=debug_enabled())
+    except Stopped as stop:
+        print_error(f"stopped ({stop}): the agents and ranks were stopped; run again to resume from the "
+                    "newest checkpoint")
+        raise typer.Exit(code=128 + stop.signum) from None
     if line is not None:
         print_error(line)
     if code:

@@ -6,21 +6,27 @@ environment. Their output is passed through line by line: the ranks' stdout as i
 failure reports (all shown with ``--debug``), each ``error:`` line once however many ranks print it.
 When an agent fails, the others get a short grace to report their own cause, then are stopped; a
 failure without an ``error:`` line of the ranks becomes one line naming the node and the rank.
+
+The agents and their ranks never outlive this process: each agent learns its pid
+(``MEDLEY_LAUNCHER_PID``) and, run as :mod:`medley.runtime.local_agent`, dies with it (a ``kill -9``
+included); SIGTERM and SIGHUP stop them first, as Ctrl-C does (:class:`Stopped`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO
 
-from medley.runtime.nodes import NodeLaunch
+from medley.runtime.nodes import LAUNCHER_PID_ENV, NodeLaunch
 
 GRACE_S = 3.0  # how long the other agents may still report after the first one failed
 STOP_S = 10.0  # how long a stopped agent may take before it is killed
@@ -30,6 +36,15 @@ _POLL_S = 0.1
 _TORCH_NOISE = re.compile(r"^(\[?[DIWEF]\d{4} \d\d:\d\d:\d\d|Exception raised from |frame #\d+: |"
                           r"<omitting python frames>|\s*$)")
 _ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(Exception):  # noqa: N818 - it reports a stop, not a failure
+    """The launcher got SIGTERM or SIGHUP (``signum``); the agents were stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 @dataclass(kw_only=True)
@@ -84,7 +99,7 @@ def _pump(source: IO[str], sink: Callable[[str], None]) -> None:
 
 
 def _start(launch: NodeLaunch, output: _Output) -> tuple[_Agent, list[threading.Thread]]:
-    env = {**os.environ, **launch.env}
+    env = {**os.environ, **launch.env, LAUNCHER_PID_ENV: str(os.getpid())}
     process = subprocess.Popen(launch.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, bufsize=1)
     agent = _Agent(launch=launch, process=process)
@@ -126,16 +141,17 @@ def _wait(agents: list[_Agent]) -> None:
 def run_agents(launches: list[NodeLaunch], *, debug: bool) -> tuple[int, str | None]:
     """Start every agent, wait for all; (exit status, one line to print or None). Status 0 when all
     succeeded, 2 when a rank refused its input (its ``error:`` line was shown), else 1. Ctrl-C
-    stops every agent and re-raises."""
+    stops every agent and re-raises; SIGTERM or SIGHUP stops them and raises :class:`Stopped`."""
     output = _Output(debug=debug)
     agents: list[_Agent] = []
     threads: list[threading.Thread] = []
     try:
-        for launch in launches:
-            agent, pumps = _start(launch, output)
-            agents.append(agent)
-            threads += pumps
-        _wait(agents)
+        with _stop_signals():
+            for launch in launches:
+                agent, pumps = _start(launch, output)
+                agents.append(agent)
+                threads += pumps
+            _wait(agents)
     except BaseException:
         _stop(agents)
         raise
@@ -143,6 +159,24 @@ def run_agents(launches: list[NodeLaunch], *, debug: bool) -> tuple[int, str | N
     for thread in threads:
         thread.join(timeout=STOP_S)
     return _outcome(agents, shown_error=bool(output.errors))
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise :class:`Stopped` (in the main thread, the only one that can)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _root_cause(agent: _Agent) -> tuple[int, int] | None:

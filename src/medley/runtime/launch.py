@@ -37,13 +37,12 @@ from medley.errors import MedleyInputError, debug_enabled
 from medley.plan.plan import Plan
 from medley.runtime import placement
 from medley.runtime.lifecycle import die_with_parent
-from medley.runtime.nodes import ONE_THREAD_ENV
+from medley.runtime.nodes import LAUNCHER_PID_ENV, ONE_THREAD_ENV
 from medley.runtime.placement import PlacementEntry, world_size_terms
 from medley.runtime.train import StepRecord, TrainConfig, load_data, train
 
 PROCESS_GROUP_TIMEOUT_S = 120
 _SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-LAUNCHER_PID_ENV = "MEDLEY_LAUNCHER_PID"  # ranks of train_local exit when this process dies
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 

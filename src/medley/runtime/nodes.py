@@ -24,6 +24,7 @@ from medley.spec.cluster_schema import printable
 
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 ONE_THREAD_ENV = "MEDLEY_ONE_THREAD_PER_RANK"  # "1": each rank computes on one thread (CPU ranks)
+LAUNCHER_PID_ENV = "MEDLEY_LAUNCHER_PID"  # agents and ranks started here exit when this process dies
 RDZV_PORT = 29500
 ENDPOINT_VAR = "${MEDLEY_RDZV_ENDPOINT}"  # the SLURM script sets it (from the plan or SLURM's node list)
 TORCHRUN = ("torchrun",)
