@@ -34,6 +34,9 @@ PROFILE_HELP = "A `medley profile` file; repeat it, one per device type (the cat
 COMM_PROFILE_HELP = "Measured links (`medley profile --comm`) in place of the cluster file's nominal ones"
 PROFILES_HELP = "Directory of Metis-format profiles (DeviceType.A100_tp1_bs1.json, or A100-40/mbs1_tmp1.json)"
 GANTT_SUFFIXES = (".png", ".svg", ".pdf")
+SIZE_FLAGS = "--dp, --micro-batches, --zero, --buckets, --gather-windows"  # what sizes a simulated step
+MERGE_ABOVE = 64  # devices; beyond, the per-device table merges devices with equal figures
+MAX_ROWS = 64  # rows of the merged table shown (the first and the last)
 
 
 def group_summary(layout: PlanLayout) -> dict:
@@ -181,23 +184,8 @@ def print_summary(data: dict, console: Console) -> None:
         "headroom",
     ):
         table.add_column(col, justify="right")
-    for d in data["devices"]:
-        headroom = f"{d['headroom_gb']:.1f} GB" + ("" if d["fits"] else " OOM")
-        table.add_row(
-            str(d["device"]),
-            d["type"],
-            (f"g{d['group']} " if "schedule" not in data else "") + f"{d['replica']}/{d['rank']}"
-            + (f" tp{d['tp_rank']}/{d['tp']}" if d.get("tp", 1) > 1 else ""),
-            ",".join(map(str, d["stages"])),
-            f"{d['busy']:.1%}",
-            f"{d['bubble']:.1%}",
-            f"{d['exposed_transfer_s'] * 1e3:.1f} ms",
-            f"{d['exposed_zero_s'] * 1e3:.1f} ms",
-            f"{d['exposed_clip_s'] * 1e3:.1f} ms",
-            f"{d['clip_barrier_s'] * 1e3:.1f} ms",
-            f"{d['peak_memory_gb']:.1f} GB",
-            headroom,
-        )
+    for row in device_rows(data["devices"], grouped="schedule" not in data):
+        table.add_row(*row)
     print_table(console, table)
     if data.get("stages"):
         zt = Table(title="ZeRO communication per stage (worst device of the stage; exposed <= collective)")
@@ -231,6 +219,72 @@ def print_summary(data: dict, console: Console) -> None:
 
 def _layers(first: int, last: int) -> str:
     return f"layers {first}-{last}" if last > first else f"layer {first}"
+
+
+def _device_cells(d: dict, *, grouped: bool) -> list[str]:
+    """One device's row: device, type, (replica group and) replica, rank (and TP rank), then its
+    figures."""
+    headroom = f"{d['headroom_gb']:.1f} GB" + ("" if d["fits"] else " OOM")
+    return [
+        str(d["device"]),
+        d["type"],
+        f"g{d['group']} " if grouped else "",
+        str(d["replica"]),
+        f"{d['rank']}" + (f" tp{d['tp_rank']}/{d['tp']}" if d.get("tp", 1) > 1 else ""),
+        ",".join(map(str, d["stages"])),
+        f"{d['busy']:.1%}",
+        f"{d['bubble']:.1%}",
+        f"{d['exposed_transfer_s'] * 1e3:.1f} ms",
+        f"{d['exposed_zero_s'] * 1e3:.1f} ms",
+        f"{d['exposed_clip_s'] * 1e3:.1f} ms",
+        f"{d['clip_barrier_s'] * 1e3:.1f} ms",
+        f"{d['peak_memory_gb']:.1f} GB",
+        headroom,
+    ]
+
+
+def device_rows(devices: list[dict], *, grouped: bool = False) -> list[list[str]]:
+    """The per-device table's rows (``grouped``: replicas named with their group, ``g1 0/2``): one
+    per device up to :data:`MERGE_ABOVE` devices; beyond, the devices whose every printed figure
+    is equal share a row (their ids and replicas as ranges), and of more than :data:`MAX_ROWS` such
+    rows the first and the last are shown, with one row saying how many are left out (``--json``
+    lists every device). Work and output grow at most linearly."""
+    cells = [_device_cells(d, grouped=grouped) for d in devices]
+    if len(cells) <= MERGE_ABOVE:
+        return [[c[0], c[1], f"{c[2]}{c[3]}/{c[4]}", *c[5:]] for c in cells]
+    groups: dict[tuple[str, ...], tuple[list[int], list[int]]] = {}
+    for d, c in zip(devices, cells, strict=True):
+        ids, replicas = groups.setdefault((c[1], c[2], *c[4:]), ([], []))
+        ids.append(d["device"])
+        replicas.append(d["replica"])
+    rows = [[ranges(ids), key[0], f"{key[1]}{ranges(replicas)}/{key[2]}", *key[3:]]
+            for key, (ids, replicas) in groups.items()]
+    if len(rows) <= MAX_ROWS:
+        return rows
+    head, tail = rows[:MAX_ROWS - 16], rows[-16:]
+    hidden = rows[len(head):-16]
+    oom = sum(row[-1].endswith("OOM") for row in hidden)
+    note = f"{len(hidden):,} more rows" + (f" ({oom:,} OOM)" if oom else "") + "; --json lists every device"
+    return [*head, ["...", note, *[""] * (len(head[0]) - 2)], *tail]
+
+
+def ranges(values: list[int], *, width: int = 40) -> str:
+    """Sorted ``values`` as ranges (``0-3,8,10-12``); past ``width`` characters, the first ones and
+    the count (``0,2,4,... (3,125)``)."""
+    parts: list[str] = []
+    ordered = sorted(values)
+    start = prev = ordered[0]
+    for value in [*ordered[1:], None]:
+        if value is not None and value == prev + 1:
+            prev = value
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if value is not None:
+            start = prev = value
+    text = ",".join(parts)
+    if len(text) <= width:
+        return text
+    return text[:width].rsplit(",", 1)[0] + f",... ({len(ordered):,})"
 
 
 def _span(devices: list[int]) -> str:
@@ -317,7 +371,7 @@ def register(app: typer.Typer) -> None:
             assignment=assignment,
             tp=tp,
         )
-        problem, result = simulate_layout(layout, spec, cost=cost, comm=not no_comm)
+        problem, result = simulate_layout(layout, spec, cost=cost, comm=not no_comm, where=SIZE_FLAGS)
         write_pictures(result, trace=trace, gantt=gantt)
         data = summary(layout, spec, problem, result)
         data["cost_sources"] = layer_sources(layout, spec, cost)

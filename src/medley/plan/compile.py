@@ -36,10 +36,11 @@ from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, stat
 from medley.plan.collectives import CollectiveTable
 from medley.plan.layout import PlanLayout
 from medley.plan.tp_links import scale_hops
-from medley.plan.world import build_world
+from medley.plan.world import build_world, step_actions
 from medley.schedule.ir import Kind, PipelineSchedule
 from medley.sim.problem import SimProblem, StageCost
 from medley.spec.cluster import Cluster
+from medley.spec.limits import check_sim_actions
 
 
 def _stage_cost(
@@ -250,19 +251,25 @@ def recompute_workspace(
 
 
 def compile_problem(
-    layout: PlanLayout, cluster: Cluster, cost: CostSource, *, comm: bool = True
+    layout: PlanLayout, cluster: Cluster, cost: CostSource, *, comm: bool = True, where: str | None = None
 ) -> SimProblem:
-    """The :class:`SimProblem` of one training step of ``layout`` on ``cluster``."""
-    return compile_world((layout,), cluster, cost, comm=comm)
+    """The :class:`SimProblem` of one training step of ``layout`` on ``cluster`` (``where``: as
+    for :func:`compile_world`)."""
+    return compile_world((layout,), cluster, cost, comm=comm, where=where)
 
 
 def compile_world(
-    groups: Sequence[PlanLayout], cluster: Cluster, cost: CostSource, *, comm: bool = True
+    groups: Sequence[PlanLayout], cluster: Cluster, cost: CostSource, *, comm: bool = True,
+    where: str | None = None,
 ) -> SimProblem:
     """The :class:`SimProblem` of one training step of the plan made of replica ``groups``
     (:mod:`medley.plan.segments`): each group's replicas as above, their ZeRO collectives over the
-    plan's sync segments (:class:`~medley.plan.collectives.CollectiveTable`)."""
+    plan's sync segments (:class:`~medley.plan.collectives.CollectiveTable`). With ``where`` (the
+    input the plan came from), a step of more actions than the simulator runs in seconds
+    (:func:`medley.spec.limits.check_sim_actions`) is refused before anything per replica is built."""
     world = build_world(groups)
+    if where is not None:
+        check_sim_actions(step_actions(world.schedules), where=where)
     model = world.groups[0].model
     tensor = TensorParallelCompute(model, cost, catalog=_catalog(world.groups[0], cost, cluster))
     links = TopologyCommModel(cluster, p2p_overhead_s=_p2p_overhead(cost)) if comm else None

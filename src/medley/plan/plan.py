@@ -22,7 +22,7 @@ from medley.errors import MedleyInputError
 from medley.fileio import read_toml, write_atomically
 from medley.plan.layout import PlanLayout, check_tp
 from medley.plan.segments import joined
-from medley.plan.world import build_world
+from medley.plan.world import build_world, step_actions
 from medley.schedule.zero_settings import Placement, StageZero
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import cluster_from_dict
@@ -33,6 +33,7 @@ from medley.spec.limits import (
     MAX_SIM_WORK,
     MAX_SIZE,
     MAX_WINDOWS,
+    check_sim_actions,
     check_sim_work,
 )
 from medley.spec.model import PRESETS, ModelSpec, model_from_dict
@@ -294,7 +295,7 @@ def _check_groups(groups: list[PlanLayout], source: str) -> None:
             f"micro-batches, every group); the limit is {MAX_SIM_WORK:,}: use fewer micro-batches, "
             "stages or replicas.")
     try:
-        build_world(joined(groups))
+        check_sim_actions(step_actions(build_world(joined(groups)).schedules), where="the step")
     except MedleyInputError as err:
         raise MedleyInputError(f"{source}: table 'layout': {err}") from None
 

@@ -29,20 +29,23 @@ it (a search simulates many plans of the same few programs)."""
 
 
 def simulate_layout(
-    layout: PlanLayout, cluster: Cluster, *, cost: CostSource | None = None, comm: bool = True
+    layout: PlanLayout, cluster: Cluster, *, cost: CostSource | None = None, comm: bool = True,
+    where: str | None = None,
 ) -> tuple[SimProblem, SimResult]:
-    """Validate the layout's schedules, then simulate one step (catalog costs unless given)."""
-    return simulate_groups((layout,), cluster, cost=cost, comm=comm)
+    """Validate the layout's schedules, then simulate one step (catalog costs unless given); with
+    ``where`` (the input it came from), refuse a step of too many actions first (compile_world)."""
+    return simulate_groups((layout,), cluster, cost=cost, comm=comm, where=where)
 
 
 def simulate_groups(
-    groups: Sequence[PlanLayout], cluster: Cluster, *, cost: CostSource | None = None, comm: bool = True
+    groups: Sequence[PlanLayout], cluster: Cluster, *, cost: CostSource | None = None, comm: bool = True,
+    where: str | None = None,
 ) -> tuple[SimProblem, SimResult]:
     """:func:`simulate_layout` for a plan of replica groups (:mod:`medley.plan.segments`)."""
     first = groups[0]
     if cost is None:
         cost = CatalogCostSource.for_cluster(first.model, cluster, dtype=first.dtype)
-    problem = compile_world(groups, cluster, cost, comm=comm)
+    problem = compile_world(groups, cluster, cost, comm=comm, where=where)
     # Replicas with the same micro-batch count run the same program: check each distinct one once
     # (a thousand replicas need not be validated a thousand times), and once per process.
     replicas = [(layout, r) for layout in groups for r in range(layout.dp)]

@@ -99,6 +99,19 @@ def build_schedules(layout: PlanLayout) -> list[PipelineSchedule]:
     return list(build_world((layout,)).schedules)
 
 
+def step_actions(schedules: Sequence[PipelineSchedule]) -> int:
+    """The actions of one step, summed over the replicas' schedules (what the simulator runs);
+    a program several replicas share is counted once per replica but walked once."""
+    sizes: dict[int, int] = {}
+    total = 0
+    for schedule in schedules:
+        size = sizes.get(id(schedule))
+        if size is None:
+            size = sizes[id(schedule)] = sum(map(len, schedule.actions))
+        total += size
+    return total
+
+
 def collective_key(world: World, replica: int, action: Action) -> tuple[tuple[Rank, ...], Hashable] | None:
     """Who a collective action of global replica ``replica`` waits for, and which it is
     (:data:`medley.schedule.world_order.CollectiveKey`): a unit's holders for its gathers and

@@ -26,7 +26,8 @@ RANK_BASE_BYTES = 256 * 2**20
 def predicted_peaks(plan: Plan, *, dtype: str) -> dict[int, float]:
     """Peak bytes per device id of the plan when trained in ``dtype`` (fp32, bf16 or fp16)."""
     groups = [dataclasses.replace(group, dtype=dtype) for group in plan.groups]
-    _, result = simulate_groups(groups, plan.cluster, comm=False)
+    _, result = simulate_groups(groups, plan.cluster, comm=False,
+                                where="the plan (--dp, --micro-batches, --zero, --buckets, --gather-windows)")
     return {report.device: report.peak_memory_bytes for report in result.devices}
 
 

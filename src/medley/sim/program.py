@@ -73,6 +73,10 @@ class _Builder:
         self.path_cache: dict[tuple[int, int], tuple[int, ...]] = {}
         self.routes: dict[tuple[int, bool, int], tuple] = {}
         self.coll_index: dict[tuple, int] = {}
+        # Per group tuple the table hands out (by identity, the tuple kept alive here): a number
+        # for it and each member's position, so that a replica's collective costs O(1), not O(dp).
+        self.group_ids: dict[tuple[int, ...], int] = {}
+        self.group_seen: dict[int, tuple[tuple[int, ...], int, dict[int, int]]] = {}
         self.bases: list[int] = []
         for schedule in problem.schedules:
             self.bases.append(len(self.prog.times))
@@ -235,7 +239,8 @@ class _Builder:
             if freed != cost.free_bytes:
                 cost = replace(cost, free_bytes=freed)
         me = self.prog.device_ids[device]
-        if me not in cost.group:
+        group_id, position = self.group(cost.group)
+        if me not in position:
             raise ValueError(f"replica {r}: collective table gives {action} the group {cost.group}, "
                              f"which lacks the issuing device {me}")
         if action.kind is Kind.OPTIM:
@@ -259,8 +264,9 @@ class _Builder:
             # A bucket's reduction buffers exist once per step: later reductions of the same
             # bucket (streamed ZeRO-3, gradient windows) accumulate into them.
             cost = replace(cost, alloc_bytes=0.0)
-        inst = self.instance(cost.group, action, nth, cost.op, cost.nbytes, cost.compute_s, key3)
-        slot_in_group = self.prog.coll_members[inst].index(device)
+        inst = self.instance(cost.group, action, nth, cost.op, cost.nbytes, cost.compute_s, key3,
+                             group_id=group_id)
+        slot_in_group = position[me]
         self.prog.coll_alloc[inst][slot_in_group] = cost.alloc_bytes
         self.prog.coll_free[inst][slot_in_group] = cost.free_bytes
         self.prog.coll_seq[device].append(inst)
@@ -273,13 +279,24 @@ class _Builder:
             reduce[_CLIP_KEY] = inst
         ops.append((OP_ISSUE, inst))
 
+    def group(self, group: tuple[int, ...]) -> tuple[int, dict[int, int]]:
+        """(the number of ``group``, each member's position in it); O(len(group)) only the first
+        time this tuple object (or an equal one, from a table that builds a tuple per call) is seen."""
+        seen = self.group_seen.get(id(group))
+        if seen is None or seen[0] is not group:
+            number = self.group_ids.setdefault(group, len(self.group_ids))
+            seen = self.group_seen[id(group)] = (group, number, {d: i for i, d in enumerate(group)})
+        return seen[1], seen[2]
+
     def instance(
         self, group: tuple[int, ...], action: Action, nth: int, op: Collective, nbytes: float,
-        extra_s: float = 0.0, identity: tuple | None = None,
+        extra_s: float = 0.0, identity: tuple | None = None, *, group_id: int | None = None,
     ) -> int:
         if identity is None:
             identity = (action.kind, _group_stage(action), action.bucket)
-        key = (group, *identity, nth)
+        if group_id is None:
+            group_id = self.group(group)[0]
+        key = (group_id, *identity, nth)
         inst = self.coll_index.get(key)
         if inst is not None:
             return inst

@@ -26,6 +26,11 @@ MAX_SIM_WORK = 50_000
 """Pipeline stages (virtual stages included) x micro-batches, summed over the replicas: about
 10 s of simulation at most."""
 
+MAX_SIM_ACTIONS = 1_000_000
+"""Actions of one simulated step, summed over the replicas: compute, sends and receives, ZeRO
+collectives and optimizer steps (ZeRO-3 streaming, many buckets or gather windows multiply them
+beyond the stage-micro-batches)."""
+
 MAX_WINDOWS = 256
 """ZeRO gather or gradient rounds per stage and step (each round is a set of collectives)."""
 
@@ -53,4 +58,15 @@ def check_sim_work(*, stages: int, micro_batches: tuple[int, ...] | list[int], w
             f"{where}: {stages} stages x {sum(micro_batches):,} micro-batches (all replicas) = {work:,} "
             f"stage-micro-batches to simulate; the limit is {MAX_SIM_WORK:,} (about 10 s): use fewer "
             "micro-batches, stages or replicas."
+        )
+
+
+def check_sim_actions(actions: int, *, where: str) -> None:
+    """Refuse a step of more than :data:`MAX_SIM_ACTIONS` actions to simulate (``where`` names
+    the input)."""
+    if actions > MAX_SIM_ACTIONS:
+        raise MedleyInputError(
+            f"{where}: one step has {actions:,} actions to simulate (compute, transfers, ZeRO collectives "
+            f"and optimizer steps of all replicas); the limit is {MAX_SIM_ACTIONS:,}: use fewer replicas, "
+            "micro-batches, ZeRO buckets or gather windows (or ZeRO-1/2 instead of streaming ZeRO-3)."
         )
