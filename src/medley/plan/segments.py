@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -111,7 +112,7 @@ class SyncSegments:
 
     def where(self, replica: int) -> tuple[int, int]:
         """(group, replica inside the group) of global replica ``replica``."""
-        group = max(g for g, first in enumerate(self.first_replica) if first <= replica)
+        group = bisect_right(self.first_replica, replica) - 1
         return group, replica - self.first_replica[group]
 
 

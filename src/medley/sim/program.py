@@ -77,6 +77,7 @@ class _Builder:
         # for it and each member's position, so that a replica's collective costs O(1), not O(dp).
         self.group_ids: dict[tuple[int, ...], int] = {}
         self.group_seen: dict[int, tuple[tuple[int, ...], int, dict[int, int]]] = {}
+        self.rings: dict[int, tuple[int, ...]] = {}  # group number -> the links of its ring
         self.bases: list[int] = []
         for schedule in problem.schedules:
             self.bases.append(len(self.prog.times))
@@ -309,8 +310,11 @@ class _Builder:
         prog.coll_alloc.append([None] * len(group))
         prog.coll_free.append([None] * len(group))
         prog.coll_dur.append(comm.collective_time(op, group, nbytes) + extra_s if comm is not None else 0.0)
-        ring = {link for i, d in enumerate(group) for link in self.links(d, group[(i + 1) % len(group)])}
-        prog.coll_links.append(tuple(sorted(ring)))
+        ring = self.rings.get(group_id)
+        if ring is None:  # the links of the group's ring, once per group
+            links = {link for i, d in enumerate(group) for link in self.links(d, group[(i + 1) % len(group)])}
+            ring = self.rings[group_id] = tuple(sorted(links))
+        prog.coll_links.append(ring)
         prog.coll_slot.append(len(prog.times))
         prog.times.append(-1.0)
         prog.coll_action.append(action)
