@@ -71,7 +71,8 @@ def register(app: typer.Typer) -> None:
         ],
         model: Annotated[str, typer.Option(help="Preset, Hugging Face config.json or model directory")],
         global_batch: Annotated[int, typer.Option(min=1, help="Sequences per optimizer step")] = 512,
-        seq_len: Annotated[int, typer.Option(min=1, help="Tokens per sequence")] = 2048,
+        seq_len: Annotated[int | None, typer.Option(
+            min=1, help="Tokens per sequence (default: 2048, or the model's longest if shorter)")] = None,
         objective: Annotated[
             str, typer.Option(help="throughput, or cost (needs price_per_hour)")
         ] = "throughput",
@@ -125,6 +126,7 @@ def register(app: typer.Typer) -> None:
             check_output_dir(export[1], flag="--export torch")
         spec = with_comm_profile(parse_cluster_arg(cluster), comm_profile)
         model_spec = get_model(model)
+        seq_len = model_spec.default_seq_len() if seq_len is None else seq_len
         constraints = _constraints(
             max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, spec, asymmetric
         )

@@ -308,7 +308,8 @@ def register(app: typer.Typer) -> None:
             str, typer.Option(help="Micro-batches per replica: one value, or one per replica")
         ] = "8",
         micro_batch_size: Annotated[int, typer.Option(min=1, help="Sequences per micro-batch")] = 1,
-        seq_len: Annotated[int, typer.Option(min=1, help="Tokens per sequence")] = 2048,
+        seq_len: Annotated[int | None, typer.Option(
+            min=1, help="Tokens per sequence (default: 2048, or the model's longest if shorter)")] = None,
         virtual_stages: Annotated[int, typer.Option(min=1, help="Chunks per rank (interleaved)")] = 2,
         split: Annotated[str | None, typer.Option(help="Blocks (or layers) per stage, e.g. 6,8,9,9")] = None,
         zero: Annotated[
@@ -346,6 +347,7 @@ def register(app: typer.Typer) -> None:
         check_pictures(trace=trace, gantt=gantt)
         spec = with_comm_profile(parse_cluster_arg(cluster), comm_profile)
         model_spec = get_model(model)
+        seq_len = model_spec.default_seq_len() if seq_len is None else seq_len
         cost = cost_source(model_spec, spec, profiles=profile or (), profiles_dir=profiles, dtype=dtype,
                            seq_len=seq_len)
         if dtype is None and isinstance(cost, PerDeviceCostSource):

@@ -160,11 +160,7 @@ def model_summary(
     """Per layer kind: params, FLOPs, activation bytes, and F/B/W seconds per device type."""
     if micro_batch_size <= 0 or seq_len <= 0:
         raise MedleyInputError("--micro-batch-size and --seq-len must be positive integers.")
-    if model.position == "learned" and seq_len > model.max_seq_len:
-        raise MedleyInputError(
-            f"--seq-len {seq_len} exceeds {model.name}'s {model.max_seq_len} learned positions; "
-            f"use at most {model.max_seq_len}."
-        )
+    model.check_seq_len(seq_len)
     shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len}
     source = CatalogCostSource.for_cluster(model, cluster, dtype=dtype)
     d = 4 if dtype == "fp32" else 2

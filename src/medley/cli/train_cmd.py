@@ -17,9 +17,11 @@ from rich.console import Console
 from rich.table import Table
 
 from medley.cli import hf_cmd
-from medley.cli.errors import MedleyInputError, exit_on_input_error
+from medley.cli.console import literal, make_console
+from medley.cli.errors import MedleyInputError, exit_on_input_error, print_error
 from medley.plan.plan import Plan
 from medley.runtime.placement import world_size_terms
+from medley.spec.limits import MAX_SEED, MAX_STEPS
 
 DEFAULT_DEVICE = "A100-80GB"
 
@@ -141,7 +143,7 @@ def run_stopping_cleanly(plan: Plan, config, *, local_ranks: int | None):  # noq
     try:
         return run(plan, config, local_ranks=local_ranks)
     except RankFailure as err:
-        typer.echo(f"error: {err}", err=True)
+        print_error(str(err))
         raise typer.Exit(code=1) from None
     except (KeyboardInterrupt, SignalException) as err:
         if debug_enabled():
@@ -191,7 +193,7 @@ def register(app: typer.Typer) -> None:
     @exit_on_input_error
     def train_cmd(
         plan: Annotated[Path | None, typer.Option(help="Plan TOML file (else the inline flags)")] = None,
-        steps: Annotated[int, typer.Option(help="Optimizer steps in total")] = 20,
+        steps: Annotated[int, typer.Option(min=1, max=MAX_STEPS, help="Optimizer steps in total")] = 20,
         data: Annotated[str | None, typer.Option(help=(
             "Data: .jsonl, .parquet (file or directory), datasets save_to_disk directory, .bin token file, "
             "text file, or 'synthetic' (default: shipped corpus)"))] = None,
@@ -214,11 +216,11 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Step records and placement as JSON")] = False,
         emulate: Annotated[bool, typer.Option(help="Stretch compute per the plan's device speeds")] = False,
         slowdown: Annotated[str | None, typer.Option(help="Emulated slowdown by device: 0=2,3=1.5")] = None,
-        seed: Annotated[int, typer.Option(help="Seed of weights and data order")] = 0,
+        seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of weights and data order")] = 0,
         optimizer: Annotated[str, typer.Option(help="adamw or sgd")] = "adamw",
         lr: Annotated[float, typer.Option(help="Peak learning rate (0: no updates)")] = 3e-3,
         min_lr: Annotated[float, typer.Option(help="Learning rate at the end of the cosine decay")] = 3e-4,
-        warmup_steps: Annotated[int, typer.Option(help="Linear warm-up steps")] = 5,
+        warmup_steps: Annotated[int, typer.Option(min=0, max=MAX_STEPS, help="Linear warm-up steps")] = 5,
         weight_decay: Annotated[float, typer.Option(help="Weight decay")] = 0.1,
         clip_norm: Annotated[float, typer.Option(help="Global gradient-norm clip (0: off)")] = 1.0,
         dtype: Annotated[str | None, typer.Option(
@@ -300,8 +302,8 @@ def register(app: typer.Typer) -> None:
             return
         if export_hf is not None:
             hf_cmd.export_after_training(config.checkpoint_dir, export_hf, temporary=checkpoint_dir is None)
-            typer.echo(f"wrote the Hugging Face model {export_hf}", err=True)
+            typer.echo(f"wrote the Hugging Face model {literal(str(export_hf))}", err=True)
         if as_json:
             typer.echo(json.dumps(run_json(records), indent=1, allow_nan=False))
         else:
-            print_records(the_plan, records, Console(), split=split if plan is None else None)
+            print_records(the_plan, records, make_console(), split=split if plan is None else None)

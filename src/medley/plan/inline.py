@@ -160,6 +160,7 @@ def inline_layout(
     (``--tp 2`` or ``--tp 2,1``) the tensor-parallel degree of each pipeline rank."""
     _check_flags(pp=pp, dp=dp, micro_batch_size=micro_batch_size, seq_len=seq_len,
                  virtual_stages=virtual_stages, buckets=buckets, gather_windows=gather_windows)
+    model.check_seq_len(seq_len)
     degrees = parse_tp(tp, pp=pp)
     default_assignment(cluster, pp=pp, dp=dp, tp=degrees)
     counts = parse_int_list(micro_batches, flag="--micro-batches", count=dp, minimum=1,

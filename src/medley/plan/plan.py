@@ -357,6 +357,7 @@ def _layout_from_spec(spec: _GroupSpec, shared: _SharedSpec, model: ModelSpec, c
         tp=tuple(spec.tp),
     )
     try:
+        model.check_seq_len(layout.seq_len, field="seq_len")
         check_tp(layout, cluster)
     except MedleyInputError as err:
         raise MedleyInputError(f"{source}: table '{where}': {err}") from None

@@ -114,11 +114,7 @@ def _check_inputs(
         )
     if seq_len < 1:
         raise MedleyInputError(f"--seq-len {seq_len}: give a positive number of tokens per sequence.")
-    if model.position == "learned" and seq_len > model.max_seq_len:
-        raise MedleyInputError(
-            f"--seq-len {seq_len}: {model.name} learns positions only up to {model.max_seq_len}; "
-            "use at most that."
-        )
+    model.check_seq_len(seq_len)
     unknown = sorted(set(constraints.schedules) - set(SEARCHED_FAMILIES))
     if unknown or not constraints.schedules:
         raise MedleyInputError(

@@ -15,6 +15,7 @@ from medley.errors import MedleyInputError
 from medley.fileio import UnsafePathError, check_output_dir, check_output_file, open_no_follow
 from medley.runtime.data import DataOptions, DataSource, load_source
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
+from medley.spec.limits import MAX_SEED, MAX_STEPS
 
 GradHook = Callable[[int, dict[int, ShardedStage], float | None], None]
 
@@ -210,8 +211,10 @@ def _check_number(flag: str, value: float | None, *, positive: bool) -> None:
 
 def check_config(config: TrainConfig) -> None:
     """Refuse bad settings with one line naming the flag (before any work)."""
-    if config.steps < 1:
-        raise MedleyInputError(f"--steps {config.steps}: train at least one step")
+    if not 1 <= config.steps <= MAX_STEPS:
+        raise MedleyInputError(f"--steps {config.steps}: train 1..{MAX_STEPS:,} steps")
+    if not 0 <= config.seed <= MAX_SEED:
+        raise MedleyInputError(f"--seed {config.seed}: use a seed in 0..{MAX_SEED:,}")
     if config.optimizer not in ("adamw", "sgd"):
         raise MedleyInputError(f"--optimizer '{config.optimizer}' must be adamw or sgd")
     for flag, value, positive in (("--lr", config.lr, False), ("--min-lr", config.min_lr, False),
@@ -219,8 +222,8 @@ def check_config(config: TrainConfig) -> None:
                                   ("--clip-norm", config.clip_norm, True),
                                   ("--step-timeout", config.step_timeout_s, True)):
         _check_number(flag, value, positive=positive)
-    if config.warmup_steps < 0:
-        raise MedleyInputError(f"--warmup-steps {config.warmup_steps} must be >= 0")
+    if not 0 <= config.warmup_steps <= MAX_STEPS:
+        raise MedleyInputError(f"--warmup-steps {config.warmup_steps} must be in 0..{MAX_STEPS:,}")
     if config.checkpoint_dir is not None:
         check_output_dir(config.checkpoint_dir, flag="--checkpoint-dir")
     if config.log_jsonl is not None:

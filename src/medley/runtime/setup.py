@@ -78,10 +78,7 @@ def check_plan(plan: Plan, world_size: int) -> None:
     if model.word_embed_proj_dim is not None:
         raise MedleyInputError(f"model '{model.name}' projects its word embedding (word_embed_proj_dim), "
                                "which the runtime does not build; use another model")
-    if layout.seq_len > model.max_seq_len:
-        raise MedleyInputError(
-            f"layout.seq_len {layout.seq_len} (--seq-len) exceeds the longest sequence of model "
-            f"'{model.name}', {model.max_seq_len} (max_seq_len); use --seq-len {model.max_seq_len} or less")
+    model.check_seq_len(layout.seq_len, field="layout.seq_len")
 
 
 def _device() -> torch.device:

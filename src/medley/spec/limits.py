@@ -43,6 +43,13 @@ MAX_BLOCKS = 1_024
 MAX_SIZE = 2**31 - 1
 """Any other model dimension (width, heads, vocabulary, sequence length)."""
 
+MAX_SEED = 2**32 - 1
+"""``medley train --seed``: 0..2**32 - 1 (the weights and the data order seed torch generators with
+seed x 1,000,003 + index, which must stay within 64 bits)."""
+
+MAX_STEPS = 1_000_000_000
+"""``medley train --steps`` and ``--warmup-steps``: a billion optimizer steps at most."""
+
 
 def check_sim_work(*, stages: int, micro_batches: tuple[int, ...] | list[int], where: str) -> None:
     """Refuse a plan whose simulation would run for more than seconds (``where`` names the input)."""

@@ -176,6 +176,19 @@ class ModelSpec:
     def layers(self) -> list[Layer]:
         return [Layer(index=i, kind=self.layer_kind(i)) for i in range(self.num_layers)]
 
+    def check_seq_len(self, seq_len: int, *, field: str = "--seq-len") -> None:
+        """Refuse sequences longer than the model's longest (``max_seq_len``): a plan of them cannot
+        be trained, so ``medley plan``, ``simulate``, ``show``, ``train`` and ``model show`` all refuse
+        them here (``field`` names the flag or plan field)."""
+        if seq_len > self.max_seq_len:
+            raise MedleyInputError(
+                f"{field} {seq_len}: longer than the longest sequence of model '{printable(self.name)}', "
+                f"{self.max_seq_len} (max_seq_len); use {self.max_seq_len} or less")
+
+    def default_seq_len(self, usual: int = 2048) -> int:
+        """The tokens per sequence when none is given: ``usual``, or the model's longest if shorter."""
+        return min(usual, self.max_seq_len)
+
 
 def _llama(
     name: str, vocab: int, h: int, blocks: int, heads: int, kv: int, ffn: int, seq: int, theta: float
