@@ -1,5 +1,6 @@
-"""Where the CLI prints: consoles that print user text literally, tables that never cut a number,
-and progress reports on stderr.
+"""Where the CLI prints: consoles that print user text literally (markup never interpreted, control
+characters such as ESC escaped: a cluster, tier, model or file name cannot drive the terminal),
+tables that never cut a number, and progress reports on stderr.
 
 Every table the CLI prints goes through :func:`print_table`: it is shown as built when it fits the
 terminal without wrapping a cell; otherwise transposed (one column per row) when that fits; otherwise
@@ -18,21 +19,59 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from medley.spec.cluster_schema import printable
+
 PIPED_WIDTH = 140  # rich assumes 80 columns when output is piped; scripts get wider tables
 
 
+def literal(text: str) -> str:
+    """``text`` with its control characters (ESC, BEL, ...) written as escapes, line breaks kept:
+    what a terminal shows of a user string (:func:`printable` per line)."""
+    return "\n".join(printable(line) for line in str(text).split("\n"))
+
+
+class LiteralConsole(Console):
+    """A rich console whose printed strings, texts and tables have their control characters
+    escaped (:func:`literal`); its own styling is unaffected."""
+
+    def print(self, *objects: object, **kwargs: object) -> None:  # type: ignore[override]
+        super().print(*(_literal_renderable(o) for o in objects), **kwargs)  # type: ignore[arg-type]
+
+
+def _literal_renderable(item: object) -> object:
+    if isinstance(item, str):
+        return literal(item)
+    if isinstance(item, Text) and literal(item.plain) != item.plain:
+        return Text(literal(item.plain), style=item.style)
+    if isinstance(item, Table):
+        return literal_table(item)
+    return item
+
+
+def literal_table(table: Table) -> Table:
+    """A copy of ``table`` (title, caption, headers, justification and plain-string cells) with
+    every string passed through :func:`literal`."""
+    copy = Table(title=None if table.title is None else literal(str(table.title)),
+                 caption=None if table.caption is None else literal(str(table.caption)))
+    for column in table.columns:
+        copy.add_column(literal(str(column.header)), justify=column.justify, no_wrap=column.no_wrap)
+    for row in zip(*(list(column.cells) for column in table.columns), strict=True):
+        copy.add_row(*(literal(str(cell)) for cell in row))
+    return copy
+
+
 def make_console(*, stderr: bool = False) -> Console:
-    """A console that prints text literally (no rich markup: paths and names may contain ``[``)
-    and, when the output is piped and COLUMNS is unset, 140 columns wide."""
-    console = Console(stderr=stderr, markup=False, highlight=False, emoji=False)
+    """A console that prints text literally (no rich markup: paths and names may contain ``[``;
+    control characters escaped) and, when the output is piped and COLUMNS is unset, 140 columns wide."""
+    console = LiteralConsole(stderr=stderr, markup=False, highlight=False, emoji=False)
     if console.is_terminal or os.environ.get("COLUMNS", "").isdigit():
         return console
-    return Console(stderr=stderr, markup=False, highlight=False, emoji=False, width=PIPED_WIDTH)
+    return LiteralConsole(stderr=stderr, markup=False, highlight=False, emoji=False, width=PIPED_WIDTH)
 
 
 def styled(text: str, style: str) -> Text:
-    """``text`` in ``style`` (e.g. "bold red"), never parsed as markup."""
-    return Text(text, style=style)
+    """``text`` in ``style`` (e.g. "bold red"), never parsed as markup, control characters escaped."""
+    return Text(literal(text), style=style)
 
 
 def _width(console: Console, table: Table) -> int:
@@ -49,7 +88,9 @@ def _grid(title: str | None, headers: Sequence[str], rows: Sequence[Sequence[str
 
 
 def print_table(console: Console, table: Table) -> None:
-    """Print ``table`` (whose cells are plain strings) without cutting any cell, whatever the width."""
+    """Print ``table`` (whose cells are plain strings) without cutting any cell, whatever the width;
+    control characters in its strings escaped (:func:`literal_table`)."""
+    table = literal_table(table)
     for column in table.columns:
         column.no_wrap = True
     if _width(console, table) <= console.width:
@@ -90,7 +131,7 @@ def progress_steps(total: int, *, enabled: bool = True) -> Iterator[Callable[[st
 
         def line(description: str) -> None:
             done[0] += 1
-            print(f"[{done[0]}/{total}] {description}", file=sys.stderr, flush=True)
+            print(f"[{done[0]}/{total}] {literal(description)}", file=sys.stderr, flush=True)
 
         yield line
         return
@@ -102,7 +143,7 @@ def progress_steps(total: int, *, enabled: bool = True) -> Iterator[Callable[[st
         started = [False]
 
         def step(description: str) -> None:
-            progress.update(task, description=description, advance=1 if started[0] else 0)
+            progress.update(task, description=literal(description), advance=1 if started[0] else 0)
             started[0] = True
 
         yield step

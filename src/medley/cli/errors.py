@@ -21,6 +21,7 @@ import typer
 
 from medley.errors import MedleyInputError, debug_enabled
 from medley.fileio import os_error_message
+from medley.spec.cluster_schema import printable
 
 __all__ = ["MedleyInputError", "exit_on_input_error", "guarded", "print_error"]
 
@@ -30,12 +31,14 @@ INPUT_EXIT, INTERRUPT_EXIT, INTERNAL_EXIT = 2, 130, 1
 
 
 def one_line(text: str) -> str:
-    """``text`` with its line breaks folded into "; " (an error is one line)."""
-    return "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
+    """``text`` with its line breaks folded into "; " (an error is one line) and any other control
+    character (ESC, BEL, ...) escaped, so that a user string in it cannot drive the terminal."""
+    return printable("; ".join(part.strip() for part in str(text).splitlines() if part.strip()))
 
 
 def print_error(message: str) -> None:
-    """``error: <message>`` on one line of stderr, as plain text (no markup is interpreted)."""
+    """``error: <message>`` on one line of stderr, as plain text (no markup is interpreted, control
+    characters escaped)."""
     typer.echo(typer.style("error:", fg="red", bold=True) + " " + one_line(message), err=True)
 
 

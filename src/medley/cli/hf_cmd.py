@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from medley.cli.console import literal
 from medley.cli.errors import MedleyInputError, exit_on_input_error
 from medley.fileio import check_output_dir, remove_path
 
@@ -97,4 +98,4 @@ def register(app: typer.Typer) -> None:
             raise MedleyInputError(f"--max-shard-mb {max_shard_mb}: must be at least 1")
         out = check_export_target(hf, flag="--hf")
         export_hf(checkpoint, out, max_shard_bytes=max_shard_mb * 2**20)
-        typer.echo(f"wrote {out}")
+        typer.echo(f"wrote {literal(str(out))}")

@@ -11,10 +11,13 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 class PhaseBar:
     """A transient rich bar on stderr, one task per phase the search reports; a no-op when not
-    ``enabled``. Use it as a context manager and pass it as the search's ``progress``."""
+    ``enabled`` or when stderr is no terminal (rich then leaves an empty line behind, which came
+    before the one line of an error). Use it as a context manager and pass it as the search's
+    ``progress``."""
 
     def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+        self._console = Console(stderr=True)
+        self.enabled = enabled and self._console.is_terminal
         self._bar: Progress | None = None
         self._tasks: dict[str, TaskID] = {}
 
@@ -25,7 +28,7 @@ class PhaseBar:
                 BarColumn(),
                 TextColumn("{task.completed}/{task.total}"),
                 TimeElapsedColumn(),
-                console=Console(stderr=True),
+                console=self._console,
                 transient=True,
             )
             self._bar.__enter__()
