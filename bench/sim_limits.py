@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -83,14 +84,21 @@ def size_of(flags: dict) -> dict:
             "actions": step_actions(build_schedules(layout))}
 
 
-def run_case(flags: dict, *, src: str | None, timeout: float) -> dict:
-    """One fresh process: seconds, peak resident MB, exit status (None: stopped at ``timeout``)."""
+def run_case(flags: dict, *, src: str | None, timeout: float, memory_gb: float | None = None) -> dict:
+    """One fresh process: seconds, peak resident MB, exit status (None: stopped at ``timeout``);
+    with ``memory_gb``, its address space is capped there (it fails with MemoryError past it)."""
     env = dict(os.environ, COLUMNS="140")
     if src is not None:
         env["PYTHONPATH"] = src
+
+    def cap() -> None:
+        if memory_gb is not None:
+            limit = int(memory_gb * 2**30)
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "medley.cli.main", *argv_of(flags)], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=cap)
     deadline, status, usage = start + timeout, None, None
     while time.perf_counter() < deadline:
         pid, status, usage = os.wait4(process.pid, os.WNOHANG)
@@ -105,8 +113,7 @@ def run_case(flags: dict, *, src: str | None, timeout: float) -> dict:
     error = process.stderr.read().decode(errors="replace").strip() if process.stderr else ""
     code = None if status is None else os.waitstatus_to_exitcode(status)
     return {"seconds": seconds, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": usage.ru_maxrss / 1024,
-            "exit": code,
-            "error": error.splitlines()[-1] if code else ""}
+            "exit": code, "error": (error.splitlines() or [f"exit {code}"])[-1] if code else ""}
 
 
 def git_commit(src: str) -> str:
@@ -120,9 +127,11 @@ def write_markdown(payload: dict, path: Path) -> None:
 
     def cell(row: dict | None) -> str:
         if row is None:
-            return "not run (a smaller dp was stopped)"
+            return "not run (a smaller dp already failed)"
         if row["exit"] is None:
             return f"stopped at {row['seconds']:.0f} s ({row['peak_mb']:,.0f} MB)"
+        if row["exit"] != 0 and "MemoryError" in row["error"]:
+            return f"out of memory at the {baseline['memory_gb']:g} GB cap after {row['seconds']:.0f} s"
         return (f"{row['seconds']:.2f} s ({row['cpu_s']:.2f} s CPU), {row['peak_mb']:,.0f} MB"
                 + ("" if row["exit"] == 0 else " (failed)"))
 
@@ -146,7 +155,8 @@ def write_markdown(payload: dict, path: Path) -> None:
         "",
         f"`medley {' '.join(argv_of({**SWEEP_FLAGS, 'dp': 'N'}))}`"
         + (f"; before: the code at `{baseline['commit']}`, each case stopped after "
-           f"{baseline['timeout_s']:g} s." if baseline else "."),
+           f"{baseline['timeout_s']:g} s or {baseline['memory_gb']:g} GB (its memory grew as dp squared)."
+           if baseline else "."),
         "",
         "| dp | stage-micro-batches | actions | " + ("before | " if baseline else "") + "now |",
         "|---:|---:|---:|" + ("---:|" if baseline else "") + "---:|",
@@ -170,6 +180,8 @@ def main() -> None:
     parser.add_argument("--baseline-src", help="also run the dp sweep on this src directory (the old code)")
     parser.add_argument("--baseline-label", help="what the baseline is (default: its git commit)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a case is stopped")
+    parser.add_argument("--baseline-memory-gb", type=float, default=8.0,
+                        help="address space cap of each baseline case (its memory grew as dp squared)")
     args = parser.parse_args()
     sweep = []
     for dp in SWEEP:
@@ -195,14 +207,14 @@ def main() -> None:
         rows = []
         for dp in SWEEP:  # past a case stopped at the timeout, the larger ones are not run
             rows.append({"dp": dp, **run_case({**SWEEP_FLAGS, "dp": dp}, src=args.baseline_src,
-                                              timeout=args.timeout)})
+                                              timeout=args.timeout, memory_gb=args.baseline_memory_gb)})
             print(f"before, dp {dp:>6}: {rows[-1]['seconds']:.2f} s, {rows[-1]['peak_mb']:,.0f} MB",
                   flush=True)
-            if rows[-1]["exit"] is None:
+            if rows[-1]["exit"] != 0:
                 break
         label = args.baseline_label or git_commit(args.baseline_src)
         payload["baseline"] = {"commit": label, "timeout_s": args.timeout,
-                               "sweep": rows}
+                               "memory_gb": args.baseline_memory_gb, "sweep": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "sim_limits.json").write_text(json.dumps(payload, indent=2) + "\n")
     write_markdown(json.loads((RESULTS / "sim_limits.json").read_text()), RESULTS / "sim_limits.md")
