@@ -5,9 +5,11 @@ config) before anything of that size is built; beyond it the input is refused wi
 :class:`MedleyInputError` that states the limit. The figures were measured on a 2-core CPU
 (docs/cluster-format.md and docs/plan-format.md list them for users):
 
-* a simulated replica costs about 0.2 ms per (pipeline stage x micro-batch) on the critical path
-  (pp 64 x 1,000 micro-batches: 12 s; pp 8 x 10,000: 11 s), so the simulated work of one plan
-  (stages x micro-batches, summed over the replicas) is bounded to keep a run within seconds;
+* ``medley simulate`` costs about 25-30 µs of CPU per stage-micro-batch and about 7-9 µs per action
+  of the step's schedules, linearly in both (bench/results/sim_limits.md: pp 8 x 6,250
+  micro-batches 1.4 s, dp 50,000 x 1 micro-batch 6.0 s, 997,100 actions of streamed ZeRO-3 4.6 s,
+  at most 6.5 s at the limits), so the stage-micro-batches (:data:`MAX_SIM_WORK`) and the actions
+  (:data:`MAX_SIM_ACTIONS`) of one step are bounded to keep a run within seconds;
 * the planner simulates every rank of its best candidates (256 A100s x LLaMA-2-70B: ~60 s,
   1,024: ~150 s), so it plans clusters of at most :data:`MAX_PLAN_DEVICES` devices.
 """
@@ -27,9 +29,9 @@ MAX_SIM_WORK = 50_000
 10 s of simulation at most."""
 
 MAX_SIM_ACTIONS = 1_000_000
-"""Actions of one simulated step, summed over the replicas: compute, sends and receives, ZeRO
-collectives and optimizer steps (ZeRO-3 streaming, many buckets or gather windows multiply them
-beyond the stage-micro-batches)."""
+"""Actions of one simulated step's schedules, summed over the replicas: compute, ZeRO collectives
+and optimizer steps (streamed ZeRO-3, many buckets or gather windows multiply them beyond the
+stage-micro-batches): about 5-7 s at the limit."""
 
 MAX_WINDOWS = 256
 """ZeRO gather or gradient rounds per stage and step (each round is a set of collectives)."""
@@ -73,7 +75,7 @@ def check_sim_actions(actions: int, *, where: str) -> None:
     the input)."""
     if actions > MAX_SIM_ACTIONS:
         raise MedleyInputError(
-            f"{where}: one step has {actions:,} actions to simulate (compute, transfers, ZeRO collectives "
-            f"and optimizer steps of all replicas); the limit is {MAX_SIM_ACTIONS:,}: use fewer replicas, "
+            f"{where}: one step has {actions:,} actions to simulate (compute, ZeRO collectives and "
+            f"optimizer steps of all replicas); the limit is {MAX_SIM_ACTIONS:,}: use fewer replicas, "
             "micro-batches, ZeRO buckets or gather windows (or ZeRO-1/2 instead of streaming ZeRO-3)."
         )
