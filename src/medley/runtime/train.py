@@ -45,6 +45,7 @@ from medley.runtime.optim import lr_at, optimizer_class, set_lr
 from medley.runtime.precision import LossScaler, choose_dtype, precision_note, unscale_and_clip
 from medley.runtime.progress import TrainProgress
 from medley.runtime.setup import RankSetup, build_rank
+from medley.spec.cluster_schema import printable
 
 __all__ = ["StepRecord", "TrainConfig", "check_config", "load_data", "resolve_dtype", "run_dtype", "train"]
 
@@ -204,8 +205,8 @@ class _Loop:
             self.scaler.load(state)
             self.scaler.skipped_steps = int(self.skipped_steps)
         if changed and self.rank == 0:
-            print(f"resuming {latest} with a new data order (--reset-data-order): {'; '.join(changed)}",
-                  file=sys.stderr, flush=True)
+            print(printable(f"resuming {latest} with a new data order (--reset-data-order): "
+                            f"{'; '.join(changed)}"), file=sys.stderr, flush=True)
         return start
 
     def _maybe_save(self, next_step: int) -> None:
