@@ -45,8 +45,8 @@ def test_a_train_config_seed_out_of_range_names_the_flag() -> None:
         check_config(TrainConfig(seed=2**40))
 
 
-SEQ_LEN_LINE = ("4096: longer than the longest sequence of model 'tiny', 128 (max_seq_len); use 128 or "
-                "less")
+SEQ_LEN_LINE = ("4096: longer than the longest sequence of model 'tiny', 128 (max_seq_len); use --seq-len "
+                "128 or less")
 
 
 @pytest.mark.parametrize("command", [

@@ -183,7 +183,7 @@ class ModelSpec:
         if seq_len > self.max_seq_len:
             raise MedleyInputError(
                 f"{field} {seq_len}: longer than the longest sequence of model '{printable(self.name)}', "
-                f"{self.max_seq_len} (max_seq_len); use {self.max_seq_len} or less")
+                f"{self.max_seq_len} (max_seq_len); use --seq-len {self.max_seq_len} or less")
 
     def default_seq_len(self, usual: int = 2048) -> int:
         """The tokens per sequence when none is given: ``usual``, or the model's longest if shorter."""
