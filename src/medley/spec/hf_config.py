@@ -119,7 +119,7 @@ def _model_type(cfg: dict[str, Any], source: str) -> str:
             raise _fail(source, key, f"= {cfg[key]!r} makes a mixture-of-experts model, which medley does "
                         "not cost", "plan a dense model (MoE support is not implemented)")
     model_type = cfg.get("model_type")
-    if model_type not in _KEYS:
+    if not isinstance(model_type, str) or model_type not in _KEYS:
         problem = "is missing" if model_type is None else f"{model_type!r} is not a family medley reads"
         raise _fail(source, "model_type", problem,
                     f"give one of {', '.join(_KEYS)} (or a preset name)")

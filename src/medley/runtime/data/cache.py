@@ -105,11 +105,11 @@ def cached_tokens(path: Path, fmt: str, *, tokenizer: TextTokenizer, field: str,
     or not whole (see the module docstring); ``verify`` also hashes and range-checks its ids."""
     key = cache_key(path, fmt, tokenizer=tokenizer, field=field)
     tokens_path, meta_path = cache_dir / f"{key}.tokens", cache_dir / f"{key}.json"
-    meta = _checked(tokens_path, meta_path, tokenizer=tokenizer, full=verify)
+    meta = _checked(tokens_path, meta_path, fmt, tokenizer=tokenizer, full=verify)
     if meta is None:
         _build(path, fmt, tokenizer=tokenizer, field=field, tokens_path=tokens_path, meta_path=meta_path,
                flag=flag)
-        meta = _checked(tokens_path, meta_path, tokenizer=tokenizer, full=False)
+        meta = _checked(tokens_path, meta_path, fmt, tokenizer=tokenizer, full=False)
         if meta is None:
             raise MedleyInputError(f"--data-cache {meta_path}: the token cache just built does not read "
                                    "back whole (another process writing it?); run again or choose another "
@@ -126,8 +126,9 @@ def _count(meta: dict, key: str) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _read_meta(meta_path: Path) -> dict | None:
-    """The cache's ``.json`` if it reads back with the fields and types medley writes, else None."""
+def _read_meta(meta_path: Path, fmt: str) -> dict | None:
+    """The cache's ``.json`` if it reads back with the fields and types medley writes and its
+    counts agree (every document but plain text's empty one ends in an EOS), else None."""
     try:
         with open_user_file(meta_path, what="token cache index") as handle:
             meta = json.loads(handle.read(1 << 20))
@@ -137,16 +138,24 @@ def _read_meta(meta_path: Path) -> dict | None:
         return None
     if not all(_count(meta, key) for key in ("tokens", "text_tokens", "documents")):
         return None
-    if meta["text_tokens"] > meta["tokens"] or not isinstance(meta.get("sha256"), str):
+    if fmt == "text" and meta["documents"] != 1:
         return None
-    return meta if _SHA256.fullmatch(meta["sha256"]) else None
+    if meta["tokens"] - meta["text_tokens"] != _eos_count(meta, fmt):
+        return None
+    return meta if isinstance(meta.get("sha256"), str) and _SHA256.fullmatch(meta["sha256"]) else None
 
 
-def _checked(tokens_path: Path, meta_path: Path, *, tokenizer: TextTokenizer, full: bool) -> dict | None:
+def _eos_count(meta: dict, fmt: str) -> int:
+    """EOS ids the build appended: one per document (a plain text file: one, when it has text)."""
+    return meta["documents"] if fmt != "text" else int(meta["tokens"] > 0)
+
+
+def _checked(tokens_path: Path, meta_path: Path, fmt: str, *, tokenizer: TextTokenizer, full: bool
+             ) -> dict | None:
     """The metadata of a whole cache (its ``.tokens`` the size its ``.json`` counts, in the dtype
     this tokenizer needs; with ``full`` its ids hashing to the recorded sha256, each below the
-    vocabulary size), else None: build it again."""
-    meta = _read_meta(meta_path)
+    vocabulary size, the EOS ids at least as many as its documents), else None: build it again."""
+    meta = _read_meta(meta_path, fmt)
     if meta is None or meta["dtype"] != _dtype(tokenizer).__name__:
         return None
     try:
@@ -156,25 +165,26 @@ def _checked(tokens_path: Path, meta_path: Path, *, tokenizer: TextTokenizer, fu
         return None
     if size != meta["tokens"] * np.dtype(meta["dtype"]).itemsize:
         return None
-    if full and not _ids_match(tokens_path, meta, vocab_size=tokenizer.vocab_size):
+    if full and not _ids_match(tokens_path, meta, tokenizer=tokenizer, eos=_eos_count(meta, fmt)):
         return None
     return meta
 
 
-def _ids_match(tokens_path: Path, meta: dict, *, vocab_size: int) -> bool:
-    digest = hashlib.sha256()
+def _ids_match(tokens_path: Path, meta: dict, *, tokenizer: TextTokenizer, eos: int) -> bool:
+    digest, seen = hashlib.sha256(), 0
     try:
         with open_user_file(tokens_path, what="token cache") as handle:
             while True:
                 piece = np.fromfile(handle, dtype=meta["dtype"], count=_SCAN)
                 if not piece.size:
                     break
-                if int(piece.max()) >= vocab_size:
+                if int(piece.max()) >= tokenizer.vocab_size:
                     return False
+                seen += int(np.count_nonzero(piece == tokenizer.eos_id))
                 digest.update(piece.tobytes())
     except (MedleyInputError, OSError, ValueError):
         return False
-    return digest.hexdigest() == meta["sha256"]
+    return seen >= eos and digest.hexdigest() == meta["sha256"]
 
 
 def _dtype(tokenizer: TextTokenizer) -> type:
