@@ -10,30 +10,29 @@ link there is replaced, not written through) for plans, traces, charts, profiles
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import stat
 import tempfile
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from medley.errors import MedleyInputError
 
 
 def read_toml(path: Path, *, what: str) -> dict[str, Any]:
-    """Parsed TOML of ``path``; a missing, binary or malformed file is a :class:`MedleyInputError`
-    naming the file (``what`` says which kind of file was expected, e.g. "cluster")."""
+    """Parsed TOML of ``path``; a missing, binary, malformed or not regular (FIFO, device) file is
+    a :class:`MedleyInputError` naming the file (``what`` says which kind of file was expected,
+    e.g. "cluster")."""
+    text = read_user_text(path, what=f"{what} file", fix=f"give a {what} TOML file")
     try:
-        return tomllib.loads(Path(path).read_text())
-    except OSError as err:
-        raise MedleyInputError(
-            f"{path}: cannot read the {what} file ({err.strerror}); check the path."
-        ) from None
-    except UnicodeDecodeError:
-        raise MedleyInputError(f"{path}: not a UTF-8 text file; give a {what} TOML file.") from None
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise MedleyInputError(f"{path}: malformed TOML ({err}); fix the syntax there.") from None
+    except RecursionError:
+        raise MedleyInputError(f"{path}: TOML nested too deeply; fix the file.") from None
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -194,3 +193,89 @@ def write_atomically(path: Path, text: str) -> None:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
         raise
+
+
+# Reading user files. Every file a user names (cluster, plan, model and catalog TOML, config.json,
+# tokenizer.json, safetensors, data sets, profiles) is read through these, so that a FIFO, a
+# socket, a device or a directory where a file belongs is refused at once instead of blocking
+# forever (a FIFO without a writer) or reading without end (/dev/zero).
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISDIR, "a directory"))
+
+
+def _not_regular(path: Path, mode: int, what: str) -> MedleyInputError:
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return MedleyInputError(f"{path}: is {kind}, not a regular file; give the {what} itself.")
+
+
+def check_regular_file(path: Path, *, what: str) -> None:
+    """Refuse ``path`` if it exists but is not a regular file (after symbolic links), for readers
+    that open the path themselves (safetensors, pyarrow, numpy's memmap); a missing path is left
+    to the caller's own message. ``what`` names the file expected ("model weights file")."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise _not_regular(Path(path), mode, what)
+
+
+def open_user_file(path: Path, *, what: str, flag: str | None = None) -> BinaryIO:
+    """``path`` opened for reading (binary), once it is known to be a regular file: it is opened
+    non-blocking, so a FIFO without a writer cannot stall, and checked on the open descriptor, so
+    nothing swapped in between is read. A missing or unreadable file is a
+    :class:`MedleyInputError` naming it (and ``flag``, the option that gave it, as what to
+    check); the caller closes the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise MedleyInputError(_unreadable(path, err, what, flag)) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(Path(path), mode, what)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _unreadable(path: Path, err: OSError, what: str, flag: str | None) -> str:
+    return f"{path}: cannot read the {what} ({err.strerror or err}); check {flag or 'the path'}."
+
+
+def read_user_bytes(path: Path, *, what: str, flag: str | None = None) -> bytes:
+    """The bytes of the regular file ``path`` (see :func:`open_user_file`)."""
+    with open_user_file(path, what=what, flag=flag) as handle:
+        try:
+            return handle.read()
+        except OSError as err:
+            raise MedleyInputError(_unreadable(path, err, what, flag)) from None
+
+
+def read_user_text(path: Path, *, what: str, fix: str | None = None, flag: str | None = None) -> str:
+    """The UTF-8 text of the regular file ``path``; other bytes are a :class:`MedleyInputError`
+    naming the byte offset and ``fix`` (default: give a UTF-8 text file)."""
+    raw = read_user_bytes(path, what=what, flag=flag)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        fix = fix or f"give a UTF-8 {what}"
+        raise MedleyInputError(f"{path}: not UTF-8 text (byte {err.start}); {fix}.") from None
+
+
+def read_user_json(path: Path, *, what: str, fix: str) -> Any:
+    """The parsed JSON of the regular UTF-8 file ``path``; malformed or too deeply nested JSON is
+    a :class:`MedleyInputError` naming the file, where, and ``fix``. NaN and Infinity literals
+    are read as Python's json reads them: check values where they matter."""
+    text = read_user_text(path, what=what, fix=fix)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise MedleyInputError(f"{path}: malformed JSON ({err.msg} at line {err.lineno}, column "
+                               f"{err.colno}); {fix}.") from None
+    except RecursionError:
+        raise MedleyInputError(f"{path}: JSON nested too deeply; {fix}.") from None

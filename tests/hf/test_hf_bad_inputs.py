@@ -86,3 +86,34 @@ def test_export_arguments_are_checked(hf_models, tmp_path: Path) -> None:
     line = one_line_error(["export", str(tmp_path), "--hf", str(hf_models["llama"])])
     assert "already exists" in line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_a_non_float_tensor_is_refused(hf_models, tmp_path: Path, dtype: torch.dtype) -> None:
+    """Issue 26, finding 12: int32 and bool tensors were cast into the float parameters."""
+    name = "model.layers.1.mlp.down_proj.weight"
+    shape = load_file(hf_models["mistral"] / "model.safetensors")[name].shape
+    bad = edited_copy(hf_models["mistral"], tmp_path / "bad", name, torch.ones(shape, dtype=dtype))
+    line = one_line_error(["train", "--init-from", str(bad), *TWO_STAGES])
+    kind = {torch.int32: "I32", torch.bool: "BOOL"}[dtype]
+    assert f"{bad / 'model.safetensors'}: tensor '{name}' holds {kind} values, not floating-point" in line
+
+
+def test_a_tensor_the_model_lacks_is_refused(hf_models, tmp_path: Path) -> None:
+    """Issue 26, finding 12: model.layers.5.* beside a model of fewer blocks was ignored."""
+    name = "model.layers.5.mlp.down_proj.weight"
+    bad = edited_copy(hf_models["mistral"], tmp_path / "bad", name, torch.zeros(64, 96))
+    line = one_line_error(["train", "--init-from", str(bad), *TWO_STAGES])
+    assert f"{bad / 'model.safetensors'}: tensor '{name}' is not part of --model" in line
+    assert "(3 blocks)" in line
+
+
+def test_a_nan_weight_names_the_file_and_tensor(hf_models, tmp_path: Path) -> None:
+    """Issue 26, finding 15: a NaN weight said "training diverged ... lower --lr"."""
+    name = "model.layers.2.self_attn.o_proj.weight"
+    weight = load_file(hf_models["mistral"] / "model.safetensors")[name].clone()
+    weight[3, 5] = float("nan")
+    bad = edited_copy(hf_models["mistral"], tmp_path / "bad", name, weight)
+    line = one_line_error(["train", "--init-from", str(bad), *TWO_STAGES])
+    assert f"{bad / 'model.safetensors'}: tensor '{name}' holds NaN or infinite values" in line
+    assert "diverged" not in line and "--lr" not in line

@@ -4,6 +4,7 @@ OPT-350 plan on 8x A100-40GB + 8x V100-16GB fits in memory and beats every basel
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,46 @@ def test_opt350_plan_fits_and_beats_every_baseline(opt_result) -> None:
         else:
             assert best.tokens_per_s > 1.1 * baseline.tokens_per_s, name
     assert best.tokens_per_s <= opt_result.aggregate_tokens_per_s
+
+
+def _edited_profiles(tmp_path: Path, edit) -> Path:  # noqa: ANN001 - edit(raw) changes a parsed file
+    """A copy of the OPT-350 profiles with ``A100-40/mbs2_tmp1.json`` edited."""
+    import shutil
+
+    shutil.copytree(PROFILES, tmp_path / "p")
+    path = tmp_path / "p" / "A100-40" / "mbs2_tmp1.json"
+    raw = json.loads(path.read_text())
+    edit(raw)
+    path.write_text(json.dumps(raw, allow_nan=True))
+    return tmp_path / "p"
+
+
+def _set_layer(value: object):  # noqa: ANN202
+    def edit(raw: dict) -> None:
+        raw["execution_time"]["layer_compute_total_ms"][3] = value
+    return edit
+
+
+@pytest.mark.parametrize(("edit", "words"), [
+    (_set_layer(math.nan), "layer_compute_total_ms[3]' must be a number > 0 (finite, not a string), got nan"),
+    (_set_layer(-1.0), "layer_compute_total_ms[3]' must be a number > 0"),
+    (_set_layer(0), "layer_compute_total_ms[3]' must be a number > 0"),
+    (_set_layer("inf"), "layer_compute_total_ms[3]' must be a number > 0 (finite, not a string), got 'inf'"),
+    (_set_layer(True), "got True"),
+    (_set_layer("0.94"), "got '0.94'"),  # once read as float("0.94"): a 0.074 s step instead of 0.94 s
+    (lambda raw: raw["execution_time"].update(optimizer_time_ms=math.inf), "optimizer_time_ms' must be"),
+    (lambda raw: raw["execution_memory"].update(layer_memory_total_mb=[True] * 26),
+     "layer_memory_total_mb[0]' must be a number >= 0"),
+    (lambda raw: raw["model"]["parameters"].update(activation_parameters_bytes="x"),
+     "must be a list of numbers"),
+    (lambda raw: raw.pop("execution_time"), "field 'execution_time.layer_compute_total_ms' is missing"),
+], ids=["nan", "negative", "zero", "inf-string", "true", "number-string", "optimizer-inf", "memory-bool",
+        "bytes-string", "missing"])
+def test_metis_values_must_be_finite_numbers(tmp_path: Path, edit, words: str) -> None:  # noqa: ANN001
+    """Issue 26, findings 11 and 12: NaN, negative, zero and "inf" times once failed with
+    ZeroDivisionError, ValueError or SimulationError; true and numeric strings were coerced."""
+    directory = _edited_profiles(tmp_path, edit)
+    with pytest.raises(MedleyInputError) as info:
+        load_metis_profile(directory, OPT)
+    message = str(info.value)
+    assert "\n" not in message and "mbs2_tmp1.json: field '" in message and words in message, message

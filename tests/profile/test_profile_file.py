@@ -82,3 +82,18 @@ def test_optimizer_measurements_read_back_from_json(tmp_path: Path, profile: Pro
     data = profile.model_dump(mode="json")
     data["optimizer"]["measurements"] = [[1000, 0.5], [2000, 1]]
     assert load_profile(_write(tmp_path, data)).optimizer.measurements == [(1000, 0.5), (2000, 1.0)]
+
+
+@pytest.mark.parametrize("keys", [
+    ("forward_s", "backward_input_s", "backward_weight_s", "backward_full_s"),
+    ("forward_s",), ("backward_full_s",), ("backward_input_s", "backward_weight_s"),
+])
+def test_zero_times_are_refused(tmp_path: Path, profile: Profile, keys: tuple[str, ...]) -> None:
+    """Issue 26, finding 11: a profile with every time 0 passed and the planner divided by zero."""
+    data = profile.model_dump(mode="json")
+    data["layers"] = [layer | dict.fromkeys(keys, 0.0) for layer in data["layers"]]
+    with pytest.raises(MedleyInputError) as info:
+        load_profile(_write(tmp_path, data))
+    message = str(info.value)
+    assert "\n" not in message and "field 'layers[0]" in message, message
+    assert "greater than 0" in message or "backward_input_s + backward_weight_s must be > 0" in message

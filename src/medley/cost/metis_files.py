@@ -16,12 +16,13 @@ optimizer times, and per-layer memory. A GPU name is matched to the catalog by n
 
 from __future__ import annotations
 
-import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from medley.errors import MedleyInputError
+from medley.fileio import read_user_json
 from medley.spec.catalog import get_device_type
 from medley.spec.cluster_schema import printable
 from medley.spec.model import ModelSpec
@@ -65,38 +66,71 @@ class MetisEntry:
     optimizer_ms: float
 
 
-def _floats(values: object) -> tuple[float, ...]:
+_NEEDS = ("it needs model.parameters.parameters_per_layer_bytes, execution_time.layer_compute_total_ms, "
+          "execution_time.optimizer_time_ms and execution_memory.layer_memory_total_mb")
+
+
+def _field(raw: object, where: str, path: Path) -> object:
+    """``raw`` followed down the dotted ``where`` (objects only), or a one-line error naming it."""
+    value = raw
+    for key in where.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise MedleyInputError(f"{path}: field '{where}' is missing; not a Metis-format profile "
+                                   f"({_NEEDS}).")
+        value = value[key]
+    return value
+
+
+def _number(value: object, where: str, path: Path, *, positive: bool) -> float:
+    """A JSON number, finite and > 0 (times, boundary bytes) or >= 0 (sizes): no strings, no
+    booleans (``float("0.94")`` and ``float(True)`` once passed), no NaN or Infinity."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and (
+        value > 0 if positive else value >= 0)
+    if not ok:
+        want = "a number > 0" if positive else "a number >= 0"
+        raise MedleyInputError(f"{path}: field '{where}' must be {want} (finite, not a string), got "
+                               f"{printable(repr(value))[:60]}; fix the file or measure it again.")
+    return float(value)
+
+
+def _numbers(raw: object, where: str, path: Path, *, positive: bool, optional: bool = False
+             ) -> tuple[float, ...]:
+    values = [] if optional and _absent(raw, where) else _field(raw, where, path)
     if not isinstance(values, list):
-        raise TypeError(f"expected a list of numbers, got {type(values).__name__}")
-    return tuple(float(x) for x in values)
+        raise MedleyInputError(f"{path}: field '{where}' must be a list of numbers, got "
+                               f"{type(values).__name__}; fix the file or measure it again.")
+    return tuple(_number(x, f"{where}[{i}]", path, positive=positive) for i, x in enumerate(values))
+
+
+def _absent(raw: object, where: str) -> bool:
+    head, _, last = where.rpartition(".")
+    parent = raw
+    for key in head.split("."):
+        parent = parent.get(key) if isinstance(parent, dict) else None
+    return not isinstance(parent, dict) or last not in parent
 
 
 def _read_entry(path: Path, micro_batch_size: int, label: str, tp: int = 1) -> MetisEntry:
-    try:
-        raw = json.loads(path.read_text())
-        params = raw["model"]["parameters"]
-        times = raw["execution_time"]
-        layer_ms = _floats(times["layer_compute_total_ms"])
-        return MetisEntry(
-            path=path,
-            label=label,
-            micro_batch_size=micro_batch_size,
-            tp=tp,
-            layer_ms=layer_ms,
-            param_bytes=_floats(params["parameters_per_layer_bytes"]),
-            boundary_bytes=_floats(params.get("activation_parameters_bytes", [])),
-            layer_memory_mb=_floats(raw["execution_memory"]["layer_memory_total_mb"]),
-            forward_backward_ms=float(times.get("forward_backward_time_ms", sum(layer_ms))),
-            optimizer_ms=float(times["optimizer_time_ms"]),
-        )
-    except OSError as err:
-        raise MedleyInputError(f"{path}: cannot read the profile ({err.strerror}).") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
-        raise MedleyInputError(
-            f"{path}: not a Metis-format profile ({type(err).__name__}: {printable(str(err))}); it needs "
-            "model.parameters.parameters_per_layer_bytes, execution_time.layer_compute_total_ms, "
-            "execution_time.optimizer_time_ms and execution_memory.layer_memory_total_mb."
-        ) from None
+    raw = read_user_json(path, what="profile", fix=f"give a Metis-format profile ({_NEEDS})")
+    if not isinstance(raw, dict):
+        raise MedleyInputError(f"{path}: not a Metis-format profile (a JSON object); {_NEEDS}.")
+    layer_ms = _numbers(raw, "execution_time.layer_compute_total_ms", path, positive=True)
+    whole = "execution_time.forward_backward_time_ms"
+    return MetisEntry(
+        path=path,
+        label=label,
+        micro_batch_size=micro_batch_size,
+        tp=tp,
+        layer_ms=layer_ms,
+        param_bytes=_numbers(raw, "model.parameters.parameters_per_layer_bytes", path, positive=False),
+        boundary_bytes=_numbers(raw, "model.parameters.activation_parameters_bytes", path, positive=True,
+                                optional=True),
+        layer_memory_mb=_numbers(raw, "execution_memory.layer_memory_total_mb", path, positive=False),
+        forward_backward_ms=sum(layer_ms) if _absent(raw, whole) else _number(
+            _field(raw, whole, path), whole, path, positive=True),
+        optimizer_ms=_number(_field(raw, "execution_time.optimizer_time_ms", path),
+                             "execution_time.optimizer_time_ms", path, positive=True),
+    )
 
 
 def catalog_device_name(gpu_dir: str) -> str:

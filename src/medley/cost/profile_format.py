@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, Strict, StrictFloat, StrictInt, ValidationError
+from pydantic import BaseModel, Field, Strict, StrictFloat, StrictInt, ValidationError, model_validator
 
 from medley.errors import MedleyInputError
-from medley.fileio import write_atomically
+from medley.fileio import read_user_text, write_atomically
 from medley.spec.cluster_schema import STRICT, describe_validation_error, printable
 from medley.spec.limits import MAX_SIZE
 from medley.spec.model import ModelSpec, model_from_dict
@@ -48,18 +48,25 @@ class LayerMeasurement(BaseModel):
     kind: LayerKindName
     micro_batch_size: int = Field(ge=1, le=MAX_SIZE)
     seq_len: int = Field(ge=1, le=MAX_SIZE)
-    forward_s: float = Field(ge=0)
+    forward_s: float = Field(gt=0)
     backward_input_s: float = Field(ge=0)
     backward_weight_s: float = Field(ge=0)
-    backward_full_s: float = Field(ge=0)
+    backward_full_s: float = Field(gt=0)
     activation_bytes: float = Field(ge=0)
     activation_after_b_bytes: float = Field(ge=0)
     backward_workspace_bytes: float = Field(default=0.0, ge=0)
-    fsdp_forward_s: float | None = Field(default=None, ge=0)
-    fsdp_backward_full_s: float | None = Field(default=None, ge=0)
-    tp_forward_s: float | None = Field(default=None, ge=0)
-    tp_backward_full_s: float | None = Field(default=None, ge=0)
+    fsdp_forward_s: float | None = Field(default=None, gt=0)
+    fsdp_backward_full_s: float | None = Field(default=None, gt=0)
+    tp_forward_s: float | None = Field(default=None, gt=0)
+    tp_backward_full_s: float | None = Field(default=None, gt=0)
     runs: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _split_backward(self) -> LayerMeasurement:
+        """A measured time is never 0 (all-zero times divided by zero in the planner)."""
+        if self.backward_input_s + self.backward_weight_s <= 0:
+            raise ValueError("backward_input_s + backward_weight_s must be > 0 (measured times)")
+        return self
 
 
 class CommMeasurement(BaseModel):
@@ -168,11 +175,10 @@ def read_versioned_json(path: Path, *, what: str, flag: str, file_format: str, v
     """The JSON object of a file medley wrote (a profile, a communication profile) once its
     ``format`` and ``version`` fields match; every problem is one :class:`MedleyInputError` line
     naming ``path``, what it should be, and ``writer`` (the command that writes one)."""
+    text = read_user_text(Path(path), what=what, fix=f"give a file written by `{writer}`", flag=flag)
     try:
-        raw = json.loads(Path(path).read_text())
-    except OSError as err:
-        raise MedleyInputError(f"{path}: cannot read the {what} ({err.strerror}); check {flag}.") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raw = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as err:
         raise MedleyInputError(f"{path}: not a JSON {what} ({printable(err)}); give a file written by "
                                f"`{writer}`.") from None
     if not isinstance(raw, dict) or raw.get("format") != file_format:

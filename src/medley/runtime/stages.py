@@ -4,12 +4,15 @@ and ZeRO-sharded over its dp group (:mod:`medley.runtime.groups` makes both from
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from medley.errors import MedleyInputError
 from medley.runtime.groups import RankGroups
 from medley.runtime.hf_weights import load_hf_tensors, load_hf_weights
 from medley.runtime.model import Decoder
@@ -54,12 +57,13 @@ def build_local_stages(
     ranges = layer_ranges(split, spec.num_layers)
     place = groups.place
     stages: dict[int, ShardedStage] = {}
+    error: MedleyInputError | None = None
     for stage in schedule.stages_of_rank(place.pipeline_rank):
         first, last = ranges[stage]
         module = Decoder(spec, first_layer=first, last_layer=last, seed=seed,
                          recompute=bool(recompute and recompute[stage]), init=init_from is None)
-        if init_from is not None and groups.tp > 1:
-            load_hf_weights(module, init_from)
+        if init_from is not None and groups.tp > 1 and error is None:
+            error = _reading(functools.partial(load_hf_weights, module, init_from))
         buckets = bucket_layer_groups(list(range(first, last)), schedule.bucket_layers.get(stage))
         meshes = ([groups.mesh] * len(buckets) if units is None
                   else [groups.meshes[segment] for segment, _ in units[stage]])
@@ -69,7 +73,34 @@ def build_local_stages(
                                     dp_mesh=[mesh["dp"] for mesh in meshes], optimizer_class=optimizer_class,
                                     optimizer_kwargs=optimizer_kwargs, precision=precision,
                                     tp_rank=place.tp_rank)
-        if init_from is not None and groups.tp == 1:  # after sharding, as a checkpoint load: a ZeRO-2/3
-            load_hf_tensors(spec, stages[stage].named_parameters_local(), init_from)  # rank reads its rows
+        if init_from is not None and groups.tp == 1 and error is None:  # after sharding, as a checkpoint
+            local = stages[stage].named_parameters_local()  # load: a ZeRO-2/3 rank reads its rows
+            error = _reading(functools.partial(load_hf_tensors, spec, local, init_from))
             stages[stage].refresh_gathered()
+    if init_from is not None:
+        _agree(error)
     return stages
+
+
+def _reading(load: Callable[[], None]) -> MedleyInputError | None:
+    try:
+        load()
+    except MedleyInputError as err:
+        return err
+    return None
+
+
+def _agree(error: MedleyInputError | None) -> None:
+    """Each rank reads only its own layers' weights, so a bad tensor (NaN, an integer dtype) is
+    seen by the ranks that read it alone: every rank learns of it here and stops with its one
+    line. (A rank that stopped alone left the others failing in their next collective, and the
+    launcher reported their "connection closed" instead.)"""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, None if error is None else str(error))
+    first = next((message for message in found if message), None)
+    if first is not None:
+        raise MedleyInputError(first)

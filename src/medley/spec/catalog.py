@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Literal
@@ -17,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from medley.errors import MedleyInputError
+from medley.fileio import read_toml
 from medley.spec.cluster_schema import STRICT, describe_validation_error, printable
 
 BUILTIN_CATALOG = Path(__file__).with_name("devices.toml")
@@ -94,16 +94,7 @@ _REQUIRED = [f.name for f in fields(DeviceType) if f.name not in _OPTIONAL]
 
 
 def _read_catalog_file(path: Path) -> _CatalogFile:
-    try:
-        raw = tomllib.loads(path.read_text())
-    except OSError as err:
-        raise MedleyInputError(
-            f"{path}: cannot read the device catalog file ({err.strerror}); check the path."
-        ) from None
-    except UnicodeDecodeError:
-        raise MedleyInputError(f"{path}: not a UTF-8 text file; give a device catalog TOML file.") from None
-    except tomllib.TOMLDecodeError as err:
-        raise MedleyInputError(f"{path}: malformed TOML ({err}); fix the syntax at that line.") from None
+    raw = read_toml(path, what="device catalog")
     try:
         return _CatalogFile.model_validate(raw)
     except ValidationError as err:

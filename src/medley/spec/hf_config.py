@@ -8,15 +8,23 @@ or any field that changes the maths in a way medley does not model is refused, n
 Optional fields take transformers' defaults for the ``model_type`` (LLaMA's ``hidden_act`` is
 ``silu``, its ``rms_norm_eps`` 1e-6, ...); the shape fields (width, depth, heads, vocabulary,
 positions) must be given.
+
+LLaMA-family fields are read as transformers' class for that ``model_type`` reads them (its
+``modeling_*.py``), so that weights loaded with ``--init-from`` compute what they compute there:
+LLaMA ignores ``sliding_window`` (no window), Mistral's ``layer_types`` can turn its window off,
+Mistral and Qwen2 ignore ``attention_bias`` and
+``mlp_bias``, a set ``rope_scaling`` wins over ``rope_parameters``; what transformers honours
+and medley does not run (attention dropout, YaRN and other RoPE types, partial rotary factors,
+per-layer RoPE) is refused.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from medley.errors import MedleyInputError
+from medley.fileio import read_user_json
 from medley.spec.cluster_schema import printable
 from medley.spec.model import ModelSpec
 
@@ -111,18 +119,26 @@ def _model_type(cfg: dict[str, Any], source: str) -> str:
             raise _fail(source, key, f"= {cfg[key]!r} makes a mixture-of-experts model, which medley does "
                         "not cost", "plan a dense model (MoE support is not implemented)")
     model_type = cfg.get("model_type")
-    if model_type not in _KEYS:
+    if not isinstance(model_type, str) or model_type not in _KEYS:
         problem = "is missing" if model_type is None else f"{model_type!r} is not a family medley reads"
         raise _fail(source, "model_type", problem,
                     f"give one of {', '.join(_KEYS)} (or a preset name)")
     return str(model_type)
 
 
-def _check_llama_maths(cfg: dict[str, Any], size: dict[str, int], source: str) -> bool:
-    """Refuse LLaMA-family fields medley does not model; return whether the linears carry biases."""
+def _check_llama_maths(cfg: dict[str, Any], model_type: str, source: str) -> bool:
+    """Refuse LLaMA-family fields medley does not model; return whether every linear carries a
+    bias. Read as transformers reads them: LLaMA honours ``attention_bias`` and ``mlp_bias``;
+    Mistral's and Qwen2's classes ignore both (Mistral has no biases, Qwen2 Q/K/V biases only)."""
     act = cfg["hidden_act"]
     if act not in ("silu", "swish"):
         raise _fail(source, "hidden_act", f"{act!r}: medley's LLaMA-style MLP is SwiGLU", "use silu")
+    dropout = cfg.get("attention_dropout") or 0
+    if dropout != 0:
+        raise _fail(source, "attention_dropout", f"= {dropout!r}: transformers trains with attention "
+                    "dropout, medley without", "set it to 0.0")
+    if model_type != "llama":
+        return False
     attention_bias = bool(cfg.get("attention_bias", False))
     if attention_bias != bool(cfg.get("mlp_bias", False)):
         raise _fail(source, "attention_bias", "differs from mlp_bias; medley gives every linear layer "
@@ -147,16 +163,18 @@ def _attention_fields(
 
 
 def _window(cfg: dict[str, Any], model_type: str, num_blocks: int, source: str) -> int | None:
-    """The sliding window of every block, or None. Mistral windows every block; Qwen2 only with
-    ``use_sliding_window`` and only the blocks its ``layer_types`` mark (by default those from
-    ``max_window_layers`` on): all or none is modelled, a mix is refused."""
+    """The sliding window of every block, or None, as transformers reads it: LLaMA has none (its
+    class ignores ``sliding_window``); Mistral windows the blocks its ``layer_types`` mark, by
+    default all; Qwen2 only with ``use_sliding_window`` and only the blocks its ``layer_types``
+    mark, by default those from ``max_window_layers`` on. All or none is modelled, a mix is
+    refused."""
     window = cfg.get("sliding_window")
-    if window is None or (model_type == "qwen2" and not cfg["use_sliding_window"]):
+    if model_type == "llama" or window is None or (model_type == "qwen2" and not cfg["use_sliding_window"]):
         return None
     window = _int(window, "sliding_window", source)
-    if model_type != "qwen2":
-        return window
     types = cfg.get("layer_types")
+    if types is None and model_type == "mistral":
+        return window
     key = "layer_types" if types is not None else "max_window_layers"
     if types is None:
         first = _int(cfg["max_window_layers"], "max_window_layers", source)
@@ -173,11 +191,19 @@ def _window(cfg: dict[str, Any], model_type: str, num_blocks: int, source: str) 
 
 
 def _rope_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
-    """ModelSpec's RoPE fields from ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5)."""
-    key = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
+    """ModelSpec's RoPE fields, read as transformers reads them: ``rope_scaling`` (transformers 4's
+    field) when it is set, else ``rope_parameters`` (5's); ``rope_theta`` from that object, else
+    the top level; ``partial_rotary_factor`` applies to scaled types only (LLaMA's default RoPE
+    ignores it) and is refused there; llama3's ``original_max_position_embeddings`` from the top
+    level, else the object, else ``max_position_embeddings``."""
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     params = cfg.get(key) or {}
     if not isinstance(params, dict):
         raise _fail(source, key, f"must be an object, got {params!r}", "write a JSON object or null")
+    nested = sorted(k for k, v in params.items() if isinstance(v, dict))
+    if nested:
+        raise _fail(source, key, f"holds RoPE parameters per layer type ({', '.join(nested)}), which medley "
+                    "does not model", "give one object of RoPE parameters")
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     fields: dict[str, Any] = {"rope_theta": _number(theta, "rope_theta", source)}
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -186,6 +212,10 @@ def _rope_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     if rope_type not in ("linear", "llama3"):
         raise _fail(source, key, f"rope_type {printable(str(rope_type))!r} is not modelled",
                     "medley runs default, linear and llama3 RoPE")
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and partial != 1:
+        raise _fail(source, "partial_rotary_factor", f"= {partial!r} rotates part of each head, which medley "
+                    "does not model", "remove it or set it to 1.0")
     fields["rope_scaling"] = rope_type
     fields["rope_factor"] = _number(_get(params, "factor", "rope_factor", source), "factor", source)
     if rope_type == "llama3":
@@ -193,8 +223,8 @@ def _rope_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
                             ("high_freq_factor", "rope_high_freq_factor")):
             fields[field] = _number(_get(params, name, field, source), name, source)
         original = "original_max_position_embeddings"
-        fields["rope_original_max_seq_len"] = _int(
-            _get(params, original, "rope_original_max_seq_len", source), original, source)
+        value = cfg.get(original, params.get(original, cfg.get("max_position_embeddings")))
+        fields["rope_original_max_seq_len"] = _int(value, original, source)
     return fields
 
 
@@ -213,7 +243,7 @@ def spec_from_hf_dict(cfg: dict[str, Any], *, source: str) -> ModelSpec:
     size["vocab_size"] = _int(_get(cfg, "vocab_size", "vocab_size", source), "vocab_size", source)
     kv = cfg.get("num_key_value_heads")
     size["num_kv_heads"] = size["num_heads"] if kv is None else _int(kv, "num_key_value_heads", source)
-    bias = True if gpt_style else _check_llama_maths(cfg, size, source)
+    bias = True if gpt_style else _check_llama_maths(cfg, model_type, source)
     extra = {} if gpt_style else {**_attention_fields(cfg, model_type, size, source),
                                   **_rope_fields(cfg, source)}
     proj = cfg.get("word_embed_proj_dim") if model_type == "opt" else None
@@ -288,12 +318,7 @@ def hf_dict_from_spec(spec: ModelSpec) -> dict[str, Any]:
 
 def load_hf_config(path: Path) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (LLaMA, Mistral, GPT-2, OPT, GPT-Neo families)."""
-    try:
-        cfg = json.loads(path.read_text())
-    except OSError as err:
-        raise MedleyInputError(f"{path}: cannot read the model config ({err.strerror}).") from None
-    except json.JSONDecodeError as err:
-        raise MedleyInputError(f"{path}: malformed JSON ({err}); fix the syntax.") from None
+    cfg = read_user_json(path, what="model config", fix="fix the syntax")
     if not isinstance(cfg, dict):
         raise MedleyInputError(f"{path}: expected a JSON object of Hugging Face config fields.")
     return spec_from_hf_dict(cfg, source=str(path))

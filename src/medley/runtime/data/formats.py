@@ -9,7 +9,9 @@ read by :mod:`medley.runtime.data.tokens`.
 
 from __future__ import annotations
 
+import codecs
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,25 +19,28 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from medley.errors import MedleyInputError
+from medley.fileio import check_regular_file, open_user_file, read_user_json
 
 TEXT_SUFFIXES = ("", ".txt", ".text", ".md")
 FORMATS_HELP = ("a .jsonl or .parquet file, a directory of .parquet files or a datasets save_to_disk "
                 "directory, a .bin token file, a text file (.txt), or 'synthetic'")
-_TEXT_CHUNK = 1 << 20  # plain text is tokenized in pieces of about this many characters
+_TEXT_CHUNK = 1 << 16  # bytes of plain text read at a time
 _ROWS = 1024
+_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads lets a lone \\ud800 through; tokenizers refuse it
 
 
 def data_format(path: Path, *, flag: str) -> str:
     """``jsonl``, ``parquet``, ``arrow`` (save_to_disk), ``tokens`` (.bin) or ``text``."""
     if path.is_dir():
-        if (path / "state.json").is_file():
+        if (path / "state.json").exists():
             return "arrow"
         if any(path.glob("*.parquet")):
             return "parquet"
         raise MedleyInputError(f"{flag} {path}: a directory without .parquet files or a datasets "
                                f"state.json; give {FORMATS_HELP}")
-    if not path.is_file():
+    if not path.exists():
         raise MedleyInputError(f"{flag} {path}: no such file; check the path")
+    check_regular_file(path, what="data file")
     suffix = path.suffix.lower()
     known = {".jsonl": "jsonl", ".parquet": "parquet", ".bin": "tokens"}
     if suffix in known:
@@ -69,21 +74,43 @@ def documents(path: Path, fmt: str, *, field: str, flag: str) -> Iterator[str]:
 
 
 def _jsonl(path: Path, *, field: str, flag: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise MedleyInputError(f"{flag} {path}:{number}: not JSON ({err.msg}); give one JSON "
-                                       "object per line") from None
-            text = row.get(field) if isinstance(row, dict) else None
-            if not isinstance(text, str):
-                what = "has no" if not isinstance(row, dict) or field not in row else "has a non-text"
-                raise MedleyInputError(f"{flag} {path}:{number}: {what} field '{field}'; name the text "
-                                       "field with --text-field")
-            yield text
+    """The ``field`` text of each line's object. A line is read whole (its JSON needs it), but
+    decoded and parsed on its own, so a bad line is named by its number."""
+    with open_user_file(path, what="data file", flag=flag) as handle:
+        for number, raw in enumerate(handle, start=1):
+            text = _jsonl_text(raw, path=path, number=number, field=field, flag=flag)
+            del raw
+            if text is not None:
+                yield text
+
+
+def _jsonl_text(raw: bytes, *, path: Path, number: int, field: str, flag: str) -> str | None:
+    """Line ``number``'s text, None for a blank line, or a one-line error naming the line."""
+    where = f"{flag} {path}:{number}"
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise MedleyInputError(f"{where}: not UTF-8 (byte {err.start} of the line); give UTF-8 JSON lines") \
+            from None
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise MedleyInputError(f"{where}: not JSON ({err.msg}); give one JSON object per line") from None
+    except RecursionError:
+        raise MedleyInputError(f"{where}: JSON nested too deeply; give one flat JSON object per line") \
+            from None
+    text = row.get(field) if isinstance(row, dict) else None
+    if not isinstance(text, str):
+        what = "has no" if not isinstance(row, dict) or field not in row else "has a non-text"
+        raise MedleyInputError(f"{where}: {what} field '{field}'; name the text field with --text-field")
+    surrogate = _SURROGATE.search(text)
+    if surrogate is not None:
+        raise MedleyInputError(f"{where}: field '{field}' holds a lone surrogate "
+                               f"({ascii(surrogate.group())} at character {surrogate.start()}), which is not "
+                               "text; fix the \\u escape there")
+    return text
 
 
 def _column(schema: pa.Schema, file: Path, *, field: str, flag: str) -> None:
@@ -97,26 +124,38 @@ def _column(schema: pa.Schema, file: Path, *, field: str, flag: str) -> None:
 
 
 def _parquet(file: Path, *, field: str, flag: str) -> Iterator[str]:
+    check_regular_file(file, what="data file")
     try:
         reader = pq.ParquetFile(file)
     except (OSError, pa.ArrowException) as err:
         raise MedleyInputError(f"{flag} {file}: not a readable parquet file ({err}); check the file") \
             from None
     _column(reader.schema_arrow, file, field=field, flag=flag)
-    for batch in reader.iter_batches(batch_size=_ROWS, columns=[field]):
-        yield from (text for text in batch.column(0).to_pylist() if text is not None)
+    yield from _rows(reader.iter_batches(batch_size=_ROWS, columns=[field]), file, field=field, flag=flag)
+
+
+def _rows(batches: Iterator[pa.RecordBatch], file: Path, *, field: str, flag: str) -> Iterator[str]:
+    """The non-null texts of ``batches``; damage found while reading them is one line."""
+    try:
+        for batch in batches:
+            yield from (text for text in batch.column(field).to_pylist() if text is not None)
+    except (OSError, pa.ArrowException, UnicodeDecodeError) as err:
+        raise MedleyInputError(f"{flag} {file}: cannot read its rows ({type(err).__name__}: {err}); check "
+                               "the file") from None
 
 
 def _arrow_files(directory: Path, *, flag: str) -> list[Path]:
+    fix = "give the directory save_to_disk wrote"
+    state = read_user_json(directory / "state.json", what="datasets state", fix=fix)
     try:
-        state = json.loads((directory / "state.json").read_text(encoding="utf-8"))
-        return [directory / entry["filename"] for entry in state["_data_files"]]
-    except (OSError, ValueError, KeyError, TypeError):
+        return [directory / Path(entry["filename"]).name for entry in state["_data_files"]]
+    except (KeyError, TypeError):
         raise MedleyInputError(f"{flag} {directory}/state.json: not a datasets save_to_disk state (no "
-                               "_data_files list); give the directory save_to_disk wrote") from None
+                               f"_data_files list); {fix}") from None
 
 
 def _arrow(file: Path, *, field: str, flag: str) -> Iterator[str]:
+    check_regular_file(file, what="data file")
     try:
         source = pa.memory_map(str(file))
         reader = pa.ipc.open_stream(source)
@@ -124,23 +163,24 @@ def _arrow(file: Path, *, field: str, flag: str) -> Iterator[str]:
         raise MedleyInputError(f"{flag} {file}: not an arrow stream file ({err}); check the directory") \
             from None
     _column(reader.schema, file, field=field, flag=flag)
-    for batch in reader:
-        yield from (text for text in batch.column(field).to_pylist() if text is not None)
+    yield from _rows(iter(reader), file, field=field, flag=flag)
 
 
 def _text(path: Path, *, flag: str) -> Iterator[str]:
-    """A plain text file as one document, in pieces of whole lines (tokenized piece by piece)."""
-    piece: list[str] = []
-    size = 0
-    try:
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                piece.append(line)
-                size += len(line)
-                if size >= _TEXT_CHUNK:
-                    yield "".join(piece)
-                    piece, size = [], 0
-    except UnicodeDecodeError:
-        raise MedleyInputError(f"{flag} {path}: not UTF-8 text; give a UTF-8 text file") from None
-    if piece:
-        yield "".join(piece)
+    """A plain text file as one document, in pieces of about ``_TEXT_CHUNK`` bytes (split
+    anywhere: :mod:`.streaming` chooses where to cut it for the tokenizer)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    read = 0
+    with open_user_file(path, what="data file", flag=flag) as handle:
+        while True:
+            block = handle.read(_TEXT_CHUNK)
+            try:
+                piece = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as err:
+                raise MedleyInputError(f"{flag} {path}: not UTF-8 text (byte {read + err.start}); give a "
+                                       "UTF-8 text file") from None
+            if piece:
+                yield piece
+            if not block:
+                return
+            read += len(block)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from medley.errors import MedleyInputError
+from medley.fileio import read_user_bytes
 from medley.runtime.data.cache import cached_tokens, load_tokenizer
 from medley.runtime.data.formats import data_format
 from medley.runtime.data.source import BYTE_VOCAB, SYNTHETIC, DataSource
@@ -121,7 +122,7 @@ def _tokens(data: str | Path | None, *, options: DataOptions, vocab_size: int, f
         raise MedleyInputError(f"--tokenizer {tokenizer.path}: {tokenizer.vocab_size} tokens, more than the "
                                f"model's vocab_size {vocab_size}; use a model with a larger vocabulary")
     tokens, meta = cached_tokens(path, fmt, tokenizer=tokenizer, field=options.text_field,
-                                 cache_dir=options.cache_dir or default_cache_dir(), flag=flag)
+                                 cache_dir=options.cache_dir or default_cache_dir(), flag=flag, verify=verify)
     return tokens, meta["sha256"][:16], False
 
 
@@ -134,14 +135,12 @@ def _check_byte_vocab(vocab_size: int, *, flag: str, name: str) -> None:
 
 
 def _read_bytes(path: Path, *, flag: str) -> np.ndarray:
+    raw = read_user_bytes(path, what="data file", flag=flag)
     try:
-        raw = path.read_bytes()
         raw.decode("utf-8")
-    except OSError as err:
-        raise MedleyInputError(f"{flag} {path}: cannot read the file ({err.strerror}); check the path") \
-            from None
-    except UnicodeDecodeError:
-        raise MedleyInputError(f"{flag} {path}: not UTF-8 text; give a text file or 'synthetic'") from None
+    except UnicodeDecodeError as err:
+        raise MedleyInputError(f"{flag} {path}: not UTF-8 text (byte {err.start}); give a text file or "
+                               "'synthetic'") from None
     return np.frombuffer(raw, dtype=np.uint8)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from medley.errors import MedleyInputError
+from medley.fileio import check_regular_file, open_user_file
 
 TOKEN_DTYPES = ("uint16", "uint32")
 DEFAULT_TOKEN_DTYPE = "uint16"
@@ -29,8 +30,8 @@ _SAMPLES, _SAMPLE_BYTES = 64, 1 << 16
 def token_dtype(path: Path, chosen: str | None) -> str:
     """The dtype of ``path``'s ids: from a Megatron ``.idx`` beside it, ``chosen``, or uint16."""
     index = path.with_suffix(".idx")
-    if index.is_file():
-        with open(index, "rb") as handle:
+    if index.exists():
+        with open_user_file(index, what="Megatron index file") as handle:
             head = handle.read(len(_MEGATRON_MAGIC) + 9)
         if head.startswith(_MEGATRON_MAGIC) and len(head) == len(_MEGATRON_MAGIC) + 9:
             found = _MEGATRON_DTYPES.get(head[-1], f"code {head[-1]}")
@@ -47,6 +48,7 @@ def token_dtype(path: Path, chosen: str | None) -> str:
 
 def open_token_file(path: Path, *, dtype: str, flag: str) -> np.memmap:
     """``path`` memory-mapped read-only as ids of ``dtype`` (its size must be a multiple)."""
+    check_regular_file(path, what="token file")
     size, item = path.stat().st_size, np.dtype(dtype).itemsize
     if size == 0:
         raise MedleyInputError(f"{flag} {path}: the file is empty; give a token file")
@@ -57,15 +59,17 @@ def open_token_file(path: Path, *, dtype: str, flag: str) -> np.memmap:
 
 
 def check_ids(path: Path, tokens: np.ndarray, *, vocab_size: int, flag: str, dtype: str) -> None:
-    """Refuse ids outside ``[0, vocab_size)``, reading the file in pieces (never all at once)."""
-    with open(path, "rb") as handle:
+    """Refuse ids outside ``[0, vocab_size)``, reading the file in pieces (never all at once);
+    the error names the first bad id's position."""
+    with open_user_file(path, what="token file", flag=flag) as handle:
         for start in range(0, len(tokens), _SCAN):
             piece = np.fromfile(handle, dtype=tokens.dtype, count=_SCAN)
             if piece.size and (int(piece.max()) >= vocab_size or int(piece.min()) < 0):
-                bad = int(piece.max()) if int(piece.max()) >= vocab_size else int(piece.min())
+                at = int(np.flatnonzero((piece >= vocab_size) | (piece < 0))[0])
                 raise MedleyInputError(
-                    f"{flag} {path}: token id {bad} near position {start} is outside the model's vocabulary "
-                    f"of {vocab_size} as {dtype}; wrong --token-dtype, or a model with a larger vocab_size")
+                    f"{flag} {path}: token id {int(piece[at])} at position {start + at} is outside the "
+                    f"model's vocabulary of {vocab_size} as {dtype}; wrong --token-dtype, or a model with a "
+                    "larger vocab_size")
 
 
 def file_fingerprint(path: Path) -> str:
@@ -73,7 +77,7 @@ def file_fingerprint(path: Path) -> str:
     not read whole on every start; an edit between samples that keeps the size goes unseen)."""
     size = path.stat().st_size
     digest = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as handle:
+    with open_user_file(path, what="token file") as handle:
         for index in range(_SAMPLES):
             handle.seek(max(0, size - _SAMPLE_BYTES) * index // (_SAMPLES - 1))
             digest.update(handle.read(_SAMPLE_BYTES))
