@@ -31,12 +31,8 @@ clusters = st.lists(st.tuples(st.integers(1, 3), st.sampled_from(TYPES)), min_si
 def _signature(result) -> list[tuple]:
     return [
         (
-            p.plan.layout.assignment,
-            p.plan.layout.stage_layers,
-            p.plan.layout.schedule,
-            p.plan.layout.micro_batches,
-            p.plan.layout.micro_batch_size,
-            p.plan.layout.zero,
+            tuple((g.assignment, g.stage_layers, g.schedule, g.micro_batches, g.micro_batch_size, g.zero)
+                  for g in p.plan.groups),
             p.prediction.step_time_s,
         )
         for p in result.plans

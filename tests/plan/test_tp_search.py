@@ -115,5 +115,5 @@ def test_the_search_picks_tp_where_a_stage_cannot_hold_whole_layers_fast(
     assert any(t > 1 for t in layout.tp)
     check_tp(layout, cluster)
     assert sorted(best.prediction.peak_memory_gb) == sorted(layout.devices)
-    assert any(any(t > 1 for t in p.plan.layout.tp) for p in result.simulated)
-    assert any(not p.plan.layout.tp for p in result.simulated)  # tp 1 competed too
+    assert any(any(t > 1 for g in p.plan.groups for t in g.tp) for p in result.simulated)
+    assert any(not g.tp for p in result.simulated for g in p.plan.groups)  # tp 1 competed too
