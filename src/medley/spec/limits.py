@@ -5,10 +5,10 @@ config) before anything of that size is built; beyond it the input is refused wi
 :class:`MedleyInputError` that states the limit. The figures were measured on a 2-core CPU
 (docs/cluster-format.md and docs/plan-format.md list them for users):
 
-* ``medley simulate`` costs about 25-30 µs of CPU per stage-micro-batch and about 7-9 µs per action
+* ``medley simulate`` costs about 20 µs of CPU per stage-micro-batch and about 4-7 µs per action
   of the step's schedules, linearly in both (bench/results/sim_limits.md: pp 8 x 6,250
-  micro-batches 1.4 s, dp 50,000 x 1 micro-batch 6.0 s, 997,100 actions of streamed ZeRO-3 4.6 s,
-  at most 6.5 s at the limits), so the stage-micro-batches (:data:`MAX_SIM_WORK`) and the actions
+  micro-batches 1.0 s, dp 50,000 x 1 micro-batch 4.7 s, 997,100 actions of streamed ZeRO-3 3.7 s,
+  at most 5.2 s at the limits), so the stage-micro-batches (:data:`MAX_SIM_WORK`) and the actions
   (:data:`MAX_SIM_ACTIONS`) of one step are bounded to keep a run within seconds;
 * the planner simulates every rank of its best candidates (256 A100s x LLaMA-2-70B: ~60 s,
   1,024: ~150 s), so it plans clusters of at most :data:`MAX_PLAN_DEVICES` devices.
