@@ -35,7 +35,7 @@ from medley.fileio import check_output_dir
 from medley.plan.explain import explain
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, load_plan, save_plan
-from medley.plan.predict import predict
+from medley.plan.predict import predict, predict_groups
 from medley.plan.search import search
 from medley.plan.space import Constraints
 from medley.spec.cluster_load import load_cluster
@@ -107,18 +107,21 @@ def emulated_run(*, out_dir: Path, steps: int, console: Console) -> dict:
                     cost=emulated.cost, top=1, baselines=False,
                     constraints=Constraints(micro_batch_sizes=(RUN_MICRO_BATCH,)))
     # The run trains in fp32 with gradient clipping on the CPU: predict exactly that.
-    layout = replace(result.best.plan.layout, dtype="fp32", clip_grad=True)
-    prediction, _, _ = predict(layout, emulated.cluster, cost=emulated.cost)
-    plan = Plan(layout=layout, cluster=emulated.cluster, prediction=prediction)
+    groups = [replace(g, dtype="fp32", clip_grad=True) for g in result.best.plan.groups]
+    prediction, _, _ = predict_groups(groups, emulated.cluster, cost=emulated.cost)
+    plan = Plan(groups=groups, cluster=emulated.cluster, prediction=prediction)
     save_plan(plan, out_dir / "demo-emulated-plan.toml")
-    console.print(f"planned: pp={layout.pp} x dp={layout.dp}, {layout.schedule}, split "
-                  f"{list(layout.stage_layers)}, micro-batches {list(layout.micro_batches)} x "
-                  f"{layout.micro_batch_size}, ZeRO {[z.level for z in layout.zero]} "
-                  f"({out_dir / 'demo-emulated-plan.toml'})")
+    shapes = " + ".join(
+        f"pp={g.pp} x dp={g.dp}, {g.schedule}, split {list(g.stage_layers)}, micro-batches "
+        f"{list(g.micro_batches)} x {g.micro_batch_size}, ZeRO {[z.level for z in g.zero]}"
+        for g in plan.groups)
+    if plan.asymmetric:
+        shapes = f"{len(plan.groups)} replica groups of their own shape: {shapes}"
+    console.print(f"planned: {shapes} ({out_dir / 'demo-emulated-plan.toml'})")
     records = train_local(plan, TrainConfig(steps=steps, emulate=True, data=None, warmup_steps=3))
     timed = [r.step_time_s for r in records[5:]] or [r.step_time_s for r in records]
     measured = {"fastest": min(timed), "median": statistics.median(timed)}
-    table = Table(title=f"{model.name}, {steps} steps, {layout.tokens_per_step} tokens per step")
+    table = Table(title=f"{model.name}, {steps} steps, {plan.tokens_per_step} tokens per step")
     for column in ("", "step time", "error vs predicted"):
         table.add_column(column, justify="right")
     table.add_row("predicted (simulator, CPU profile)", f"{prediction.step_time_s * 1e3:.1f} ms", "")

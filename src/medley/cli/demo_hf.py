@@ -94,16 +94,17 @@ def hf_finetune(*, out_dir: Path, plan: Plan, steps: int, emulate: bool, console
     from medley.runtime.train import TrainConfig
     from medley.spec.model_arg import get_model
 
-    shape = replace(plan.layout.model, vocab_size=HF_VOCAB, tied_embeddings=False)
-    console.rule(f"A Hugging Face model: made here, fine-tuned on pp={plan.layout.pp} x dp={plan.layout.dp}, "
-                 "exported, loaded by transformers")
+    shape = replace(plan.shared.model, vocab_size=HF_VOCAB, tied_embeddings=False)
+    shapes = " + ".join(f"pp={g.pp} x dp={g.dp}" for g in plan.groups)
+    console.rule(f"A Hugging Face model: made here, fine-tuned on {shapes}, exported, loaded by transformers")
     base = write_model_dir(out_dir / "demo-hf-base", shape, seed=1)
     model = get_model(str(base))
     check_init_from(model, base)
     export = out_dir / "demo-hf-finetuned"
     config = TrainConfig(steps=steps, emulate=emulate, init_from=base, hf_dir=base, warmup_steps=2,
                          lr=1e-2, checkpoint_dir=export_checkpoints(export))
-    records = train_local(Plan(layout=replace(plan.layout, model=model), cluster=plan.cluster), config)
+    records = train_local(Plan(groups=[replace(g, model=model) for g in plan.groups], cluster=plan.cluster),
+                          config)
     with warnings.catch_warnings():  # DCP notes that it reads without a process group: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         export_after_training(config.checkpoint_dir, export, temporary=True)
