@@ -26,7 +26,7 @@ from safetensors.torch import save
 from torch.distributed.checkpoint.api import CheckpointException
 
 from medley.errors import MedleyInputError
-from medley.fileio import os_error_message, remove_path, write_new_file
+from medley.fileio import os_error_message, read_user_bytes, remove_path, write_new_file
 from medley.runtime.checkpoint_verify import (
     EXPORT_FIX,
     SafeReader,
@@ -125,15 +125,15 @@ def _write_config(directory: Path, spec: ModelSpec, hf_dir: Path | None) -> None
     cfg = hf_dict_from_spec(spec)
     if hf_dir is not None and (hf_dir / "config.json").is_file():
         try:
-            original = json.loads((hf_dir / "config.json").read_text())
-        except (OSError, ValueError):
+            original = json.loads(read_user_bytes(hf_dir / "config.json", what="model config"))
+        except (MedleyInputError, ValueError):
             original = {}
         if isinstance(original, dict):
             cfg.update({key: original[key] for key in _TOKEN_IDS if key in original})
     write_new_file(directory / "config.json", json.dumps(cfg, indent=1))
     for name in TOKENIZER_FILES if hf_dir is not None else ():
         if (hf_dir / name).is_file():
-            write_new_file(directory / name, (hf_dir / name).read_bytes())
+            write_new_file(directory / name, read_user_bytes(hf_dir / name, what="tokenizer file"))
 
 
 def export_hf(step_dir: Path, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
