@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from medley.cli.console import print_table
+from medley.cli.simulate_cmd import group_summary
 from medley.plan.ablation import Ablation
 from medley.plan.layout import PlanLayout
 from medley.plan.predict import layer_sources
@@ -23,19 +24,11 @@ a 3 s search, on 1,024 devices many minutes."""
 def group_row(layout: PlanLayout, cluster: Cluster) -> dict:
     """One replica group's shape as data (a plan of alike replicas is one group)."""
     return {
-        "schedule": layout.schedule,
-        "knobs": dict(layout.knobs),
-        "pp": layout.pp,
-        "dp": layout.dp,
-        "tp": [layout.tp_of(k) for k in range(layout.pp)],
+        **group_summary(layout),
         "device_types": sorted({cluster.devices[d].type.name for d in layout.devices}),
         "devices_used": len(layout.devices),
         "micro_batch_size": layout.micro_batch_size,
-        "micro_batches": list(layout.micro_batches),
-        "split": list(layout.stage_layers),
-        "zero": [z.level for z in layout.zero],
         "streamed": [z.streams for z in layout.zero],
-        "recompute": list(layout.recompute),
         "placement": layout.placement.value,
     }
 

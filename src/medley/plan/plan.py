@@ -202,13 +202,9 @@ class _PlanFile(BaseModel):
     prediction: _PredictionSpec | None = None
 
 
-class _PlanFileV2(BaseModel):
-    model_config = STRICT
-    version: Literal[2]
-    model: dict[str, Any]
-    cluster: dict[str, Any]
-    layout: _ReplicasSpec
-    prediction: _PredictionSpec | None = None
+class _PlanFileV2(_PlanFile):
+    version: Literal[2]  # type: ignore[assignment]
+    layout: _ReplicasSpec  # type: ignore[assignment]
 
 
 def _group_dict(layout: PlanLayout) -> dict[str, Any]:
