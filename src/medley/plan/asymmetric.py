@@ -1,26 +1,31 @@
-"""The planner's replica groups of their own shape: a pipeline per device type, each fed its share
-of the global batch (the asymmetric replicas of HexiScale / FlashFlex, Sailor's per-type shapes).
+"""The planner's replica groups of their own shape: the devices cut into groups (by type, say),
+each with its own pipeline and its share of the global batch (the asymmetric replicas of
+HexiScale / FlashFlex, Sailor's per-type shapes).
 
 A plan of alike replicas cuts the model where its slowest replica must, so slow or small devices
-slow every pipeline they join or stay out. Here each device type forms its own replica group
-(:mod:`medley.plan.segments`): its own depth, split, schedule, memory options and micro-batch
-count, on all of its devices. The groups share what one plan shares: the micro-batch size, the
-precision and (so that the layers they hold in common meet in one ZeRO group per TP rank) one TP
-degree. Their gradients are synchronised over every replica of the plan; the simulation times that
-on the links it uses.
+slow every pipeline they join or stay out. Here each group (:mod:`medley.plan.segments`) takes its
+own depth, split, schedule, memory options and micro-batch count on its devices. The groups share
+what one plan shares: the micro-batch size, the precision, one TP degree (the layers they hold in
+common meet in one ZeRO group per TP rank) and one ZeRO level (each layer's ZeRO group spans
+every replica, so its holders need one level). Their gradients are synchronised over every
+replica of the plan; the simulation times that on the links it uses.
 
-Method, per (micro-batch size, TP degree) seed (those of the best symmetric candidates, and no TP):
+Method, per partition of the devices (:func:`partitions`: by type; around the devices the best
+symmetric plans leave idle; those plans' devices by type) and per (micro-batch size, TP degree)
+seed (those of the best symmetric candidates, and no TP):
 
-1. Each type's structures: pp x dp replicas of pp TP groups on that type's devices (the
-   :class:`~medley.plan.candidates.Estimator`'s stage-major order; one type, so one order).
-2. The batch is divided between the types by speed and revised ``ROUNDS`` times: each type takes
-   its micro-batches' share, its fastest structure at that count (1F1B estimate under memory with
-   micro-batches spread evenly over its replicas), and the next round gives each type a share in
-   proportion to the micro-batches per second it reached, so that the groups' steps even out.
+0. A partition whose gradient sync alone cannot finish within the fastest step simulated so far
+   (:func:`sync_floor`: the model's gradients through the slowest link of a ring across its
+   groups) is not planned: on clusters whose device types sit in different zones, none is.
+1. For each ZeRO level of :data:`LEVELS`, each group's structures (the
+   :class:`~medley.plan.candidates.Estimator`'s, on the group's devices, alike replicas) are built
+   under that level alone, their estimated DP rings reaching one device of every other group
+   (``Structure.sync_with``) and their state sharded over all replicas (``Structure.sync_dp``).
+2. The batch is divided between the groups by speed and revised ``ROUNDS`` times: each group
+   takes its share of micro-batches, its fastest structure at that count, and the next round gives
+   each a share in proportion to the micro-batches per second it reached, so that the groups'
+   steps even out. A group that cannot take a share joins the smallest other group.
 3. Each group's structure is then built in every allowed schedule family and keeps its fastest.
-4. The groups' ZeRO settings are unified (each layer's ZeRO group spans every replica, so its
-   holders need one level): the highest level any stage chose, streamed if any streams. That
-   never adds memory (a higher level holds less; with more replicas a shard is smaller).
 
 The candidates are simulated like any other; the simulation, not the estimate, ranks them.
 """

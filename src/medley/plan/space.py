@@ -170,8 +170,9 @@ class GroupedCandidate:
         return "groups:" + "+".join(part.structure.pool for part in self.parts)
 
     def layouts(self, model: ModelSpec, seq_len: int) -> tuple[PlanLayout, ...]:
-        """The groups' layouts, their ZeRO settings unified (:mod:`medley.plan.asymmetric`, step 4:
-        the highest level any stage chose, streamed if any streams), in one precision."""
+        """The groups' layouts in one precision, their ZeRO settings made one (the planner builds
+        every part at one level, :mod:`medley.plan.asymmetric`; should parts differ, the highest
+        level any stage chose, streamed if any streams, which never holds more memory)."""
         options = [o for part in self.parts for o in part.options]
         level = max(o.level for o in options)
         streams = any(o.streams for o in options if o.level == level)

@@ -120,12 +120,6 @@ class RankGroups:
         return self.table[self.place.replica]
 
 
-def stage_holders(table: RankTable, stage_to_rank: Sequence[int]) -> list[tuple[tuple[int, int], ...]]:
-    """The holders ((replica, pipeline rank) per replica) of each stage of alike replicas: the
-    segments of a plan of one group (:mod:`medley.plan.segments`)."""
-    return [tuple((r, k) for r in range(len(table))) for k in stage_to_rank]
-
-
 def segment_holders(segments: SyncSegments) -> list[tuple[tuple[int, int], ...]]:
     """The holders ((global replica, pipeline rank), replica order) of each of a plan's segments."""
     return [tuple((h.replica, h.pipeline_rank) for h in segment.holders) for segment in segments.segments]
