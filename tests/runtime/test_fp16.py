@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from train_plans import config, stop_after_step_3, tiny_plan
 
+from medley.cli.preflight import precision_note
 from medley.cost.estimator import CatalogCostSource
 from medley.errors import MedleyInputError
 from medley.plan.inline import inline_layout
@@ -32,7 +33,7 @@ from medley.plan.plan import Plan, save_plan
 from medley.runtime.config import TrainConfig, check_config
 from medley.runtime.launch import RankFailure, train_local
 from medley.runtime.optim import lr_at
-from medley.runtime.precision import LossScaler, choose_dtype, precision_note
+from medley.runtime.precision import LossScaler, choose_dtype
 from medley.runtime.reference import reference_losses
 from medley.runtime.sharding import ShardedStage
 from medley.runtime.train import train

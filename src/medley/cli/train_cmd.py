@@ -119,15 +119,21 @@ def local_world_size(local_ranks: int | None) -> int:
 
 def check_fits(plan: Plan, config, *, local_ranks: int | None) -> None:  # noqa: ANN001 - lazy import
     """Refuse, before any rank starts, a plan the runtime cannot run or this machine cannot hold
-    (:func:`medley.runtime.preflight.preflight`): ``--local-ranks`` ranks here, or under torchrun
-    the LOCAL_WORLD_SIZE ranks of this node."""
+    (:func:`medley.cli.preflight.preflight`: ``--local-ranks`` ranks here, or under torchrun the
+    LOCAL_WORLD_SIZE ranks of this node), and say once when the run computes in another precision
+    than the plan's (:func:`medley.cli.preflight.precision_note`)."""
+    from medley.cli.preflight import precision_note, preflight
     from medley.runtime.launch import uses_cuda
-    from medley.runtime.preflight import preflight
     from medley.runtime.train import run_dtype
 
     local_world = local_world_size(local_ranks)
     on_cuda = uses_cuda(local_world)
-    preflight(plan, dtype=run_dtype(plan, config, on_cuda=on_cuda), local_ranks=local_world, on_cuda=on_cuda)
+    dtype = run_dtype(plan, config, on_cuda=on_cuda)
+    preflight(plan, dtype=dtype, local_ranks=local_world, on_cuda=on_cuda)
+    if int(os.environ.get("RANK", "0")) == 0:
+        note = precision_note(plan, dtype, chosen=config.dtype is not None)
+        if note is not None:
+            typer.echo(note, err=True)
 
 
 def run_stopping_cleanly(plan: Plan, config, *, local_ranks: int | None):  # noqa: ANN001, ANN201

@@ -22,16 +22,13 @@ applied updates. The data still advances (batches are a function of the step ind
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
-from medley.plan.predict import predict_groups
 from medley.runtime.sharding import ShardedStage
 
 # An overflow at this scale (gradients that overflow unscaled) is divergence, not a bad scale.
@@ -44,27 +41,6 @@ def choose_dtype(plan: Plan, dtype: str | None, *, on_cuda: bool) -> str:
     if dtype is not None:
         return dtype
     return plan.shared.dtype if on_cuda else "fp32"
-
-
-def precision_note(plan: Plan, dtype: str, *, chosen: bool) -> str | None:
-    """One line when the run computes in another precision than the plan's, with the step time the
-    simulator predicts for each (catalog costs); None when they agree."""
-    planned = plan.shared.dtype
-    if dtype == planned:
-        return None
-    why = f"--dtype {dtype}" if chosen else "the default on CPU; --dtype sets it"
-    line = f"precision: the plan trains in {planned} but this run computes in {dtype} ({why})"
-    try:
-        times = {name: predict_groups([dataclasses.replace(group, dtype=name) for group in plan.groups],
-                                      plan.cluster)[0].step_time_s for name in (dtype, planned)}
-    except MedleyInputError as err:  # one rank prints this: it must not fail alone
-        return f"{line}; no step time predicted ({err})"
-    return (f"{line}; predicted step time {_seconds(times[dtype])} in {dtype} against "
-            f"{_seconds(times[planned])} in {planned}")
-
-
-def _seconds(value: float) -> str:
-    return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"
 
 
 @dataclass(kw_only=True)

@@ -42,7 +42,7 @@ from medley.runtime.lifecycle import StepWatchdog
 from medley.runtime.memory import cuda_peak_bytes, probe_peak_bytes, reset_cuda_peak, resident_tensors
 from medley.runtime.metrics import TensorBoardLog
 from medley.runtime.optim import lr_at, optimizer_class, set_lr
-from medley.runtime.precision import LossScaler, choose_dtype, precision_note, unscale_and_clip
+from medley.runtime.precision import LossScaler, choose_dtype, unscale_and_clip
 from medley.runtime.progress import TrainProgress
 from medley.runtime.setup import RankSetup, build_rank
 from medley.spec.cluster_schema import printable
@@ -60,10 +60,6 @@ def train(plan: Plan, config: TrainConfig) -> list[StepRecord]:
     setup = build_rank(plan, seed=config.seed, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
                        dtype=dtype, clip_grad=clip_grad, slowdown=_slowdown(plan, config),
                        init_from=config.init_from)
-    if dist.get_rank() == 0:  # once the ranks sit where the plan says (build_rank checks that)
-        note = precision_note(plan, dtype, chosen=config.dtype is not None)
-        if note is not None:
-            print(note, file=sys.stderr, flush=True)
     scaler = None
     if dtype == "fp16":
         scaler = LossScaler(scale=config.loss_scale_init, backoff=config.loss_scale_backoff,

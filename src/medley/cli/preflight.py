@@ -1,4 +1,9 @@
-"""Checks before any rank builds a model: what the plan asks of this machine's memory.
+"""What ``medley train`` checks and says before any rank builds a model: what the plan asks of this
+machine's memory, and the step time of the precision the run computes in.
+
+Both simulate the plan, so they live in the command line, not in :mod:`medley.runtime` (which reads
+plans through :mod:`medley.plan.layout` and never loads the simulator): under torchrun each rank's
+``medley train`` runs them before it joins the process group.
 
 The simulator's per-device peak (the same memory model the planner used, in the precision the
 runtime will actually train in) is compared with what the ranks of this machine can get: on CPU
@@ -13,7 +18,7 @@ import os
 
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
-from medley.plan.predict import simulate_groups
+from medley.plan.predict import predict_groups, simulate_groups
 from medley.runtime.placement import my_identity, planned_device
 from medley.runtime.setup import check_plan
 
@@ -86,3 +91,25 @@ def preflight(plan: Plan, *, dtype: str, local_ranks: int, on_cuda: bool) -> Non
     elif "RANK" in os.environ:
         check_cuda_memory(plan, dtype=dtype, rank=int(os.environ["RANK"]),
                           world=int(os.environ.get("WORLD_SIZE", str(plan.world_size))))
+
+
+def precision_note(plan: Plan, dtype: str, *, chosen: bool) -> str | None:
+    """One line when the run computes in another precision than the plan's, with the step time the
+    simulator predicts for each (catalog costs); None when they agree. ``medley train`` prints it
+    once (rank 0 under torchrun) before the ranks start."""
+    planned = plan.shared.dtype
+    if dtype == planned:
+        return None
+    why = f"--dtype {dtype}" if chosen else "the default on CPU; --dtype sets it"
+    line = f"precision: the plan trains in {planned} but this run computes in {dtype} ({why})"
+    try:
+        times = {name: predict_groups([dataclasses.replace(group, dtype=name) for group in plan.groups],
+                                      plan.cluster)[0].step_time_s for name in (dtype, planned)}
+    except MedleyInputError as err:  # a note: the run goes on without the figures
+        return f"{line}; no step time predicted ({err})"
+    return (f"{line}; predicted step time {_seconds(times[dtype])} in {dtype} against "
+            f"{_seconds(times[planned])} in {planned}")
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
+from medley.cli.preflight import RANK_BASE_BYTES, check_cpu_memory, predicted_peaks, preflight
 from medley.cost.estimator import CatalogCostSource
 from medley.errors import MedleyInputError
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan
-from medley.runtime.preflight import RANK_BASE_BYTES, check_cpu_memory, predicted_peaks, preflight
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 
