@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from medley.cost import formulas
-from medley.cost.interfaces import Pass, TimeEstimate
+from medley.cost.interfaces import MeasuresNothing, Pass, TimeEstimate
 from medley.errors import MedleyInputError
 from medley.spec.catalog import DeviceType, get_device_type, load_catalog
 from medley.spec.cluster import Cluster
@@ -45,7 +45,7 @@ def matmul_time(device: DeviceType, m: float, n: float, k: float, *, dtype: str,
     return max(compute, memory, KERNEL_MIN_S)
 
 
-class CatalogCostSource:
+class CatalogCostSource(MeasuresNothing):
     """Answers layer times from catalog peaks. Blocks are identical, so results are cached per
     (layer kind, pass, micro-batch size, sequence length, device type)."""
 

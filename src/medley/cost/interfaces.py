@@ -34,19 +34,17 @@ class TimeEstimate:
 
 
 class CostSource(Protocol):
-    """Answers "time of layer L, pass F/B/W, micro-batch b, sequence s, on device type D"."""
+    """What the compiler asks a cost source: the time of a layer's pass (every source answers it)
+    and what a measured source knows beyond it. Every source answers every question, the catalog
+    estimate with None (:class:`MeasuresNothing`): the compiler then uses its formulas. There is
+    one set of questions, so a source that forwards them (:mod:`medley.cost.user_profiles`) cannot
+    drop one unseen."""
 
     def layer_time(
         self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
-    ) -> TimeEstimate: ...
-
-
-class MeasuredCosts(Protocol):
-    """Optional questions a measured source (a profile) answers beyond :class:`CostSource`.
-
-    The compiler asks them with ``getattr``, so catalog estimates need not implement them; each
-    returns None when the source cannot say (the compiler then falls back to the formulas).
-    """
+    ) -> TimeEstimate:
+        """Time of layer L, pass F/B/W, micro-batch b, sequence s, on device type D."""
+        ...
 
     def activation_bytes(
         self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str
@@ -88,6 +86,66 @@ class MeasuredCosts(Protocol):
     ) -> float | None:
         """Seconds the TP framework's dispatch adds to one pass of a block on a TP group."""
         ...
+
+    def action_overhead_time(self, *, device_type: str) -> float | None:
+        """Seconds the runtime's executor adds to every compute action on ``device_type``."""
+        ...
+
+    def p2p_overhead_time(self) -> float | None:
+        """Seconds one point-to-point hand-off adds to a transfer beyond the link."""
+        ...
+
+    def collective_overhead_time(self) -> float | None:
+        """Seconds the runtime adds to each ZeRO gather or reduction beyond the link."""
+        ...
+
+
+class MeasuresNothing:
+    """The answers of a source that measured nothing beyond layer times (the catalog estimate, a
+    Metis file for what it lacks): None to every optional question of :class:`CostSource`. A
+    source derives from it and overrides what it knows."""
+
+    def activation_bytes(
+        self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> tuple[float, float] | None:
+        return None
+
+    def backward_full_time(
+        self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> TimeEstimate | None:
+        return None
+
+    def workspace_bytes(
+        self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> float | None:
+        return None
+
+    def fsdp_extra_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> float | None:
+        return None
+
+    def optimizer_time(self, params: float, *, device_type: str) -> TimeEstimate | None:
+        return None
+
+    def tp_layer_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int
+    ) -> TimeEstimate | None:
+        return None
+
+    def tp_extra_time(
+        self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
+    ) -> float | None:
+        return None
+
+    def action_overhead_time(self, *, device_type: str) -> float | None:
+        return None
+
+    def p2p_overhead_time(self) -> float | None:
+        return None
+
+    def collective_overhead_time(self) -> float | None:
+        return None
 
 
 class CommModel(Protocol):

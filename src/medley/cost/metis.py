@@ -43,7 +43,7 @@ from pathlib import Path
 
 from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
-from medley.cost.interfaces import Collective, CostSource, Pass, TimeEstimate
+from medley.cost.interfaces import Collective, CostSource, MeasuresNothing, Pass, TimeEstimate
 from medley.cost.metis_files import (
     PROFILE_ACTIVATION_BYTES,
     MetisProfile,
@@ -59,7 +59,7 @@ from medley.spec.model import ModelSpec
 REFERENCE_DEVICE = "A100-40GB"  # F:B:W ratios of types the catalog lacks are this one's
 
 
-class MetisCostSource:
+class MetisCostSource(MeasuresNothing):
     """A :class:`CostSource` answering from Metis-format measurements (module docstring has the rules)."""
 
     def __init__(

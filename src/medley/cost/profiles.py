@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from medley.cost.interfaces import CostSource, Pass, TimeEstimate
+from medley.cost.interfaces import CostSource, MeasuresNothing, Pass, TimeEstimate
 from medley.cost.profile_format import LayerMeasurement, Profile, load_profile
 from medley.errors import MedleyInputError
 from medley.spec.model import ModelSpec
@@ -80,7 +80,7 @@ def _bracket(values: list[int], x: int) -> tuple[int, int] | None:
 
 
 @dataclass(kw_only=True)
-class ProfileCostSource:
+class ProfileCostSource(MeasuresNothing):
     """Layer times (and activation bytes) from a profile, for the device types it stands for.
 
     Attributes:

@@ -17,7 +17,7 @@ device types and answers each type from its own profile, every other type from t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +33,8 @@ from medley.spec.cluster_schema import printable
 
 @dataclass(kw_only=True)
 class PerDeviceCostSource:
-    """A :class:`CostSource` (and the optional :class:`MeasuredCosts` questions) that asks, for
-    each device type, the measured source given for it, and ``fallback`` for every other type.
+    """A :class:`CostSource` that asks every question, for each device type, of the measured
+    source given for it, and of ``fallback`` for every other type.
 
     Attributes:
         sources: cluster device type name -> the measured source answering for it.
@@ -57,48 +57,60 @@ class PerDeviceCostSource:
             layer, kind, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type
         )
 
-    def _ask(self, question: str, device_type: str, *args: object, **kwargs: object) -> object | None:
-        answer = getattr(self.source_for(device_type), question, None)
-        return None if answer is None else answer(*args, device_type=device_type, **kwargs)
-
     def activation_bytes(
         self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str
     ) -> tuple[float, float] | None:
-        return self._ask("activation_bytes", device_type, layer, micro_batch_size=micro_batch_size,
-                         seq_len=seq_len)  # type: ignore[return-value]
+        return self.source_for(device_type).activation_bytes(
+            layer, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type)
 
     def backward_full_time(
         self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str
     ) -> TimeEstimate | None:
-        return self._ask("backward_full_time", device_type, layer, micro_batch_size=micro_batch_size,
-                         seq_len=seq_len)  # type: ignore[return-value]
+        return self.source_for(device_type).backward_full_time(
+            layer, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type)
 
     def workspace_bytes(
         self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str
     ) -> float | None:
-        return self._ask("workspace_bytes", device_type, layer, micro_batch_size=micro_batch_size,
-                         seq_len=seq_len)  # type: ignore[return-value]
+        return self.source_for(device_type).workspace_bytes(
+            layer, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type)
 
     def fsdp_extra_time(
         self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
     ) -> float | None:
-        return self._ask("fsdp_extra_time", device_type, layer, kind, micro_batch_size=micro_batch_size,
-                         seq_len=seq_len)  # type: ignore[return-value]
+        return self.source_for(device_type).fsdp_extra_time(
+            layer, kind, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type)
 
     def optimizer_time(self, params: float, *, device_type: str) -> TimeEstimate | None:
-        return self._ask("optimizer_time", device_type, params)  # type: ignore[return-value]
+        return self.source_for(device_type).optimizer_time(params, device_type=device_type)
 
     def tp_layer_time(
         self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int
     ) -> TimeEstimate | None:
-        return self._ask("tp_layer_time", device_type, layer, kind, micro_batch_size=micro_batch_size,
-                         seq_len=seq_len, tp=tp)  # type: ignore[return-value]
+        return self.source_for(device_type).tp_layer_time(
+            layer, kind, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type, tp=tp)
 
     def tp_extra_time(
         self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str
     ) -> float | None:
-        return self._ask("tp_extra_time", device_type, layer, kind, micro_batch_size=micro_batch_size,
-                         seq_len=seq_len)  # type: ignore[return-value]
+        return self.source_for(device_type).tp_extra_time(
+            layer, kind, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type)
+
+    def action_overhead_time(self, *, device_type: str) -> float | None:
+        return self.source_for(device_type).action_overhead_time(device_type=device_type)
+
+    def p2p_overhead_time(self) -> float | None:
+        """The runtime's hand-off, not a device's: the largest any measured source gives."""
+        return _largest(source.p2p_overhead_time() for source in self.sources.values())
+
+    def collective_overhead_time(self) -> float | None:
+        """The runtime's work around a collective call: the largest any measured source gives."""
+        return _largest(source.collective_overhead_time() for source in self.sources.values())
+
+
+def _largest(answers: Iterable[float | None]) -> float | None:
+    known = [value for value in answers if value is not None]
+    return max(known) if known else None
 
 
 def _base(name: str) -> str:

@@ -60,8 +60,8 @@ def _stage_cost(
     On a TP group (``group`` of more than one device) the times are one TP rank's compute
     (``tensor``) plus the blocks' TP all-reduces on ``comm``, and the bytes one rank's.
 
-    Measured sources (profiles, see :class:`MeasuredCosts`) also give the fused backward time and
-    activation bytes; the formulas answer otherwise. The first stage's input (token ids) takes no
+    Measured sources (profiles: :class:`~medley.cost.interfaces.CostSource`) also give the fused
+    backward time and activation bytes; the formulas answer otherwise. The first stage's input (token ids) takes no
     gradient, so its split backward does everything at W, as torch and medley's runtime do. A
     measured source may also give the runtime executor's cost per compute action
     (``action_overhead_time``, see :mod:`medley.profile.overhead`), added once to each.
