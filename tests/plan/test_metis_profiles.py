@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from medley.cost.estimator import CatalogCostSource
-from medley.cost.interfaces import Pass
+from medley.cost.interfaces import Pass, ProfileRangeError
 from medley.cost.metis import MetisCostSource
-from medley.cost.metis_files import ProfileRangeError, load_metis_profile
+from medley.cost.metis_files import load_metis_profile
 from medley.errors import MedleyInputError
 from medley.plan.baselines import NAMES
 from medley.plan.compile import compile_problem

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
+from medley.errors import MedleyInputError
+
 
 class Pass(StrEnum):
     """The three compute passes of a layer (zero-bubble notation)."""
@@ -31,6 +33,12 @@ class TimeEstimate:
 
     seconds: float
     source: str
+
+
+class ProfileRangeError(MedleyInputError):
+    """A measured source has no measurement for this device type, micro-batch size or sequence
+    length (and no fallback to ask): the planner skips the shapes that need it; any other error
+    while it bounds, builds or simulates a candidate is a fault and surfaces."""
 
 
 class CostSource(Protocol):

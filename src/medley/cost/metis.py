@@ -43,11 +43,17 @@ from pathlib import Path
 
 from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
-from medley.cost.interfaces import Collective, CostSource, MeasuresNothing, Pass, TimeEstimate
+from medley.cost.interfaces import (
+    Collective,
+    CostSource,
+    MeasuresNothing,
+    Pass,
+    ProfileRangeError,
+    TimeEstimate,
+)
 from medley.cost.metis_files import (
     PROFILE_ACTIVATION_BYTES,
     MetisProfile,
-    ProfileRangeError,
     load_metis_profile,
 )
 from medley.cost.tensor_parallel import TP_ALL_REDUCES

@@ -43,10 +43,6 @@ MODEL_NAMES = {"OPT-350": "opt-350m", "GPT-NEO-2.7": "gpt-neo-2.7b", "LLAMA-3-8"
 PROFILE_ACTIVATION_BYTES = 4  # the public profiles were measured in fp32
 
 
-class ProfileRangeError(MedleyInputError):
-    """The profile has no measurement for this device, micro-batch size or sequence length."""
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MetisEntry:
     """One profile file: a GPU type at one micro-batch size and tensor-parallel degree.

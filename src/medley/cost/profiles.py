@@ -5,8 +5,9 @@
 sequence length. Shapes between measured ones are interpolated (linearly in the micro-batch size
 at a measured sequence length, then linearly in the sequence length); shapes outside the measured
 range, other models and other device types go to the fallback source, or raise a
-:class:`MedleyInputError` naming what is missing when there is none. Every answer says where it
-came from: ``profile:<file>`` for a measured shape, ``profile:<file>~interpolated`` otherwise.
+:class:`~medley.cost.interfaces.ProfileRangeError` naming what is missing when there is none.
+Every answer says where it came from: ``profile:<file>`` for a measured shape,
+``profile:<file>~interpolated`` otherwise.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from medley.cost.interfaces import CostSource, MeasuresNothing, Pass, TimeEstimate
+from medley.cost.interfaces import CostSource, MeasuresNothing, Pass, ProfileRangeError, TimeEstimate
 from medley.cost.profile_format import LayerMeasurement, Profile, load_profile
-from medley.errors import MedleyInputError
 from medley.spec.model import ModelSpec
 
 
@@ -151,7 +151,7 @@ class ProfileCostSource(MeasuresNothing):
         )
         if found is None:
             if self.fallback is None:
-                raise MedleyInputError(self._missing(layer, micro_batch_size, seq_len, device_type))
+                raise ProfileRangeError(self._missing(layer, micro_batch_size, seq_len, device_type))
             return self.fallback.layer_time(
                 layer, kind, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type
             )

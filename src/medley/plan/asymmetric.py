@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from medley.cost import formulas
-from medley.cost.interfaces import Collective
+from medley.cost.interfaces import Collective, ProfileRangeError
 from medley.cost.zero_memory import state_bytes_per_param
 from medley.plan import builder, memory_rules, split_rules
 from medley.plan.candidates import Estimator
@@ -92,7 +92,7 @@ class GroupPlanner:
                     split=split_rules.interleaved_chunks if interleaved else split_rules.bottleneck,
                     memory=at_level(memory, self.level), micro_batches=builder.given_micro_batches(counts),
                     virtual_stages=virtual_stages if interleaved else 1, dtype=self.dtype)
-            except ValueError:  # a profile without this device type or micro-batch size
+            except ProfileRangeError:  # a profile without this device type or micro-batch size
                 self._built[key] = None
         return self._built[key]
 

@@ -61,10 +61,10 @@ def _stage_cost(
     (``tensor``) plus the blocks' TP all-reduces on ``comm``, and the bytes one rank's.
 
     Measured sources (profiles: :class:`~medley.cost.interfaces.CostSource`) also give the fused
-    backward time and activation bytes; the formulas answer otherwise. The first stage's input (token ids) takes no
-    gradient, so its split backward does everything at W, as torch and medley's runtime do. A
-    measured source may also give the runtime executor's cost per compute action
-    (``action_overhead_time``, see :mod:`medley.profile.overhead`), added once to each.
+    backward time and activation bytes; the formulas answer otherwise. The first stage's input
+    (token ids) takes no gradient, so its split backward does everything at W, as torch and
+    medley's runtime do. A measured source may also give the runtime executor's cost per compute
+    action (``action_overhead_time``, see :mod:`medley.profile.overhead`), added once to each.
     """
     mbs, seq, model = layout.micro_batch_size, layout.seq_len, layout.model
     tp = max(1, len(group))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from medley.cost.interfaces import CostSource
+from medley.errors import MedleyInputError
 from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan, Prediction
 from medley.plan.predict import predict_groups
@@ -172,7 +173,7 @@ def simulate_all(
             plan = rank_plan(
                 candidate, candidate.layout(model, seq_len), cluster, cost, constraints.memory_headroom
             )
-        except ValueError:  # MedleyInputError included: a layout the compiler rejects
+        except MedleyInputError:  # a layout the compiler or the loader's checks refuse
             continue
         ranked.append(plan)
         if plan.fits:
@@ -193,7 +194,7 @@ def simulate_grouped(
         try:
             ranked.append(rank_plan(candidate, candidate.layouts(model, seq_len), cluster, cost,
                                     constraints.memory_headroom))
-        except ValueError:  # MedleyInputError included: groups that cannot run together
+        except MedleyInputError:  # groups that cannot run together
             continue
     return ranked
 

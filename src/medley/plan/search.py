@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from medley.cost.estimator import CatalogCostSource
-from medley.cost.interfaces import CostSource
+from medley.cost.interfaces import CostSource, ProfileRangeError
 from medley.errors import MedleyInputError
 from medley.plan import ranking
 from medley.plan.asymmetric import grouped_candidates, partitions, seeds_of
@@ -347,7 +347,7 @@ def _estimate(
     for index, st in enumerate(structures):
         try:
             bounded.append((structure_bound(st), index, st))
-        except ValueError:  # a profile without this device type or micro-batch size
+        except ProfileRangeError:  # a profile without this device type or micro-batch size
             continue
     bounded.sort(key=lambda x: (x[0], x[1]))
     base: list[tuple[float, int, Candidate]] = []
@@ -367,7 +367,7 @@ def _estimate(
             continue
         try:
             candidate = estimator.candidate(st, "1f1b")
-        except ValueError:
+        except ProfileRangeError:
             continue
         if candidate is not None:
             base.append((candidate.estimate_s, index, candidate))
