@@ -27,6 +27,7 @@ from medley.cost.estimator import DTYPE_BYTES
 from medley.cost.interfaces import CommModel, CostSource, Pass
 from medley.cost.tensor_parallel import TensorParallelCompute, tp_comm_time
 from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
+from medley.schedule.generators.classic import one_f_one_b_depth
 from medley.schedule.zero import split_evenly
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
@@ -322,8 +323,9 @@ def round_trip_cycle(stage_times: Sequence[float], link_times: Sequence[float], 
     for k in range(pp - 1, -1, -1):
         if k < pp - 1 and k < len(link_times):
             links += link_times[k]
-        if pp - k < micro_batches:
-            worst = max(worst, (stage_times[k] + below + 2.0 * links) / (pp - k))
+        depth = one_f_one_b_depth(pp, k, micro_batches)
+        if depth < micro_batches:
+            worst = max(worst, (stage_times[k] + below + 2.0 * links) / depth)
         below += stage_times[k]
     return worst
 

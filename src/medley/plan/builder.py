@@ -37,6 +37,7 @@ from medley.plan.bounds import (
 from medley.plan.context import PlanContext, Signatures
 from medley.plan.space import Candidate, Structure, distribute
 from medley.plan.step_estimate import step_estimate
+from medley.schedule.generators.classic import one_f_one_b_depth
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,7 +172,7 @@ def warmup_depths(
     pp = st.pp
     if family == "gpipe":
         return (m,) * pp
-    base = tuple(min(pp - s, m) for s in range(pp))
+    base = tuple(one_f_one_b_depth(pp, s, m) for s in range(pp))
     if family != "hetero-1f1b":
         return base
     mbs = st.micro_batch_size

@@ -13,6 +13,7 @@ from medley.plan.bounds import MemoryOption, stage_memory
 from medley.plan.context import PlanContext
 from medley.plan.ranking import RankedPlan, rank_plan
 from medley.plan.space import PP_CHOICES, Candidate, Constraints, Structure
+from medley.schedule.generators.classic import one_f_one_b_depth
 
 GB = 1e9
 FRUGAL_BUCKETS = 8
@@ -56,7 +57,7 @@ def _overshoot(ctx: PlanContext, candidate: Candidate) -> float:
             sum(split[: s + 1]),
             option=candidate.options[s],
             dp=st.dp,
-            in_flight=min(st.pp - s, max(candidate.micro_batches)),
+            in_flight=one_f_one_b_depth(st.pp, s, max(candidate.micro_batches)),
         )
         - ctx.capacity(st.assignment[0][s])
         for s in range(st.pp)

@@ -31,6 +31,7 @@ import numpy as np
 from medley.plan.bounds import Flight, memory_options, memory_prefix
 from medley.plan.context import PlanContext
 from medley.plan.space import Structure
+from medley.schedule.generators.classic import one_f_one_b_depth
 
 Rank = tuple[float, float, float, float, float, float, int, int]
 """A rank's whole-model seconds, the same recomputing, the fractions of the model it holds at most
@@ -76,7 +77,7 @@ class StructureBounds:
         dtype = ctx.dtype(st.assignment)
         micro_batches = ctx.global_batch // mbs
         # 1F1B's warm-up depths at the most micro-batches any replica runs (at least the mean).
-        flights = [min(st.pp - k, -(-micro_batches // st.dp)) for k in range(st.pp)]
+        flights = [one_f_one_b_depth(st.pp, k, -(-micro_batches // st.dp)) for k in range(st.pp)]
         rows: Counter[tuple[Rank, ...]] = Counter()
         for types, n in kinds.items():
             rows[tuple(self._rank(t, tp, mbs, dtype, st.zero_dp, flight)

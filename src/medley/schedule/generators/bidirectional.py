@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from medley.schedule.generators.classic import check_sizes
+from medley.schedule.generators.classic import check_sizes, one_f_one_b_depth
 from medley.schedule.generators.list_scheduler import check_costs, check_limits, list_schedule
 from medley.schedule.ir import PipelineSchedule, v_stage_to_rank
 
@@ -48,7 +48,8 @@ def bidirectional(
     if costs is not None and len(costs) == pp:
         costs = list(costs) + list(costs)  # up stage p+j runs model part j
     spans = tuple([(0, pp - 1)] * down + [(pp, 2 * pp - 1)] * up)
-    warmup = [min(pp - s, down) for s in range(pp)] + [min(pp - j, up) for j in range(pp)]
+    warmup = ([one_f_one_b_depth(pp, s, down) for s in range(pp)]
+              + [one_f_one_b_depth(pp, j, up) for j in range(pp)])
     unlimited = [2 * micro_batches] * pp
     memory = check_limits(memory_limit, unlimited, "memory_limit")
     s2r = v_stage_to_rank(pp)

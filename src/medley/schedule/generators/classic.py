@@ -29,6 +29,13 @@ def gpipe(*, pp: int, micro_batches: int) -> PipelineSchedule:
     )
 
 
+def one_f_one_b_depth(pp: int, stage: int, micro_batches: int) -> int:
+    """1F1B's in-flight depth: stage ``stage`` of ``pp`` runs ``pp - stage`` forwards before its
+    first backward (all ``micro_batches`` when there are fewer), and holds at most that many
+    micro-batches' activations. ZB-H1 keeps it; the planner's memory estimates read it here."""
+    return min(pp - stage, micro_batches)
+
+
 def _one_f_one_b_row(stage: int, depth: int, micro_batches: int) -> list[Action]:
     """``depth`` forwards, then alternate one backward and one forward, then drain."""
     depth = min(depth, micro_batches)
@@ -41,9 +48,10 @@ def _one_f_one_b_row(stage: int, depth: int, micro_batches: int) -> list[Action]
 
 def one_f_one_b(*, pp: int, micro_batches: int) -> PipelineSchedule:
     """PipeDream-flush / DAPPLE: stage s runs p-s forwards before its first backward, so it never
-    holds more than min(p-s, m) micro-batches of activations."""
+    holds more than min(p-s, m) micro-batches of activations (:func:`one_f_one_b_depth`)."""
     check_sizes(pp, micro_batches)
-    actions = [_one_f_one_b_row(s, pp - s, micro_batches) for s in range(pp)]
+    actions = [_one_f_one_b_row(s, one_f_one_b_depth(pp, s, micro_batches), micro_batches)
+               for s in range(pp)]
     return PipelineSchedule(
         family="1f1b", num_stages=pp, num_micro_batches=micro_batches,
         stage_to_rank=loop_stage_to_rank(pp), actions=actions,

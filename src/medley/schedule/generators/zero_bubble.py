@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from medley.schedule.generators.classic import check_sizes
+from medley.schedule.generators.classic import check_sizes, one_f_one_b_depth
 from medley.schedule.generators.list_scheduler import check_costs, check_limits, list_schedule
 from medley.schedule.ir import Action, B, F, PipelineSchedule, W, loop_stage_to_rank
 
@@ -56,7 +56,7 @@ def zb_h1(*, pp: int, micro_batches: int) -> PipelineSchedule:
     check_sizes(pp, micro_batches)
     actions: list[list[Action]] = []
     for s in range(pp):
-        depth = min(pp - s, micro_batches)
+        depth = one_f_one_b_depth(pp, s, micro_batches)
         row = [F(s, i) for i in range(depth)]
         next_w = 0
         for i in range(micro_batches):
