@@ -69,3 +69,12 @@ def fsdp_unsharded_params(module: FSDPModule) -> list[torch.nn.Parameter]:
     and unshard (only their storage is freed and refilled), so autograd graphs that saved them
     stay valid once the unit is gathered again."""
     return [fp.unsharded_param for group in fsdp_param_groups(module) for fp in group.fsdp_params]
+
+
+def fsdp_unsharded_grads(module: FSDPModule) -> list[torch.Tensor | None]:
+    """The unsharded gradients an FSDP unit holds before its reduce-scatter: the parameter's own
+    ``.grad``, or the copy FSDP2 accumulates in the reduce dtype when that differs from the
+    parameter dtype (bf16 weights, fp32 reduction: the parameter's ``.grad`` is then freed)."""
+    return [fp.unsharded_accumulated_grad if fp.unsharded_accumulated_grad is not None
+            else fp.unsharded_param.grad
+            for group in fsdp_param_groups(module) for fp in group.fsdp_params]

@@ -1,0 +1,392 @@
+"""A plan's ranks built one at a time on one CPU, at any scale, against the memory model.
+
+torch's fake process group (``init_process_group("fake")``, as torchtitan's ``COMM_MODE=
+fake_backend`` does) lets this one process be any rank of a world of any size: every group of the
+plan is created as :func:`medley.runtime.groups.make_groups` creates it for a real run, and
+collectives return at once. The rank's stages are built on the meta device (no memory), tensor-
+parallelised and ZeRO-sharded as :func:`medley.runtime.stages.build_local_stages` builds them, and
+then given fake storage (``to_empty`` under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`:
+shapes and dtypes, no bytes), so that one micro-batch's forward and backward, the gradient
+reduction and the optimizer state run as the runtime runs them, on nothing.
+
+Ranks that hold the same stages at the same TP degree, ZeRO levels and ZeRO group size are one
+*case* (:func:`rank_cases`): one of them is built. Its figures are the bytes of what it holds,
+counted from the tensors' storages (FSDP2's padded shards as allocated), next to what the memory
+model predicts for it (:func:`medley.cost.zero_memory.stage_state_bytes`, over the parameters
+:func:`medley.cost.formulas.stage_held_params` gives a TP rank of each stage, as the compiler books
+them for the simulator). The model books the fp32 weights the optimizer steps in half precision as
+optimizer state (K = 12 B); here they are parameters, as torch holds them (:func:`predicted`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from medley.cost import formulas
+from medley.cost.estimator import DTYPE_BYTES
+from medley.cost.zero_levels import fsdp_units
+from medley.cost.zero_memory import FP32_BYTES, stage_state_bytes, state_bytes_per_param
+from medley.plan.layout import PlanLayout
+from medley.plan.plan import Plan
+from medley.plan.world import World, build_world
+from medley.runtime.executor import with_default_collectives
+from medley.runtime.groups import RankGroups, RankTable, make_groups, row_major_table, segment_holders
+from medley.runtime.model import token_loss_sum
+from medley.runtime.optim import ensure_state, optimizer_class
+from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
+from medley.runtime.stages import build_local_stages
+from medley.runtime.torch_adapter import fsdp_unsharded_grads
+
+TOLERANCE = 0.02
+"""Built and predicted bytes may differ by this share of the prediction."""
+
+FIGURES = ("parameters", "optimizer", "gradient", "grad_shard", "gathered")
+"""The compared figures of :class:`StateFigures`, as the command names them."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateFigures:
+    """Model-state bytes of one rank (all its stages).
+
+    Attributes:
+        parameters: held all step: the parameters (ZeRO 1-3: FSDP2's sharded fp32 parameters, and at
+            levels 1-2 the gathered weights in the compute dtype).
+        optimizer: held all step: the optimizer's state (AdamW's two moments).
+        gradient: after a backward: the unsharded gradient autograd makes.
+        grad_shard: after the reduce-scatter (levels 1-3): the reduced gradient shard.
+        gathered: level 3 only: the weights gathered in the compute dtype for compute.
+    """
+
+    parameters: float
+    optimizer: float
+    gradient: float
+    grad_shard: float
+    gathered: float
+
+    @property
+    def static(self) -> float:
+        """Held between steps: parameters and optimizer state."""
+        return self.parameters + self.optimizer
+
+    def __add__(self, other: StateFigures) -> StateFigures:
+        return StateFigures(**{name: getattr(self, name) + getattr(other, name) for name in FIGURES})
+
+
+ZERO_FIGURES = StateFigures(parameters=0.0, optimizer=0.0, gradient=0.0, grad_shard=0.0, gathered=0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankCase:
+    """Ranks of a plan that build alike.
+
+    Attributes:
+        group: the replica group; pipeline_rank: their pipeline rank in it.
+        stages: the global stages they run; layers: each stage's ``[first, last)`` layers.
+        tp: their TP degree; levels: each stage's ZeRO level; zero_dp: their ZeRO groups' size.
+        ranks: every global rank of the case (the first is the one built).
+    """
+
+    group: int
+    pipeline_rank: int
+    stages: tuple[int, ...]
+    layers: tuple[tuple[int, int], ...]
+    tp: int
+    levels: tuple[int, ...]
+    zero_dp: int
+    ranks: tuple[int, ...]
+
+    @property
+    def rank(self) -> int:
+        return self.ranks[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamShard:
+    """One parameter as a rank holds it: global name, global and local shapes, dtype, placements."""
+
+    name: str
+    shape: tuple[int, ...]
+    local: tuple[int, ...]
+    dtype: str
+    placements: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankReport:
+    """What a dry run of one rank found.
+
+    Attributes:
+        case: the rank's case; rank: the rank built.
+        groups: its process groups' members by name (``pipeline``: each pipeline rank's ranks in its
+            replica; ``tp``; ``zero s<i>``: the ZeRO group of each segment it holds).
+        shards: every parameter it holds.
+        built / predicted: its model-state bytes, counted and by the memory model.
+        activations / predicted_activations: bytes one micro-batch's forward keeps for its backward
+            (the tensors autograd saved, input and output included, parameters not), and the
+            formulas' figure (:func:`medley.cost.formulas.layer_activation_bytes`).
+    """
+
+    case: RankCase
+    rank: int
+    groups: dict[str, list[list[int]] | list[int]]
+    shards: list[ParamShard]
+    built: StateFigures
+    predicted: StateFigures
+    activations: float
+    predicted_activations: float
+    stages: dict[int, ShardedStage] = field(repr=False, compare=False)
+    rank_groups: RankGroups = field(repr=False, compare=False)
+    mode: FakeTensorMode = field(repr=False, compare=False)
+
+    def differences(self, tolerance: float = TOLERANCE) -> list[tuple[str, float, float]]:
+        """(figure, built, predicted) of every figure off by more than ``tolerance``."""
+        out = []
+        for name in ("static", *FIGURES):
+            built, predicted = getattr(self.built, name), getattr(self.predicted, name)
+            if abs(built - predicted) > tolerance * max(abs(predicted), 1.0):
+                out.append((name, built, predicted))
+        return out
+
+
+def rank_table(plan: Plan) -> RankTable:
+    """Global ranks in the plan's device order (:attr:`Plan.devices`): group by group, replica by
+    replica, pipeline rank by rank, TP rank by rank (the table :mod:`medley.runtime.placement`
+    gives ranks started in that order)."""
+    rows: list[tuple[tuple[int, ...], ...]] = []
+    offset = 0
+    for layout in plan.groups:
+        table = row_major_table(layout.pp, layout.dp, layout.tp)
+        rows += [tuple(tuple(offset + r for r in ranks) for ranks in row) for row in table]
+        offset += layout.world_size
+    return tuple(rows)
+
+
+def rank_cases(plan: Plan, world: World | None = None) -> list[RankCase]:
+    """The plan's distinct ranks, in rank order of their first member."""
+    world = world or build_world(plan.groups)
+    table = rank_table(plan)
+    cases: dict[tuple, list[int]] = {}
+    keys: dict[tuple, RankCase] = {}
+    for replica, row in enumerate(table):
+        group, _ = world.segments.where(replica)
+        layout = world.groups[group]
+        schedule = world.schedules[replica]
+        for k, ranks in enumerate(row):
+            stages = tuple(schedule.stages_of_rank(k))
+            layers = tuple((r.start, r.stop) for r in map(layout.layer_range, stages))
+            levels = tuple(layout.zero[s].level for s in stages)
+            key = (group, k, layers, len(ranks), levels, layout.zero_dp)
+            if key not in keys:
+                keys[key] = RankCase(group=group, pipeline_rank=k, stages=stages, layers=layers, tp=len(ranks),
+                                     levels=levels, zero_dp=layout.zero_dp, ranks=())
+            cases.setdefault(key, []).extend(ranks)
+    out = [RankCase(**{**keys[key].__dict__, "ranks": tuple(sorted(ranks))}) for key, ranks in cases.items()]
+    return sorted(out, key=lambda case: case.rank)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """This process as ``rank`` of a fake world of ``world_size`` (nothing is sent anywhere)."""
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised; the dry run needs its own fake one")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def predicted(layout: PlanLayout, stages: Sequence[int]) -> StateFigures:
+    """The memory model's bytes of one TP rank of ``stages`` of ``layout``, in the columns of
+    :class:`StateFigures`: the fp32 weights the optimizer steps in half precision move from the
+    model's optimizer state to the parameters (4 B of its 12)."""
+    per_param = state_bytes_per_param(layout.dtype)
+    total = ZERO_FIGURES
+    for stage in stages:
+        layers = layout.layer_range(stage)
+        params = formulas.stage_held_params(layout.model, layers.start, layers.stop, tp=layout.stage_tp(stage))
+        level, dp = layout.zero[stage].level, layout.zero_dp
+        state = stage_state_bytes(params, level=level, dp=dp, per_param=per_param)
+        stepped = params / dp if fsdp_units(level, dp) else params
+        master = stepped * FP32_BYTES if per_param.master_in_optimizer else 0.0
+        total = total + StateFigures(parameters=state.weights + master, optimizer=state.optimizer - master,
+                                     gradient=state.gradient, grad_shard=state.grad_shard,
+                                     gathered=state.gathered_weights)
+    return total
+
+
+def predicted_activations(layout: PlanLayout, stages: Sequence[int]) -> float:
+    """The formulas' activation bytes of one micro-batch on ``stages`` (one TP rank)."""
+    shape = {"micro_batch_size": layout.micro_batch_size, "seq_len": layout.seq_len,
+             "dtype_bytes": DTYPE_BYTES[layout.dtype]}
+    return sum(formulas.layer_activation_bytes(layout.model, i, tp=layout.stage_tp(s),
+                                               recompute=bool(layout.recompute and layout.recompute[s]), **shape)
+               for s in stages for i in layout.layer_range(s))
+
+
+class _Storages:
+    """Bytes of distinct storages (views of one storage count once)."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.bytes = 0
+
+    def add(self, tensor: torch.Tensor | None) -> None:
+        if tensor is None:
+            return
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        key = storage._cdata
+        if key not in self.seen:
+            self.seen.add(key)
+            self.bytes += storage.nbytes()
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
+    counted = _Storages()
+    for tensor in tensors:
+        counted.add(tensor)
+    return counted.bytes
+
+
+def _groups_of(groups: RankGroups) -> dict[str, list[list[int]] | list[int]]:
+    place = groups.place
+    out: dict[str, list[list[int]] | list[int]] = {
+        "pipeline": [list(ranks) for ranks in groups.pipeline],
+        "tp": list(groups.pipeline[place.pipeline_rank]),
+    }
+    for segment, mesh in sorted(groups.meshes.items()):
+        out[f"zero s{segment}"] = [int(r) for r in mesh.mesh[:, place.tp_rank].tolist()]
+    return out
+
+
+def _shards(stages: dict[int, ShardedStage]) -> list[ParamShard]:
+    out = []
+    for stage in stages.values():
+        for name, param in stage.named_parameters_local():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            placements = ", ".join(map(str, param.placements)) if isinstance(param, DTensor) else "whole"
+            out.append(ParamShard(name=name, shape=tuple(param.shape), local=tuple(local.shape),
+                                  dtype=str(param.dtype).removeprefix("torch."), placements=placements))
+    return out
+
+
+def _stage_input(layout: PlanLayout, stage: ShardedStage) -> torch.Tensor:
+    batch, seq = layout.micro_batch_size, layout.seq_len
+    if stage.module.first_layer == 0:
+        return torch.zeros(batch, seq, dtype=torch.long)
+    return torch.zeros(batch, seq, layout.model.hidden_size, dtype=TORCH_DTYPES[layout.dtype], requires_grad=True)
+
+
+def _run_micro_batch(layout: PlanLayout, stage: ShardedStage, parameters: set[int]) -> int:
+    """One forward and backward of ``stage`` (fake tensors); returns the bytes autograd saved for
+    the backward (the stage's output and its input included, parameters not)."""
+    saved = _Storages()
+    saved.seen |= parameters
+    x = _stage_input(layout, stage)
+    autocast = (torch.autocast("cpu", dtype=TORCH_DTYPES[layout.dtype]) if layout.dtype != "fp32"
+                else contextlib.nullcontext())
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.add(t), t)[1], lambda t: t), autocast:
+        out = stage.module(x)
+        if stage.module.head is not None:
+            out = token_loss_sum(out, torch.zeros(out.shape[:2], dtype=torch.long))
+    saved.add(out)
+    if x.requires_grad:
+        saved.add(x)
+    if out.dim() == 0:
+        out.backward()
+    else:
+        out.backward(torch.ones_like(out))
+    return saved.bytes
+
+
+def _measure(layout: PlanLayout, stages: dict[int, ShardedStage]) -> tuple[StateFigures, int]:
+    """Built figures and one micro-batch's activation bytes of every stage (fake storage)."""
+    total, activations = ZERO_FIGURES, 0
+    for stage in stages.values():
+        stepped = [p for bucket in stage.buckets for p in bucket]  # FSDP2's (padded) shards at levels 1-3
+        held = _Storages()
+        for param in stepped:
+            held.add(param)
+        if stage.sharded and stage.meaning.gathers_after_step:
+            for param in stage.weights():  # levels 1-2 hold their gathered weights all step
+                held.add(param)
+        for optimizer in stage.optimizers:
+            ensure_state(optimizer)
+        optimizer_bytes = _storage_bytes([value for optimizer in stage.optimizers
+                                          for state in optimizer.state.values() for value in state.values()
+                                          if isinstance(value, torch.Tensor) and value.dim() > 0])
+        gathered = 0
+        if stage.sharded and stage.meaning.gathers_for_compute:  # level 3 gathers for compute only
+            stage.unshard(None)
+            gathered = _storage_bytes(stage.weights())
+        weights = _Storages()
+        for param in [*stepped, *stage.weights()]:
+            weights.add(param)
+        activations += _run_micro_batch(layout, stage, weights.seen)
+        gradient = _storage_bytes([g for unit in stage.fsdp_units for g in fsdp_unsharded_grads(unit)]
+                                  if stage.sharded else [p.grad for p in stage.weights()])
+        grad_shard = 0
+        if stage.sharded and stage.replicated:
+            stage.reduce_grad(None)
+            grad_shard = _storage_bytes([p.grad for p in stepped])
+        if stage.sharded and stage.meaning.gathers_for_compute:
+            stage.reshard(None)
+        total = total + StateFigures(parameters=held.bytes, optimizer=optimizer_bytes, gradient=gradient,
+                                     grad_shard=grad_shard, gathered=gathered)
+    return total, activations
+
+
+def build_rank(plan: Plan, rank: int, *, world: World | None = None, case: RankCase | None = None,
+               measure: bool = True) -> RankReport:
+    """Build ``rank`` of ``plan`` alone in a fake world (collectives do nothing) and count what it
+    holds; the process group is gone again when this returns (the stages stay, on fake storage)."""
+    world = world or build_world(plan.groups)
+    if case is None:
+        case = next(c for c in rank_cases(plan, world) if rank in c.ranks)
+    cls, kwargs = optimizer_class("adamw", lr=1e-4, weight_decay=0.0)
+    table = rank_table(plan)
+    with fake_world(plan.world_size, rank):
+        groups = make_groups(table, segment_holders(world.segments))
+        group, _ = world.segments.where(groups.place.replica)
+        layout = world.groups[group]
+        schedule = with_default_collectives(world.schedules[groups.place.replica])
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        stages = _build_stages(layout, schedule, groups, world, group, cls, kwargs, mode)
+        with mode:
+            built, activations = _measure(layout, stages) if measure else (ZERO_FIGURES, 0)
+        report = RankReport(case=case, rank=rank, groups=_groups_of(groups), shards=_shards(stages), built=built,
+                            predicted=predicted(layout, case.stages), activations=float(activations),
+                            predicted_activations=predicted_activations(layout, case.stages), stages=stages,
+                            rank_groups=groups, mode=mode)
+    return report
+
+
+def _build_stages(layout: PlanLayout, schedule: object, groups: RankGroups, world: World, group: int,
+                  cls: type[torch.optim.Optimizer], kwargs: dict, mode: FakeTensorMode) -> dict[int, ShardedStage]:
+    """The rank's stages on the meta device, then on fake storage (levels 1-2 gathered)."""
+    original = ShardedStage.unshard
+    ShardedStage.unshard = lambda self, bucket: None  # type: ignore[method-assign]  # meta: nothing to gather
+    try:
+        with torch.device("meta"):
+            stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers,
+                                        zero=[z.level for z in layout.zero], groups=groups, seed=0,
+                                        optimizer_class=cls, optimizer_kwargs=kwargs, recompute=layout.recompute,
+                                        precision=layout.dtype, units=world.segments.units[group])
+    finally:
+        ShardedStage.unshard = original  # type: ignore[method-assign]
+    with mode:
+        for stage in stages.values():
+            stage.module.to_empty(device="cpu")
+            if stage.sharded and stage.meaning.gathers_after_step:
+                stage.unshard(None)
+    return stages
