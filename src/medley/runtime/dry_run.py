@@ -145,6 +145,7 @@ class RankReport:
     predicted_activations: float
     stages: dict[int, ShardedStage] = field(repr=False, compare=False)
     rank_groups: RankGroups = field(repr=False, compare=False)
+    mesh_ranks: dict[int, torch.Tensor] = field(repr=False, compare=False)
     mode: FakeTensorMode = field(repr=False, compare=False)
 
     def differences(self, tolerance: float = TOLERANCE) -> list[tuple[str, float, float]]:
@@ -258,6 +259,14 @@ def _storage_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
     return counted.bytes
 
 
+def _mesh_ranks(stages: dict[int, ShardedStage], groups: RankGroups) -> dict[int, torch.Tensor]:
+    """The global ranks of every mesh the rank's parameters and segments use, by ``id`` of the
+    mesh (a mesh reads them through the process group, which is gone after the build)."""
+    meshes = [*groups.meshes.values(), *(p.device_mesh for stage in stages.values()
+                                        for _, p in stage.named_parameters_local() if isinstance(p, DTensor))]
+    return {id(mesh): mesh.mesh.clone() for mesh in meshes}
+
+
 def _groups_of(groups: RankGroups) -> dict[str, list[list[int]] | list[int]]:
     place = groups.place
     out: dict[str, list[list[int]] | list[int]] = {
@@ -367,7 +376,7 @@ def build_rank(plan: Plan, rank: int, *, world: World | None = None, case: RankC
         report = RankReport(case=case, rank=rank, groups=_groups_of(groups), shards=_shards(stages), built=built,
                             predicted=predicted(layout, case.stages), activations=float(activations),
                             predicted_activations=predicted_activations(layout, case.stages), stages=stages,
-                            rank_groups=groups, mode=mode)
+                            rank_groups=groups, mode=mode, mesh_ranks=_mesh_ranks(stages, groups))
     return report
 
 
