@@ -187,8 +187,8 @@ def rank_cases(plan: Plan, world: World | None = None) -> list[RankCase]:
             levels = tuple(layout.zero[s].level for s in stages)
             key = (group, k, layers, len(ranks), levels, layout.zero_dp)
             if key not in keys:
-                keys[key] = RankCase(group=group, pipeline_rank=k, stages=stages, layers=layers, tp=len(ranks),
-                                     levels=levels, zero_dp=layout.zero_dp, ranks=())
+                keys[key] = RankCase(group=group, pipeline_rank=k, stages=stages, layers=layers,
+                                     tp=len(ranks), levels=levels, zero_dp=layout.zero_dp, ranks=())
             cases.setdefault(key, []).extend(ranks)
     out = [RankCase(**{**keys[key].__dict__, "ranks": tuple(sorted(ranks))}) for key, ranks in cases.items()]
     return sorted(out, key=lambda case: case.rank)
@@ -214,7 +214,8 @@ def predicted(layout: PlanLayout, stages: Sequence[int]) -> StateFigures:
     total = ZERO_FIGURES
     for stage in stages:
         layers = layout.layer_range(stage)
-        params = formulas.stage_held_params(layout.model, layers.start, layers.stop, tp=layout.stage_tp(stage))
+        params = formulas.stage_held_params(layout.model, layers.start, layers.stop,
+                                            tp=layout.stage_tp(stage))
         level, dp = layout.zero[stage].level, layout.zero_dp
         state = stage_state_bytes(params, level=level, dp=dp, per_param=per_param)
         stepped = params / dp if fsdp_units(level, dp) else params
@@ -229,8 +230,9 @@ def predicted_activations(layout: PlanLayout, stages: Sequence[int]) -> float:
     """The formulas' activation bytes of one micro-batch on ``stages`` (one TP rank)."""
     shape = {"micro_batch_size": layout.micro_batch_size, "seq_len": layout.seq_len,
              "dtype_bytes": DTYPE_BYTES[layout.dtype]}
-    return sum(formulas.layer_activation_bytes(layout.model, i, tp=layout.stage_tp(s),
-                                               recompute=bool(layout.recompute and layout.recompute[s]), **shape)
+    recompute = [bool(layout.recompute and layout.recompute[s]) for s in range(layout.num_stages)]
+    return sum(formulas.layer_activation_bytes(layout.model, i, tp=layout.stage_tp(s), recompute=recompute[s],
+                                               **shape)
                for s in stages for i in layout.layer_range(s))
 
 
@@ -293,7 +295,8 @@ def _stage_input(layout: PlanLayout, stage: ShardedStage) -> torch.Tensor:
     batch, seq = layout.micro_batch_size, layout.seq_len
     if stage.module.first_layer == 0:
         return torch.zeros(batch, seq, dtype=torch.long)
-    return torch.zeros(batch, seq, layout.model.hidden_size, dtype=TORCH_DTYPES[layout.dtype], requires_grad=True)
+    return torch.zeros(batch, seq, layout.model.hidden_size, dtype=TORCH_DTYPES[layout.dtype],
+                       requires_grad=True)
 
 
 def _run_micro_batch(layout: PlanLayout, stage: ShardedStage, parameters: set[int]) -> int:
@@ -373,7 +376,8 @@ def build_rank(plan: Plan, rank: int, *, world: World | None = None, case: RankC
         stages = _build_stages(layout, schedule, groups, world, group, cls, kwargs, mode)
         with mode:
             built, activations = _measure(layout, stages) if measure else (ZERO_FIGURES, 0)
-        report = RankReport(case=case, rank=rank, groups=_groups_of(groups), shards=_shards(stages), built=built,
+        report = RankReport(case=case, rank=rank, groups=_groups_of(groups), shards=_shards(stages),
+                            built=built,
                             predicted=predicted(layout, case.stages), activations=float(activations),
                             predicted_activations=predicted_activations(layout, case.stages), stages=stages,
                             rank_groups=groups, mode=mode, mesh_ranks=_mesh_ranks(stages, groups))
@@ -381,7 +385,8 @@ def build_rank(plan: Plan, rank: int, *, world: World | None = None, case: RankC
 
 
 def _build_stages(layout: PlanLayout, schedule: object, groups: RankGroups, world: World, group: int,
-                  cls: type[torch.optim.Optimizer], kwargs: dict, mode: FakeTensorMode) -> dict[int, ShardedStage]:
+                  cls: type[torch.optim.Optimizer], kwargs: dict,
+                  mode: FakeTensorMode) -> dict[int, ShardedStage]:
     """The rank's stages on the meta device, then on fake storage (levels 1-2 gathered)."""
     original = ShardedStage.unshard
     ShardedStage.unshard = lambda self, bucket: None  # type: ignore[method-assign]  # meta: nothing to gather
@@ -389,7 +394,8 @@ def _build_stages(layout: PlanLayout, schedule: object, groups: RankGroups, worl
         with torch.device("meta"):
             stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers,
                                         zero=[z.level for z in layout.zero], groups=groups, seed=0,
-                                        optimizer_class=cls, optimizer_kwargs=kwargs, recompute=layout.recompute,
+                                        optimizer_class=cls, optimizer_kwargs=kwargs,
+                                        recompute=layout.recompute,
                                         precision=layout.dtype, units=world.segments.units[group])
     finally:
         ShardedStage.unshard = original  # type: ignore[method-assign]

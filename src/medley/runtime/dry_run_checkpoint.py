@@ -128,8 +128,9 @@ def _uncovered(entry: TensorStorageMetadata) -> str | None:
     size = tuple(entry.size)
     if not entry.chunks:
         return "no chunk"
-    lo = np.array([tuple(c.offsets) for c in entry.chunks], dtype=np.int64).reshape(len(entry.chunks), len(size))
-    extent = np.array([tuple(c.sizes) for c in entry.chunks], dtype=np.int64).reshape(lo.shape)
+    shape = (len(entry.chunks), len(size))
+    lo = np.array([tuple(c.offsets) for c in entry.chunks], dtype=np.int64).reshape(shape)
+    extent = np.array([tuple(c.sizes) for c in entry.chunks], dtype=np.int64).reshape(shape)
     hi = lo + extent
     if (lo < 0).any() or (hi > np.array(size, dtype=np.int64)).any():
         return "a chunk lies outside the tensor"
@@ -147,7 +148,8 @@ def _uncovered(entry: TensorStorageMetadata) -> str | None:
     return None
 
 
-def check_loadable(metadata: Metadata, loaders: Sequence[RankReport], *, saved_by: str, loaded_by: str) -> int:
+def check_loadable(metadata: Metadata, loaders: Sequence[RankReport], *, saved_by: str,
+                   loaded_by: str) -> int:
     """Refuse (one :class:`MedleyInputError`) a checkpoint of ``saved_by`` (its ``metadata``) that
     the plan ``loaded_by`` (its distinct ranks ``loaders``) could not load: a key it needs missing
     or of another dtype or shape, a key it lacks, or a tensor whose chunks miss or repeat
