@@ -65,7 +65,8 @@ def parse_ranks(text: str | None, world_size: int) -> list[int] | None:
 
 def dry_run(plan: Plan, *, ranks: Sequence[int] | None = None, load_under: Plan | None = None,
             load_under_name: str = "another plan", checkpoint: bool = True) -> DryRun:
-    """Build the chosen ranks of ``plan`` (default: one of each case) and check its checkpoint
+    """Build the chosen ranks of ``plan`` (default: each case's :attr:`~medley.runtime.dry_run.
+    RankCase.built_ranks`) and check its checkpoint
     loads under ``load_under`` (default: the model on one rank, every tensor whole). The
     checkpoint check needs every case built, so with ``ranks`` it builds the missing ones too."""
     from medley.plan.world import build_world
@@ -77,7 +78,7 @@ def dry_run(plan: Plan, *, ranks: Sequence[int] | None = None, load_under: Plan 
     start = time.perf_counter()
     world = build_world(plan.groups)
     cases = rank_cases(plan, world)
-    chosen = [c.rank for c in cases] if ranks is None else list(ranks)
+    chosen = [r for c in cases for r in c.built_ranks] if ranks is None else list(ranks)
     case_of = {rank: case for case in cases for rank in case.ranks}
     reports = [build_rank(plan, rank, world=world, case=case_of[rank]) for rank in chosen]
     build_s = time.perf_counter() - start
@@ -188,7 +189,8 @@ def register(app: typer.Typer) -> None:
     def check_cmd(
         plan_file: Annotated[Path, typer.Argument(help="A plan TOML written by `medley plan --out`")],
         ranks: Annotated[str | None, typer.Option(
-            help="Ranks to build, e.g. 0,5,17 (default: one of each set of alike ranks)")] = None,
+            help="Ranks to build, e.g. 0,5,17 (default: each set of alike ranks at both ends of its ZeRO "
+                 "groups)")] = None,
         load_under: Annotated[Path | None, typer.Option(
             help="Check a checkpoint of the plan loads under this plan (default: the model on one "
                  "rank, every tensor whole)")] = None,

@@ -93,6 +93,10 @@ class RankCase:
         stages: the global stages they run; layers: each stage's ``[first, last)`` layers.
         tp: their TP degree; levels: each stage's ZeRO level; zero_dp: their ZeRO groups' size.
         ranks: every global rank of the case (the first is the one built).
+        last: the member of the first rank's ZeRO groups in the plan's last replica of them. FSDP2
+            cuts each parameter's rows as ``torch.chunk`` does: where the ZeRO group's size does not
+            divide them, the first members hold whole chunks (padded) and the last the remainder
+            (its optimizer state less), so a case is built at both ends (:attr:`built_ranks`).
     """
 
     group: int
@@ -103,10 +107,17 @@ class RankCase:
     levels: tuple[int, ...]
     zero_dp: int
     ranks: tuple[int, ...]
+    last: int
 
     @property
     def rank(self) -> int:
         return self.ranks[0]
+
+    @property
+    def built_ranks(self) -> tuple[int, ...]:
+        """The ranks a dry run builds: the first, and the last ZeRO member where ZeRO shards."""
+        shards = self.zero_dp > 1 and max(self.levels) > 0
+        return (self.rank, self.last) if shards and self.last != self.rank else (self.rank,)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +188,7 @@ def rank_cases(plan: Plan, world: World | None = None) -> list[RankCase]:
     table = rank_table(plan)
     cases: dict[tuple, list[int]] = {}
     keys: dict[tuple, RankCase] = {}
+    last: dict[tuple, int] = {}
     for replica, row in enumerate(table):
         group, _ = world.segments.where(replica)
         layout = world.groups[group]
@@ -188,9 +200,11 @@ def rank_cases(plan: Plan, world: World | None = None) -> list[RankCase]:
             key = (group, k, layers, len(ranks), levels, layout.zero_dp)
             if key not in keys:
                 keys[key] = RankCase(group=group, pipeline_rank=k, stages=stages, layers=layers,
-                                     tp=len(ranks), levels=levels, zero_dp=layout.zero_dp, ranks=())
+                                     tp=len(ranks), levels=levels, zero_dp=layout.zero_dp, ranks=(), last=-1)
             cases.setdefault(key, []).extend(ranks)
-    out = [RankCase(**{**keys[key].__dict__, "ranks": tuple(sorted(ranks))}) for key, ranks in cases.items()]
+            last[key] = ranks[0]  # TP rank 0 of the latest replica: the first rank's ZeRO groups' last
+    out = [RankCase(**{**keys[key].__dict__, "ranks": tuple(sorted(ranks)), "last": last[key]})
+           for key, ranks in cases.items()]
     return sorted(out, key=lambda case: case.rank)
 
 
