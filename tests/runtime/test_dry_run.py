@@ -8,13 +8,13 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from train_plans import asymmetric_plan, tiny_plan, tp_plan
 
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan, load_plan
 from medley.runtime.dry_run import TOLERANCE, build_rank, rank_cases
 from medley.runtime.dry_run_checkpoint import check_loadable, one_rank_plan, save_metadata
 from medley.spec.model_arg import get_model
-from train_plans import asymmetric_plan, tiny_plan, tp_plan
 
 LARGE = Path(__file__).parents[1] / "data" / "large-1024-70b.toml"
 
@@ -85,7 +85,8 @@ def test_a_checkpoint_of_one_plan_covers_what_another_needs() -> None:
     metadata = save_metadata(_reports(saved))
     loader = tiny_plan(pp=2, dp=3, split="2,4", zero="1,2", schedule="1f1b", micro_batches="2,2,2")
     for other in (loader, one_rank_plan(saved)):
-        assert check_loadable(metadata, _reports(other, measure=False), saved_by="tp", loaded_by="other") > 100
+        loaders = _reports(other, measure=False)
+        assert check_loadable(metadata, loaders, saved_by="tp", loaded_by="other") > 100
 
 
 def test_a_rank_missing_from_the_save_leaves_its_chunks_uncovered() -> None:
