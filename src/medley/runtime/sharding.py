@@ -303,8 +303,9 @@ def shard_stage(
     twice. The schedule's ZeRO actions then do nothing, as the simulator times them.
 
     ``device``: where a meta-device ``module`` gets (uninitialised) storage for this rank's shards,
-    once TP and FSDP2 have cut it; None leaves it where it is. A stage still on the meta device
-    holds no gathered copies (levels 1-2 gather with :meth:`ShardedStage.unshard` once filled)."""
+    once TP and FSDP2 have cut it; None leaves it where it is. A stage given a ``device`` or still
+    on the meta device holds no gathered copies yet: the caller fills its shards, then gathers them
+    (levels 1-2) with :meth:`ShardedStage.unshard`."""
     layers = module.layer_modules()
     groups = bucket_layer_groups(sorted(layers), bucket_layers)
     meshes = list(dp_mesh) if isinstance(dp_mesh, Sequence) else [dp_mesh] * len(groups)
@@ -357,8 +358,8 @@ def shard_stage(
     stage = ShardedStage(module=module, zero=zero, buckets=buckets, fsdp_units=units, dp_groups=dp_groups,
                          optimizers=optimizers, bucket_names=bucket_names, copies=copies,
                          reduce_dtype=TORCH_DTYPES[state.grad_dtype], tp_rank=tp_rank)
-    if meaning.gathers_after_step and not _on_meta(module):  # weights stay gathered between steps
-        stage.unshard(None)  # at levels 1-2 (a meta-built stage: once its shards are filled)
+    if meaning.gathers_after_step and device is None and not _on_meta(module):
+        stage.unshard(None)  # weights stay gathered between steps at levels 1-2
     return stage
 
 
