@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -401,21 +402,29 @@ def build_rank(plan: Plan, rank: int, *, world: World | None = None, case: RankC
 def _build_stages(layout: PlanLayout, schedule: object, groups: RankGroups, world: World, group: int,
                   cls: type[torch.optim.Optimizer], kwargs: dict,
                   mode: FakeTensorMode) -> dict[int, ShardedStage]:
-    """The rank's stages on the meta device, then on fake storage (levels 1-2 gathered)."""
-    original = ShardedStage.unshard
-    ShardedStage.unshard = lambda self, bucket: None  # type: ignore[method-assign]  # meta: nothing to gather
-    try:
-        with torch.device("meta"):
-            stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers,
-                                        zero=[z.level for z in layout.zero], groups=groups, seed=0,
-                                        optimizer_class=cls, optimizer_kwargs=kwargs,
-                                        recompute=layout.recompute,
-                                        precision=layout.dtype, units=world.segments.units[group])
-    finally:
-        ShardedStage.unshard = original  # type: ignore[method-assign]
+    """The rank's stages on the meta device (``build_local_stages(materialize=False)``: TP and FSDP2
+    applied, nothing allocated), then on fake storage, levels 1-2 gathered as after a build."""
+    stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers,
+                                zero=[z.level for z in layout.zero], groups=groups, seed=0,
+                                optimizer_class=cls, optimizer_kwargs=kwargs, recompute=layout.recompute,
+                                precision=layout.dtype, units=world.segments.units[group], materialize=False)
     with mode:
         for stage in stages.values():
+            before = dict(stage.module.named_parameters())
             stage.module.to_empty(device="cpu")
+            _rebind(stage, before)
             if stage.sharded and stage.meaning.gathers_after_step:
                 stage.unshard(None)
     return stages
+
+
+def _rebind(stage: ShardedStage, before: dict[str, nn.Parameter]) -> None:
+    """Point the stage's buckets, optimizers and tied copies at the parameters ``to_empty`` put in
+    place of the meta ones (new objects outside FSDP2, which keeps its own)."""
+    after = dict(stage.module.named_parameters())
+    new = {id(param): after[name] for name, param in before.items()}
+    stage.buckets = [[new.get(id(p), p) for p in bucket] for bucket in stage.buckets]
+    stage.copies = frozenset(new.get(id(p), p) for p in stage.copies)
+    for optimizer in stage.optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [new.get(id(p), p) for p in group["params"]]
