@@ -21,6 +21,7 @@ optimizer state (K = 12 B); here they are parameters, as torch holds them (:func
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -35,7 +36,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from medley.cost import formulas
 from medley.cost.estimator import DTYPE_BYTES
 from medley.cost.zero_levels import fsdp_units
-from medley.cost.zero_memory import FP32_BYTES, stage_state_bytes, state_bytes_per_param
+from medley.cost.zero_memory import FP32_BYTES, autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
 from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan
 from medley.plan.world import World, build_world
@@ -214,11 +215,13 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     """This process as ``rank`` of a fake world of ``world_size`` (nothing is sent anywhere)."""
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised; the dry run needs its own fake one")
+    hook = sys.excepthook  # init_process_group prefixes it with the rank, once per world made
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def predicted(layout: PlanLayout, stages: Sequence[int]) -> StateFigures:
@@ -242,13 +245,20 @@ def predicted(layout: PlanLayout, stages: Sequence[int]) -> StateFigures:
 
 
 def predicted_activations(layout: PlanLayout, stages: Sequence[int]) -> float:
-    """The formulas' activation bytes of one micro-batch on ``stages`` (one TP rank)."""
+    """The formulas' activation bytes of one micro-batch on ``stages`` (one TP rank), with
+    autocast's compute-dtype copies of the fp32 weights each forward keeps (half precision without
+    FSDP2), as the compiler books them for the simulator."""
     shape = {"micro_batch_size": layout.micro_batch_size, "seq_len": layout.seq_len,
              "dtype_bytes": DTYPE_BYTES[layout.dtype]}
-    recompute = [bool(layout.recompute and layout.recompute[s]) for s in range(layout.num_stages)]
-    return sum(formulas.layer_activation_bytes(layout.model, i, tp=layout.stage_tp(s), recompute=recompute[s],
-                                               **shape)
-               for s in stages for i in layout.layer_range(s))
+    per_param = state_bytes_per_param(layout.dtype)
+    total = 0.0
+    for s in stages:
+        recompute, tp = bool(layout.recompute and layout.recompute[s]), layout.stage_tp(s)
+        copies = autocast_copy_bytes(level=layout.zero[s].level, dp=layout.zero_dp, per_param=per_param)
+        for i in layout.layer_range(s):
+            total += formulas.layer_activation_bytes(layout.model, i, tp=tp, recompute=recompute, **shape)
+            total += copies * formulas.layer_autocast_params(layout.model, i, tp=tp, recompute=recompute)
+    return total
 
 
 class _Storages:
