@@ -3,12 +3,14 @@ the figure where what is built is more than 2% off what the plan's memory model 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from typer.testing import CliRunner
 
 from medley.cli.main import app
+from medley.plan.plan import Plan, load_plan, save_plan
 
 PLAN = """version = 1
 
@@ -81,3 +83,18 @@ def test_an_edited_plan_whose_prediction_is_off_exits_2_naming_the_rank_and_figu
 def test_ranks_out_of_the_plan_are_refused(tmp_path: Path) -> None:
     code, out = _run(_plan(tmp_path, 2), "--ranks", "4")
     assert code == 2 and "--ranks '4': the plan has ranks 0..3" in out
+
+
+def test_a_checkpoint_is_checked_against_the_plan_given(tmp_path: Path) -> None:
+    plan_file = _plan(tmp_path, 2)
+    code, out = _run(plan_file, "--ranks", "0", "--load-under", _plan(tmp_path, 3))
+    assert code == 0, out  # only the loader's tensors are built for it: its bytes are its own dry run's
+    assert "loads under" in out and "plan-dp3.toml" in out
+    plan = load_plan(plan_file)
+    wider = dataclasses.replace(plan.shared.model, name="tiny-wide", ffn_hidden_size=192)
+    other = tmp_path / "wider.toml"
+    save_plan(Plan(layout=dataclasses.replace(plan.layout, model=wider), cluster=plan.cluster), other)
+    code, out = _run(plan_file, "--load-under", other)
+    assert code == 2
+    line = out.strip().splitlines()[-1]
+    assert "entry 'model.blocks.0.mlp.down.weight'" in line and "in " + str(other) in line
