@@ -23,7 +23,7 @@ from provenance import provenance
 
 from medley.cli.check_cmd import dry_run
 from medley.plan.plan import load_plan
-from medley.runtime.dry_run import FIGURES, TOLERANCE
+from medley.runtime.dry_run_bytes import FIGURES, TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "tests" / "data" / "large-1024-70b.toml"

@@ -12,7 +12,8 @@ from train_plans import asymmetric_plan, tiny_plan, tp_plan
 
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan, load_plan
-from medley.runtime.dry_run import TOLERANCE, build_rank, rank_cases
+from medley.runtime.dry_run import build_rank, rank_cases
+from medley.runtime.dry_run_bytes import TOLERANCE
 from medley.runtime.dry_run_checkpoint import check_loadable, one_rank_plan, save_metadata
 from medley.spec.model_arg import get_model
 

@@ -149,7 +149,7 @@ def groups_table(result: DryRun) -> Table:
 
 
 def as_json(result: DryRun, plan_file: Path) -> dict[str, Any]:
-    from medley.runtime.dry_run import FIGURES
+    from medley.runtime.dry_run_bytes import FIGURES
 
     def figures(state: Any) -> dict[str, float]:  # noqa: ANN401 - StateFigures
         return {"static": state.static, **{name: getattr(state, name) for name in FIGURES}}
