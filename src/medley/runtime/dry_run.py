@@ -23,11 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan
@@ -46,6 +43,7 @@ from medley.runtime.groups import RankGroups, RankTable, make_groups, row_major_
 from medley.runtime.optim import optimizer_class
 from medley.runtime.sharding import ShardedStage
 from medley.runtime.stages import build_local_stages
+from medley.runtime.torch_adapter import FakeStore, FakeTensorMode, fake_tensor_mode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,7 +228,7 @@ def build_rank(plan: Plan, rank: int, *, world: World | None = None, case: RankC
         group, _ = world.segments.where(groups.place.replica)
         layout = world.groups[group]
         schedule = with_default_collectives(world.schedules[groups.place.replica])
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        mode = fake_tensor_mode()
         stages = _build_stages(layout, schedule, groups, world, group, cls, kwargs, mode)
         with mode:
             built, activations = count_bytes(layout, stages) if measure else (ZERO_FIGURES, 0)

@@ -27,7 +27,7 @@ from medley.plan.layout import PlanLayout
 from medley.runtime.model import token_loss_sum
 from medley.runtime.optim import ensure_state
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
-from medley.runtime.torch_adapter import fsdp_unsharded_grads
+from medley.runtime.torch_adapter import fsdp_unsharded_grads, storage_id
 
 TOLERANCE = 0.02
 """Built and predicted bytes may differ by this share of the prediction."""
@@ -115,11 +115,10 @@ class Storages:
         if tensor is None:
             return
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storage = local.untyped_storage()
-        key = storage._cdata
+        key = storage_id(local)
         if key not in self.seen:
             self.seen.add(key)
-            self.bytes += storage.nbytes()
+            self.bytes += local.untyped_storage().nbytes()
 
 
 def storage_bytes(tensors: Sequence[torch.Tensor | None]) -> int:

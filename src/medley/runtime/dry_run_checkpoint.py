@@ -32,13 +32,13 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
 from medley.runtime.checkpoint import checkpoint_state
 from medley.runtime.checkpoint_verify import check_entries, entry_of, manifest_of
 from medley.runtime.dry_run import RankReport
+from medley.runtime.torch_adapter import shard_at
 from medley.schedule.zero_settings import StageZero
 
 
@@ -84,7 +84,7 @@ def _coordinate(mesh: DeviceMesh, report: RankReport, rank: int) -> list[int]:
 def _chunk_of(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
               placements: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Sizes and offsets of the shard at ``coordinate`` (torch's own computation, as DCP's)."""
-    return _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+    return shard_at(shape, mesh_shape, coordinate, placements)
 
 
 def _shard_item(item: WriteItem, tensor: DTensor, coordinate: tuple[int, ...]) -> WriteItem:
