@@ -1,6 +1,7 @@
 """Rank body of the start-up memory test: the peak of live tensor bytes while this rank builds its
 stages (torch dispatch sees every allocation, :class:`medley.runtime.memory.LiveTensorBytes`),
-beside the bytes of the shards it keeps and of the model's largest layer, whole."""
+beside the bytes of the shards it keeps and of the model's largest layer, whole, and how far its
+parameters are from the single-process model's seeded ones."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def startup_case(case: Case) -> dict:
     with torch.device("meta"):
         whole = Decoder(SPEC, init=False)
     layers = [sum(p.numel() * 4 for p in layer.parameters()) for layer in whole.layer_modules().values()]
+    reference = dict(Decoder(SPEC, seed=3).named_parameters())
+    init_diff = max((p - reference[name]).abs().max().item()
+                    for stage in stages.values() for name, p in stage.named_params().items())
     whole_stages = sum(p.numel() * 4 for stage in stages.values() for bucket in stage.buckets for p in bucket)
     return {"peak": float(mode.peak), "shards": float(shards), "largest_layer": float(max(layers)),
-            "stages": float(whole_stages)}
+            "stages": float(whole_stages), "init_diff": init_diff}

@@ -2,7 +2,8 @@
 stages are built on the meta device and only the local shards get storage and their part of the
 seeded initialisation. The peak of live tensor bytes during the build is taken under torch
 dispatch, so it counts tensors alone (no allocator or interpreter noise); the model is eight
-blocks, so a stage built whole (the old way) is far above the bound."""
+blocks, so a stage built whole (the old way) is far above the bound. The shards gathered equal
+the single-process model's seeded parameters bit for bit."""
 
 from __future__ import annotations
 
@@ -36,5 +37,6 @@ def test_startup_peak_is_the_shards_plus_one_layer(tmp_path) -> None:
         bound = got["shards"] + got["largest_layer"]
         assert got["peak"] <= bound, (f"{case.name}: start-up peak {got['peak']:.0f} B above shards "
                                       f"{got['shards']:.0f} B + one layer {got['largest_layer']:.0f} B")
+        assert got["init_diff"] == 0.0, f"{case.name}: the shards are not the seeded init bit for bit"
         # The bound is below the whole stages (the old start-up): the check can fail.
         assert got["shards"] + got["largest_layer"] < got["stages"]
