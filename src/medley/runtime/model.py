@@ -194,7 +194,7 @@ def init_values(named_shapes: Iterable[tuple[str, Sequence[int]]], seed: int, la
         else:
             residual_out = name.endswith(("wo.weight", "down.weight"))
             std = 0.02 / math.sqrt(2 * num_blocks) if residual_out else 0.02
-            yield name, torch.randn(tuple(shape), generator=gen) * std
+            yield name, torch.randn(tuple(shape), generator=gen, device="cpu") * std  # on a GPU too
 
 
 def init_layer(module: nn.Module, seed: int, layer_index: int, num_blocks: int) -> None:
