@@ -13,6 +13,7 @@ stage and the full model, but for a tied model's head copy on a stage without th
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -177,20 +178,44 @@ class Head(nn.Module):
         return F.linear(x, tied_weight) if self.out is None else self.out(x)
 
 
-def init_layer(module: nn.Module, seed: int, layer_index: int, num_blocks: int) -> None:
-    """Seeded init of one layer: N(0, 0.02) matrices, residual outputs scaled by depth, zero biases,
-    unit norms. Parameters are drawn in name order from a generator private to the layer."""
+def init_values(named_shapes: Iterable[tuple[str, Sequence[int]]], seed: int, layer_index: int,
+                num_blocks: int) -> Iterator[tuple[str, float | torch.Tensor]]:
+    """The seeded initial value of each parameter of one layer, given by (name, full shape): a float
+    where every element takes it (unit norms, zero biases), else the whole drawn tensor: N(0, 0.02)
+    matrices, residual outputs scaled by depth. Parameters are drawn in name order from a generator
+    private to the layer, lazily (one whole tensor at a time), so a sharded stage can keep its
+    slice of each (:mod:`medley.runtime.materialize`) and get the values of the whole layer."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + layer_index)
-    for name, param in sorted(module.named_parameters()):
-        with torch.no_grad():
-            if "norm" in name:
-                param.fill_(1.0) if name.endswith("weight") else param.zero_()
-            elif name.endswith("bias"):
-                param.zero_()
-            else:
-                residual_out = name.endswith(("wo.weight", "down.weight"))
-                std = 0.02 / math.sqrt(2 * num_blocks) if residual_out else 0.02
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
+    for name, shape in sorted(named_shapes, key=lambda item: item[0]):
+        if "norm" in name:
+            yield name, 1.0 if name.endswith("weight") else 0.0
+        elif name.endswith("bias"):
+            yield name, 0.0
+        else:
+            residual_out = name.endswith(("wo.weight", "down.weight"))
+            std = 0.02 / math.sqrt(2 * num_blocks) if residual_out else 0.02
+            yield name, torch.randn(tuple(shape), generator=gen, device="cpu") * std  # on a GPU too
+
+
+def init_layer(module: nn.Module, seed: int, layer_index: int, num_blocks: int) -> None:
+    """Seeded init of one whole (unsharded) layer in place (:func:`init_values`)."""
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, value in init_values(((n, p.shape) for n, p in params.items()), seed, layer_index,
+                                       num_blocks):
+            params[name].fill_(value) if isinstance(value, float) else params[name].copy_(value)
+
+
+def tied_copy_value(spec: ModelSpec, seed: int) -> torch.Tensor:
+    """The initial value of a tied head's copy (:data:`TIED_COPY`): the embedding's weight, drawn as
+    layer 0 draws it."""
+    with torch.device("meta"):
+        shapes = [(name, p.shape) for name, p in Embedding(spec).named_parameters()]
+    for name, value in init_values(shapes, seed, 0, spec.num_blocks):
+        if name == "tok.weight":
+            assert isinstance(value, torch.Tensor)
+            return value
+    raise AssertionError("the embedding has no tok.weight")
 
 
 class Decoder(nn.Module):
@@ -229,10 +254,8 @@ class Decoder(nn.Module):
 
     def _init_tied_copy(self, seed: int) -> None:
         """The head's copy starts as the embedding's weight (drawn as layer 0 draws it)."""
-        embedding = Embedding(self.spec)
-        init_layer(embedding, seed, 0, self.spec.num_blocks)
         with torch.no_grad():
-            self.head.out.weight.copy_(embedding.tok.weight)
+            self.head.out.weight.copy_(tied_copy_value(self.spec, seed))
 
     def layer_modules(self) -> dict[int, nn.Module]:
         """This range's layers by global layer index."""

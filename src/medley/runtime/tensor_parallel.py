@@ -8,8 +8,9 @@ each of the two block-input gradients (the column-wise layers' replicated inputs
 embedding and the head stay plain tensors, the same on every TP rank: their inputs and output
 gradients are whole (replicated) on each, so their gradients agree and need no TP reduction.
 
-Every TP rank builds the whole layer from the seeded initialisation (bit-identical on each) and
-keeps its own slice (``src_data_rank=None``: no broadcast).
+Blocks are split on the meta device (``src_data_rank=None``: nothing is broadcast); each TP rank
+then fills only its own slice, from the seeded initialisation or a checkpoint
+(:mod:`medley.runtime.materialize`).
 """
 
 from __future__ import annotations
