@@ -117,6 +117,25 @@ def parse_recompute(value: object, *, where: str = "recompute") -> Recompute:
                            "selective or MODE:K")
 
 
+def recompute_text(setting: Recompute) -> str:
+    """Words for a recomputation: 'full recomputation', 'selective recomputation of the first 2
+    blocks', 'no recomputation'."""
+    if not setting:
+        return "no recomputation"
+    text = f"{setting.mode} recomputation"
+    return text if setting.blocks is None else f"{text} of the first {setting.blocks} blocks"
+
+
+def recompute_mark(text: str) -> str:
+    """A short mark of a recomputation's text form for tables: '' (none), 'r' (full), 's'
+    (selective), with ':K' for the first K blocks."""
+    setting = parse_recompute(text)
+    if not setting:
+        return ""
+    mark = "r" if setting.mode == "full" else "s"
+    return mark if setting.blocks is None else f"{mark}:{setting.blocks}"
+
+
 def rerun_share(mode: str, *, forward_s: float, cheap_s: float) -> float:
     """Seconds a block's backward reruns of its forward under ``mode``: all of ``forward_s`` for
     ``full``, its memory-bound ops' seconds ``cheap_s`` for ``selective`` (what the catalog's

@@ -196,7 +196,7 @@ def init_layer(module: nn.Module, seed: int, layer_index: int, num_blocks: int) 
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
-def _saved_ops() -> frozenset[torch._ops.OpOverload]:
+def _saved_ops() -> frozenset[Any]:
     """:data:`medley.cost.recompute.SAVED_OPS` as this torch's OpOverloads (those it has)."""
     found = set()
     for name in SAVED_OPS:

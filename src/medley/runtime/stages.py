@@ -61,7 +61,7 @@ def build_local_stages(
     for stage in schedule.stages_of_rank(place.pipeline_rank):
         first, last = ranges[stage]
         module = Decoder(spec, first_layer=first, last_layer=last, seed=seed,
-                         recompute=bool(recompute and recompute[stage]), init=init_from is None)
+                         recompute=recompute[stage] if recompute else False, init=init_from is None)
         if init_from is not None and groups.tp > 1 and error is None:
             error = _reading(functools.partial(load_hf_weights, module, init_from))
         buckets = bucket_layer_groups(list(range(first, last)), schedule.bucket_layers.get(stage))
