@@ -138,7 +138,7 @@ class StructureBounds:
             for option in memory_options(dp):
                 state = np.diff(memory_prefix(table, option=option, dp=dp, flight=Flight(full=0.0)))[1:-1]
                 both = np.diff(memory_prefix(table, option=option, dp=dp, flight=Flight(full=1.0)))[1:-1]
-                found[option.recompute].append((float(state.min()), float((both - state).min())))
+                found[bool(option.recompute)].append((float(state.min()), float((both - state).min())))
             self._blocks[key] = found
         return found
 
