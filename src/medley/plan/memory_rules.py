@@ -17,18 +17,18 @@ from medley.schedule.generators import generate
 from medley.schedule.validate import in_flight_by_stage
 
 
-def cheapest_per_stage(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
+def cheapest_per_stage(setting: Setting, split: tuple[int, ...], *, finer: bool = True) -> StagePlan | None:
     """Memory rule: each stage takes the first option of the setting's ladder under which it
     fits every device type that runs it; where that option recomputes (the ladder's full
-    recomputation), the least rerun time under which the stage still fits
-    (:func:`lightest_recompute`)."""
+    recomputation) and ``finer``, the least rerun time under which the stage still fits
+    (:func:`lightest_recompute`; baselines that recompute all or nothing pass False)."""
     options = []
     start = 0
     for s, n in enumerate(split):
         fit = next((o for o in setting.ladder if _stage_fits(setting, s, start, n, o)), None)
         if fit is None:
             return None
-        if fit.recompute:
+        if fit.recompute and finer:
             fit = lightest_recompute(setting, s, start, n, fit)
         options.append(fit)
         start += n
@@ -104,7 +104,7 @@ def _stage_fits(setting: Setting, s: int, start: int, n: int, option: MemoryOpti
     )
 
 
-def cheapest_per_rank(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
+def cheapest_per_rank(setting: Setting, split: tuple[int, ...], *, finer: bool = True) -> StagePlan | None:
     """Memory rule for interleaved 1F1B: every chunk of a rank takes the cheapest option under
     which the rank fits at every moment of its schedule: its chunks' in-flight micro-batches
     after each forward (:func:`chunk_in_flight`) weighted by each chunk's activation bytes, on
@@ -139,7 +139,7 @@ def cheapest_per_rank(setting: Setting, split: tuple[int, ...]) -> StagePlan | N
         fit = next((o for o in ladder if all(peak(o, t) <= cap[t] for t in types)), None)
         if fit is None:
             return None
-        if fit.recompute:
+        if fit.recompute and finer:
             def fits(rc: Recompute, fit: MemoryOption = fit, types: set[str] = types,
                      peak: Callable[[MemoryOption, str], float] = peak, cap: dict[str, float] = cap) -> bool:
                 return all(peak(replace(fit, recompute=rc), t) <= cap[t] for t in types)
