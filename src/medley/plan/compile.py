@@ -77,6 +77,7 @@ def _stage_cost(
     act = after_b = fused_s = refwd = rerun_comm = 0.0
     fused_known = measured_act = True
     freed: dict[int, float] = {}  # layer -> what its backward frees of one micro-batch's activations
+    measured_layers: list[bool] = []  # per layer: whether its activation bytes were measured
     dtype_bytes = DTYPE_BYTES[layout.dtype]
     full_time = getattr(cost, "backward_full_time", None)
     fsdp_time = getattr(cost, "fsdp_extra_time", None) if fsdp_units(level, layout.zero_dp) else None
@@ -120,6 +121,7 @@ def _stage_cost(
         if measured_bytes is not None and mode == "none":
             found = measured_bytes(layer, **at)
         measured_act = measured_act and found is not None
+        measured_layers.append(found is not None)
         shape = {"micro_batch_size": mbs, "seq_len": seq}
         held = tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, **shape) if found else None
         layer_act = held[0] if held else formulas.layer_activation_bytes(
@@ -132,9 +134,16 @@ def _stage_cost(
         freed[layer] = layer_act if fused else max(0.0, layer_act - layer_after_b)
     boundary = formulas.boundary_bytes(model, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes)
     first = layout.layer_range(stage).start == 0
-    if measured_act and not first:
-        # Measured layers count what their forward adds; the received input is held on top.
-        act, after_b = act + boundary, after_b + boundary
+    # Measured layers count what their forward adds (their output, not their input), the formulas a
+    # layer's input (not its output): where a measured layer starts a stage past the first or
+    # follows a formula's layer (a recomputing block), its input is held on top; where a formula's
+    # layer follows a measured one, that input was counted twice.
+    prev: bool | None = None if first else False
+    for measured_layer in measured_layers:
+        if prev is not None and measured_layer != prev:
+            act, after_b = act + (boundary if measured_layer else -boundary), after_b + (
+                boundary if measured_layer else -boundary)
+        prev = measured_layer
     # Autocast's copies of the fp32 weights, which each forward keeps for its backward (half
     # precision without FSDP2; a recomputing block keeps none). The matmuls' autograd nodes hold
     # them until they are released, so a split backward frees them at W, not at B.
