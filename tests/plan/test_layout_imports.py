@@ -2,8 +2,9 @@
 from :mod:`medley.plan.layout` and :mod:`medley.plan.plan` only (checked in a fresh interpreter, so
 that modules other tests imported do not hide an import). The preflight memory check and the
 precision note of ``medley train`` do simulate, on purpose. The schedule's ZeRO placement reads the
-one table of ZeRO semantics (:mod:`medley.cost.zero_levels`) and the runtime the dtypes of the
-memory model (:mod:`medley.cost.zero_memory`): definitions, without a cost model."""
+one table of ZeRO semantics (:mod:`medley.cost.zero_levels`), the runtime the dtypes of the
+memory model (:mod:`medley.cost.zero_memory`) and both the recomputation settings
+(:mod:`medley.cost.recompute`): definitions, without a cost model."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import sys
 import pytest
 
 FORBIDDEN = ("medley.sim", "medley.cost", "medley.plan.compile", "medley.plan.predict")
-ALLOWED = ("medley.cost", "medley.cost.interfaces", "medley.cost.zero_levels", "medley.cost.zero_memory")
+ALLOWED = ("medley.cost", "medley.cost.interfaces", "medley.cost.zero_levels", "medley.cost.zero_memory",
+           "medley.cost.recompute")
 
 
 @pytest.mark.parametrize("module", ["medley.plan.layout", "medley.plan.plan", "medley.runtime.setup"])
