@@ -18,7 +18,10 @@ recompute. The modes:
 
 What each mode keeps per block is :func:`medley.cost.formulas.layer_activation_bytes`, what its
 backward holds again is :func:`medley.cost.formulas.layer_rerun_bytes`, and the share of a block's
-forward time it reruns is :func:`rerun_share`.
+forward time it reruns is :func:`rerun_share`: the source's forward time (measured where a profile
+has it) times the catalog roofline's share of memory-bound work in it, an estimate; no profile
+measures a selective block's rerun yet. On CPU with tiny blocks the selective contexts' dispatch
+modes cost Python time per op that this leaves out (bench/results/fidelity-recompute.md).
 """
 
 from __future__ import annotations
@@ -79,14 +82,6 @@ class Recompute:
             else:
                 out.append("none")
         return out
-
-    def limited(self, stage_blocks: int) -> Recompute:
-        """The same setting with a block count at or above ``stage_blocks`` written as all."""
-        if self.blocks is not None and self.blocks >= stage_blocks:
-            return Recompute(self.mode)
-        if self.blocks == 0:
-            return NONE
-        return self
 
     def __str__(self) -> str:
         return self.mode if self.blocks is None else f"{self.mode}:{self.blocks}"
