@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from medley.cost.recompute import parse_recompute
 from medley.runtime.executor import MicroBatches, RankExecutor, with_default_collectives
 from medley.runtime.groups import RankTable, make_groups, row_major_table
-from medley.runtime.model import Decoder, token_loss_sum
+from medley.runtime.model import Block, Decoder, token_loss_sum
 from medley.runtime.stages import build_local_stages
 from medley.runtime.tensor_parallel import is_tp_sharded
 from medley.schedule.ir import Kind, PipelineSchedule
@@ -44,6 +45,7 @@ class Case:
     tp: tuple[int, ...] = ()
     groups: tuple = ()  # replica groups of their own shape (PlanLayouts, medley.plan.segments): then
     # ``schedules`` are every replica's (groups in order), and split/zero/pp/dp are unused
+    recompute: tuple = ()  # per stage, a medley.cost.recompute.Recompute or its text (empty: none)
 
     @property
     def world(self) -> int:
@@ -98,7 +100,12 @@ def run_case(case: Case) -> dict:
     schedule = with_default_collectives(case.schedules[place.replica])
     sgd = dict(lr=LR)
     stages = build_local_stages(spec, schedule=schedule, split=case.split, zero=case.zero, groups=groups,
-                                seed=SEED, optimizer_class=torch.optim.SGD, optimizer_kwargs=sgd)
+                                seed=SEED, optimizer_class=torch.optim.SGD, optimizer_kwargs=sgd,
+                                recompute=[parse_recompute(r) for r in case.recompute])
+    block_calls = [0]  # blocks' forward calls: beyond one per micro-batch when they recompute
+    for stage in stages.values():
+        for block in (m for m in stage.module.modules() if isinstance(m, Block)):
+            block.register_forward_pre_hook(lambda *_: block_calls.__setitem__(0, block_calls[0] + 1))
     n_tokens = sum(micro_batches) * MBS * SEQ
     # The first step stops before OPTIM so that gradients can be compared.
     no_optim = [[a for a in row if a.kind is not Kind.OPTIM] for row in schedule.actions]
@@ -120,6 +127,8 @@ def run_case(case: Case) -> dict:
             diffs = [abs(a.item() - b) for a, b in zip(losses, want, strict=True)]
             result["loss"] = max(result["loss"], *diffs)
         if step == 0:
+            blocks = sum(isinstance(m, Block) for stage in stages.values() for m in stage.module.modules())
+            result["reruns"] = float(block_calls[0] - blocks * micro_batches[place.replica])
             for index in sorted(stages):
                 result["grad"] = max(result["grad"], max_diff(stages[index].named_grads(), ref_grads))
             for index in sorted(stages):

@@ -8,6 +8,7 @@ from rich.table import Table
 
 from medley.cli.console import print_table
 from medley.cli.simulate_cmd import group_summary
+from medley.cost.recompute import recompute_mark
 from medley.plan.ablation import Ablation
 from medley.plan.layout import PlanLayout
 from medley.plan.predict import layer_sources
@@ -185,7 +186,8 @@ def _add_figures(figures: Table, rank: int, row: dict, names: list[str], objecti
 
 def _add_shape(shapes: Table, label: str, row: dict) -> None:
     zero = ["3s" if s else str(z) for z, s in zip(row["zero"], row["streamed"], strict=True)]
-    zero = [z + ("r" if rc else "") for z, rc in zip(zero, row["recompute"], strict=True)]
+    modes = row.get("recompute_mode") or ["full" if rc else "none" for rc in row["recompute"]]
+    zero = [z + recompute_mark(mode) for z, mode in zip(zero, modes, strict=True)]
     knobs = "".join(f" {k}={v}" for k, v in row["knobs"].items())
     shapes.add_row(
         label,

@@ -52,7 +52,8 @@ def group_summary(layout: PlanLayout) -> dict:
         "split": list(layout.stage_layers),
         "micro_batches": list(layout.micro_batches),
         "zero": [z.level for z in layout.zero],
-        "recompute": list(layout.recompute),
+        "recompute": [bool(r) for r in layout.recompute],
+        "recompute_mode": [str(r) for r in layout.recompute],
     }
 
 
@@ -204,6 +205,8 @@ def print_summary(data: dict, console: Console) -> None:
         console.print("tensor parallel: " + "; ".join(
             f"rank {k} tp {t}" + (" on " + ", ".join(_span(g) for g in groups) if t > 1 else "")
             for k, (t, groups) in enumerate(zip(data["tp"], data["tp_groups"], strict=True))))
+    if any(data.get("recompute", ())):
+        console.print("recomputation per stage: " + ", ".join(data["recompute_mode"]))
     if "cost_sources" in data:
         parts = [f"{device}: " + ", ".join(f"{kind} {src}" for kind, src in kinds.items())
                  for device, kinds in data["cost_sources"].items()]
@@ -323,6 +326,9 @@ def register(app: typer.Typer) -> None:
                          "buckets"),
         ] = 1,
         recompute: Annotated[bool, typer.Option(help="Recompute block activations in the backward")] = False,
+        recompute_mode: Annotated[str | None, typer.Option(
+            help="How blocks recompute, one setting or one per stage: none, full, selective, or MODE:K "
+                 "for a stage's first K blocks (full:2); overrides --recompute")] = None,
         assignment: Annotated[str | None, typer.Option(
             help="Device id per pipeline rank, replicas separated by ';' (3,0;1,2)")] = None,
         tp: Annotated[str | None, typer.Option(
@@ -368,7 +374,7 @@ def register(app: typer.Typer) -> None:
             placement=zero_placement,
             buckets=buckets,
             gather_windows=gather_windows,
-            recompute=recompute,
+            recompute=recompute if recompute_mode is None else recompute_mode,
             dtype=dtype,
             assignment=assignment,
             tp=tp,

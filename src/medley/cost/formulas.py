@@ -24,6 +24,14 @@ from functools import lru_cache
 from medley.cost.interfaces import Pass
 from medley.spec.model import ModelSpec
 
+RecomputeMode = bool | str  # a mode of medley.cost.recompute.MODES; True is "full", False "none"
+
+
+def _mode(recompute: RecomputeMode) -> str:
+    if isinstance(recompute, bool):
+        return "full" if recompute else "none"
+    return recompute
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Gemm:
@@ -91,15 +99,15 @@ def layer_held_params(model: ModelSpec, layer_index: int, *, tp: int = 1) -> flo
 
 
 def layer_autocast_params(
-    model: ModelSpec, layer_index: int, *, tp: int = 1, recompute: bool = False
+    model: ModelSpec, layer_index: int, *, tp: int = 1, recompute: RecomputeMode = False
 ) -> float:
     """Weights whose compute-dtype copies a layer's forward keeps under autocast, per
     tensor-parallel rank: its matmuls' matrices (a tied head's borrowed embedding too), which the
     backward needs for the input gradient; not biases (no backward needs them), norms (autocast
     runs them in fp32) nor an embedding table (lookups are not cast). A recomputing block keeps
-    none (its forward reruns inside the backward)."""
+    none (its forward reruns inside the backward; selective recomputation reruns the casts too)."""
     kind = model.layer_kind(layer_index)
-    if kind == "block" and recompute:
+    if kind == "block" and _mode(recompute) != "none":
         return 0.0
     if kind == "embedding":
         return float(_projection_params(model))
@@ -189,6 +197,24 @@ def _block_activation_elements(model: ModelSpec, tp: int = 1) -> float:
     return 4 * h + (5 * q + ffn * (4 if model.mlp == "swiglu" else 2)) / tp
 
 
+def _selective_elements(model: ModelSpec, tp: int = 1) -> float:
+    """Elements per token a selectively recomputing block keeps (:mod:`medley.cost.recompute`): its
+    input and the outputs of its weight matmuls and attention kernel. Split over TP: q, k and v as
+    the matmuls make them (k and v kv_dim wide, before the GQA repeat), the attention output, the
+    MLP's gate and up (GELU: up); whole: the input and the row-parallel matmuls' outputs (attention
+    output and down projections, hidden wide before their all-reduce)."""
+    h, q, kv, ffn = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
+    return 3 * h + (2 * q + 2 * kv + ffn * (2 if model.mlp == "swiglu" else 1)) / tp
+
+
+def _overlap_elements(model: ModelSpec, tp: int = 1) -> float:
+    """Elements per token of a selective block's kept tensors that its rerun forward saves again
+    for the backward (the same tensors, not copies): the input, the attention output and the MLP's
+    gate and up (GELU: up)."""
+    h, q, ffn = model.hidden_size, model.q_dim, model.ffn_hidden_size
+    return h + (q + ffn * (2 if model.mlp == "swiglu" else 1)) / tp
+
+
 def layer_activation_bytes(
     model: ModelSpec,
     layer_index: int,
@@ -196,13 +222,15 @@ def layer_activation_bytes(
     micro_batch_size: int,
     seq_len: int,
     dtype_bytes: int = 2,
-    recompute: bool = False,
+    recompute: RecomputeMode = False,
     tp: int = 1,
 ) -> float:
     """Bytes a layer holds per in-flight micro-batch between its F and its B (per TP rank).
 
-    With ``recompute`` a block keeps only its input (whole on every TP rank) and reruns its
-    forward before B.
+    ``recompute`` (a mode of :mod:`medley.cost.recompute`; True: ``full``): under ``full`` a block
+    keeps only its input (whole on every TP rank) and reruns its forward before B; under
+    ``selective`` it keeps its input and its matmuls' and attention kernel's outputs (with the
+    kernel's log-sum-exp).
     """
     t = micro_batch_size * seq_len
     kind = model.layer_kind(layer_index)
@@ -211,10 +239,42 @@ def layer_activation_bytes(
     if kind == "head":
         # Norm input and output, logits, and the fp32 log-softmax the loss keeps for backward.
         return t * (2 * model.hidden_size * dtype_bytes + model.vocab_size * (dtype_bytes + 4.0))
-    if recompute:
+    mode = _mode(recompute)
+    if mode == "full":
         return float(t * model.hidden_size * dtype_bytes)
     logsumexp = micro_batch_size * model.num_heads * seq_len * 4.0 / tp
+    if mode == "selective":
+        return t * _selective_elements(model, tp) * dtype_bytes + logsumexp
     return t * _block_activation_elements(model, tp) * dtype_bytes + logsumexp
+
+
+def layer_rerun_bytes(
+    model: ModelSpec,
+    layer_index: int,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype_bytes: int = 2,
+    recompute: RecomputeMode = False,
+    tp: int = 1,
+    full_bytes: float | None = None,
+) -> float:
+    """Bytes a recomputing block's backward holds again beyond what it kept: its rerun forward's
+    saved activations (``full_bytes``: measured, else the formula's), less the kept tensors the rerun
+    saves again (``full``: the input; ``selective``: the input, attention output and log-sum-exp and
+    the MLP's gate and up). A selective block's kept outputs stay held until its backward ends
+    (medley's runtime keeps them for a split backward's second rerun). 0 for other layers and
+    ``none``."""
+    mode = _mode(recompute)
+    if mode == "none" or model.layer_kind(layer_index) != "block":
+        return 0.0
+    shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "dtype_bytes": dtype_bytes, "tp": tp}
+    full = layer_activation_bytes(model, layer_index, **shape) if full_bytes is None else full_bytes
+    t = micro_batch_size * seq_len
+    if mode == "full":
+        return max(0.0, full - t * model.hidden_size * dtype_bytes)
+    logsumexp = micro_batch_size * model.num_heads * seq_len * 4.0 / tp
+    return max(0.0, full - t * _overlap_elements(model, tp) * dtype_bytes - logsumexp)
 
 
 def layer_activation_bytes_after_b(
@@ -224,7 +284,7 @@ def layer_activation_bytes_after_b(
     micro_batch_size: int,
     seq_len: int,
     dtype_bytes: int = 2,
-    recompute: bool = False,
+    recompute: RecomputeMode = False,
     tp: int = 1,
 ) -> float:
     """Bytes still held between B and W: each weight matmul's input and its output gradient (per

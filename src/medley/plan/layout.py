@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from medley.cost.recompute import Recompute, parse_recompute
 from medley.errors import MedleyInputError
 from medley.schedule.zero_settings import Placement, StageZero
 from medley.spec.cluster import Cluster
@@ -30,7 +31,9 @@ class PlanLayout:
         micro_batch_size: sequences per micro-batch; seq_len: tokens per sequence.
         zero: ZeRO settings of each global stage.
         placement: collective placement policy.
-        recompute: per global stage, whether blocks recompute their forward before backward.
+        recompute: per global stage, how its blocks recompute in the backward
+            (:class:`medley.cost.recompute.Recompute`: none, full, selective, or either on the
+            stage's first k blocks); bools are read as full (True) and none (False).
         dtype: training precision of weights and activations (bf16, fp16 or fp32).
         clip_grad: clip gradients by their global norm; every optimizer step then waits for a
             world-wide all-reduce (``CLIP``) after the last gradient reduction of the step.
@@ -55,12 +58,20 @@ class PlanLayout:
     seq_len: int
     zero: tuple[StageZero, ...]
     placement: Placement = Placement.BUBBLE
-    recompute: tuple[bool, ...] = ()
+    recompute: tuple[Recompute, ...] = ()
     dtype: str = "bf16"
     knobs: dict[str, Any] = field(default_factory=dict)
     clip_grad: bool = False
     tp: tuple[int, ...] = ()
     sync_dp: int = 0
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(r, Recompute) for r in self.recompute):
+            object.__setattr__(self, "recompute", tuple(parse_recompute(r) for r in self.recompute))
+
+    def stage_recompute(self, stage: int) -> Recompute:
+        """Global stage ``stage``'s recomputation (none where the plan names none)."""
+        return self.recompute[stage] if self.recompute else Recompute()
 
     @property
     def zero_dp(self) -> int:

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import tomli_w
 from pydantic import BaseModel, Field, ValidationError
 
+from medley.cost.recompute import FULL, NONE, parse_recompute
 from medley.errors import MedleyInputError
 from medley.fileio import read_toml, write_atomically
 from medley.plan.layout import PlanLayout, check_tp
@@ -158,6 +159,7 @@ class _GroupSpec(BaseModel):
     micro_batches: list[Annotated[int, Field(ge=1, le=MAX_MICRO_BATCHES)]] = Field(min_length=1)
     zero: list[_ZeroSpec] = Field(min_length=1)
     recompute: list[bool] = []
+    recompute_mode: list[Annotated[str, Field(max_length=32)]] = []  # per stage, medley.cost.recompute
     tp: list[int] = []
 
 
@@ -217,8 +219,10 @@ def _group_dict(layout: PlanLayout) -> dict[str, Any]:
         "knobs": dict(layout.knobs),
         "micro_batches": list(layout.micro_batches),
         "zero": [dataclasses.asdict(z) for z in layout.zero],
-        "recompute": list(layout.recompute),
+        "recompute": [bool(r) for r in layout.recompute],
     }
+    if any(r not in (NONE, FULL) for r in layout.recompute):
+        out["recompute_mode"] = [str(r) for r in layout.recompute]
     if layout.tp:
         out["tp"] = list(layout.tp)
     return out
@@ -327,6 +331,14 @@ def _layout_from_spec(spec: _GroupSpec, shared: _SharedSpec, model: ModelSpec, c
     if spec.recompute and len(spec.recompute) != stages:
         raise fail("recompute", f"has {len(spec.recompute)} entries for {stages} stages",
                    "give one per stage")
+    if spec.recompute_mode and len(spec.recompute_mode) != stages:
+        raise fail("recompute_mode", f"has {len(spec.recompute_mode)} entries for {stages} stages",
+                   "give one per stage")
+    try:
+        recompute = tuple(parse_recompute(r, where="recompute_mode")
+                          for r in spec.recompute_mode or spec.recompute)
+    except MedleyInputError as err:
+        raise MedleyInputError(f"{source}: table '{where}': {err}") from None
     if min(spec.stage_layers) < 1:
         raise fail("stage_layers", "every stage needs at least one layer", "move layers into the empty stage")
     held = sum(spec.stage_layers) // (2 if spec.schedule == "bidirectional" else 1)
@@ -346,7 +358,7 @@ def _layout_from_spec(spec: _GroupSpec, shared: _SharedSpec, model: ModelSpec, c
         seq_len=shared.seq_len,
         zero=tuple(StageZero(**z.model_dump()) for z in spec.zero),
         placement=Placement(shared.placement),
-        recompute=tuple(spec.recompute),
+        recompute=recompute,
         dtype=shared.dtype,
         knobs=dict(spec.knobs),
         clip_grad=shared.clip_grad,

@@ -76,7 +76,8 @@ class FidelityCase:
         micro_batch_size, seq_len: the shape of a micro-batch.
         slowdowns: emulated slowdown of each device (device ``k*dp + r`` runs replica r's rank k).
         buckets: ZeRO layer buckets per stage; gather_windows: ZeRO-3 gather rounds (0 streams).
-        recompute: blocks recompute their forward before the backward.
+        recompute: blocks recompute their forward before the backward (True: full), or the text of
+            ``--recompute-mode`` (``selective``, ``full:1``, one per stage).
         clip_grad: clip gradients by their global norm (the runtime clips at norm 1.0).
         dtype: ``fp32``, or ``bf16`` (the runtime computes under CPU autocast; the simulator
             reads a bf16 profile and the bf16 memory model).
@@ -106,7 +107,7 @@ class FidelityCase:
     warmup: tuple[int, ...] = ()
     buckets: int = 1
     gather_windows: int = 1
-    recompute: bool = False
+    recompute: bool | str = False
     clip_grad: bool = False
     dtype: str = "fp32"
     from_planner: int = 0
@@ -165,7 +166,8 @@ def describe(layout: PlanLayout | Sequence[PlanLayout], slowdowns: Sequence[floa
     if any(z.streams for z in layout.zero):
         parts.append("streamed")
     if any(layout.recompute):
-        parts.append("recompute")
+        modes = [str(r) for r in layout.recompute]
+        parts.append("recompute" if set(modes) == {"full"} else "recompute " + ",".join(modes))
     if layout.clip_grad:
         parts.append("clip")
     parts.append(layout.dtype)

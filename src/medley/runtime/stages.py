@@ -71,7 +71,7 @@ def build_local_stages(
         first, last = ranges[stage]
         with torch.device("meta"):
             module = Decoder(spec, first_layer=first, last_layer=last, seed=seed,
-                             recompute=bool(recompute and recompute[stage]), init=False)
+                             recompute=recompute[stage] if recompute else False, init=False)
         buckets = bucket_layer_groups(list(range(first, last)), schedule.bucket_layers.get(stage))
         meshes = ([groups.mesh] * len(buckets) if units is None
                   else [groups.meshes[segment] for segment, _ in units[stage]])
