@@ -6,7 +6,7 @@ which is what the Megatron formula (research/schedules_sim.md §3) counts. B is 
 backward and W the weight-gradient backward: a linear layer's B and W each cost its forward; the
 weight-free attention core costs 2x its forward, all in B.
 
-Tensor parallelism (``tp``, Megatron-style, no sequence parallelism): a block's Q/K/V and MLP
+Tensor parallelism (``tp``, Megatron-style; sequence parallelism where asked): a block's Q/K/V and MLP
 gate/up matrices are split by output columns and its attention output and MLP down matrices by
 input rows over ``tp`` ranks, so each rank holds and multiplies 1/tp of them; norms, the
 embedding and the head are replicated. Of the activations a block keeps, those inside attention
@@ -174,7 +174,7 @@ def megatron_flops_per_step(model: ModelSpec, *, batch_size: int, seq_len: int) 
     return 12.0 * b * s * n * h * h * ((1 + g_over_a + s / h) * q_over_h + ffn_term + v / (2 * n * h))
 
 
-def _block_activation_elements(model: ModelSpec, tp: int = 1) -> float:
+def _block_activation_elements(model: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:
     """Elements per token a block of medley's runtime (:mod:`medley.runtime.model`) saves for
     backward (flash-style attention, no dropout), per tensor-parallel rank.
 
@@ -184,9 +184,13 @@ def _block_activation_elements(model: ModelSpec, tp: int = 1) -> float:
     and the contiguous copy the output projection reads), and the MLP's inner tensors (SwiGLU:
     gate, its SiLU, up and their product; GELU: pre- and post-activation). Counted on CPU: the
     split tensors of a tiny-model block are exactly these, and halve at tp 2.
+
+    With ``sequence_parallel`` the block input and the MLP-norm input are sequence shards (1/tp);
+    the norms' outputs are kept as the all-gathered inputs of the column-wise layers (whole).
     """
     h, q, ffn = model.hidden_size, model.q_dim, model.ffn_hidden_size
-    return 4 * h + (5 * q + ffn * (4 if model.mlp == "swiglu" else 2)) / tp
+    held = 2 * h + 2 * h / tp if sequence_parallel else 4 * h
+    return held + (5 * q + ffn * (4 if model.mlp == "swiglu" else 2)) / tp
 
 
 def layer_activation_bytes(
@@ -198,12 +202,14 @@ def layer_activation_bytes(
     dtype_bytes: int = 2,
     recompute: bool = False,
     tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> float:
     """Bytes a layer holds per in-flight micro-batch between its F and its B (per TP rank).
 
-    With ``recompute`` a block keeps only its input (whole on every TP rank) and reruns its
-    forward before B.
+    With ``recompute`` a block keeps only its input (whole on every TP rank; its sequence shard
+    under ``sequence_parallel``) and reruns its forward before B.
     """
+    cut = tp if sequence_parallel and model.layer_kind(layer_index) == "block" else 1
     t = micro_batch_size * seq_len
     kind = model.layer_kind(layer_index)
     if kind == "embedding":
@@ -212,9 +218,9 @@ def layer_activation_bytes(
         # Norm input and output, logits, and the fp32 log-softmax the loss keeps for backward.
         return t * (2 * model.hidden_size * dtype_bytes + model.vocab_size * (dtype_bytes + 4.0))
     if recompute:
-        return float(t * model.hidden_size * dtype_bytes)
+        return float(t * model.hidden_size * dtype_bytes) / cut
     logsumexp = micro_batch_size * model.num_heads * seq_len * 4.0 / tp
-    return t * _block_activation_elements(model, tp) * dtype_bytes + logsumexp
+    return t * _block_activation_elements(model, tp, sequence_parallel) * dtype_bytes + logsumexp
 
 
 def layer_activation_bytes_after_b(

@@ -122,6 +122,13 @@ class PlanLayout:
 TP_DEGREES = (1, 2, 4, 8)
 
 
+def planned_sequence_parallel(seq_len: int, degrees: tuple[int, ...]) -> bool:
+    """Whether the planner runs sequence parallelism: whenever some degree is above 1 and
+    ``seq_len`` divides by each (it never holds more activation memory than plain TP, and its
+    all-gathers and reduce-scatters move the all-reduces' bytes; the edges' gathers aside)."""
+    return any(t > 1 for t in degrees) and all(seq_len % t == 0 for t in degrees)
+
+
 def sequence_sharded_edges(layout: PlanLayout) -> frozenset[int]:
     """Stages s whose output reaches stage s + 1 as each TP rank's sequence shard under sequence
     parallelism (:func:`sharded_edges` of the layout's stages; none without it). The runtime and
