@@ -107,6 +107,9 @@ def test_the_search_picks_tp_where_a_stage_cannot_hold_whole_layers_fast(
     # cannot beat its 6th best estimate or lie more than 15% behind the fastest simulated step).
     monkeypatch.setattr(ranking, "SIMULATE_WITHIN", float("inf"))
     monkeypatch.setattr(search_module, "ESTIMATE_RIVALS", 10**9)
+    # Sequence parallelism lets more tp plans fit (micro-batches of 4 at tp 8): simulate past the
+    # 24 a small cluster keeps, to the tp 1 plans behind them.
+    monkeypatch.setattr(ranking, "SIMULATED_SMALL", 32)
     cluster = parse_cluster_arg("8xA100-80GB")
     model = get_model("llama-2-13b")
     result = search(cluster, model, global_batch=16, seq_len=4096, top=3, baselines=False)

@@ -83,3 +83,40 @@ def count_tp_bytes(case: Case, *, sharded_edges: bool = False) -> dict[str, Any]
 def count_tp_bytes_sharded(case: Case) -> dict[str, Any]:
     """:func:`count_tp_bytes` with the stage's edges sequence-sharded."""
     return count_tp_bytes(case, sharded_edges=True)
+
+
+def count_saved_bytes(case: Case) -> dict[str, Any]:
+    """Bytes of the distinct storages one block of tiny (``WIDE_HEADS`` of the census test: q_dim
+    unlike hidden) saves for backward on this TP rank, parameters left out, with and without
+    sequence parallelism (its input and output then this rank's sequence shards)."""
+    from test_tp_activation_census import WIDE_HEADS
+
+    spec = WIDE_HEADS
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(TP_DIM,))
+    out: dict[str, Any] = {}
+    for sequence_parallel in (False, True):
+        stage = Decoder(spec, first_layer=FIRST_BLOCK, last_layer=FIRST_BLOCK + 1, seed=SEED)
+        parallelize_blocks(stage, mesh, sequence_parallel=sequence_parallel)
+        if sequence_parallel:
+            apply_sequence_edges(stage, mesh, sharded_input=True, sharded_output=True)
+        params = {_local(p).untyped_storage().data_ptr() for p in stage.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor, params: set[int] = params,
+                 seen: dict[int, int] = seen) -> torch.Tensor:
+            storage = _local(tensor).untyped_storage()
+            if storage.data_ptr() not in params:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        seq = case.split[0] // world if sequence_parallel else case.split[0]
+        x = torch.randn(MBS, seq, spec.hidden_size, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            stage(x)
+        out["sp" if sequence_parallel else "tp"] = float(sum(seen.values()))
+    return out
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
