@@ -153,11 +153,13 @@ def inline_layout(
     clip_grad: bool = False,
     assignment: str | None = None,
     tp: str | None = None,
+    sequence_parallel: bool = False,
 ) -> PlanLayout:
     """A :class:`PlanLayout` from the flags of ``medley simulate`` (and ``medley train``);
     ``assignment`` (``--assignment "3,0;1,2"``) puts replica r's pipeline rank k on the k-th id of
     row r instead of :func:`default_assignment` (the first device of its TP group); ``tp``
-    (``--tp 2`` or ``--tp 2,1``) the tensor-parallel degree of each pipeline rank."""
+    (``--tp 2`` or ``--tp 2,1``) the tensor-parallel degree of each pipeline rank, with
+    ``sequence_parallel`` (``--sequence-parallel``) sequence parallelism on its TP stages."""
     _check_flags(pp=pp, dp=dp, micro_batch_size=micro_batch_size, seq_len=seq_len,
                  virtual_stages=virtual_stages, buckets=buckets, gather_windows=gather_windows)
     model.check_seq_len(seq_len)
@@ -228,6 +230,7 @@ def inline_layout(
         knobs=knobs,
         clip_grad=clip_grad,
         tp=degrees,
+        sequence_parallel=sequence_parallel,
     )
     check_tp(layout, cluster)
     return layout

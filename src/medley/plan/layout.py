@@ -217,9 +217,9 @@ def check_tp(layout: PlanLayout, cluster: Cluster) -> None:
                     "ids on one node of one type: start it elsewhere (--devices) or lower tp")
     uneven = [t for t in layout.tp if t > 1 and layout.seq_len % t]
     if layout.sequence_parallel and uneven:
-        raise MedleyInputError(f"layout.sequence_parallel: seq_len {layout.seq_len} is not divisible by "
-                               f"TP degree {uneven[0]}; choose a seq_len that is, or set sequence_parallel "
-                               "false")
+        raise MedleyInputError(f"--sequence-parallel (the plan's layout.sequence_parallel): seq_len "
+                               f"{layout.seq_len} is not divisible by TP degree {uneven[0]}; choose a "
+                               "seq_len that is, or turn sequence parallelism off")
     used = layout.devices
     if len(set(used)) != len(used):
         raise MedleyInputError(f"{where}: the TP groups overlap (a device appears twice); start each "
