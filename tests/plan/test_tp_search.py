@@ -108,7 +108,8 @@ def test_the_search_picks_tp_where_a_stage_cannot_hold_whole_layers_fast(
     monkeypatch.setattr(ranking, "SIMULATE_WITHIN", float("inf"))
     monkeypatch.setattr(search_module, "ESTIMATE_RIVALS", 10**9)
     # Partial and selective recomputation make more structures promising: expand and simulate
-    # them all, not only the 12 best structures and the 24 best candidates.
+    # them all, not only the 12 best structures and the 24 best candidates (sequence parallelism
+    # lets more tp plans fit too).
     monkeypatch.setattr(search_module, "EXPANDED_STRUCTURES", 10**9)
     monkeypatch.setattr(ranking, "SIMULATED_SMALL", 10**3)
     cluster = parse_cluster_arg("8xA100-80GB")

@@ -82,7 +82,8 @@ def _shape(plan: RankedPlan) -> str:
 
 def _group_shape(layout: PlanLayout) -> str:
     tp = _tp_text([layout.tp_of(k) for k in range(layout.pp)])
-    return f"pp={layout.pp} dp={layout.dp}{tp} {layout.schedule}"
+    sp = "+sp" if tp and layout.sequence_parallel else ""  # sequence parallelism on the TP stages
+    return f"pp={layout.pp} dp={layout.dp}{tp}{sp} {layout.schedule}"
 
 
 def _tp_text(tp: list[int]) -> str:

@@ -47,6 +47,7 @@ def group_summary(layout: PlanLayout) -> dict:
         "pp": layout.pp,
         "dp": layout.dp,
         "tp": [layout.tp_of(k) for k in range(layout.pp)],
+        "sequence_parallel": layout.sequence_parallel,
         # tp_groups[k][r]: the devices of replica r's pipeline rank k, TP rank order
         "tp_groups": [[list(layout.group(r, k)) for r in range(layout.dp)] for k in range(layout.pp)],
         "split": list(layout.stage_layers),
@@ -136,6 +137,7 @@ def _title(data: dict) -> str:
         return (f"{data['model']} · {len(data['replica_groups'])} replica groups of their own shape · ZeRO "
                 f"placement {data['zero_placement']}")
     tp = f" tp={','.join(map(str, data['tp']))}" if any(t > 1 for t in data.get("tp", ())) else ""
+    tp += "+sp" if tp and data.get("sequence_parallel") else ""
     return (f"{data['model']} · {data['schedule']} · pp={data['pp']} dp={data['dp']}{tp} "
             f"· split {data['split']} · ZeRO {data['zero']} ({data['zero_placement']})")
 
@@ -335,6 +337,10 @@ def register(app: typer.Typer) -> None:
             help="Tensor-parallel degree per pipeline rank (1, 2, 4 or 8; one value for all, e.g. 2 or "
                  "2,1): rank k runs on tp[k] consecutive devices of one node from its --assignment "
                  "id")] = None,
+        sequence_parallel: Annotated[bool, typer.Option(
+            help="Sequence parallelism on the stages of tp > 1 (norms on 1/tp of the tokens, "
+                 "all-gather and reduce-scatter instead of all-reduce); seq-len must divide by each "
+                 "tp")] = False,
         no_comm: Annotated[
             bool, typer.Option("--no-comm", help="Transfers and collectives take no time")
         ] = False,
@@ -378,6 +384,7 @@ def register(app: typer.Typer) -> None:
             dtype=dtype,
             assignment=assignment,
             tp=tp,
+            sequence_parallel=sequence_parallel,
         )
         problem, result = simulate_layout(layout, spec, cost=cost, comm=not no_comm, where=SIZE_FLAGS)
         write_pictures(result, trace=trace, gantt=gantt)

@@ -6,7 +6,7 @@ which is what the Megatron formula (research/schedules_sim.md §3) counts. B is 
 backward and W the weight-gradient backward: a linear layer's B and W each cost its forward; the
 weight-free attention core costs 2x its forward, all in B.
 
-Tensor parallelism (``tp``, Megatron-style, no sequence parallelism): a block's Q/K/V and MLP
+Tensor parallelism (``tp``, Megatron-style; sequence parallelism where asked): a block's Q/K/V and MLP
 gate/up matrices are split by output columns and its attention output and MLP down matrices by
 input rows over ``tp`` ranks, so each rank holds and multiplies 1/tp of them; norms, the
 embedding and the head are replicated. Of the activations a block keeps, those inside attention
@@ -182,7 +182,7 @@ def megatron_flops_per_step(model: ModelSpec, *, batch_size: int, seq_len: int) 
     return 12.0 * b * s * n * h * h * ((1 + g_over_a + s / h) * q_over_h + ffn_term + v / (2 * n * h))
 
 
-def _block_activation_elements(model: ModelSpec, tp: int = 1) -> float:
+def _block_activation_elements(model: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:
     """Elements per token a block of medley's runtime (:mod:`medley.runtime.model`) saves for
     backward (flash-style attention, no dropout), per tensor-parallel rank.
 
@@ -192,27 +192,33 @@ def _block_activation_elements(model: ModelSpec, tp: int = 1) -> float:
     and the contiguous copy the output projection reads), and the MLP's inner tensors (SwiGLU:
     gate, its SiLU, up and their product; GELU: pre- and post-activation). Counted on CPU: the
     split tensors of a tiny-model block are exactly these, and halve at tp 2.
+
+    With ``sequence_parallel`` the block input and the MLP-norm input are sequence shards (1/tp);
+    the norms' outputs are kept as the all-gathered inputs of the column-wise layers (whole).
     """
     h, q, ffn = model.hidden_size, model.q_dim, model.ffn_hidden_size
-    return 4 * h + (5 * q + ffn * (4 if model.mlp == "swiglu" else 2)) / tp
+    held = 2 * h + 2 * h / tp if sequence_parallel else 4 * h
+    return held + (5 * q + ffn * (4 if model.mlp == "swiglu" else 2)) / tp
 
 
-def _selective_elements(model: ModelSpec, tp: int = 1) -> float:
+def _selective_elements(model: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:
     """Elements per token a selectively recomputing block keeps (:mod:`medley.cost.recompute`): its
     input and the outputs of its weight matmuls and attention kernel. Split over TP: q, k and v as
     the matmuls make them (k and v kv_dim wide, before the GQA repeat), the attention output, the
     MLP's gate and up (GELU: up); whole: the input and the row-parallel matmuls' outputs (attention
-    output and down projections, hidden wide before their all-reduce)."""
+    output and down projections, hidden wide before their all-reduce or reduce-scatter). Under
+    ``sequence_parallel`` the input is the rank's sequence shard."""
     h, q, kv, ffn = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
-    return 3 * h + (2 * q + 2 * kv + ffn * (2 if model.mlp == "swiglu" else 1)) / tp
+    held = (h / tp if sequence_parallel else h) + 2 * h
+    return held + (2 * q + 2 * kv + ffn * (2 if model.mlp == "swiglu" else 1)) / tp
 
 
-def _overlap_elements(model: ModelSpec, tp: int = 1) -> float:
+def _overlap_elements(model: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:
     """Elements per token of a selective block's kept tensors that its rerun forward saves again
     for the backward (the same tensors, not copies): the input, the attention output and the MLP's
-    gate and up (GELU: up)."""
+    gate and up (GELU: up); the input a sequence shard under ``sequence_parallel``."""
     h, q, ffn = model.hidden_size, model.q_dim, model.ffn_hidden_size
-    return h + (q + ffn * (2 if model.mlp == "swiglu" else 1)) / tp
+    return (h / tp if sequence_parallel else h) + (q + ffn * (2 if model.mlp == "swiglu" else 1)) / tp
 
 
 def layer_activation_bytes(
@@ -224,14 +230,16 @@ def layer_activation_bytes(
     dtype_bytes: int = 2,
     recompute: RecomputeMode = False,
     tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> float:
     """Bytes a layer holds per in-flight micro-batch between its F and its B (per TP rank).
 
     ``recompute`` (a mode of :mod:`medley.cost.recompute`; True: ``full``): under ``full`` a block
     keeps only its input (whole on every TP rank) and reruns its forward before B; under
     ``selective`` it keeps its input and its matmuls' and attention kernel's outputs (with the
-    kernel's log-sum-exp).
+    kernel's log-sum-exp). Under ``sequence_parallel`` the kept input is the rank's sequence shard.
     """
+    cut = tp if sequence_parallel and model.layer_kind(layer_index) == "block" else 1
     t = micro_batch_size * seq_len
     kind = model.layer_kind(layer_index)
     if kind == "embedding":
@@ -241,11 +249,11 @@ def layer_activation_bytes(
         return t * (2 * model.hidden_size * dtype_bytes + model.vocab_size * (dtype_bytes + 4.0))
     mode = _mode(recompute)
     if mode == "full":
-        return float(t * model.hidden_size * dtype_bytes)
+        return float(t * model.hidden_size * dtype_bytes) / cut
     logsumexp = micro_batch_size * model.num_heads * seq_len * 4.0 / tp
     if mode == "selective":
-        return t * _selective_elements(model, tp) * dtype_bytes + logsumexp
-    return t * _block_activation_elements(model, tp) * dtype_bytes + logsumexp
+        return t * _selective_elements(model, tp, sequence_parallel) * dtype_bytes + logsumexp
+    return t * _block_activation_elements(model, tp, sequence_parallel) * dtype_bytes + logsumexp
 
 
 def layer_rerun_bytes(
@@ -257,6 +265,7 @@ def layer_rerun_bytes(
     dtype_bytes: int = 2,
     recompute: RecomputeMode = False,
     tp: int = 1,
+    sequence_parallel: bool = False,
     full_bytes: float | None = None,
 ) -> float:
     """Bytes a recomputing block's backward holds again beyond what it kept: its rerun forward's
@@ -268,13 +277,15 @@ def layer_rerun_bytes(
     mode = _mode(recompute)
     if mode == "none" or model.layer_kind(layer_index) != "block":
         return 0.0
-    shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "dtype_bytes": dtype_bytes, "tp": tp}
+    shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "dtype_bytes": dtype_bytes, "tp": tp,
+             "sequence_parallel": sequence_parallel}
     full = layer_activation_bytes(model, layer_index, **shape) if full_bytes is None else full_bytes
     t = micro_batch_size * seq_len
     if mode == "full":
-        return max(0.0, full - t * model.hidden_size * dtype_bytes)
+        kept = t * model.hidden_size * dtype_bytes / (tp if sequence_parallel else 1)
+        return max(0.0, full - kept)
     logsumexp = micro_batch_size * model.num_heads * seq_len * 4.0 / tp
-    return max(0.0, full - t * _overlap_elements(model, tp) * dtype_bytes - logsumexp)
+    return max(0.0, full - t * _overlap_elements(model, tp, sequence_parallel) * dtype_bytes - logsumexp)
 
 
 def layer_activation_bytes_after_b(

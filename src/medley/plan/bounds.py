@@ -28,6 +28,7 @@ from medley.cost.interfaces import CommModel, CostSource, Pass
 from medley.cost.recompute import FULL, NONE, Recompute, parse_recompute
 from medley.cost.tensor_parallel import TensorParallelCompute, tp_comm_time
 from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
+from medley.plan.layout import planned_sequence_parallel
 from medley.schedule.generators.classic import one_f_one_b_depth
 from medley.schedule.zero import split_evenly
 from medley.spec.cluster import Cluster
@@ -138,8 +139,11 @@ def layer_table(
     group: tuple[int, ...] = (),
 ) -> LayerTable:
     """The table of one TP rank at ``tp`` (``tensor`` prices its compute, the TP all-reduces run
-    over ``group`` on ``comm``, as the compiler books them; tp 1 needs neither)."""
+    over ``group`` on ``comm``, as the compiler books them; tp 1 needs neither), with sequence
+    parallelism where the planner runs it (:func:`~medley.plan.layout.planned_sequence_parallel`;
+    its stage edges' gathers are the compiler's to add)."""
     shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len}
+    sp = planned_sequence_parallel(seq_len, (tp,))
     if tp == 1 or tensor is None:
         times = {
             p: [cost.layer_time(i, p, device_type=device_type, **shape).seconds
@@ -150,18 +154,19 @@ def layer_table(
         times = {
             p: [
                 tensor.layer_time(i, p, device_type=device_type, tp=tp, **shape)
-                + tp_comm_time(comm, model, i, p, group=group, dtype=dtype, **shape)
+                + tp_comm_time(comm, model, i, p, group=group, dtype=dtype, sequence_parallel=sp, **shape)
                 for i in range(model.num_layers)
             ]
             for p in Pass
         }
     nbytes = DTYPE_BYTES[dtype]
     act = [
-        formulas.layer_activation_bytes(model, i, dtype_bytes=nbytes, tp=tp, **shape)
+        formulas.layer_activation_bytes(model, i, dtype_bytes=nbytes, tp=tp, sequence_parallel=sp, **shape)
         for i in range(model.num_layers)
     ]
     act_rc = [
-        formulas.layer_activation_bytes(model, i, dtype_bytes=nbytes, recompute=True, **shape)
+        formulas.layer_activation_bytes(model, i, dtype_bytes=nbytes, recompute=True, tp=tp,
+                                        sequence_parallel=sp, **shape)
         for i in range(model.num_layers)
     ]
     after_b = [

@@ -12,7 +12,10 @@ actions take one TP rank's compute plus the blocks' TP all-reduces over the grou
 activations, replicated norms, embedding and head). Its ZeRO collectives run once per TP rank,
 each over that rank's DP group (the same TP rank of the other replicas) on 1/tp of the split
 parameters; the simulator times the lead's group. How the tp groups share links, and how
-pipeline transfers between groups of different tp are timed: :mod:`medley.plan.tp_links`.
+pipeline transfers between groups of different tp are timed: :mod:`medley.plan.tp_links`. Under
+sequence parallelism (``layout.sequence_parallel``) the blocks' collectives are all-gathers and
+reduce-scatters, a stage's edges add the all-gathers :func:`~medley.cost.tensor_parallel.sequence_edge_time`
+names, and the activations the sequence cuts are held 1/tp.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from medley.cost.recompute import rerun_share
 from medley.cost.tensor_parallel import (
     TensorParallelCompute,
     activation_scale,
+    sequence_edge_time,
     tp_activation_bytes,
     tp_all_reduce_bytes,
     tp_comm_time,
@@ -35,7 +39,7 @@ from medley.cost.tensor_parallel import (
 from medley.cost.zero_levels import fsdp_units
 from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
 from medley.plan.collectives import CollectiveTable
-from medley.plan.layout import PlanLayout
+from medley.plan.layout import PlanLayout, sequence_sharded_edges
 from medley.plan.tp_links import scale_hops
 from medley.plan.world import build_world, step_actions
 from medley.schedule.ir import Kind, PipelineSchedule
@@ -86,8 +90,16 @@ def _stage_cost(
     per_action = getattr(cost, "action_overhead_time", None)
     overhead = (per_action(device_type=device_type) or 0.0) if per_action is not None else 0.0
     at = {"micro_batch_size": mbs, "seq_len": seq, "device_type": device_type}
-    tp_comm = {kind: 0.0 for kind in Pass}  # TP all-reduces and DTensor's dispatch (measured sources)
+    tp_comm = {kind: 0.0 for kind in Pass}  # TP collectives and DTensor's dispatch (measured sources)
     dtensor_time = getattr(cost, "tp_extra_time", None) if tp > 1 else None
+    sp = layout.sequence_parallel and tp > 1
+    edges = sequence_sharded_edges(layout)
+    has_block = any(model.layer_kind(i) == "block" for i in layout.layer_range(stage))
+    if sp and has_block:  # a whole input cut to shards, a whole output gathered from them
+        nbytes = tp_all_reduce_bytes(model, micro_batch_size=mbs, seq_len=seq, dtype=layout.dtype)
+        for kind in (Pass.F, Pass.B):
+            tp_comm[kind] += sequence_edge_time(comm, group, nbytes, kind, whole_input=stage - 1 not in edges,
+                                                whole_output=stage not in edges)
     for layer in layout.layer_range(stage):
         block = model.layer_kind(layer) == "block"
         mode = modes[layer]
@@ -95,7 +107,7 @@ def _stage_cost(
             seconds = tensor.layer_time(layer, kind, tp=tp, **at)
             times[kind] += seconds
             comm_s = tp_comm_time(comm, model, layer, kind, group=group, micro_batch_size=mbs,
-                                  seq_len=seq, dtype=layout.dtype)
+                                  seq_len=seq, dtype=layout.dtype, sequence_parallel=sp)
             if dtensor_time is not None and block:
                 comm_s += dtensor_time(layer, kind, **at) or 0.0
             tp_comm[kind] += comm_s
@@ -123,9 +135,10 @@ def _stage_cost(
         measured_act = measured_act and found is not None
         measured_layers.append(found is not None)
         shape = {"micro_batch_size": mbs, "seq_len": seq}
-        held = tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, **shape) if found else None
+        held = tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, sequence_parallel=sp,
+                                   **shape) if found else None
         layer_act = held[0] if held else formulas.layer_activation_bytes(
-            model, layer, dtype_bytes=dtype_bytes, recompute=mode, tp=tp, **shape
+            model, layer, dtype_bytes=dtype_bytes, recompute=mode, tp=tp, sequence_parallel=sp, **shape
         )
         layer_after_b = held[1] if held else formulas.layer_activation_bytes_after_b(
             model, layer, dtype_bytes=dtype_bytes, tp=tp, **shape
@@ -137,12 +150,15 @@ def _stage_cost(
     # Measured layers count what their forward adds (their output, not their input), the formulas a
     # layer's input (not its output): where a measured layer starts a stage past the first or
     # follows a formula's layer (a recomputing block), its input is held on top; where a formula's
-    # layer follows a measured one, that input was counted twice.
+    # layer follows a measured one, that input was counted twice. Under sequence parallelism the
+    # hidden states inside a stage are sequence shards, and so is a received input that crossed as one.
     prev: bool | None = None if first else False
-    for measured_layer in measured_layers:
+    for index, measured_layer in enumerate(measured_layers):
         if prev is not None and measured_layer != prev:
-            act, after_b = act + (boundary if measured_layer else -boundary), after_b + (
-                boundary if measured_layer else -boundary)
+            sharded = sp and (index > 0 or stage - 1 in edges)
+            piece = boundary / tp if sharded else boundary
+            act, after_b = act + (piece if measured_layer else -piece), after_b + (
+                piece if measured_layer else -piece)
         prev = measured_layer
     # Autocast's copies of the fp32 weights, which each forward keeps for its backward (half
     # precision without FSDP2; a recomputing block keeps none). The matmuls' autograd nodes hold
@@ -231,13 +247,15 @@ def backward_workspace(
     measured = getattr(cost, "workspace_bytes", None)
     modes = stage_modes(layout, stage)
     tp = layout.stage_tp(stage)
+    sp = layout.sequence_parallel and tp > 1
     shape = {"micro_batch_size": layout.micro_batch_size, "seq_len": layout.seq_len}
     freed = freed or {}
     most = gone = 0.0
     for layer in reversed(layout.layer_range(stage)):
         more = -gone
         if measured is not None:
-            shrink = activation_scale(layout.model, layer, dtype=layout.dtype, tp=tp, **shape)[0]
+            shrink = activation_scale(layout.model, layer, dtype=layout.dtype, tp=tp, sequence_parallel=sp,
+                                      **shape)[0]
             more += (measured(layer, device_type=device_type, **shape) or 0.0) * shrink
         if modes[layer] != "none":
             more += recompute_workspace(layout, cost, layer, device_type, tp=tp, mode=modes[layer])
@@ -264,13 +282,15 @@ def recompute_workspace(
     model, mbs, seq = layout.model, layout.micro_batch_size, layout.seq_len
     if model.layer_kind(layer) != "block":
         return 0.0
+    sp = layout.sequence_parallel and tp > 1
     measured = getattr(cost, "activation_bytes", None)
     found = measured(layer, micro_batch_size=mbs, seq_len=seq, device_type=device_type) if measured else None
     dtype_bytes = DTYPE_BYTES[layout.dtype]
     shape = {"micro_batch_size": mbs, "seq_len": seq}
-    full = tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, **shape)[0] if found else None
+    full = (tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, sequence_parallel=sp,
+                                **shape)[0] if found else None)
     return formulas.layer_rerun_bytes(model, layer, dtype_bytes=dtype_bytes, recompute=mode, tp=tp,
-                                      full_bytes=full, **shape)
+                                      sequence_parallel=sp, full_bytes=full, **shape)
 
 
 def compile_problem(

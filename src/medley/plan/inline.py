@@ -154,11 +154,13 @@ def inline_layout(
     clip_grad: bool = False,
     assignment: str | None = None,
     tp: str | None = None,
+    sequence_parallel: bool = False,
 ) -> PlanLayout:
     """A :class:`PlanLayout` from the flags of ``medley simulate`` (and ``medley train``);
     ``assignment`` (``--assignment "3,0;1,2"``) puts replica r's pipeline rank k on the k-th id of
     row r instead of :func:`default_assignment` (the first device of its TP group); ``tp``
-    (``--tp 2`` or ``--tp 2,1``) the tensor-parallel degree of each pipeline rank; ``recompute``
+    (``--tp 2`` or ``--tp 2,1``) the tensor-parallel degree of each pipeline rank, with
+    ``sequence_parallel`` (``--sequence-parallel``) sequence parallelism on its TP stages; ``recompute``
     every stage's recomputation, or text (``--recompute-mode``): one setting for all stages or one
     per stage (``none,full:2``, see :mod:`medley.cost.recompute`)."""
     _check_flags(pp=pp, dp=dp, micro_batch_size=micro_batch_size, seq_len=seq_len,
@@ -231,6 +233,7 @@ def inline_layout(
         knobs=knobs,
         clip_grad=clip_grad,
         tp=degrees,
+        sequence_parallel=sequence_parallel,
     )
     check_tp(layout, cluster)
     return layout

@@ -172,6 +172,7 @@ class _SharedSpec(BaseModel):
     placement: Literal["naive", "bubble"] = "bubble"
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     clip_grad: bool = False
+    sequence_parallel: bool = False
 
 
 class _LayoutSpec(_GroupSpec, _SharedSpec):
@@ -237,6 +238,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     model = {k: v for k, v in dataclasses.asdict(first.model).items() if v is not None}
     shared = {"micro_batch_size": first.micro_batch_size, "seq_len": first.seq_len,
               "placement": first.placement.value, "dtype": first.dtype, "clip_grad": first.clip_grad}
+    if first.sequence_parallel:  # optional: plans without it read as before
+        shared["sequence_parallel"] = True
     if plan.asymmetric:
         version, layout = PLAN_VERSION, {**shared, "replicas": [_group_dict(g) for g in plan.groups]}
     else:
@@ -363,6 +366,7 @@ def _layout_from_spec(spec: _GroupSpec, shared: _SharedSpec, model: ModelSpec, c
         knobs=dict(spec.knobs),
         clip_grad=shared.clip_grad,
         tp=tuple(spec.tp),
+        sequence_parallel=shared.sequence_parallel,
     )
     try:
         model.check_seq_len(layout.seq_len, field="seq_len")

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from medley.errors import MedleyInputError
-from medley.plan.layout import PlanLayout
+from medley.plan.layout import PlanLayout, sequence_sharded_edges
 from medley.plan.plan import Plan
 from medley.plan.world import build_world
 from medley.runtime import placement
@@ -141,7 +141,9 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
     stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers, zero=levels,
                                 groups=groups, seed=seed, optimizer_class=optimizer_class,
                                 optimizer_kwargs=optimizer_kwargs, recompute=layout.recompute,
-                                init_from=init_from, precision=dtype, units=world.segments.units[group])
+                                init_from=init_from, precision=dtype, units=world.segments.units[group],
+                                sequence_parallel=layout.sequence_parallel,
+                                sequence_edges=sequence_sharded_edges(layout))
     n_tokens = plan.tokens_per_step
     me = devices[dist.get_rank()]
     factor = 1.0 if slowdown is None else slowdown[me]
@@ -152,7 +154,7 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens,
         autocast_dtype=None if dtype == "fp32" else TORCH_DTYPES[dtype], dtype=TORCH_DTYPES[dtype],
         slowdown=factor, device=device, synced_stages=tp_synced_stages(layout),
-        tp_group=groups.tp_group)
+        tp_group=groups.tp_group, sequence_edges=sequence_sharded_edges(layout))
     if layout.tied_copies:
         tied_grads = build_tied_grads(groups, list(world.schedules), stages, levels)
         executor.before_clip = None if tied_grads is None else tied_grads.sum_grads

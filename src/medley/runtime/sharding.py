@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from medley.cost.zero_levels import ZeroLevel, fsdp_units, zero_level
 from medley.cost.zero_memory import state_bytes_per_param
 from medley.runtime.model import Decoder, shared_name
-from medley.runtime.tensor_parallel import is_tp_sharded
+from medley.runtime.tensor_parallel import is_tp_sharded, replicate_partial_grads
 from medley.runtime.torch_adapter import fsdp_reduce_grad, fsdp_unsharded_params
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -151,6 +151,7 @@ class ShardedStage:
             if self.sharded:
                 fsdp_reduce_grad(self.fsdp_units[index])
             else:
+                replicate_partial_grads(self.buckets[index])
                 self._all_reduce(self.buckets[index], self.dp_groups[index])
 
     def optim_step(self, bucket: int | None) -> None:

@@ -18,7 +18,7 @@ from medley.runtime.hf_weights import load_hf_tensors
 from medley.runtime.materialize import init_local_shards
 from medley.runtime.model import Decoder
 from medley.runtime.sharding import ShardedStage, bucket_layer_groups, shard_stage
-from medley.runtime.tensor_parallel import parallelize_blocks
+from medley.runtime.tensor_parallel import apply_sequence_edges, parallelize_blocks
 from medley.schedule.ir import PipelineSchedule
 from medley.spec.model import ModelSpec
 
@@ -43,7 +43,7 @@ def build_local_stages(
     groups: RankGroups, seed: int, optimizer_class: type[torch.optim.Optimizer],
     optimizer_kwargs: dict[str, Any], recompute: Sequence[bool] = (), init_from: Path | None = None,
     precision: str = "fp32", units: Mapping[int, Sequence[tuple[int, int]]] | None = None,
-    materialize: bool = True,
+    materialize: bool = True, sequence_parallel: bool = False, sequence_edges: frozenset[int] = frozenset(),
 ) -> dict[int, ShardedStage]:
     """Build, tensor-parallelise (TP degree > 1) and shard only the stages this rank runs in
     ``schedule`` (its replica's program), as torchtitan does: each stage is built on the meta
@@ -59,7 +59,8 @@ def build_local_stages(
     the (segment, bucket in segment) of each bucket of stage s
     (:attr:`medley.plan.segments.SyncSegments.units`): each bucket is sharded over, and its blocks
     split on, its segment's mesh (``groups.meshes``); None: every bucket on the rank's one mesh
-    (alike replicas)."""
+    (alike replicas). ``sequence_parallel``: TP stages run sequence parallelism, their shards
+    crossing the edges ``sequence_edges`` names (:func:`medley.plan.layout.sequence_sharded_edges`)."""
     if len(split) != schedule.num_stages or len(zero) != schedule.num_stages:
         raise ValueError(f"split {tuple(split)} and zero {tuple(zero)} must give one entry per stage "
                          f"({schedule.num_stages} stages)")
@@ -76,7 +77,10 @@ def build_local_stages(
         meshes = ([groups.mesh] * len(buckets) if units is None
                   else [groups.meshes[segment] for segment, _ in units[stage]])
         for layers, mesh in zip(buckets, meshes, strict=True):
-            parallelize_blocks(module, mesh["tp"], layers=layers)
+            parallelize_blocks(module, mesh["tp"], layers=layers, sequence_parallel=sequence_parallel)
+        if sequence_parallel:
+            apply_sequence_edges(module, meshes[0]["tp"], sharded_input=stage - 1 in sequence_edges,
+                                 sharded_output=stage in sequence_edges)
         stages[stage] = shard_stage(module, zero=zero[stage], bucket_layers=schedule.bucket_layers.get(stage),
                                     dp_mesh=[mesh["dp"] for mesh in meshes], optimizer_class=optimizer_class,
                                     optimizer_kwargs=optimizer_kwargs, precision=precision,
