@@ -20,7 +20,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from medley.cost import formulas
-from medley.cost.estimator import DTYPE_BYTES
 from medley.cost.zero_levels import fsdp_units
 from medley.cost.zero_memory import FP32_BYTES, autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
 from medley.plan.layout import PlanLayout
@@ -92,7 +91,7 @@ def predicted_activations(layout: PlanLayout, stages: Sequence[int]) -> float:
     autocast's compute-dtype copies of the fp32 weights each forward keeps (half precision without
     FSDP2), as the compiler books them for the simulator."""
     shape = {"micro_batch_size": layout.micro_batch_size, "seq_len": layout.seq_len,
-             "dtype_bytes": DTYPE_BYTES[layout.dtype]}
+             "dtype_bytes": TORCH_DTYPES[layout.dtype].itemsize}
     per_param = state_bytes_per_param(layout.dtype)
     total = 0.0
     for s in stages:
