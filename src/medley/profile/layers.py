@@ -215,7 +215,7 @@ def profile_optimizer(model: ModelSpec, *, dtype: str = "fp32", device: str = "c
             params = list(build_layer(model, kind, TORCH_DTYPES[dtype], dev).module.parameters())
             for param in params:
                 param.grad = torch.randn_like(param) * 1e-3
-            adamw, kwargs = optimizer_class("adamw", lr=1e-4, weight_decay=0.1)
+            adamw, kwargs = optimizer_class("adamw", lr=1e-4, weight_decay=0.1, device=dev)
             optimizer = adamw(params, **kwargs)
             samples = []
             for i in range(warmup + runs):

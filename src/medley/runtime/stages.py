@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from medley.errors import MedleyInputError
+from medley.runtime.compile import apply_compile, splits_backward
 from medley.runtime.groups import RankGroups
 from medley.runtime.hf_weights import load_hf_tensors, load_hf_weights
 from medley.runtime.model import Decoder
@@ -42,6 +43,7 @@ def build_local_stages(
     groups: RankGroups, seed: int, optimizer_class: type[torch.optim.Optimizer],
     optimizer_kwargs: dict[str, Any], recompute: Sequence[bool] = (), init_from: Path | None = None,
     precision: str = "fp32", units: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+    compile: bool = False,
 ) -> dict[int, ShardedStage]:
     """Build, tensor-parallelise (TP degree > 1) and shard only the stages this rank runs in
     ``schedule`` (its replica's program); with ``init_from`` (a Hugging Face model directory) each
@@ -50,7 +52,8 @@ def build_local_stages(
     dtype (see :func:`medley.runtime.sharding.shard_stage`). ``units[s]``: the (segment, bucket in
     segment) of each bucket of stage s (:attr:`medley.plan.segments.SyncSegments.units`): each
     bucket is sharded over, and its blocks split on, its segment's mesh (``groups.meshes``); None:
-    every bucket on the rank's one mesh (alike replicas)."""
+    every bucket on the rank's one mesh (alike replicas). ``compile``: each block is compiled
+    (:func:`medley.runtime.compile.apply_compile`) after TP and before ZeRO sharding."""
     if len(split) != schedule.num_stages or len(zero) != schedule.num_stages:
         raise ValueError(f"split {tuple(split)} and zero {tuple(zero)} must give one entry per stage "
                          f"({schedule.num_stages} stages)")
@@ -69,6 +72,9 @@ def build_local_stages(
                   else [groups.meshes[segment] for segment, _ in units[stage]])
         for layers, mesh in zip(buckets, meshes, strict=True):
             parallelize_blocks(module, mesh["tp"], layers=layers)
+        if compile:
+            apply_compile(module, split_backward=splits_backward(schedule, place.pipeline_rank),
+                          family=schedule.family)
         stages[stage] = shard_stage(module, zero=zero[stage], bucket_layers=schedule.bucket_layers.get(stage),
                                     dp_mesh=[mesh["dp"] for mesh in meshes], optimizer_class=optimizer_class,
                                     optimizer_kwargs=optimizer_kwargs, precision=precision,
