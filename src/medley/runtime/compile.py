@@ -23,6 +23,7 @@ from torch import nn
 from medley.errors import MedleyInputError
 from medley.schedule.ir import Kind, PipelineSchedule
 
+
 def apply_compile(module: nn.Module, *, split_backward: bool = False, family: str = "") -> int:
     """Compile every block of ``module`` (a :class:`medley.runtime.model.Decoder`) in place with
     ``torch.compile(fullgraph=True)``; returns how many blocks were compiled (0 for a stage of
