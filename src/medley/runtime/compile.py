@@ -44,8 +44,14 @@ def apply_compile(module: nn.Module, *, split_backward: bool = False, family: st
             f"--compile: schedule '{family}' splits each backward into B and W actions, which the runtime "
             "does not run on compiled blocks; use 1f1b, gpipe or interleaved, or drop --compile")
     for block in blocks.values():
-        block.compile(fullgraph=True)
+        compile_block(block)
     return len(blocks)
+
+
+def compile_block(block: nn.Module) -> None:
+    """Compile one block in place, as the runtime does (``medley profile --compile`` times blocks
+    compiled by this same call); dynamo traces it at its first call."""
+    block.compile(fullgraph=True)
 
 
 def splits_backward(schedule: PipelineSchedule, pipeline_rank: int) -> bool:
