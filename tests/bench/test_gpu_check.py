@@ -16,14 +16,16 @@ ROOT = Path(__file__).parents[2]
 
 @pytest.mark.timeout(400)
 def test_the_dry_run_runs_every_step_and_writes_the_report(tmp_path: Path) -> None:
-    done = subprocess.run([str(ROOT / "scripts" / "gpu-check.sh"), "--dry-run", "--ranks", "2", "--steps", "2",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=380)
+    command = [str(ROOT / "scripts" / "gpu-check.sh"), "--dry-run", "--ranks", "2", "--steps", "2",
+               "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=380)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     report = json.loads((tmp_path / "gpu-check-dry-run.json").read_text())
     assert report["verdict"] == "every step ran", report["steps"]
     assert report["devices"]["catalog"] == "CPU-8GB"
     assert set(report["profiles"]) == {"bf16", "fp16"} and all(report["profiles"].values())
-    assert [r["name"] for r in report["runs"]] == ["1gpu-bf16", "1gpu-fp16", "pp2-bf16", "pp2-fp16", "tp2-bf16"]
+    names = ["1gpu-bf16", "1gpu-fp16", "pp2-bf16", "pp2-fp16", "tp2-bf16"]
+    assert [r["name"] for r in report["runs"]] == names
     for run in report["runs"]:
         world = run["pp"] * run["tp"]
         assert run["predicted"]["step_time_s"] > 0 and run["measured"]["step_time_s"] > 0
