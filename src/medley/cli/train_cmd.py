@@ -257,8 +257,7 @@ def register(app: typer.Typer) -> None:
         export_hf: Annotated[Path | None, typer.Option(
             help="After training, write the model here as a Hugging Face model directory")] = None,
         compile_blocks: Annotated[bool, typer.Option("--compile", help=(
-            "torch.compile each transformer block (the first step includes compiling; not with "
-            "zero-bubble schedules)"))] = False,
+            "torch.compile each transformer block (the first step includes compiling)"))] = False,
     ) -> None:
         """Train a plan on torch.distributed and report loss, step time and memory per step."""
         from medley.plan.plan import load_plan

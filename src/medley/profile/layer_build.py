@@ -38,8 +38,8 @@ def build_layer(model: ModelSpec, kind: str, dtype: torch.dtype, device: torch.d
     embedding and the head stay eager there too), traced at its first (warm-up) call, so after
     any wrapper applied next."""
     layer = _build_layer(model, kind, dtype, device)
-    if compiled and kind == "block":
-        compile_block(layer.module)
+    if compiled and kind == "block":  # timed split (B, W) and fused: safe for both
+        compile_block(layer.module, split_backward=True)
     if dtype == torch.float32:
         return layer
     plain = layer.forward

@@ -194,11 +194,11 @@ def profile_layers(model: ModelSpec, *, micro_batch_sizes: Sequence[int], seq_le
                    runs: int = 5, compiled: bool = False) -> list[LayerMeasurement]:
     """Every layer kind of ``model`` at every (micro-batch size, sequence length).
 
-    ``compiled``: blocks are compiled (:func:`medley.runtime.compile.compile_block`) and timed
-    after their warm-up, which compiles them. Their split backward (B then W, reusing the graph)
-    runs the compiled backward graph twice, which AOTAutograd's buffer donation forbids: it is off
-    while they are measured, so B + W is what a split compiled backward costs here (about twice
-    the fused one), although the runtime does not run split schedules compiled yet."""
+    ``compiled``: blocks are compiled (:func:`medley.runtime.compile.compile_block`, as for a
+    zero-bubble rank, since both the split and the fused backward are timed) and timed after their
+    warm-up, which compiles them. Their split backward (B then W, reusing the graph) runs the
+    compiled backward graph twice, so B + W is about twice the fused backward, as in the runtime;
+    AOTAutograd's buffer donation is off while they are measured (restored after)."""
     import torch._functorch.config as functorch_config
 
     previous = torch.get_num_threads()

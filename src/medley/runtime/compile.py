@@ -24,34 +24,44 @@ from medley.errors import MedleyInputError
 from medley.schedule.ir import Kind, PipelineSchedule
 
 
-def apply_compile(module: nn.Module, *, split_backward: bool = False, family: str = "") -> int:
+def apply_compile(module: nn.Module, *, split_backward: bool = False) -> int:
     """Compile every block of ``module`` (a :class:`medley.runtime.model.Decoder`) in place with
     ``torch.compile(fullgraph=True)``; returns how many blocks were compiled (0 for a stage of
-    only the embedding or the head).
-
-    ``split_backward`` (the rank's program has B actions: the zero-bubble schedules, see
-    :func:`splits_backward`) is refused, naming the schedule ``family``: a compiled block's
-    backward is one graph, which B would run for the input gradient keeping the graph and W again
-    for the weight gradients. With AOTAutograd's buffer donation off that runs, and each
-    micro-batch's gradients equal eager's, but a run through ``medley train`` drifted from the
-    reference after the first update (loss 1.7e-3 off at step 1 with AdamW, 2.6e-4 with SGD),
-    which is not understood yet: not done."""
+    only the embedding or the head). ``split_backward``: the rank's program has B and W actions
+    (zero-bubble schedules, :func:`splits_backward`); see :func:`compile_block`."""
     blocks = getattr(module, "blocks", None)
     if blocks is None:
         raise TypeError(f"apply_compile needs a Decoder (with .blocks), got {type(module).__name__}")
-    if split_backward:
-        raise MedleyInputError(
-            f"--compile: schedule '{family}' splits each backward into B and W actions, which the runtime "
-            "does not run on compiled blocks; use 1f1b, gpipe or interleaved, or drop --compile")
     for block in blocks.values():
-        compile_block(block)
+        compile_block(block, split_backward=split_backward)
     return len(blocks)
 
 
-def compile_block(block: nn.Module) -> None:
+#: Inductor options of a block whose backward runs twice (B, then W reusing the graph): no
+#: writing into a buffer the compiler thinks dead after one backward (the saved activations).
+SPLIT_BACKWARD_OPTIONS = {"inplace_buffers": False, "allow_buffer_reuse": False}
+
+
+def compile_block(block: nn.Module, *, split_backward: bool = False) -> None:
     """Compile one block in place, as the runtime does (``medley profile --compile`` times blocks
-    compiled by this same call); dynamo traces it at its first call."""
-    block.compile(fullgraph=True)
+    compiled by this same call); dynamo traces it at its first call.
+
+    ``split_backward``: the block's one compiled backward graph is run by B for the input gradient,
+    keeping the autograd graph, and again by W for the weight gradients. AOTAutograd refuses that
+    while it donates the backward's saved buffers, so donation is switched off for this process
+    (``torch._functorch.config.donated_buffer``, read when the block is traced); and inductor's
+    backward kernels still reused buffers in place: with that the run drifted from the reference
+    after the first update (tiny model, pp 2 zb-h1: loss 1.7e-3 off at step 1 with AdamW; the
+    ``aot_eager`` backend was equal), without it (:data:`SPLIT_BACKWARD_OPTIONS`) the run is equal.
+    The backward graph then runs twice per micro-batch: B + W cost about two fused backwards, as
+    ``medley profile --compile`` measures."""
+    if split_backward:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.donated_buffer = False
+        block.compile(fullgraph=True, options=dict(SPLIT_BACKWARD_OPTIONS))
+    else:
+        block.compile(fullgraph=True)
 
 
 def splits_backward(schedule: PipelineSchedule, pipeline_rank: int) -> bool:

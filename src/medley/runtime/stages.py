@@ -73,8 +73,7 @@ def build_local_stages(
         for layers, mesh in zip(buckets, meshes, strict=True):
             parallelize_blocks(module, mesh["tp"], layers=layers)
         if compile:
-            apply_compile(module, split_backward=splits_backward(schedule, place.pipeline_rank),
-                          family=schedule.family)
+            apply_compile(module, split_backward=splits_backward(schedule, place.pipeline_rank))
         stages[stage] = shard_stage(module, zero=zero[stage], bucket_layers=schedule.bucket_layers.get(stage),
                                     dp_mesh=[mesh["dp"] for mesh in meshes], optimizer_class=optimizer_class,
                                     optimizer_kwargs=optimizer_kwargs, precision=precision,
