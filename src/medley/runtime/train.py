@@ -59,8 +59,9 @@ def train(plan: Plan, config: TrainConfig) -> list[StepRecord]:
     # fp16 checks its gradients in the CLIP action's all-reduce: its schedules always have one.
     clip_grad = config.clip_norm is not None or dtype == "fp16"
     setup = build_rank(plan, seed=config.seed, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
+                       compile=config.compile,
                        dtype=dtype, clip_grad=clip_grad, slowdown=_slowdown(plan, config),
-                       init_from=config.init_from, compile=config.compile)
+                       init_from=config.init_from)
     if dist.get_rank() == 0:  # once the ranks sit where the plan says (build_rank checks that)
         note = precision_note(plan, dtype, chosen=config.dtype is not None)
         if note is not None:
