@@ -6,7 +6,9 @@ Its figures say nothing about a GPU. About a minute on two cores (seven launches
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,8 @@ ROOT = Path(__file__).parents[2]
 def test_the_dry_run_runs_every_step_and_writes_the_report(tmp_path: Path) -> None:
     command = [str(ROOT / "scripts" / "gpu-check.sh"), "--dry-run", "--ranks", "2", "--steps", "2",
                "--out", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=380)
+    env = {**os.environ, "PYTHON": sys.executable}  # the Python running the tests, wherever its venv is
+    done = subprocess.run(command, capture_output=True, text=True, timeout=380, env=env)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     report = json.loads((tmp_path / "gpu-check-dry-run.json").read_text())
     assert report["verdict"] == "every step ran", report["steps"]
