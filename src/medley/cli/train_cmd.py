@@ -268,6 +268,8 @@ def register(app: typer.Typer) -> None:
             help="Start from this Hugging Face model directory's safetensors weights")] = None,
         export_hf: Annotated[Path | None, typer.Option(
             help="After training, write the model here as a Hugging Face model directory")] = None,
+        compile_blocks: Annotated[bool, typer.Option("--compile", help=(
+            "torch.compile each transformer block (the first step includes compiling)"))] = False,
     ) -> None:
         """Train a plan on torch.distributed and report loss, step time and memory per step."""
         from medley.plan.plan import load_plan
@@ -282,7 +284,11 @@ def register(app: typer.Typer) -> None:
             checkpoint_every=checkpoint_every, log_jsonl=log_jsonl, emulate=emulate,
             slowdown=parse_slowdown(slowdown), progress=not as_json, dtype=dtype,
             step_timeout_s=step_timeout or None, gc_every=gc_every, reset_data_order=reset_data_order,
-            init_from=init_from, hf_dir=hf_cmd.hf_dir_of(model, init_from))
+            init_from=init_from, hf_dir=hf_cmd.hf_dir_of(model, init_from), compile=compile_blocks)
+        if compile_blocks:
+            from medley.runtime.compile import check_compile_available
+
+            check_compile_available()
         if export_hf is not None:
             hf_cmd.check_export_target(export_hf, flag="--export-hf")
             if checkpoint_dir is None:

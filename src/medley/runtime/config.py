@@ -85,6 +85,8 @@ class TrainConfig:
             (each rank reads its own stages' tensors); None: the seeded initialisation.
         hf_dir: the Hugging Face model directory the model came from (``--model DIR`` or
             ``init_from``), recorded in checkpoints so that an export copies its tokenizer files.
+        compile: ``torch.compile`` each transformer block (:mod:`medley.runtime.compile`); the
+            first step then includes the compilation.
     """
 
     steps: int = 20
@@ -124,6 +126,7 @@ class TrainConfig:
     grad_hook: GradHook | None = None
     init_from: Path | None = None
     hf_dir: Path | None = None
+    compile: bool = False
 
     def data_options(self) -> DataOptions:
         """How to read the data: text is tokenized with ``tokenizer``, else with the model

@@ -109,7 +109,7 @@ def _report(plan: Plan, place: RankPlace, *, device_id: int, stages: list[int]) 
 def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optimizer],
                optimizer_kwargs: dict[str, Any], dtype: str = "fp32",
                clip_grad: bool = False, slowdown: Mapping[int, float] | None = None,
-               init_from: Path | None = None) -> RankSetup:
+               init_from: Path | None = None, compile: bool = False) -> RankSetup:
     """Build this rank's stages and executor for ``plan`` (collective: every rank calls it).
 
     ``clip_grad`` decides whether the schedules carry the ``CLIP`` action (the run's clipping
@@ -120,7 +120,8 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
     read their weights from (else the seeded initialisation). ``dtype`` (fp32, bf16, fp16): the
     run's precision: half precision computes under autocast, gathers weights and reduces gradients
     in the dtypes the simulator counts (:func:`medley.cost.zero_memory.state_bytes_per_param`) and
-    passes activations between stages in the compute dtype.
+    passes activations between stages in the compute dtype. ``compile``: torch.compile each block
+    (:mod:`medley.runtime.compile`).
     """
     device = _device()
     table, devices = _placement(plan, device)
@@ -143,7 +144,7 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
                                 optimizer_kwargs=optimizer_kwargs, recompute=layout.recompute,
                                 init_from=init_from, precision=dtype, units=world.segments.units[group],
                                 sequence_parallel=layout.sequence_parallel,
-                                sequence_edges=sequence_sharded_edges(layout))
+                                sequence_edges=sequence_sharded_edges(layout), compile=compile)
     n_tokens = plan.tokens_per_step
     me = devices[dist.get_rank()]
     factor = 1.0 if slowdown is None else slowdown[me]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from medley.errors import MedleyInputError
+from medley.runtime.compile import apply_compile, splits_backward
 from medley.runtime.groups import RankGroups
 from medley.runtime.hf_weights import load_hf_tensors
 from medley.runtime.materialize import init_local_shards
@@ -44,6 +45,7 @@ def build_local_stages(
     optimizer_kwargs: dict[str, Any], recompute: Sequence[bool] = (), init_from: Path | None = None,
     precision: str = "fp32", units: Mapping[int, Sequence[tuple[int, int]]] | None = None,
     materialize: bool = True, sequence_parallel: bool = False, sequence_edges: frozenset[int] = frozenset(),
+    compile: bool = False,
 ) -> dict[int, ShardedStage]:
     """Build, tensor-parallelise (TP degree > 1) and shard only the stages this rank runs in
     ``schedule`` (its replica's program), as torchtitan does: each stage is built on the meta
@@ -60,7 +62,9 @@ def build_local_stages(
     (:attr:`medley.plan.segments.SyncSegments.units`): each bucket is sharded over, and its blocks
     split on, its segment's mesh (``groups.meshes``); None: every bucket on the rank's one mesh
     (alike replicas). ``sequence_parallel``: TP stages run sequence parallelism, their shards
-    crossing the edges ``sequence_edges`` names (:func:`medley.plan.layout.sequence_sharded_edges`)."""
+    crossing the edges ``sequence_edges`` names (:func:`medley.plan.layout.sequence_sharded_edges`).
+    ``compile``: each block is compiled (:func:`medley.runtime.compile.apply_compile`) after TP and
+    before ZeRO sharding."""
     if len(split) != schedule.num_stages or len(zero) != schedule.num_stages:
         raise ValueError(f"split {tuple(split)} and zero {tuple(zero)} must give one entry per stage "
                          f"({schedule.num_stages} stages)")
@@ -81,6 +85,8 @@ def build_local_stages(
         if sequence_parallel:
             apply_sequence_edges(module, meshes[0]["tp"], sharded_input=stage - 1 in sequence_edges,
                                  sharded_output=stage in sequence_edges)
+        if compile:
+            apply_compile(module, split_backward=splits_backward(schedule, place.pipeline_rank))
         stages[stage] = shard_stage(module, zero=zero[stage], bucket_layers=schedule.bucket_layers.get(stage),
                                     dp_mesh=[mesh["dp"] for mesh in meshes], optimizer_class=optimizer_class,
                                     optimizer_kwargs=optimizer_kwargs, precision=precision,

@@ -53,11 +53,13 @@ __all__ = ["StepRecord", "TrainConfig", "check_config", "load_data", "resolve_dt
 def train(plan: Plan, config: TrainConfig) -> list[StepRecord]:
     """Train ``plan`` on this rank; rank 0 returns the records of the steps it ran."""
     check_config(config)
-    opt_class, opt_kwargs = optimizer_class(config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
+    opt_class, opt_kwargs = optimizer_class(config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
+                                            device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dtype = resolve_dtype(plan, config)
     # fp16 checks its gradients in the CLIP action's all-reduce: its schedules always have one.
     clip_grad = config.clip_norm is not None or dtype == "fp16"
     setup = build_rank(plan, seed=config.seed, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
+                       compile=config.compile,
                        dtype=dtype, clip_grad=clip_grad, slowdown=_slowdown(plan, config),
                        init_from=config.init_from)
     scaler = None
