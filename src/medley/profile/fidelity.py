@@ -27,6 +27,7 @@ from medley.plan.plan import Plan
 from medley.plan.predict import predict_groups
 from medley.plan.segments import joined
 from medley.profile.emulate import EmulatedCluster, core_share, emulated_cluster
+from medley.profile.fidelity_replay import replay_steps
 from medley.profile.fidelity_result import (
     FidelityResult,
     busy_seconds,
@@ -371,7 +372,7 @@ def run_case(
     from medley.runtime.launch import train_local
     from medley.runtime.train import TrainConfig
 
-    cores = cores or os.cpu_count() or 1
+    cores = cores or len(os.sched_getaffinity(0)) or 1
     place = functools.partial(emulate, case, profile_name=profile_name, directory=directory, cores=cores)
     groups = case_groups(case, place(profile)[0])
     used = sorted(d for layout in groups for d in layout.devices)  # every device of every TP group
@@ -390,6 +391,7 @@ def run_case(
         progress=False,
         dtype=case.dtype,
         warmup_steps=0,
+        trace_actions=True,
     )
     with cpu_meter() as use:
         records = train_local(plan, config)
@@ -397,6 +399,7 @@ def run_case(
     loaded_prediction, _, _ = predict_groups(groups, loaded.cluster, cost=loaded.cost)
     timed = records[warmup_steps:] or records
     times = [r.step_time_s for r in timed]
+    replayed = replay_steps(problem, [r.action_spans_by_device for r in timed])
     devices = sorted({d for r in timed for d in r.step_time_by_device})
     return FidelityResult(
         case=case.name,
@@ -423,4 +426,8 @@ def run_case(
         busiest_compute_s=_compute_steps(timed, int(breakdown["device"])),
         emulated_sleep_s=statistics.median(r.emulated_sleep_s for r in timed),
         tags=tags(groups, case),
+        replay_step_s=replayed,
+        replay_measured_s=times,
+        world=len(used),
+        cores=cores,
     )

@@ -99,6 +99,7 @@ class _Loop:
         self.sequences = sum(plan.micro_batches) * layout.micro_batch_size
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.sq_norm = torch.zeros((), dtype=torch.float64)
+        self.step_spans: list[tuple[float, float]] = []  # the executor's action spans of the last step
         if not setup.executor.carries_clip:  # clipping off, not fp16, no tied copies
             setup.executor.before_optim = self._count_norm
         else:
@@ -248,6 +249,7 @@ class _Loop:
         if setup.device.type == "cuda":
             torch.cuda.synchronize(setup.device)
         elapsed = time.perf_counter() - started
+        self.step_spans = setup.executor.action_spans  # this step's (an evaluation makes its own)
         peak = cuda_peak_bytes(setup.device) if setup.device.type == "cuda" else 0
         loss_sum = self._own(losses)
         return torch.tensor([loss_sum, float(self.sq_norm), elapsed, setup.executor.emulated_sleep_s, peak,
@@ -301,6 +303,7 @@ class _Loop:
         if not bool((stats[:, 5:7] == stats[0, 5:7]).all()):
             raise RuntimeError(f"step {step}: the ranks disagree on the loss scale or the skipped steps "
                                f"{stats[:, 5:7].tolist()}: a bug in medley's fp16 loss scaling")
+        spans = self._gather_spans()
         if self.rank != 0:
             return None
         step_time = float(stats[:, 2].max())
@@ -315,12 +318,24 @@ class _Loop:
             action_time_by_device=self._by_device(
                 [dict(zip(ACTION_CATEGORIES, row, strict=True))
                  for row in stats[:, 7:7 + len(ACTION_CATEGORIES)].tolist()]),
+            action_spans_by_device=self._by_device(spans) if spans else {},
             step=step, loss=loss,
             lr=self.step_lr, grad_norm=grad_norm,
             step_time_s=step_time, tokens_per_s=self.plan.tokens_per_step / step_time,
             mfu=None if self.flops_per_peak is None else self.flops_per_peak / step_time,
             peak_memory_bytes=memory, emulated_sleep_s=float(stats[:, 3].max()),
             loss_scale=None if self.scaler is None else float(stats[0, 5]), skipped_steps=int(stats[0, 6]))
+
+    def _gather_spans(self) -> list[list[tuple[str, float, float]]]:
+        """Collective with ``trace_actions``: every rank's (action, start, end) of its last step,
+        by global rank; else nothing."""
+        if not self.config.trace_actions:
+            return []
+        program = self.setup.executor.program
+        mine = [(str(a), start, end) for a, (start, end) in zip(program, self.step_spans, strict=True)]
+        spans: list = [None] * self.world
+        dist.all_gather_object(spans, mine)
+        return spans
 
     def _by_device(self, values: torch.Tensor | list) -> dict:
         """One value per global rank (a column of the stats, or a list), keyed by the rank's plan
