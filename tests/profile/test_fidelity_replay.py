@@ -10,7 +10,7 @@ import pytest
 
 from medley.profile.fidelity import FidelityCase, run_case
 from medley.profile.fidelity_cases import TINY
-from medley.profile.fidelity_replay import replay_step, step_durations
+from medley.profile.fidelity_replay import MeasuredStep, replay_step, step_durations
 from medley.schedule.ir import BW, F, Kind, PipelineSchedule, add_send_recv
 from medley.sim import SimProblem, StageCost, simulate
 
@@ -39,6 +39,13 @@ def spans_of(problem: SimProblem, seconds: dict[str, float]) -> dict[int, list[t
     return out
 
 
+def traced(problem: SimProblem, seconds: dict[str, float],
+           starts: tuple[float, float] = (0.0, 0.0)) -> MeasuredStep:
+    spans = spans_of(problem, seconds)
+    return MeasuredStep(spans=spans, starts=dict(enumerate(starts)),
+                        elapsed={d: rows[-1][2] for d, rows in spans.items()})
+
+
 def test_measured_compute_with_its_send_postings_replaces_the_model():
     problem = gpipe_problem()
     measured = {"0F0": 2.0, "0F1": 1.0, "0BW0": 3.0, "0BW1": 3.0, "1F0": 1.0, "1F1": 1.0, "1BW0": 1.0,
@@ -49,8 +56,14 @@ def test_measured_compute_with_its_send_postings_replaces_the_model():
     assert durations[1][BW(1, 0)] == 1.25  # the gradient's send back
     # By hand: 1F0 at 2.5-3.5, 1F1 at 3.75-4.75 (0F1 ends at 3.75), 1BW0 4.75-6, 1BW1 6-7.25,
     # 0BW0 waits for 1BW0 (6) to 9, 0BW1 to 12.
-    assert replay_step(problem, spans_of(problem, measured)) == 12.0
+    assert replay_step(problem, traced(problem, measured)) == 12.0
     assert simulate(problem).step_time_s == 9.0  # the modelled durations would say 9
+    # Device 1 began 4 s after device 0 (on the machine's clock): 1F0 runs 4-5, 1BW0 6-7.25,
+    # 1BW1 7.25-8.5, so 0BW0 runs 7.25-10.25 and 0BW1 10.25-13.25.
+    late = traced(problem, measured, starts=(100.0, 104.0))
+    assert late.skew_s == {0: 0.0, 1: 4.0}
+    assert late.elapsed == {0: 9.75, 1: 4.5} and late.world_s == 9.75  # device 0 ends last
+    assert replay_step(problem, late) == 13.25
 
 
 def test_a_program_unlike_the_simulators_is_refused():
@@ -71,7 +84,10 @@ def test_a_tiny_pipeline_run_is_replayed_from_its_own_timings(profile, tmp_path:
                         micro_batch_size=1)
     result = run_case(case, profile, profile_name="hand.json", directory=tmp_path, steps=4, warmup_steps=1)
     assert len(result.replay_step_s) == len(result.replay_measured_s) == 3
-    assert result.replay_measured_s == result.step_times_s[1:]
+    # From the first rank's start to the last one's end: at least the slowest rank's own step.
+    assert all(world >= own for world, own in zip(result.replay_measured_s, result.step_times_s[1:],
+                                                   strict=True))
+    assert 0 <= result.replay_skew_s < min(result.replay_measured_s)
     assert all(s > 0 for s in result.replay_step_s)
     # The hand-made profile's layers are far faster than this CPU's: the same problem on its
     # modelled durations predicts a fraction of the measured step, and only the measured

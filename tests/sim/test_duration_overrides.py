@@ -46,3 +46,12 @@ def test_the_optimizer_step_takes_the_measured_seconds_and_collectives_stay_mode
 def test_an_override_the_program_does_not_run_is_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(uniform_problem(two_stage_gpipe()), duration_overrides=overrides)
+
+
+def test_a_device_that_starts_late_delays_what_waits_for_it():
+    problem = uniform_problem(two_stage_gpipe(), f=1, b=1, w=1)
+    result = simulate(dataclasses.replace(problem, start_s={1: 2.5}))
+    assert spans(result, 1) == [(2.5, 3.5, "1F0"), (3.5, 4.5, "1F1"), (4.5, 6.5, "1BW0"), (6.5, 8.5, "1BW1")]
+    assert spans(result, 0)[2:] == [(6.5, 8.5, "0BW0"), (8.5, 10.5, "0BW1")]
+    with pytest.raises(ValueError, match="start_s: device 7"):
+        dataclasses.replace(problem, start_s={7: 1.0})

@@ -27,7 +27,7 @@ from medley.plan.plan import Plan
 from medley.plan.predict import predict_groups
 from medley.plan.segments import joined
 from medley.profile.emulate import EmulatedCluster, core_share, emulated_cluster
-from medley.profile.fidelity_replay import replay_steps
+from medley.profile.fidelity_replay import MeasuredStep, replay_steps
 from medley.profile.fidelity_result import (
     FidelityResult,
     busy_seconds,
@@ -399,7 +399,8 @@ def run_case(
     loaded_prediction, _, _ = predict_groups(groups, loaded.cluster, cost=loaded.cost)
     timed = records[warmup_steps:] or records
     times = [r.step_time_s for r in timed]
-    replayed = replay_steps(problem, [r.action_spans_by_device for r in timed])
+    traced = [MeasuredStep.of(r) for r in timed]
+    replayed = replay_steps(problem, traced)
     devices = sorted({d for r in timed for d in r.step_time_by_device})
     return FidelityResult(
         case=case.name,
@@ -427,7 +428,8 @@ def run_case(
         emulated_sleep_s=statistics.median(r.emulated_sleep_s for r in timed),
         tags=tags(groups, case),
         replay_step_s=replayed,
-        replay_measured_s=times,
+        replay_measured_s=[step.world_s for step in traced],
+        replay_skew_s=statistics.median(max(step.skew_s.values()) for step in traced),
         world=len(used),
         cores=cores,
     )

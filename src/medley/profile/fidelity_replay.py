@@ -9,7 +9,10 @@ measured step, the seconds of each compute action (F, B, W, BW, emulation sleep 
 posting of the sends that follow it) and of each OPTIM replace the compiled durations of the same
 actions (``SimProblem.duration_overrides``), and the simulated step is set against that step as
 measured. Transfers, ZeRO collectives and the clipping all-reduce stay as the simulator models them
-(profiled α-β link, measured per-call overheads), so the replay error is the error of that model alone.
+(profiled α-β link, measured per-call overheads), so the replay error is the error of that model
+alone. Each rank starts at the skew it was measured at (rank 0 reports the step before, so it
+begins a little after the others), and the replayed step is set against the step from the first
+rank's start to the last rank's end (:attr:`MeasuredStep.world_s`).
 
 A TP group's compute actions hold its blocks' TP all-reduces (the simulator folds them into the
 compute, :mod:`medley.plan.compile`), so in replay they are measured too; its lead's durations
@@ -19,11 +22,15 @@ stand for the group.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from medley.schedule.ir import P2P_KINDS, Action, Kind
 from medley.sim.engine import simulate
 from medley.sim.problem import SimProblem
+
+if TYPE_CHECKING:
+    from medley.runtime.config import StepRecord
 
 Spans = Sequence[Sequence]  # (action text, start s, end s) per action, in program order
 
@@ -80,12 +87,50 @@ def step_durations(
     return out
 
 
-def replay_step(problem: SimProblem, spans_by_device: Mapping[int, Spans]) -> float:
-    """The simulated step time of ``problem`` with one measured step's compute durations."""
-    measured = step_durations(problem, spans_by_device)
-    return simulate(replace(problem, duration_overrides=measured)).step_time_s
+@dataclass(frozen=True, kw_only=True)
+class MeasuredStep:
+    """One step as the runtime traced it (``TrainConfig.trace_actions``).
+
+    Attributes:
+        spans: by device id, (action text, start s, end s) per action in program order, times since
+            the rank's step began.
+        starts: by device id, when the rank's step began (one monotonic clock for the machine).
+        elapsed: by device id, the rank's own step time.
+    """
+
+    spans: Mapping[int, Spans]
+    starts: Mapping[int, float]
+    elapsed: Mapping[int, float]
+
+    @classmethod
+    def of(cls, record: StepRecord) -> MeasuredStep:
+        return cls(spans=record.action_spans_by_device, starts=record.step_start_by_device,
+                   elapsed=record.step_time_by_device)
+
+    @property
+    def world_s(self) -> float:
+        """From the first rank's start to the last rank's end: the step the simulator replays
+        (its devices start at their measured skew)."""
+        first = min(self.starts.values())
+        return max(self.starts[d] + self.elapsed[d] for d in self.starts) - first
+
+    @property
+    def skew_s(self) -> dict[int, float]:
+        """How long after the first rank each rank began."""
+        first = min(self.starts.values())
+        return {d: t - first for d, t in self.starts.items()}
 
 
-def replay_steps(problem: SimProblem, steps: Sequence[Mapping[int, Spans]]) -> list[float]:
+def replay_step(problem: SimProblem, step: MeasuredStep) -> float:
+    """The simulated step time of ``problem`` with one measured step's compute durations, each
+    rank starting when it did."""
+    skew = step.skew_s
+    leads = {device for row in problem.devices for device in row}
+    replayed = replace(problem, duration_overrides=step_durations(problem, step.spans),
+                       start_s={d: skew[d] for d in leads if d in skew})
+    return simulate(replayed).step_time_s
+
+
+def replay_steps(problem: SimProblem, steps: Sequence[MeasuredStep]) -> list[float]:
     """:func:`replay_step` of each measured step."""
-    return [replay_step(problem, spans) for spans in steps]
+    return [replay_step(problem, step) for step in steps]

@@ -24,13 +24,15 @@ def _ms(values: Sequence[float]) -> str:
 def replay_table(results: Sequence[FidelityResult]) -> list[str]:
     """Per case: the replayed and measured steps (medians) and the replay's errors."""
     lines = [
-        "| case | ranks | replay ms | measured ms | replay err (median of steps) | median abs | worst step |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| case | ranks | replay ms | measured ms | start skew ms | replay err (median of steps) "
+        "| median abs | worst step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         errors = r.replay_errors
         worst = max(errors, key=abs) if errors else float("nan")
         lines.append(f"| {r.case} | {r.world} | {_ms(r.replay_step_s)} | {_ms(r.replay_measured_s)} "
+                     f"| {r.replay_skew_s * 1e3:.2f} "
                      f"| {_pct(r.replay_error)} | {r.replay_abs_error:.1%} | {_pct(worst)} |")
     return lines
 
@@ -80,7 +82,9 @@ def replay_lines(results: Sequence[FidelityResult]) -> list[str]:
         "Each timed step is simulated again with the compute durations that step measured on every "
         "rank (F, B, W, BW with their emulation sleeps and the posting of the sends after them, and "
         "OPTIM; medley.profile.fidelity_replay); transfers, ZeRO collectives and the clipping all-reduce "
-        "stay modelled. What is left is the error of the simulator's dependency, transfer, collective "
+        "stay modelled; each rank starts at the skew it was measured at, and the replayed step is set "
+        "against the measured one from the first rank's start to the last rank's end. What is left is "
+        "the error of the simulator's dependency, transfer, collective "
         "and overhead model, without this machine's compute noise.",
         "",
         f"Over {len(results)} cases ({s['replayed_steps']} steps): median |replay error| "

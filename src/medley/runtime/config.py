@@ -176,6 +176,8 @@ class StepRecord:
         action_spans_by_device: with ``TrainConfig.trace_actions``, by device id, each action of
             the rank's program in order as (action in medley's text form, start s, end s), times
             since the rank's step began (``RankExecutor.action_spans``); else empty.
+        step_start_by_device: with ``trace_actions``, by device id, when the rank's step began on
+            ``time.perf_counter``'s clock (one clock for the processes of one machine on Linux).
     """
 
     step: int
@@ -193,6 +195,7 @@ class StepRecord:
     step_time_by_device: dict[int, float] = field(default_factory=dict)
     action_time_by_device: dict[int, dict[str, float]] = field(default_factory=dict)
     action_spans_by_device: dict[int, list[tuple[str, float, float]]] = field(default_factory=dict)
+    step_start_by_device: dict[int, float] = field(default_factory=dict)
 
     def as_json(self) -> dict:
         """The record as strict JSON: device ids as strings, a skipped step's infinite
@@ -202,6 +205,7 @@ class StepRecord:
         row["step_time_by_device"] = {str(k): v for k, v in self.step_time_by_device.items()}
         row["action_time_by_device"] = {str(k): v for k, v in self.action_time_by_device.items()}
         row["action_spans_by_device"] = {str(k): v for k, v in self.action_spans_by_device.items()}
+        row["step_start_by_device"] = {str(k): v for k, v in self.step_start_by_device.items()}
         if not math.isfinite(self.grad_norm):
             row["grad_norm"] = None
         return row

@@ -112,8 +112,9 @@ class RankExecutor:
     and ``clip``; the fidelity study sets them against the simulator's parts. It is wall time on
     the host: on CUDA, where kernels run asynchronously, it counts their launches only.
     ``action_spans`` holds, for the same run, each action's (start, end) seconds since the program
-    started, in program order (the fidelity study replays a step's compute durations in the
-    simulator, :mod:`medley.profile.replay`).
+    started (``action_origin``, on ``time.perf_counter``'s clock: CLOCK_MONOTONIC on Linux, one
+    clock for every process of the machine), in program order; the fidelity study replays a
+    step's compute durations in the simulator (:mod:`medley.profile.fidelity_replay`).
     """
 
     def __init__(self, *, schedule: PipelineSchedule, pipeline_rank: int, stages: dict[int, ShardedStage],
@@ -141,6 +142,7 @@ class RankExecutor:
         self.emulated_sleep_s = 0.0
         self.action_s = dict.fromkeys(ACTION_CATEGORIES, 0.0)
         self.action_spans: list[tuple[float, float]] = []
+        self.action_origin = 0.0
         self.loss_scale = 1.0
         self.skip_optim = False
         self.state: dict[int, StageState] = {}
@@ -175,7 +177,7 @@ class RankExecutor:
         spans = self.action_spans = []
         if self.pending_sends.schedule is not self.schedule:  # the schedule may be swapped between steps
             self.pending_sends = self._pending_sends()
-        origin = time.perf_counter()
+        origin = self.action_origin = time.perf_counter()
         for action in program:
             started = time.perf_counter()
             self._run(action, batch)

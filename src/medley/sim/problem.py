@@ -145,7 +145,9 @@ class SimProblem:
             action on the compute stream: device id (a lead, for a TP group) -> action (F, B, W,
             BW or OPTIM of that device's program) -> seconds; every occurrence of the action takes
             them. Communication (transfers, collectives) stays modelled. The fidelity study
-            replays a measured step's compute this way (:mod:`medley.profile.replay`).
+            replays a measured step's compute this way (:mod:`medley.profile.fidelity_replay`).
+        start_s: when each device's program starts (device id, a lead for a TP group -> seconds
+            >= 0; missing: 0): a replayed step's ranks start at the skew they were measured at.
     """
 
     schedules: list[PipelineSchedule]
@@ -159,6 +161,7 @@ class SimProblem:
     collectives: CollectiveTable | None = None
     tp_members: dict[int, tuple[int, ...]] = field(default_factory=dict)
     duration_overrides: dict[int, dict[Action, float]] = field(default_factory=dict)
+    start_s: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         replicas = len(self.schedules)
@@ -200,6 +203,11 @@ class SimProblem:
                 seen.add(device)
         if self.duration_overrides:
             self._check_overrides()
+        leads = {device for row in self.devices for device in row}
+        for device, start in self.start_s.items():
+            if device not in leads or not start >= 0:
+                raise ValueError(f"SimProblem.start_s: device {device} starts at {start}; give a rank's "
+                                 "lead device a start >= 0")
 
     def _check_overrides(self) -> None:
         """Every overridden action is a compute-stream action of its device's program."""

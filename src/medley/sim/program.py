@@ -50,6 +50,7 @@ class Program:
     coll_action: list[Action] = field(default_factory=list)
     coll_seq: list[list[int]] = field(default_factory=list)  # per device, instances in issue order
     link_names: list[str] = field(default_factory=list)
+    device_start: list[float] = field(default_factory=list)  # when each device's program starts
 
 
 class _Builder:
@@ -114,6 +115,7 @@ class _Builder:
                     "every member of a DP group must issue the same collectives in the same order"
                 )
         self.prog.link_names = list(self.link_ids)
+        self.prog.device_start = [self.problem.start_s.get(d, 0.0) for d in self.prog.device_ids]
         return self.prog
 
     def build_rank(
