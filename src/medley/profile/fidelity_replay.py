@@ -10,8 +10,9 @@ posting of the sends that follow it) and of each OPTIM replace the compiled dura
 actions (``SimProblem.duration_overrides``), and the simulated step is set against that step as
 measured. Transfers, ZeRO collectives and the clipping all-reduce stay as the simulator models them
 (profiled α-β link, measured per-call overheads), so the replay error is the error of that model
-alone. Each rank starts at the skew it was measured at (rank 0 reports the step before, so it
-begins a little after the others), and the replayed step is set against the step from the first
+alone. Each rank starts at the skew it was measured at (the ranks leave the previous step's
+statistics gather at different times and rank 0 then writes its record: they begin a step a few
+ms apart on this machine), and the replayed step is set against the step from the first
 rank's start to the last rank's end (:attr:`MeasuredStep.world_s`).
 
 A TP group's compute actions hold its blocks' TP all-reduces (the simulator folds them into the
