@@ -180,10 +180,11 @@ def register(app: typer.Typer) -> None:
                                   meta={"command": " ".join(["medley", *sys.argv[1:]])},
                                   progress=step)
         table = Table(title=f"fidelity on this machine ({out / 'fidelity.md'})")
-        for col in ("case", "predicted ms", "fastest ms", "error", "median ms", "worst memory error"):
+        for col in ("case", "predicted ms", "fastest ms", "error", "median ms", "replay error",
+                    "worst memory error"):
             table.add_column(col, justify="right")
         for r in results:
             table.add_row(r.case, f"{r.predicted_step_s * 1e3:.1f}", f"{r.fastest_step_s * 1e3:.1f}",
                           f"{r.fastest_step_error:+.1%}", f"{r.measured_step_s * 1e3:.1f}",
-                          f"{r.worst_memory_error:+.1%}")
+                          f"{r.replay_error:+.1%}", f"{r.worst_memory_error:+.1%}")
         print_table(make_console(), table)

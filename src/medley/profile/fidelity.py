@@ -27,6 +27,7 @@ from medley.plan.plan import Plan
 from medley.plan.predict import predict_groups
 from medley.plan.segments import joined
 from medley.profile.emulate import EmulatedCluster, core_share, emulated_cluster
+from medley.profile.fidelity_replay import MeasuredStep, replay_steps
 from medley.profile.fidelity_result import (
     FidelityResult,
     busy_seconds,
@@ -373,7 +374,7 @@ def run_case(
     from medley.runtime.launch import train_local
     from medley.runtime.train import TrainConfig
 
-    cores = cores or os.cpu_count() or 1
+    cores = cores or len(os.sched_getaffinity(0)) or 1
     place = functools.partial(emulate, case, profile_name=profile_name, directory=directory, cores=cores)
     groups = case_groups(case, place(profile)[0])
     used = sorted(d for layout in groups for d in layout.devices)  # every device of every TP group
@@ -392,6 +393,7 @@ def run_case(
         progress=False,
         dtype=case.dtype,
         warmup_steps=0,
+        trace_actions=True,
     )
     with cpu_meter() as use:
         records = train_local(plan, config)
@@ -399,6 +401,8 @@ def run_case(
     loaded_prediction, _, _ = predict_groups(groups, loaded.cluster, cost=loaded.cost)
     timed = records[warmup_steps:] or records
     times = [r.step_time_s for r in timed]
+    traced = [MeasuredStep.of(r) for r in timed]
+    replayed = replay_steps(problem, traced)
     devices = sorted({d for r in timed for d in r.step_time_by_device})
     return FidelityResult(
         case=case.name,
@@ -425,4 +429,9 @@ def run_case(
         busiest_compute_s=_compute_steps(timed, int(breakdown["device"])),
         emulated_sleep_s=statistics.median(r.emulated_sleep_s for r in timed),
         tags=tags(groups, case),
+        replay_step_s=replayed,
+        replay_measured_s=[step.world_s for step in traced],
+        replay_skew_s=statistics.median(max(step.skew_s.values()) for step in traced),
+        world=len(used),
+        cores=cores,
     )

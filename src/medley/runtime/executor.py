@@ -116,6 +116,10 @@ class RankExecutor:
     ``transfer`` (posting sends, waiting on receives), ``zero`` (the ZeRO collectives), ``optim``
     and ``clip``; the fidelity study sets them against the simulator's parts. It is wall time on
     the host: on CUDA, where kernels run asynchronously, it counts their launches only.
+    ``action_spans`` holds, for the same run, each action's (start, end) seconds since the program
+    started (``action_origin``, on ``time.perf_counter``'s clock: CLOCK_MONOTONIC on Linux, one
+    clock for every process of the machine), in program order; the fidelity study replays a
+    step's compute durations in the simulator (:mod:`medley.profile.fidelity_replay`).
     """
 
     def __init__(self, *, schedule: PipelineSchedule, pipeline_rank: int, stages: dict[int, ShardedStage],
@@ -143,6 +147,8 @@ class RankExecutor:
         self.device = device or torch.device("cpu")
         self.emulated_sleep_s = 0.0
         self.action_s = dict.fromkeys(ACTION_CATEGORIES, 0.0)
+        self.action_spans: list[tuple[float, float]] = []
+        self.action_origin = 0.0
         self.loss_scale = 1.0
         self.skip_optim = False
         self.state: dict[int, StageState] = {}
@@ -175,12 +181,16 @@ class RankExecutor:
         self.state = {stage: StageState() for stage in self.stages}
         self.skip_optim = False
         self.action_s = dict.fromkeys(ACTION_CATEGORIES, 0.0)
+        spans = self.action_spans = []
         if self.pending_sends.schedule is not self.schedule:  # the schedule may be swapped between steps
             self.pending_sends = self._pending_sends()
+        origin = self.action_origin = time.perf_counter()
         for action in program:
             started = time.perf_counter()
             self._run(action, batch)
-            self.action_s[_CATEGORY[action.kind]] += time.perf_counter() - started
+            ended = time.perf_counter()
+            self.action_s[_CATEGORY[action.kind]] += ended - started
+            spans.append((started - origin, ended - origin))
         started = time.perf_counter()
         self.pending_sends.wait_all()
         self.action_s["transfer"] += time.perf_counter() - started
