@@ -118,6 +118,7 @@ def test_the_search_picks_tp_where_a_stage_cannot_hold_whole_layers_fast(
     best = result.best
     layout = best.plan.layout
     assert any(t > 1 for t in layout.tp)
+    assert layout.sequence_parallel  # on wherever tp > 1 and seq_len divides (4096 does)
     check_tp(layout, cluster)
     assert sorted(best.prediction.peak_memory_gb) == sorted(layout.devices)
     assert any(any(t > 1 for g in p.plan.groups for t in g.tp) for p in result.simulated)
