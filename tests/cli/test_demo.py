@@ -28,7 +28,7 @@ def test_demo_plans_simulates_and_trains(tmp_path: Path) -> None:
     for name in ("demo-plan.toml", "demo-emulated-plan.toml", "demo-gantt.png", "demo-trace.json",
                  "demo-profile-cpu.json"):
         assert (tmp_path / name).stat().st_size > 0
-    assert load_plan(tmp_path / "demo-emulated-plan.toml").layout.clip_grad
+    assert all(g.clip_grad for g in load_plan(tmp_path / "demo-emulated-plan.toml").groups)
     hf = figures["hf"]
     exported = Path(hf["export"])
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in exported.iterdir()}

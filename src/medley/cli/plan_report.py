@@ -217,7 +217,7 @@ def _print_baselines(data: dict, console: Console) -> None:
     console.print(
         f"aggregate bound: {data['aggregate_bound_tokens_per_s']:,.0f} tokens/s · {data['simulated']} plans "
         f"simulated exactly out of {data['structures']} structures · ZeRO: level per stage, 3s = streamed "
-        "ZeRO-3, r = recomputation"
+        "ZeRO-3, r = full recomputation, s = selective, :K on the first K blocks"
     )
     if "ablation" in data:
         print_ablation(data["ablation"], console)
