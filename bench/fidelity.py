@@ -6,7 +6,8 @@ Profiles the models (layers, gloo collectives, the runtime's overhead per action
 transfer), then for each plan of medley.profile.fidelity_cases.default_cases() (written-out plans
 and `medley plan`'s own top plans on small emulated clusters): simulates one step on the emulated
 CPU cluster, trains the plan for real with emulation on, and compares step time and peak memory
-per rank. Writes bench/results/fidelity.json and fidelity.md (``--quick``: fidelity-quick.*, two
+per rank, and replays each measured step's own compute durations in the simulator (docs/fidelity.md).
+Writes bench/results/fidelity.json and fidelity.md (``--quick``: fidelity-quick.*, two
 plans); the Markdown is rendered from the JSON alone, with the commit and command that made it.
 The process raises its own priority when allowed (the machine is shared; other jobs only add noise).
 """
@@ -61,6 +62,7 @@ def main() -> None:
         print(f"{r.case:42s} predicted {r.predicted_step_s * 1e3:7.1f} ms  "
               f"fastest {r.fastest_step_s * 1e3:7.1f} ({r.fastest_step_error:+.0%})  "
               f"median {r.measured_step_s * 1e3:7.1f} ({r.step_error:+.0%})  "
+              f"replay {r.replay_error:+.1%}  "
               f"memory worst {r.worst_memory_error:+.1%}")
     print(f"wrote {args.out / (name + '.json')} and {args.out / (name + '.md')}")
 

@@ -238,7 +238,8 @@ def large_case(timing_runs: int) -> dict:
         "idle_by_type": {t: n for t, n in idle.items() if n},
         "stage_types": [[t for t, _ in groupby(cluster.devices[d].type.name for d in g.assignment[0])]
                         for g in best.plan.groups],
-        "recomputing_stages": sum(sum(g.recompute) for g in best.plan.groups),
+        "recomputing_stages": sum(sum(map(bool, g.recompute)) for g in best.plan.groups),
+        "recompute_modes": sorted({str(r) for g in best.plan.groups for r in g.recompute}),
         "heterogeneity": heterogeneity(cluster, model_name, global_batch, seq_len, cost, fraction),
         "bubble_fraction": prediction.bubble_fraction,
         "exposed_comm_s": prediction.exposed_comm_s,

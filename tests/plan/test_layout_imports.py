@@ -4,8 +4,9 @@ from :mod:`medley.plan.layout` and :mod:`medley.plan.plan` only, and no module o
 tests imported do not hide an import). The preflight memory check and the precision note of
 ``medley train`` do simulate, on purpose, in the command line (:mod:`medley.cli.preflight`) before
 the ranks start. The schedule's ZeRO placement reads the
-one table of ZeRO semantics (:mod:`medley.cost.zero_levels`) and the runtime the dtypes of the
-memory model (:mod:`medley.cost.zero_memory`): definitions, without a cost model."""
+one table of ZeRO semantics (:mod:`medley.cost.zero_levels`), the runtime the dtypes of the
+memory model (:mod:`medley.cost.zero_memory`) and both the recomputation settings
+(:mod:`medley.cost.recompute`): definitions, without a cost model."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ import sys
 import pytest
 
 FORBIDDEN = ("medley.sim", "medley.cost", "medley.plan.compile", "medley.plan.predict")
-# Definitions the runtime shares with the cost model: the ZeRO table, the memory model's dtypes and
-# the closed-form FLOPs a training log's MFU divides by.
+# Definitions the runtime shares with the cost model: the ZeRO table, the memory model's dtypes, the
+# recomputation settings and the closed-form FLOPs a training log's MFU divides by.
 ALLOWED = ("medley.cost", "medley.cost.interfaces", "medley.cost.zero_levels", "medley.cost.zero_memory",
-           "medley.cost.formulas")
+           "medley.cost.recompute", "medley.cost.formulas")
 
 
 @pytest.mark.parametrize("module", ["medley.plan.layout", "medley.plan.plan", "medley.runtime.setup",

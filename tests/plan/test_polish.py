@@ -37,10 +37,19 @@ def test_polish_finds_a_faster_split_one_layer_away(monkeypatch: pytest.MonkeyPa
     before = _search(0, monkeypatch)
     after = _search(3, monkeypatch)
     assert after.best.tokens_per_s > before.best.tokens_per_s * 1.002
-    old, new = before.best.plan.layout.stage_layers, after.best.plan.layout.stage_layers
-    assert sum(abs(a - b) for a, b in zip(old, new, strict=True)) == 2  # one layer moved
-    assert [z.level for z in after.best.plan.layout.zero] == [z.level for z in before.best.plan.layout.zero]
-    assert after.best.plan.layout.micro_batches == before.best.plan.layout.micro_batches
+    # The polished plan is one of the leaders with one layer moved (since partial recomputation, a
+    # plan recomputing 4 blocks of its V100 stage leads before polishing; the runner-up is polished).
+    new = after.best.plan.layout
+
+    def moved(layout) -> int:
+        return sum(abs(a - b) for a, b in zip(layout.stage_layers, new.stage_layers, strict=True))
+
+    origins = [p.plan.layout for p in before.plans
+               if len(p.plan.layout.stage_layers) == len(new.stage_layers) and moved(p.plan.layout) == 2]
+    assert origins  # one layer moved
+    old = origins[0]
+    assert [z.level for z in new.zero] == [z.level for z in old.zero]
+    assert new.micro_batches == old.micro_batches
     # Only plans that improved join the ranking: the runners-up are the search's own.
     finalists = {p.candidate.key for p in before.simulated}
     assert [p.candidate.key for p in after.simulated if p.candidate.key not in finalists] == [
@@ -49,7 +58,10 @@ def test_polish_finds_a_faster_split_one_layer_away(monkeypatch: pytest.MonkeyPa
 
 def test_tied_moves_keep_the_estimate_and_polished_plans_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     result = _search(0, monkeypatch)
-    est, best = _estimator(result), result.best
+    est = _estimator(result)
+    # The first plan with a tied neighbour (the leader, which recomputes 4 blocks of its V100 stage
+    # selectively, has none here).
+    best = next(p for p in result.plans if list(tied_moves(est, p.candidate)))
     moves = list(tied_moves(est, best.candidate))
     assert moves
     for move in moves:

@@ -16,12 +16,13 @@ from medley.spec.model_arg import get_model
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
+# (On V100 + T4 the finalists' estimates lay far behind and were skipped until partial and selective
+# recomputation gave the memory-short structures close candidates; the rule itself is checked below.)
 @pytest.mark.parametrize(("cluster", "skips"), [("8xH100-SXM-80GB+8xA100-80GB", False),
-                                                ("8xV100-32GB+8xT4-16GB", True)])
+                                                ("8xV100-32GB+8xT4-16GB", False)])
 def test_skipping_far_estimates_keeps_the_best_plan(cluster: str, skips: bool,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same best plan and best single-type plan either way; on V100 + T4 some finalists'
-    estimates lie far behind and are skipped (on 8 H100 + 8 A100 every finalist's is close)."""
+    """The same best plan and best single-type plan either way, with no more simulations."""
     spec, model = parse_cluster_arg(cluster), get_model("llama-2-7b")
     monkeypatch.setattr(ranking, "SIMULATE_WITHIN", float("inf"))
     every = search(spec, model, global_batch=128, seq_len=4096, top=1, baselines=False)

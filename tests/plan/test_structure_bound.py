@@ -103,8 +103,9 @@ def test_whole_blocks_raise_the_bottleneck() -> None:
     rows = Counter({(_rank(10.0),) * 4: 1})
     assert recompute_bound(rows, 16) == pytest.approx(15 * 2.5 + 10)
     assert block_bound(rows, 16, 10) == pytest.approx(15 * 3 + 10)
-    # Plain stages hold 2 blocks at most, recomputing ones (4/3 s a block) all: 3 blocks take 4 s.
+    # Plain stages hold 2 blocks at most, recomputing ones (4/3 s a block) all; a stage may
+    # recompute only the blocks beyond its plain two: 3 blocks take 2 + 4/3 s.
     # The least sum: 0.8 of the model plain (8 s), the rest recomputing (0.2 x 40/3 s).
     tight = Counter({(_rank(10.0, plain=0.2),) * 4: 1})
-    assert block_bound(tight, 16, 10) == pytest.approx(15 * 4 + 8 + 0.2 * 40 / 3)
+    assert block_bound(tight, 16, 10) == pytest.approx(15 * (2 + 4 / 3) + 8 + 0.2 * 40 / 3)
     assert block_bound(Counter({(_rank(10.0, plain=0.2, most=0.2),) * 4: 1}), 16, 10) == float("inf")

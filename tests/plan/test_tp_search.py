@@ -107,12 +107,18 @@ def test_the_search_picks_tp_where_a_stage_cannot_hold_whole_layers_fast(
     # cannot beat its 6th best estimate or lie more than 15% behind the fastest simulated step).
     monkeypatch.setattr(ranking, "SIMULATE_WITHIN", float("inf"))
     monkeypatch.setattr(search_module, "ESTIMATE_RIVALS", 10**9)
+    # Partial and selective recomputation make more structures promising: expand and simulate
+    # them all, not only the 12 best structures and the 24 best candidates (sequence parallelism
+    # lets more tp plans fit too).
+    monkeypatch.setattr(search_module, "EXPANDED_STRUCTURES", 10**9)
+    monkeypatch.setattr(ranking, "SIMULATED_SMALL", 10**3)
     cluster = parse_cluster_arg("8xA100-80GB")
     model = get_model("llama-2-13b")
     result = search(cluster, model, global_batch=16, seq_len=4096, top=3, baselines=False)
     best = result.best
     layout = best.plan.layout
     assert any(t > 1 for t in layout.tp)
+    assert layout.sequence_parallel  # on wherever tp > 1 and seq_len divides (4096 does)
     check_tp(layout, cluster)
     assert sorted(best.prediction.peak_memory_gb) == sorted(layout.devices)
     assert any(any(t > 1 for g in p.plan.groups for t in g.tp) for p in result.simulated)

@@ -14,11 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from medley.cost.recompute import parse_recompute
+from medley.plan.layout import sharded_edges
 from medley.runtime.executor import MicroBatches, RankExecutor, with_default_collectives
 from medley.runtime.groups import RankTable, make_groups, row_major_table
-from medley.runtime.model import Decoder, token_loss_sum
-from medley.runtime.stages import build_local_stages
+from medley.runtime.model import Block, Decoder, token_loss_sum
+from medley.runtime.stages import build_local_stages, layer_ranges
 from medley.runtime.tensor_parallel import is_tp_sharded
 from medley.schedule.ir import Kind, PipelineSchedule
 from medley.spec.model_arg import get_model
@@ -44,6 +47,9 @@ class Case:
     tp: tuple[int, ...] = ()
     groups: tuple = ()  # replica groups of their own shape (PlanLayouts, medley.plan.segments): then
     # ``schedules`` are every replica's (groups in order), and split/zero/pp/dp are unused
+    recompute: tuple = ()  # per stage, a medley.cost.recompute.Recompute or its text (empty: none)
+
+    sequence_parallel: bool = False  # TP stages run sequence parallelism
 
     @property
     def world(self) -> int:
@@ -81,13 +87,27 @@ def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
     return max((got[n] - want[n]).abs().max().item() for n in got)
 
 
-def tp_figures(stages: dict, tp: int) -> dict[str, float]:
+def tp_figures(stages: dict, tp: int, sequence_parallel: bool = False) -> dict[str, float]:
     """Whether TP really cut this rank's blocks: ``tp_sharded`` counts its TP-sharded parameters,
-    ``tp_missing`` is 1 when its degree is above 1 and a block's linear weight is whole."""
-    linear = [p for stage in stages.values() for name, p in stage.named_parameters_local()
-              if name.startswith("blocks.") and "norm" not in name]
+    ``tp_missing`` is 1 when its degree is above 1 and a block's linear weight is whole, or, under
+    sequence parallelism, a block's norm weight is not a DTensor replicated over TP."""
+    named = [(name, p) for stage in stages.values() for name, p in stage.named_parameters_local()
+             if name.startswith("blocks.")]
+    linear = [p for name, p in named if "norm" not in name]
     sharded = sum(is_tp_sharded(p) for p in linear)
-    return {"tp_sharded": float(sharded), "tp_missing": float(tp > 1 and sharded < len(linear))}
+    norms = [p for name, p in named if "norm" in name]
+    sequence = sum(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()) for p in norms)
+    missing = sharded < len(linear) or (sequence_parallel and sequence < len(norms))
+    return {"tp_sharded": float(sharded), "tp_missing": float(tp > 1 and missing)}
+
+
+def sequence_edges(case: Case, schedule: PipelineSchedule, spec) -> frozenset[int]:
+    """The edges a sequence-parallel case's shards cross (:func:`medley.plan.layout.sharded_edges`)."""
+    if not case.sequence_parallel:
+        return frozenset()
+    ranges = [range(a, b) for a, b in layer_ranges(case.split, spec.num_layers)]
+    degrees = [(case.tp or (1,) * case.pp)[rank] for rank in schedule.stage_to_rank]
+    return sharded_edges(spec, ranges, degrees)
 
 
 def run_case(case: Case) -> dict:
@@ -97,8 +117,15 @@ def run_case(case: Case) -> dict:
     micro_batches = [s.num_micro_batches for s in case.schedules]
     schedule = with_default_collectives(case.schedules[place.replica])
     sgd = dict(lr=LR)
+    edges = sequence_edges(case, schedule, spec)
     stages = build_local_stages(spec, schedule=schedule, split=case.split, zero=case.zero, groups=groups,
-                                seed=SEED, optimizer_class=torch.optim.SGD, optimizer_kwargs=sgd)
+                                seed=SEED, optimizer_class=torch.optim.SGD, optimizer_kwargs=sgd,
+                                recompute=[parse_recompute(r) for r in case.recompute],
+                                sequence_parallel=case.sequence_parallel, sequence_edges=edges)
+    block_calls = [0]  # blocks' forward calls: beyond one per micro-batch when they recompute
+    for stage in stages.values():
+        for block in (m for m in stage.module.modules() if isinstance(m, Block)):
+            block.register_forward_pre_hook(lambda *_: block_calls.__setitem__(0, block_calls[0] + 1))
     n_tokens = sum(micro_batches) * MBS * SEQ
     # The first step stops before OPTIM so that gradients can be compared.
     no_optim = [[a for a in row if a.kind is not Kind.OPTIM] for row in schedule.actions]
@@ -106,10 +133,12 @@ def run_case(case: Case) -> dict:
         schedule=schedule.with_actions(no_optim), pipeline_rank=place.pipeline_rank, stages=stages,
         pipeline=groups.pipeline,
         tp_rank=place.tp_rank, tp_group=groups.tp_group, activation_shape=(MBS, SEQ, spec.hidden_size),
+        sequence_edges=edges,
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens)
     reference = Decoder(spec, seed=SEED)
     ref_opt = torch.optim.SGD(reference.parameters(), **sgd)
-    result = {"grad": 0.0, "loss": 0.0, "param1": 0.0, "param2": 0.0, **tp_figures(stages, groups.tp)}
+    result = {"grad": 0.0, "loss": 0.0, "param1": 0.0, "param2": 0.0,
+              **tp_figures(stages, groups.tp, case.sequence_parallel)}
     for step in range(2):
         tokens = global_batch(micro_batches, step)
         losses = executor.run_step(replica_batch(tokens, micro_batches, place.replica))
@@ -120,6 +149,8 @@ def run_case(case: Case) -> dict:
             diffs = [abs(a.item() - b) for a, b in zip(losses, want, strict=True)]
             result["loss"] = max(result["loss"], *diffs)
         if step == 0:
+            blocks = sum(isinstance(m, Block) for stage in stages.values() for m in stage.module.modules())
+            result["reruns"] = float(block_calls[0] - blocks * micro_batches[place.replica])
             for index in sorted(stages):
                 result["grad"] = max(result["grad"], max_diff(stages[index].named_grads(), ref_grads))
             for index in sorted(stages):

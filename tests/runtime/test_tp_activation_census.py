@@ -72,3 +72,28 @@ def test_a_measurement_loses_only_the_split_share() -> None:
     assert held == (measured[0] - saved_f, measured[1] - saved_w)
     assert tp_activation_bytes(tiny, 0, measured, dtype="fp32", tp=2, **shape) == measured  # embedding
     assert tp_activation_bytes(tiny, 1, (10.0, 10.0), dtype="fp32", tp=2, **shape) == (5.0, 5.0)
+
+
+@pytest.mark.timeout(240)
+def test_sequence_parallel_changes_memory_as_measured_at_tp2(tmp_path) -> None:
+    """What a block saves per rank at tp 2 on gloo, with and without sequence parallelism,
+    against the memory model's figure from the tp 1 measurement (a profile's number,
+    :func:`tp_activation_bytes`): each within 5%, and SP's saving within 5% of the measured one
+    (the norms' inputs and normalised inputs, the block input: sequence shards)."""
+    from equality_worker import Case
+    from test_equality import launch
+    from tp_bytes_worker import count_saved_bytes
+
+    case = Case(name="census", pp=1, dp=1, split=(SEQ,), zero=(0,), tp=(2,))  # split[0]: the sequence
+    got = launch(2, [case], tmp_path, body=count_saved_bytes)[case.name]
+    assert "error" not in got, got["error"]
+    measured = float(sum(saved_storages(WIDE_HEADS)))  # tp 1, one process
+    shape = {"micro_batch_size": MBS, "seq_len": SEQ}
+    want = {sp: tp_activation_bytes(WIDE_HEADS, 1, (measured, measured), dtype="fp32", tp=2,
+                                    sequence_parallel=sp, **shape)[0] for sp in (False, True)}
+    print(f"tp1 {measured:.0f}; tp2 measured {got['tp']:.0f} predicted {want[False]:.0f}; "
+          f"tp2+sp measured {got['sp']:.0f} predicted {want[True]:.0f}")
+    assert want[False] == pytest.approx(got["tp"], rel=0.05)
+    assert want[True] == pytest.approx(got["sp"], rel=0.05)
+    assert want[False] - want[True] == pytest.approx(got["tp"] - got["sp"], rel=0.05)
+    assert got["sp"] < got["tp"]

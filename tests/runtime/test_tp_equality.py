@@ -85,3 +85,30 @@ def four_rank_cases() -> list[Case]:
 def test_tp2_with_pipeline_and_data_parallel(tmp_path) -> None:
     cases = four_rank_cases()
     check_tp(launch(4, cases, tmp_path), cases)
+
+
+def sequence_parallel_cases() -> list[Case]:
+    """Sequence parallelism: tp2 x pp2, the hop between the groups carrying sequence shards (both
+    sides end and start with blocks), also split and interleaved; then a stage that starts
+    with the embedding and one that ends on the head (shards cut and gathered inside a stage)."""
+    gen = generate
+    return [
+        Case(name="sp-tp2xpp2-1f1b-zero0,1", pp=2, dp=1, tp=(2, 2), split=(3, 3), zero=(0, 1),
+             schedules=[gen("1f1b", pp=2, micro_batches=4)], sequence_parallel=True),
+        Case(name="sp-tp2xpp2-zbh1-zero3,0", pp=2, dp=1, tp=(2, 2), split=(3, 3), zero=(3, 0),
+             schedules=[zb_h1(2, 4)], sequence_parallel=True),
+        Case(name="sp-tp2xpp2-interleaved-zero0,3,1,2", pp=2, dp=1, tp=(2, 2), split=(1, 2, 2, 1),
+             zero=(0, 3, 1, 2), schedules=[gen("interleaved", pp=2, micro_batches=4)],
+             sequence_parallel=True),
+        Case(name="sp-tp2xdp2-zero2", pp=1, dp=2, tp=(2,), split=(6,), zero=(2,),
+             schedules=[gen("1f1b", pp=1, micro_batches=2)] * 2, sequence_parallel=True),
+        # ZeRO-0: the norms' partial gradients summed over TP before the DP all-reduce.
+        Case(name="sp-tp2xdp2-zero0", pp=1, dp=2, tp=(2,), split=(6,), zero=(0,),
+             schedules=[gen("1f1b", pp=1, micro_batches=2)] * 2, sequence_parallel=True),
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_sequence_parallel_tp2_pp2(tmp_path) -> None:
+    cases = sequence_parallel_cases()
+    check_tp(launch(4, cases, tmp_path), cases)

@@ -120,3 +120,25 @@ def test_medley_train_runs_a_plan_file_with_tp(tmp_path: Path) -> None:
     assert [(e["device"], e["pipeline_rank"], e["tp_rank"], e["stages"]) for e in out["placement"]] == [
         (0, 1, 0, [1]), (2, 0, 0, [0]), (3, 0, 1, [0])]
     assert sorted(out["records"][0]["peak_memory_bytes"]) == ["0", "2", "3"]  # the CPU probe, per device
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("zero", ["0,0", "1,3"], ids=["zero0", "zero1,3"])
+def test_sequence_parallel_tp2_x_pp2_trains_and_evaluates_as_one_process(zero: str, tmp_path) -> None:
+    """``layout.sequence_parallel`` through ``medley train``'s path: tp2 x pp2, the hop carrying
+    sequence shards, AdamW with clipping on (the norms' partial gradients summed over TP before
+    the global norm: ZeRO-0 by medley, ZeRO-1/3 by FSDP2), and the validation loss."""
+    rng = np.random.default_rng(0)
+    rng.integers(0, 256, 20_000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    rng.integers(0, 256, 2_000, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    settings = dict(data=str(tmp_path / "train.bin"), val_data=str(tmp_path / "val.bin"), eval_every=3,
+                    steps=3, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=3, measure_memory=False,
+                    clip_norm=0.5)
+    base = tp_plan(tp=(2, 2), split="3,3", zero=zero, schedule="1f1b", micro_batches="4")
+    plan = dataclasses.replace(base, layout=dataclasses.replace(base.layout, sequence_parallel=True))
+    records = train_local(plan, config(**settings))
+    want = reference_run(plan.layout, config(**settings))
+    assert max(abs(r.loss - w) for r, w in zip(records, want.losses, strict=True)) <= TOL
+    assert abs(records[-1].eval_loss - want.eval_losses[2]) <= TOL
+    assert all(r.grad_norm > 0.5 for r in records), "clipping must be active in this test"
+    assert latest_checkpoint(tmp_path / "ckpt") is not None

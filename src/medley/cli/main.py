@@ -8,7 +8,17 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from medley.cli import demo, hf_cmd, launch_cmd, plan_cmd, profile_cmd, simulate_cmd, spec_cmds, train_cmd
+from medley.cli import (
+    check_cmd,
+    demo,
+    hf_cmd,
+    launch_cmd,
+    plan_cmd,
+    profile_cmd,
+    simulate_cmd,
+    spec_cmds,
+    train_cmd,
+)
 from medley.cli.errors import guarded
 from medley.errors import DEBUG_ENV
 
@@ -17,14 +27,14 @@ HELP = (
     "clusters of mixed accelerators.\n\n"
     "In the order of use: look at the device catalog (devices), describe your cluster (cluster show), "
     "see what a model costs on it (model show), search the best plans (plan), re-simulate a plan file "
-    "(show) or one described by flags (simulate), train it for real (train; export a checkpoint as a "
-    "Hugging Face model with export) or write the per-node "
-    "commands that train it on the cluster (launch), measure this machine "
+    "(show) or one described by flags (simulate), build its ranks at full scale on this CPU (check), "
+    "train it for real (train; export a checkpoint as a Hugging Face model with export) or write the "
+    "per-node commands that train it on the cluster (launch), measure this machine "
     "(profile) and check how right the simulator is (fidelity). `medley demo` runs the whole story."
 )
 # The commands in the order a user meets them (`medley --help` lists them so).
-ORDER = ("devices", "cluster", "model", "plan", "show", "simulate", "train", "export", "launch", "profile",
-         "fidelity", "demo", "version")
+ORDER = ("devices", "cluster", "model", "plan", "show", "simulate", "check", "train", "export", "launch",
+         "profile", "fidelity", "demo", "version")
 
 
 class MedleyGroup(TyperGroup):
@@ -59,6 +69,7 @@ def options(
 spec_cmds.register(app)
 plan_cmd.register(app)
 simulate_cmd.register(app)
+check_cmd.register(app)
 train_cmd.register(app)
 hf_cmd.register(app)
 launch_cmd.register(app)

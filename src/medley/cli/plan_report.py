@@ -8,6 +8,7 @@ from rich.table import Table
 
 from medley.cli.console import print_table
 from medley.cli.simulate_cmd import group_summary
+from medley.cost.recompute import recompute_mark
 from medley.plan.ablation import Ablation
 from medley.plan.layout import PlanLayout
 from medley.plan.predict import layer_sources
@@ -81,7 +82,8 @@ def _shape(plan: RankedPlan) -> str:
 
 def _group_shape(layout: PlanLayout) -> str:
     tp = _tp_text([layout.tp_of(k) for k in range(layout.pp)])
-    return f"pp={layout.pp} dp={layout.dp}{tp} {layout.schedule}"
+    sp = "+sp" if tp and layout.sequence_parallel else ""  # sequence parallelism on the TP stages
+    return f"pp={layout.pp} dp={layout.dp}{tp}{sp} {layout.schedule}"
 
 
 def _tp_text(tp: list[int]) -> str:
@@ -185,7 +187,8 @@ def _add_figures(figures: Table, rank: int, row: dict, names: list[str], objecti
 
 def _add_shape(shapes: Table, label: str, row: dict) -> None:
     zero = ["3s" if s else str(z) for z, s in zip(row["zero"], row["streamed"], strict=True)]
-    zero = [z + ("r" if rc else "") for z, rc in zip(zero, row["recompute"], strict=True)]
+    modes = row.get("recompute_mode") or ["full" if rc else "none" for rc in row["recompute"]]
+    zero = [z + recompute_mark(mode) for z, mode in zip(zero, modes, strict=True)]
     knobs = "".join(f" {k}={v}" for k, v in row["knobs"].items())
     shapes.add_row(
         label,
@@ -214,7 +217,7 @@ def _print_baselines(data: dict, console: Console) -> None:
     console.print(
         f"aggregate bound: {data['aggregate_bound_tokens_per_s']:,.0f} tokens/s · {data['simulated']} plans "
         f"simulated exactly out of {data['structures']} structures · ZeRO: level per stage, 3s = streamed "
-        "ZeRO-3, r = recomputation"
+        "ZeRO-3, r = full recomputation, s = selective, :K on the first K blocks"
     )
     if "ablation" in data:
         print_ablation(data["ablation"], console)

@@ -27,8 +27,10 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def print_profile(profile: Profile, console: Console) -> None:
+    compiled = ", blocks compiled" if profile.compiled else ""
     table = Table(title=f"{profile.model.get('name')} on {profile.device_type} ({profile.device_detail}), "
-                        f"{profile.dtype}, {profile.threads} thread(s), torch {profile.torch_version}")
+                        f"{profile.dtype}{compiled}, {profile.threads} thread(s), "
+                        f"torch {profile.torch_version}")
     columns = ("layer", "mbs", "seq", "F ms", "B ms", "W ms", "fused B+W ms", "activations MB", "after B MB")
     for col in columns:
         table.add_column(col, justify="right")
@@ -105,6 +107,8 @@ def register(app: typer.Typer) -> None:
         ] = True,
         out: Annotated[Path, typer.Option(help="Profile file to write (JSON)")] = Path("profile.json"),
         as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON")] = False,
+        compiled: Annotated[bool, typer.Option(
+            "--compile", help="Time blocks torch.compiled, as `medley train --compile` runs them")] = False,
     ) -> None:
         """Measure F, B, W times and activation bytes per layer kind (and collectives) into a profile;
         with --comm, under torchrun, the α-β figures of each network tier (`--comm-profile` of plan)."""
@@ -118,13 +122,17 @@ def register(app: typer.Typer) -> None:
         from medley.profile.run import profile_steps, run_profile
 
         ranks = () if comm_ranks.strip() == "0" else _ints(comm_ranks, "--comm-ranks")
+        if compiled:
+            from medley.runtime.compile import check_compile_available
+
+            check_compile_available()
         spec = get_model(model)
         sizes, lens = _ints(micro_batch_sizes, "--micro-batch-sizes"), _ints(seq_len, "--seq-len")
         overhead = overhead and device == "cpu"
         with progress_steps(profile_steps(ranks, overhead=overhead), enabled=not as_json) as step:
             profile = run_profile(spec, device=device, device_type=device_type, micro_batch_sizes=sizes,
                                   seq_lens=lens, dtype=dtype, threads=max(1, threads), runs=max(1, runs),
-                                  comm_ranks=ranks, progress=step, overhead=overhead)
+                                  comm_ranks=ranks, progress=step, overhead=overhead, compiled=compiled)
         save_profile(profile, out)
         if as_json:
             typer.echo(json.dumps(profile.model_dump(mode="json"), indent=1))
@@ -172,10 +180,11 @@ def register(app: typer.Typer) -> None:
                                   meta={"command": " ".join(["medley", *sys.argv[1:]])},
                                   progress=step)
         table = Table(title=f"fidelity on this machine ({out / 'fidelity.md'})")
-        for col in ("case", "predicted ms", "fastest ms", "error", "median ms", "worst memory error"):
+        for col in ("case", "predicted ms", "fastest ms", "error", "median ms", "replay error",
+                    "worst memory error"):
             table.add_column(col, justify="right")
         for r in results:
             table.add_row(r.case, f"{r.predicted_step_s * 1e3:.1f}", f"{r.fastest_step_s * 1e3:.1f}",
                           f"{r.fastest_step_error:+.1%}", f"{r.measured_step_s * 1e3:.1f}",
-                          f"{r.worst_memory_error:+.1%}")
+                          f"{r.replay_error:+.1%}", f"{r.worst_memory_error:+.1%}")
         print_table(make_console(), table)

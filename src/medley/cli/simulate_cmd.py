@@ -47,12 +47,14 @@ def group_summary(layout: PlanLayout) -> dict:
         "pp": layout.pp,
         "dp": layout.dp,
         "tp": [layout.tp_of(k) for k in range(layout.pp)],
+        "sequence_parallel": layout.sequence_parallel,
         # tp_groups[k][r]: the devices of replica r's pipeline rank k, TP rank order
         "tp_groups": [[list(layout.group(r, k)) for r in range(layout.dp)] for k in range(layout.pp)],
         "split": list(layout.stage_layers),
         "micro_batches": list(layout.micro_batches),
         "zero": [z.level for z in layout.zero],
-        "recompute": list(layout.recompute),
+        "recompute": [bool(r) for r in layout.recompute],
+        "recompute_mode": [str(r) for r in layout.recompute],
     }
 
 
@@ -135,6 +137,7 @@ def _title(data: dict) -> str:
         return (f"{data['model']} · {len(data['replica_groups'])} replica groups of their own shape · ZeRO "
                 f"placement {data['zero_placement']}")
     tp = f" tp={','.join(map(str, data['tp']))}" if any(t > 1 for t in data.get("tp", ())) else ""
+    tp += "+sp" if tp and data.get("sequence_parallel") else ""
     return (f"{data['model']} · {data['schedule']} · pp={data['pp']} dp={data['dp']}{tp} "
             f"· split {data['split']} · ZeRO {data['zero']} ({data['zero_placement']})")
 
@@ -204,6 +207,8 @@ def print_summary(data: dict, console: Console) -> None:
         console.print("tensor parallel: " + "; ".join(
             f"rank {k} tp {t}" + (" on " + ", ".join(_span(g) for g in groups) if t > 1 else "")
             for k, (t, groups) in enumerate(zip(data["tp"], data["tp_groups"], strict=True))))
+    if any(data.get("recompute", ())):
+        console.print("recomputation per stage: " + ", ".join(data["recompute_mode"]))
     if "cost_sources" in data:
         parts = [f"{device}: " + ", ".join(f"{kind} {src}" for kind, src in kinds.items())
                  for device, kinds in data["cost_sources"].items()]
@@ -323,12 +328,19 @@ def register(app: typer.Typer) -> None:
                          "buckets"),
         ] = 1,
         recompute: Annotated[bool, typer.Option(help="Recompute block activations in the backward")] = False,
+        recompute_mode: Annotated[str | None, typer.Option(
+            help="How blocks recompute, one setting or one per stage: none, full, selective, or MODE:K "
+                 "for a stage's first K blocks (full:2); overrides --recompute")] = None,
         assignment: Annotated[str | None, typer.Option(
             help="Device id per pipeline rank, replicas separated by ';' (3,0;1,2)")] = None,
         tp: Annotated[str | None, typer.Option(
             help="Tensor-parallel degree per pipeline rank (1, 2, 4 or 8; one value for all, e.g. 2 or "
                  "2,1): rank k runs on tp[k] consecutive devices of one node from its --assignment "
                  "id")] = None,
+        sequence_parallel: Annotated[bool, typer.Option(
+            help="Sequence parallelism on the stages of tp > 1 (norms on 1/tp of the tokens, "
+                 "all-gather and reduce-scatter instead of all-reduce); seq-len must divide by each "
+                 "tp")] = False,
         no_comm: Annotated[
             bool, typer.Option("--no-comm", help="Transfers and collectives take no time")
         ] = False,
@@ -368,10 +380,11 @@ def register(app: typer.Typer) -> None:
             placement=zero_placement,
             buckets=buckets,
             gather_windows=gather_windows,
-            recompute=recompute,
+            recompute=recompute if recompute_mode is None else recompute_mode,
             dtype=dtype,
             assignment=assignment,
             tp=tp,
+            sequence_parallel=sequence_parallel,
         )
         problem, result = simulate_layout(layout, spec, cost=cost, comm=not no_comm, where=SIZE_FLAGS)
         write_pictures(result, trace=trace, gantt=gantt)

@@ -44,7 +44,8 @@ def parse_slowdown(text: str | None) -> dict[int, float]:
 def inline_plan(*, cluster: str | None, model: str, pp: int, dp: int, schedule: str, micro_batches: str,
                 micro_batch_size: int, seq_len: int, virtual_stages: int, split: str | None, zero: str | None,
                 zero_placement: str, buckets: int, gather_windows: int, clip_grad: bool,
-                assignment: str | None = None, dtype: str | None = None, tp: str | None = None) -> Plan:
+                assignment: str | None = None, dtype: str | None = None, tp: str | None = None,
+                sequence_parallel: bool = False) -> Plan:
     """The plan ``medley train`` runs without ``--plan``; ``dtype`` None lets the devices choose
     (bf16 where all have it, else fp16). Without ``cluster``, one node of dp x sum(tp) default
     devices (so every TP group shares it)."""
@@ -60,7 +61,8 @@ def inline_plan(*, cluster: str | None, model: str, pp: int, dp: int, schedule: 
         cluster=spec, model=model_spec, cost=CatalogCostSource.for_cluster(model_spec, spec), pp=pp, dp=dp,
         schedule=schedule, micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
         virtual_stages=virtual_stages, split=split, zero=zero, placement=zero_placement, buckets=buckets,
-        gather_windows=gather_windows, clip_grad=clip_grad, assignment=assignment, dtype=dtype, tp=tp)
+        gather_windows=gather_windows, clip_grad=clip_grad, assignment=assignment, dtype=dtype, tp=tp,
+        sequence_parallel=sequence_parallel)
     return Plan(layout=layout, cluster=spec)
 
 
@@ -256,12 +258,18 @@ def register(app: typer.Typer) -> None:
         tp: Annotated[str | None, typer.Option(
             help="Inline plan: tensor-parallel degree per pipeline rank (1, 2, 4 or 8; one value for all, "
                  "e.g. 2 or 2,1); the default cluster then has dp x sum(tp) devices")] = None,
+        sequence_parallel: Annotated[bool, typer.Option(
+            help="Inline plan: Sequence parallelism on the stages of tp > 1 (norms on 1/tp of the tokens, "
+                 "all-gather and reduce-scatter instead of all-reduce); seq-len must divide by each "
+                 "tp")] = False,
         reset_data_order: Annotated[bool, typer.Option(
             help="Resume although the seed, global batch or --data differ from the checkpoint's")] = False,
         init_from: Annotated[Path | None, typer.Option(
             help="Start from this Hugging Face model directory's safetensors weights")] = None,
         export_hf: Annotated[Path | None, typer.Option(
             help="After training, write the model here as a Hugging Face model directory")] = None,
+        compile_blocks: Annotated[bool, typer.Option("--compile", help=(
+            "torch.compile each transformer block (the first step includes compiling)"))] = False,
     ) -> None:
         """Train a plan on torch.distributed and report loss, step time and memory per step."""
         from medley.plan.plan import load_plan
@@ -276,7 +284,11 @@ def register(app: typer.Typer) -> None:
             checkpoint_every=checkpoint_every, log_jsonl=log_jsonl, emulate=emulate,
             slowdown=parse_slowdown(slowdown), progress=not as_json, dtype=dtype,
             step_timeout_s=step_timeout or None, gc_every=gc_every, reset_data_order=reset_data_order,
-            init_from=init_from, hf_dir=hf_cmd.hf_dir_of(model, init_from))
+            init_from=init_from, hf_dir=hf_cmd.hf_dir_of(model, init_from), compile=compile_blocks)
+        if compile_blocks:
+            from medley.runtime.compile import check_compile_available
+
+            check_compile_available()
         if export_hf is not None:
             hf_cmd.check_export_target(export_hf, flag="--export-hf")
             if checkpoint_dir is None:
@@ -291,7 +303,8 @@ def register(app: typer.Typer) -> None:
                 micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
                 virtual_stages=virtual_stages, split=split, zero=zero, zero_placement=zero_placement,
                 buckets=buckets, gather_windows=gather_windows, clip_grad=bool(clip_norm),
-                assignment=assignment, dtype=inline_dtype(dtype, local_ranks=local_ranks), tp=tp)
+                assignment=assignment, dtype=inline_dtype(dtype, local_ranks=local_ranks), tp=tp,
+                sequence_parallel=sequence_parallel)
         if local_ranks is not None and local_ranks != the_plan.world_size:
             raise MedleyInputError(
                 f"--local-ranks {local_ranks}: the plan needs {world_size_terms(the_plan)} = "

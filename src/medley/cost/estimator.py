@@ -78,6 +78,27 @@ class CatalogCostSource(MeasuresNothing):
             cached = self._cache[key] = TimeEstimate(seconds=seconds, source="catalog")
         return cached
 
+    def cheap_share(
+        self, layer: int, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int = 1
+    ) -> float:
+        """The share of a block's forward that is memory-bound work (norms, RoPE, the MLP
+        activation, residual adds; no matmul, no attention kernel) under this roofline: what a
+        selectively recomputing block reruns (:mod:`medley.cost.recompute`). 0 for other layers.
+        A device type the catalog does not know (a profile's) is priced as the catalog's
+        A100-80GB, an estimate."""
+        if self.model.layer_kind(layer) != "block":
+            return 0.0
+        if device_type not in self.catalog:
+            device_type = "A100-80GB"
+        total = self.layer_time(layer, Pass.F, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                                device_type=device_type, tp=tp).seconds
+        device = get_device_type(device_type, self.catalog)
+        nbytes, kernels = formulas.layer_elementwise_bytes(
+            self.model, layer, Pass.F, micro_batch_size=micro_batch_size, seq_len=seq_len,
+            dtype_bytes=DTYPE_BYTES[self.dtype], tp=tp)
+        cheap = max(nbytes / (device.memory_bandwidth_gbps * 1e9 * MEM_EFF), kernels * KERNEL_MIN_S)
+        return cheap / total if total > 0 else 0.0
+
     def _compute(self, layer: int, kind: Pass, mbs: int, seq: int, device: DeviceType, tp: int = 1) -> float:
         model, dtype = self.model, self.dtype
         seconds = 0.0

@@ -6,7 +6,7 @@ which is what the Megatron formula (research/schedules_sim.md §3) counts. B is 
 backward and W the weight-gradient backward: a linear layer's B and W each cost its forward; the
 weight-free attention core costs 2x its forward, all in B.
 
-Tensor parallelism (``tp``, Megatron-style, no sequence parallelism): a block's Q/K/V and MLP
+Tensor parallelism (``tp``, Megatron-style; sequence parallelism where asked): a block's Q/K/V and MLP
 gate/up matrices are split by output columns and its attention output and MLP down matrices by
 input rows over ``tp`` ranks, so each rank holds and multiplies 1/tp of them; norms, the
 embedding and the head are replicated. Of the activations a block keeps, those inside attention
@@ -23,6 +23,14 @@ from functools import lru_cache
 
 from medley.cost.interfaces import Pass
 from medley.spec.model import ModelSpec
+
+RecomputeMode = bool | str  # a mode of medley.cost.recompute.MODES; True is "full", False "none"
+
+
+def _mode(recompute: RecomputeMode) -> str:
+    if isinstance(recompute, bool):
+        return "full" if recompute else "none"
+    return recompute
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,15 +99,15 @@ def layer_held_params(model: ModelSpec, layer_index: int, *, tp: int = 1) -> flo
 
 
 def layer_autocast_params(
-    model: ModelSpec, layer_index: int, *, tp: int = 1, recompute: bool = False
+    model: ModelSpec, layer_index: int, *, tp: int = 1, recompute: RecomputeMode = False
 ) -> float:
     """Weights whose compute-dtype copies a layer's forward keeps under autocast, per
     tensor-parallel rank: its matmuls' matrices (a tied head's borrowed embedding too), which the
     backward needs for the input gradient; not biases (no backward needs them), norms (autocast
     runs them in fp32) nor an embedding table (lookups are not cast). A recomputing block keeps
-    none (its forward reruns inside the backward)."""
+    none (its forward reruns inside the backward; selective recomputation reruns the casts too)."""
     kind = model.layer_kind(layer_index)
-    if kind == "block" and recompute:
+    if kind == "block" and _mode(recompute) != "none":
         return 0.0
     if kind == "embedding":
         return float(_projection_params(model))
@@ -174,7 +182,7 @@ def megatron_flops_per_step(model: ModelSpec, *, batch_size: int, seq_len: int) 
     return 12.0 * b * s * n * h * h * ((1 + g_over_a + s / h) * q_over_h + ffn_term + v / (2 * n * h))
 
 
-def _block_activation_elements(model: ModelSpec, tp: int = 1) -> float:
+def _block_activation_elements(model: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:
     """Elements per token a block of medley's runtime (:mod:`medley.runtime.model`) saves for
     backward (flash-style attention, no dropout), per tensor-parallel rank.
 
@@ -184,9 +192,33 @@ def _block_activation_elements(model: ModelSpec, tp: int = 1) -> float:
     and the contiguous copy the output projection reads), and the MLP's inner tensors (SwiGLU:
     gate, its SiLU, up and their product; GELU: pre- and post-activation). Counted on CPU: the
     split tensors of a tiny-model block are exactly these, and halve at tp 2.
+
+    With ``sequence_parallel`` the block input and the MLP-norm input are sequence shards (1/tp);
+    the norms' outputs are kept as the all-gathered inputs of the column-wise layers (whole).
     """
     h, q, ffn = model.hidden_size, model.q_dim, model.ffn_hidden_size
-    return 4 * h + (5 * q + ffn * (4 if model.mlp == "swiglu" else 2)) / tp
+    held = 2 * h + 2 * h / tp if sequence_parallel else 4 * h
+    return held + (5 * q + ffn * (4 if model.mlp == "swiglu" else 2)) / tp
+
+
+def _selective_elements(model: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Elements per token a selectively recomputing block keeps (:mod:`medley.cost.recompute`): its
+    input and the outputs of its weight matmuls and attention kernel. Split over TP: q, k and v as
+    the matmuls make them (k and v kv_dim wide, before the GQA repeat), the attention output, the
+    MLP's gate and up (GELU: up); whole: the input and the row-parallel matmuls' outputs (attention
+    output and down projections, hidden wide before their all-reduce or reduce-scatter). Under
+    ``sequence_parallel`` the input is the rank's sequence shard."""
+    h, q, kv, ffn = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
+    held = (h / tp if sequence_parallel else h) + 2 * h
+    return held + (2 * q + 2 * kv + ffn * (2 if model.mlp == "swiglu" else 1)) / tp
+
+
+def _overlap_elements(model: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Elements per token of a selective block's kept tensors that its rerun forward saves again
+    for the backward (the same tensors, not copies): the input, the attention output and the MLP's
+    gate and up (GELU: up); the input a sequence shard under ``sequence_parallel``."""
+    h, q, ffn = model.hidden_size, model.q_dim, model.ffn_hidden_size
+    return (h / tp if sequence_parallel else h) + (q + ffn * (2 if model.mlp == "swiglu" else 1)) / tp
 
 
 def layer_activation_bytes(
@@ -196,14 +228,18 @@ def layer_activation_bytes(
     micro_batch_size: int,
     seq_len: int,
     dtype_bytes: int = 2,
-    recompute: bool = False,
+    recompute: RecomputeMode = False,
     tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> float:
     """Bytes a layer holds per in-flight micro-batch between its F and its B (per TP rank).
 
-    With ``recompute`` a block keeps only its input (whole on every TP rank) and reruns its
-    forward before B.
+    ``recompute`` (a mode of :mod:`medley.cost.recompute`; True: ``full``): under ``full`` a block
+    keeps only its input (whole on every TP rank) and reruns its forward before B; under
+    ``selective`` it keeps its input and its matmuls' and attention kernel's outputs (with the
+    kernel's log-sum-exp). Under ``sequence_parallel`` the kept input is the rank's sequence shard.
     """
+    cut = tp if sequence_parallel and model.layer_kind(layer_index) == "block" else 1
     t = micro_batch_size * seq_len
     kind = model.layer_kind(layer_index)
     if kind == "embedding":
@@ -211,10 +247,45 @@ def layer_activation_bytes(
     if kind == "head":
         # Norm input and output, logits, and the fp32 log-softmax the loss keeps for backward.
         return t * (2 * model.hidden_size * dtype_bytes + model.vocab_size * (dtype_bytes + 4.0))
-    if recompute:
-        return float(t * model.hidden_size * dtype_bytes)
+    mode = _mode(recompute)
+    if mode == "full":
+        return float(t * model.hidden_size * dtype_bytes) / cut
     logsumexp = micro_batch_size * model.num_heads * seq_len * 4.0 / tp
-    return t * _block_activation_elements(model, tp) * dtype_bytes + logsumexp
+    if mode == "selective":
+        return t * _selective_elements(model, tp, sequence_parallel) * dtype_bytes + logsumexp
+    return t * _block_activation_elements(model, tp, sequence_parallel) * dtype_bytes + logsumexp
+
+
+def layer_rerun_bytes(
+    model: ModelSpec,
+    layer_index: int,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype_bytes: int = 2,
+    recompute: RecomputeMode = False,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    full_bytes: float | None = None,
+) -> float:
+    """Bytes a recomputing block's backward holds again beyond what it kept: its rerun forward's
+    saved activations (``full_bytes``: measured, else the formula's), less the kept tensors the rerun
+    saves again (``full``: the input; ``selective``: the input, attention output and log-sum-exp and
+    the MLP's gate and up). A selective block's kept outputs stay held until its backward ends
+    (medley's runtime keeps them for a split backward's second rerun). 0 for other layers and
+    ``none``."""
+    mode = _mode(recompute)
+    if mode == "none" or model.layer_kind(layer_index) != "block":
+        return 0.0
+    shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "dtype_bytes": dtype_bytes, "tp": tp,
+             "sequence_parallel": sequence_parallel}
+    full = layer_activation_bytes(model, layer_index, **shape) if full_bytes is None else full_bytes
+    t = micro_batch_size * seq_len
+    if mode == "full":
+        kept = t * model.hidden_size * dtype_bytes / (tp if sequence_parallel else 1)
+        return max(0.0, full - kept)
+    logsumexp = micro_batch_size * model.num_heads * seq_len * 4.0 / tp
+    return max(0.0, full - t * _overlap_elements(model, tp, sequence_parallel) * dtype_bytes - logsumexp)
 
 
 def layer_activation_bytes_after_b(
@@ -224,7 +295,7 @@ def layer_activation_bytes_after_b(
     micro_batch_size: int,
     seq_len: int,
     dtype_bytes: int = 2,
-    recompute: bool = False,
+    recompute: RecomputeMode = False,
     tp: int = 1,
 ) -> float:
     """Bytes still held between B and W: each weight matmul's input and its output gradient (per

@@ -136,7 +136,10 @@ class OverheadProfile(BaseModel):
 
 class Profile(BaseModel):
     """A profile file's contents (see the module docstring). ``overhead`` is absent in profiles
-    written before it was measured: those predict no overhead."""
+    written before it was measured: those predict no overhead. ``compiled``: the blocks' times
+    (and the FSDP2 and TP ones) were measured with the blocks compiled, as ``medley train
+    --compile`` runs them (``medley profile --compile``); the embedding and the head are eager in
+    both."""
 
     model_config = STRICT
     format: Literal["medley-profile"]
@@ -154,6 +157,7 @@ class Profile(BaseModel):
     comm: CommProfile | None = None
     optimizer: OptimizerProfile | None = None
     overhead: OverheadProfile | None = None
+    compiled: bool = False
     notes: str = ""
     provenance: dict[str, str] = {}  # a bench's profile: the commit and command that wrote it
 

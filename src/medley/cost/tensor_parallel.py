@@ -23,6 +23,15 @@ of ``tp`` devices on one node (norms, embedding and head replicated; no sequence
   gradients of zero-bubble schedules) has none, and a recomputing block's rerun forward repeats
   F's two. The all-reduces are synchronous in the compute stream, so their time is part of the
   compute action's (:func:`tp_comm_time`), timed by the cluster's α-β model on the group.
+* **Sequence parallelism** (``sequence_parallel``, :mod:`medley.runtime.tensor_parallel`): each
+  all-reduce becomes an all-gather (of the sub-layer's input) and a reduce-scatter (of its
+  output), in F and again in B (:data:`SP_COLLECTIVES`): on a ring the same bytes in two passes
+  as the all-reduce's two, each with its own latency. A stage's edges add one all-gather of the
+  hidden states where a whole tensor meets the shards (:func:`sequence_edge_time`): the output in
+  F unless it crosses to the next stage as shards, the input's gradient in B unless the input came
+  as shards. The norms' weight gradients, summed over the group once per step (2 x hidden values
+  per block), are not timed. Activations: the block input and the MLP-norm input are held 1/tp
+  (:func:`medley.cost.formulas.layer_activation_bytes`).
 """
 
 from __future__ import annotations
@@ -35,6 +44,18 @@ from medley.spec.model import ModelSpec
 
 TP_ALL_REDUCES = {Pass.F: 2, Pass.B: 2, Pass.W: 0}
 """All-reduces of one block per pass over its TP group (Megatron, no sequence parallelism)."""
+SP_COLLECTIVES = {Pass.F: {Collective.ALL_GATHER: 2, Collective.REDUCE_SCATTER: 2},
+                  Pass.B: {Collective.ALL_GATHER: 2, Collective.REDUCE_SCATTER: 2}, Pass.W: {}}
+"""Collectives of one block per pass over its TP group under sequence parallelism, each of the
+whole hidden-state tensor (:func:`tp_all_reduce_bytes`)."""
+
+
+def tp_collectives(kind: Pass, *, sequence_parallel: bool = False) -> dict[Collective, int]:
+    """The collectives (and how many) one block issues in pass ``kind`` over its TP group."""
+    if sequence_parallel:
+        return dict(SP_COLLECTIVES[Pass(kind)])
+    count = TP_ALL_REDUCES[Pass(kind)]
+    return {Collective.ALL_REDUCE: count} if count else {}
 
 
 def tp_all_reduce_bytes(model: ModelSpec, *, micro_batch_size: int, seq_len: int, dtype: str) -> float:
@@ -53,13 +74,32 @@ def tp_comm_time(
     micro_batch_size: int,
     seq_len: int,
     dtype: str,
+    sequence_parallel: bool = False,
 ) -> float:
-    """Seconds of one pass's TP all-reduces of ``layer`` over the devices of ``group`` (0 for a
-    group of one, a replicated layer or W)."""
-    if comm is None or len(group) < 2 or model.layer_kind(layer) != "block" or not TP_ALL_REDUCES[kind]:
+    """Seconds of one pass's TP collectives of ``layer`` over the devices of ``group`` (0 for a
+    group of one, a replicated layer or W): all-reduces, or under ``sequence_parallel``
+    all-gathers and reduce-scatters (:func:`tp_collectives`)."""
+    if comm is None or len(group) < 2 or model.layer_kind(layer) != "block":
         return 0.0
     nbytes = tp_all_reduce_bytes(model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype)
-    return TP_ALL_REDUCES[kind] * comm.collective_time(Collective.ALL_REDUCE, group, nbytes)
+    return sum(n * comm.collective_time(op, group, nbytes)
+               for op, n in tp_collectives(kind, sequence_parallel=sequence_parallel).items())
+
+
+def sequence_edge_collectives(kind: Pass, *, whole_input: bool, whole_output: bool) -> int:
+    """All-gathers of the hidden states a sequence-parallel stage's edges add to pass ``kind``: F
+    gathers a whole output from the last block's shards, B the whole gradient of a whole input
+    (the first block cut it to its shard)."""
+    return int(whole_output) if kind is Pass.F else int(whole_input) if kind is Pass.B else 0
+
+
+def sequence_edge_time(comm: CommModel | None, group: tuple[int, ...], nbytes: float, kind: Pass, *,
+                       whole_input: bool, whole_output: bool) -> float:
+    """Seconds of :func:`sequence_edge_collectives` of ``nbytes`` (the whole hidden states) each."""
+    count = sequence_edge_collectives(kind, whole_input=whole_input, whole_output=whole_output)
+    if comm is None or len(group) < 2 or not count:
+        return 0.0
+    return count * comm.collective_time(Collective.ALL_GATHER, group, nbytes)
 
 
 class TensorParallelCompute:
@@ -122,25 +162,37 @@ class TensorParallelCompute:
 
 def tp_activation_bytes(
     model: ModelSpec, layer: int, measured: tuple[float, float], *, micro_batch_size: int, seq_len: int,
-    dtype: str, tp: int,
+    dtype: str, tp: int, sequence_parallel: bool = False,
 ) -> tuple[float, float]:
     """One TP rank's (F-to-B, B-to-W) activation bytes of ``layer`` from a profile's ``measured``
     ones (taken at tp=1): less the bytes the formulas' split tensors save at ``tp``. What the
     measurement holds beyond the formulas' tensors (temporaries, the block's output) is whole on
     every rank, so scaling the whole measurement by the formulas' ratio would count it split too
-    (tiny on CPU: 2.7% under per block at tp 2)."""
+    (tiny on CPU: 2.7% under per block at tp 2). Under ``sequence_parallel`` the norms'
+    normalised inputs, which a measurement holds (:data:`NORM_SAVED`) and the formulas do not
+    count, are sequence shards too."""
     if tp == 1 or model.layer_kind(layer) != "block":
         return measured
-    kw = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "dtype_bytes": DTYPE_BYTES[dtype]}
+    d = DTYPE_BYTES[dtype]
+    kw = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "dtype_bytes": d}
+    norms = NORM_SAVED * micro_batch_size * seq_len * model.hidden_size * d * (1 - 1 / tp)
     saved = (formulas.layer_activation_bytes(model, layer, **kw)
-             - formulas.layer_activation_bytes(model, layer, tp=tp, **kw),
+             - formulas.layer_activation_bytes(model, layer, tp=tp, sequence_parallel=sequence_parallel, **kw)
+             + (norms if sequence_parallel else 0.0),
              formulas.layer_activation_bytes_after_b(model, layer, **kw)
              - formulas.layer_activation_bytes_after_b(model, layer, tp=tp, **kw))
     return (max(measured[0] - saved[0], measured[0] / tp), max(measured[1] - saved[1], measured[1] / tp))
 
 
+NORM_SAVED = 2
+"""Hidden-size tensors per block a norm's autograd keeps beyond the formulas' count: each of the
+two norms its normalised input (for its weight's gradient). Counted on CPU
+(tests/runtime/test_tp_activation_census.py): whole without sequence parallelism, shards with it."""
+
+
 def activation_scale(
-    model: ModelSpec, layer: int, *, micro_batch_size: int, seq_len: int, dtype: str, tp: int
+    model: ModelSpec, layer: int, *, micro_batch_size: int, seq_len: int, dtype: str, tp: int,
+    sequence_parallel: bool = False,
 ) -> tuple[float, float]:
     """(F-to-B, B-to-W) activation bytes of ``layer`` at ``tp`` over those at 1, by the formulas:
     how a profile's measured activation bytes (taken at tp=1) scale to one TP rank."""
@@ -150,5 +202,6 @@ def activation_scale(
     kw = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "dtype_bytes": d}
     full = formulas.layer_activation_bytes(model, layer, **kw)
     after = formulas.layer_activation_bytes_after_b(model, layer, **kw)
-    return (formulas.layer_activation_bytes(model, layer, tp=tp, **kw) / full,
+    return (formulas.layer_activation_bytes(model, layer, tp=tp, sequence_parallel=sequence_parallel, **kw)
+            / full,
             formulas.layer_activation_bytes_after_b(model, layer, tp=tp, **kw) / after)

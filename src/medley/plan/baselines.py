@@ -105,7 +105,7 @@ def one_option_for_all(choices: Sequence[MemoryOption] | None = None) -> MemoryR
         narrowed = replace(setting, ladder=ladder)
         interleaved = setting.family == "interleaved"
         per_stage = memory_rules.cheapest_per_rank if interleaved else memory_rules.cheapest_per_stage
-        plan = per_stage(narrowed, split)
+        plan = per_stage(narrowed, split, finer=False)  # all-or-nothing recomputation, as they do
         if plan is None:
             return None
         worst = max(plan.options, key=ladder.index)

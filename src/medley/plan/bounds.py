@@ -23,10 +23,12 @@ from itertools import accumulate
 import numpy as np
 
 from medley.cost import formulas
-from medley.cost.estimator import DTYPE_BYTES
+from medley.cost.estimator import DTYPE_BYTES, CatalogCostSource
 from medley.cost.interfaces import CommModel, CostSource, Pass
+from medley.cost.recompute import FULL, NONE, Recompute, parse_recompute
 from medley.cost.tensor_parallel import TensorParallelCompute, tp_comm_time
 from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
+from medley.plan.layout import planned_sequence_parallel
 from medley.schedule.generators.classic import one_f_one_b_depth
 from medley.schedule.zero import split_evenly
 from medley.spec.cluster import Cluster
@@ -49,6 +51,15 @@ class LayerTable:
     ``dtype`` the training precision the activation bytes and the model-state bytes per parameter
     (:func:`medley.cost.zero_memory.state_bytes_per_param`) are counted in; ``tp`` the
     tensor-parallel degree the figures are one rank's of (times with the TP all-reduces).
+
+    Finer recomputation (:mod:`medley.cost.recompute`, :meth:`time`, :func:`stage_memory`):
+    ``act_sel`` the bytes a selective block keeps; ``rerun_rc``/``rerun_sel`` per layer the bytes
+    a full/selective block's backward holds again
+    (:func:`medley.cost.formulas.layer_rerun_bytes`); ``refwd``/``refwd_sel`` the blocks' forward
+    seconds, all of it/its memory-bound share (what selective recomputation reruns: the catalog's
+    roofline share, :meth:`medley.cost.estimator.CatalogCostSource.cheap_share`, of the source's
+    forward time). Full recomputation of a whole stage adds ``forward`` (every layer's, as
+    ``total_rc``); of its first k blocks, those blocks' ``refwd``.
     """
 
     device_type: str
@@ -66,6 +77,11 @@ class LayerTable:
     params: tuple[float, ...]
     cast: tuple[float, ...]
     cast_rc: tuple[float, ...]
+    act_sel: tuple[float, ...] = ()
+    rerun_rc: tuple[float, ...] = ()
+    rerun_sel: tuple[float, ...] = ()
+    refwd: tuple[float, ...] = ()
+    refwd_sel: tuple[float, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -73,29 +89,36 @@ class LayerTable:
 
     @cached_property
     def memory_columns(self) -> dict[str, np.ndarray]:
-        """``params``, ``act``, ``act_rc``, ``cast``, ``cast_rc`` and ``after_b`` as float64 arrays (for
-        :func:`memory_prefix`)."""
+        """``params``, ``act``, ``act_rc``, ``act_sel``, ``cast``, ``cast_rc`` and ``after_b`` as float64
+        arrays (for :func:`memory_prefix`)."""
         return {name: np.array(getattr(self, name), dtype=np.float64)
-                for name in ("params", "act", "act_rc", "cast", "cast_rc", "after_b")}
+                for name in ("params", "act", "act_rc", "act_sel", "cast", "cast_rc", "after_b")}
 
     @cached_property
-    def rerun_bytes(self) -> dict[tuple[int, int], float]:
-        """By (i, j), the bytes a recomputing stage of layers i..j-1 holds again at its largest
-        block's backward (:func:`stage_memory`'s term, kept as the planner asks for it)."""
+    def rerun_bytes(self) -> dict[tuple[int, int, Recompute], float]:
+        """By (i, j, recomputation), the bytes a recomputing stage of layers i..j-1 holds again at
+        its largest block's backward (:func:`stage_memory`'s term, kept as the planner asks for it)."""
         return {}
 
-    def time(self, i: int, j: int, *, recompute: bool = False) -> float:
-        extra = self.forward[j] - self.forward[i] if recompute else 0.0
-        return self.total[j] - self.total[i] + extra
+    def time(self, i: int, j: int, *, recompute: Recompute | bool = False) -> float:
+        """F+B+W of layers i..j-1 for one micro-batch, with what ``recompute`` reruns."""
+        rc = parse_recompute(recompute)
+        if not rc:
+            return self.total[j] - self.total[i]
+        stop = recompute_stop(i, j, rc)
+        if stop == j and rc.mode == "full":
+            return self.total[j] - self.total[i] + self.forward[j] - self.forward[i]
+        rerun = self.refwd if rc.mode == "full" else self.refwd_sel
+        return self.total[j] - self.total[i] + rerun[stop] - rerun[i]
 
-    def max_end(self, i: int, budget: float, *, recompute: bool = False) -> int:
+    def max_end(self, i: int, budget: float, *, recompute: Recompute | bool = False) -> int:
         """Largest j with time(i, j) <= budget (i when not even one layer fits)."""
         if not recompute:
             return bisect_right(self.total, self.total[i] + budget) - 1
         lo, hi = i, self.num_layers
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.time(i, mid, recompute=True) <= budget:
+            if self.time(i, mid, recompute=recompute) <= budget:
                 lo = mid
             else:
                 hi = mid - 1
@@ -116,8 +139,11 @@ def layer_table(
     group: tuple[int, ...] = (),
 ) -> LayerTable:
     """The table of one TP rank at ``tp`` (``tensor`` prices its compute, the TP all-reduces run
-    over ``group`` on ``comm``, as the compiler books them; tp 1 needs neither)."""
+    over ``group`` on ``comm``, as the compiler books them; tp 1 needs neither), with sequence
+    parallelism where the planner runs it (:func:`~medley.plan.layout.planned_sequence_parallel`;
+    its stage edges' gathers are the compiler's to add)."""
     shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len}
+    sp = planned_sequence_parallel(seq_len, (tp,))
     if tp == 1 or tensor is None:
         times = {
             p: [cost.layer_time(i, p, device_type=device_type, **shape).seconds
@@ -128,18 +154,19 @@ def layer_table(
         times = {
             p: [
                 tensor.layer_time(i, p, device_type=device_type, tp=tp, **shape)
-                + tp_comm_time(comm, model, i, p, group=group, dtype=dtype, **shape)
+                + tp_comm_time(comm, model, i, p, group=group, dtype=dtype, sequence_parallel=sp, **shape)
                 for i in range(model.num_layers)
             ]
             for p in Pass
         }
     nbytes = DTYPE_BYTES[dtype]
     act = [
-        formulas.layer_activation_bytes(model, i, dtype_bytes=nbytes, tp=tp, **shape)
+        formulas.layer_activation_bytes(model, i, dtype_bytes=nbytes, tp=tp, sequence_parallel=sp, **shape)
         for i in range(model.num_layers)
     ]
     act_rc = [
-        formulas.layer_activation_bytes(model, i, dtype_bytes=nbytes, recompute=True, **shape)
+        formulas.layer_activation_bytes(model, i, dtype_bytes=nbytes, recompute=True, tp=tp,
+                                        sequence_parallel=sp, **shape)
         for i in range(model.num_layers)
     ]
     after_b = [
@@ -148,6 +175,16 @@ def layer_table(
     ]
     total = [f + b + w for f, b, w in zip(times[Pass.F], times[Pass.B], times[Pass.W], strict=True)]
     cast = [formulas.layer_autocast_params(model, i, tp=tp) for i in range(model.num_layers)]
+    if tensor is not None:
+        catalog = tensor.catalog
+    elif isinstance(cost, CatalogCostSource) and cost.dtype == dtype:
+        catalog = cost
+    else:
+        catalog = CatalogCostSource(model, dtype=dtype)
+    blocks = [model.layer_kind(i) == "block" for i in range(model.num_layers)]
+    refwd = [f if block else 0.0 for f, block in zip(times[Pass.F], blocks, strict=True)]
+    share = catalog.cheap_share(1, device_type=device_type, tp=tp, **shape) if model.num_blocks else 0.0
+    sized = {"dtype_bytes": nbytes, "tp": tp, **shape}
     return LayerTable(
         device_type=device_type,
         micro_batch_size=micro_batch_size,
@@ -165,16 +202,29 @@ def layer_table(
         cast=_prefix(cast),
         cast_rc=_prefix([formulas.layer_autocast_params(model, i, tp=tp, recompute=True)
                          for i in range(model.num_layers)]),
+        act_sel=_prefix([formulas.layer_activation_bytes(model, i, recompute="selective", **sized)
+                         for i in range(model.num_layers)]),
+        rerun_rc=tuple(formulas.layer_rerun_bytes(model, i, recompute="full", **sized)
+                       for i in range(model.num_layers)),
+        rerun_sel=tuple(formulas.layer_rerun_bytes(model, i, recompute="selective", **sized)
+                        for i in range(model.num_layers)),
+        refwd=_prefix(refwd),
+        refwd_sel=_prefix([f * share for f in refwd]),
     )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryOption:
-    """One way to make a stage fit: ZeRO level (3 here means streamed ZeRO-3) and recomputation."""
+    """One way to make a stage fit: ZeRO level (3 here means streamed ZeRO-3) and recomputation
+    (:class:`medley.cost.recompute.Recompute`; True: full)."""
 
     level: int
-    recompute: bool = False
+    recompute: Recompute = NONE
     buckets: int = 4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recompute, Recompute):
+            object.__setattr__(self, "recompute", parse_recompute(self.recompute))
 
     @property
     def streams(self) -> bool:
@@ -187,14 +237,14 @@ def memory_options(dp: int, *, replicated_level: int = 0) -> tuple[MemoryOption,
     steps only a shard but gathers the updated weights after the step, which nothing hides):
     ``replicated_level`` 1 starts the ladder at ZeRO-1, for a builder to try both."""
     if dp == 1:
-        return (MemoryOption(level=0), MemoryOption(level=0, recompute=True))
+        return (MemoryOption(level=0), MemoryOption(level=0, recompute=FULL))
     plain = (MemoryOption(level=0),) if replicated_level == 0 else ()
     return (
         *plain,
         MemoryOption(level=1),
         MemoryOption(level=3, buckets=8),
-        MemoryOption(level=1, recompute=True),
-        MemoryOption(level=3, buckets=8, recompute=True),
+        MemoryOption(level=1, recompute=FULL),
+        MemoryOption(level=3, buckets=8, recompute=FULL),
     )
 
 
@@ -226,30 +276,54 @@ def stage_memory(
     """Estimated peak bytes per device of a stage holding layers i..j-1."""
     flight = in_flight if isinstance(in_flight, Flight) else Flight(full=in_flight)
     params = table.params[j] - table.params[i]
-    acts = table.act_rc if option.recompute else table.act
-    casts = table.cast_rc if option.recompute else table.cast
-    copies = _copy_bytes(option, dp, table.dtype) * (casts[j] - casts[i])  # held until W, if split
-    act = acts[j] - acts[i] + copies
+    rc = option.recompute
+    stop = recompute_stop(i, j, rc)
+    acts = _kept(table, rc)
+    casts = table.cast_rc if rc else table.cast
+    # Layers i..stop-1 under the option's mode, stop..j-1 keeping everything.
+    cast = casts[stop] - casts[i] + table.cast[j] - table.cast[stop]
+    copies = _copy_bytes(option, dp, table.dtype) * cast  # held until W, if split
+    act = acts[stop] - acts[i] + table.act[j] - table.act[stop] + copies
     state = params * option_bytes_per_param(option, dp, dtype=table.dtype, layers=j - i)
     rerun = 0.0
-    if option.recompute:
+    if rc:
         reruns = table.rerun_bytes
-        rerun = reruns.get((i, j))
+        rerun = reruns.get((i, j, rc))
         if rerun is None:
-            rerun = reruns[(i, j)] = _rerun_bytes(table, i, j)
+            rerun = reruns[(i, j, rc)] = _rerun_bytes(table, i, j, rc)
     return state + flight.full * act + flight.after_b * (table.after_b[j] - table.after_b[i] + copies) + rerun
 
 
-def _rerun_bytes(table: LayerTable, i: int, j: int) -> float:
+def recompute_stop(i: int, j: int, recompute: Recompute) -> int:
+    """The layer before which a stage of layers i..j-1 recomputes: j when all its blocks do, i when
+    none, else past its first ``recompute.blocks`` blocks (layer 0 is the embedding)."""
+    if not recompute:
+        return i
+    if recompute.blocks is None:
+        return j
+    return min(max(i, 1) + recompute.blocks, j)
+
+
+def _kept(table: LayerTable, recompute: Recompute) -> tuple[float, ...]:
+    if not recompute:
+        return table.act
+    return table.act_rc if recompute.mode == "full" else table.act_sel
+
+
+def _rerun_bytes(table: LayerTable, i: int, j: int, recompute: Recompute) -> float:
     """A recomputing block holds its forward's activations again during its backward (as the
-    compiler books, plan.compile.backward_workspace): the largest block's of layers i..j-1, once,
-    less what the layers after it freed when their backward ran first (at least what a split B
-    frees)."""
-    full, kept, after_b = table.act, table.act_rc, table.after_b
+    compiler books, plan.compile.backward_workspace): the largest recomputing block's of layers
+    i..j-1, once, less what the layers after it freed when their backward ran first (at least what
+    a split B frees)."""
+    stop = recompute_stop(i, j, recompute)
+    kept, after_b = _kept(table, recompute), table.after_b
+    again = table.rerun_rc if recompute.mode == "full" else table.rerun_sel
     rerun = gone = 0.0
     for k in range(j - 1, i - 1, -1):
-        held = kept[k + 1] - kept[k]
-        rerun = max(rerun, full[k + 1] - full[k] - held - gone)
+        mine = k < stop
+        held = kept[k + 1] - kept[k] if mine else table.act[k + 1] - table.act[k]
+        if mine:
+            rerun = max(rerun, again[k] - gone)
         gone += max(0.0, held - (after_b[k + 1] - after_b[k]))
     return rerun
 
@@ -258,11 +332,15 @@ def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: F
     """c[j] with c[j] - c[i] = :func:`stage_memory` for stages of at least ``option.buckets`` layers
     (shorter stages reduce in larger buckets, and recomputing stages hold one block's activations
     more: check them exactly), as a float64 array."""
+    if option.recompute.blocks is not None:
+        raise ValueError(f"memory_prefix: recomputation {option.recompute} of the first blocks is not a "
+                         "prefix sum; size such stages with stage_memory")
     a = option_bytes_per_param(option, dp, dtype=table.dtype)
     c = _copy_bytes(option, dp, table.dtype)
     columns = table.memory_columns
-    acts = columns["act_rc"] if option.recompute else columns["act"]
-    casts = columns["cast_rc"] if option.recompute else columns["cast"]
+    rc = option.recompute
+    acts = columns["act"] if not rc else columns["act_rc" if rc.mode == "full" else "act_sel"]
+    casts = columns["cast_rc"] if rc else columns["cast"]
     # Element by element in float64, in the order written: a * p + full * (x + c * k)
     # + after_b * (y + c * k).
     return (a * columns["params"] + flight.full * (acts + c * casts)

@@ -12,7 +12,10 @@ actions take one TP rank's compute plus the blocks' TP all-reduces over the grou
 activations, replicated norms, embedding and head). Its ZeRO collectives run once per TP rank,
 each over that rank's DP group (the same TP rank of the other replicas) on 1/tp of the split
 parameters; the simulator times the lead's group. How the tp groups share links, and how
-pipeline transfers between groups of different tp are timed: :mod:`medley.plan.tp_links`.
+pipeline transfers between groups of different tp are timed: :mod:`medley.plan.tp_links`. Under
+sequence parallelism (``layout.sequence_parallel``) the blocks' collectives are all-gathers and
+reduce-scatters, a stage's edges add the all-gathers :func:`~medley.cost.tensor_parallel.sequence_edge_time`
+names, and the activations the sequence cuts are held 1/tp.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import DTYPE_BYTES, CatalogCostSource
 from medley.cost.interfaces import Collective, CommModel, CostSource, Pass
+from medley.cost.recompute import rerun_share
 from medley.cost.tensor_parallel import (
     TensorParallelCompute,
     activation_scale,
+    sequence_edge_time,
     tp_activation_bytes,
     tp_all_reduce_bytes,
     tp_comm_time,
@@ -34,7 +39,7 @@ from medley.cost.tensor_parallel import (
 from medley.cost.zero_levels import fsdp_units
 from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
 from medley.plan.collectives import CollectiveTable
-from medley.plan.layout import PlanLayout
+from medley.plan.layout import PlanLayout, sequence_sharded_edges
 from medley.plan.tp_links import scale_hops
 from medley.plan.world import build_world, step_actions
 from medley.schedule.ir import Kind, PipelineSchedule
@@ -70,11 +75,13 @@ def _stage_cost(
     tp = max(1, len(group))
     if tensor is None:
         tensor = TensorParallelCompute(model, cost, catalog=_catalog(layout, cost))
-    recompute = bool(layout.recompute and layout.recompute[stage])
+    recompute = layout.stage_recompute(stage)
+    modes = stage_modes(layout, stage)
     times = {kind: 0.0 for kind in Pass}
-    act = after_b = fused_s = refwd = 0.0
+    act = after_b = fused_s = refwd = rerun_comm = 0.0
     fused_known = measured_act = True
     freed: dict[int, float] = {}  # layer -> what its backward frees of one micro-batch's activations
+    measured_layers: list[bool] = []  # per layer: whether its activation bytes were measured
     dtype_bytes = DTYPE_BYTES[layout.dtype]
     full_time = getattr(cost, "backward_full_time", None)
     fsdp_time = getattr(cost, "fsdp_extra_time", None) if fsdp_units(level, layout.zero_dp) else None
@@ -83,19 +90,34 @@ def _stage_cost(
     per_action = getattr(cost, "action_overhead_time", None)
     overhead = (per_action(device_type=device_type) or 0.0) if per_action is not None else 0.0
     at = {"micro_batch_size": mbs, "seq_len": seq, "device_type": device_type}
-    tp_comm = {kind: 0.0 for kind in Pass}  # TP all-reduces and DTensor's dispatch (measured sources)
+    tp_comm = {kind: 0.0 for kind in Pass}  # TP collectives and DTensor's dispatch (measured sources)
     dtensor_time = getattr(cost, "tp_extra_time", None) if tp > 1 else None
+    sp = layout.sequence_parallel and tp > 1
+    edges = sequence_sharded_edges(layout)
+    has_block = any(model.layer_kind(i) == "block" for i in layout.layer_range(stage))
+    if sp and has_block:  # a whole input cut to shards, a whole output gathered from them
+        nbytes = tp_all_reduce_bytes(model, micro_batch_size=mbs, seq_len=seq, dtype=layout.dtype)
+        for kind in (Pass.F, Pass.B):
+            tp_comm[kind] += sequence_edge_time(comm, group, nbytes, kind, whole_input=stage - 1 not in edges,
+                                                whole_output=stage not in edges)
     for layer in layout.layer_range(stage):
         block = model.layer_kind(layer) == "block"
+        mode = modes[layer]
         for kind in Pass:
             seconds = tensor.layer_time(layer, kind, tp=tp, **at)
             times[kind] += seconds
-            if kind is Pass.F and recompute and block:
-                refwd += seconds  # blocks (not embedding or head) run their forward again
-            tp_comm[kind] += tp_comm_time(comm, model, layer, kind, group=group, micro_batch_size=mbs,
-                                          seq_len=seq, dtype=layout.dtype)
+            comm_s = tp_comm_time(comm, model, layer, kind, group=group, micro_batch_size=mbs,
+                                  seq_len=seq, dtype=layout.dtype, sequence_parallel=sp)
             if dtensor_time is not None and block:
-                tp_comm[kind] += dtensor_time(layer, kind, **at) or 0.0
+                comm_s += dtensor_time(layer, kind, **at) or 0.0
+            tp_comm[kind] += comm_s
+            if kind is Pass.F and mode != "none":
+                # Recomputing blocks (not embedding or head) run their forward again: all of it, or
+                # (selective) its memory-bound share; either way with its TP all-reduces (the
+                # selective policy saves no collective's output).
+                share = tensor.catalog.cheap_share(layer, tp=tp, **at) if mode == "selective" else 0.0
+                refwd += rerun_share(mode, forward_s=seconds, cheap_s=seconds * share)
+                rerun_comm += comm_s
             if fsdp_time is not None:
                 extra = fsdp_time(layer, kind, **at)
                 fsdp[kind] += (extra or 0.0) * (tensor.scale(kind, tp=tp, **at) if block else 1.0)
@@ -107,14 +129,16 @@ def _stage_cost(
             back = tensor.scale(Pass.B, tp=tp, **at) + tensor.scale(Pass.W, tp=tp, **at)
             fused_s += full.seconds * (back / 2 if block else 1.0)
         found = None
-        # Recomputing blocks keep their input only (a formula); embedding and head do not recompute.
-        if measured_bytes is not None and not (recompute and block):
+        # Recomputing blocks keep what their mode keeps (a formula); embedding and head do not recompute.
+        if measured_bytes is not None and mode == "none":
             found = measured_bytes(layer, **at)
         measured_act = measured_act and found is not None
+        measured_layers.append(found is not None)
         shape = {"micro_batch_size": mbs, "seq_len": seq}
-        held = tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, **shape) if found else None
+        held = tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, sequence_parallel=sp,
+                                   **shape) if found else None
         layer_act = held[0] if held else formulas.layer_activation_bytes(
-            model, layer, dtype_bytes=dtype_bytes, recompute=recompute, tp=tp, **shape
+            model, layer, dtype_bytes=dtype_bytes, recompute=mode, tp=tp, sequence_parallel=sp, **shape
         )
         layer_after_b = held[1] if held else formulas.layer_activation_bytes_after_b(
             model, layer, dtype_bytes=dtype_bytes, tp=tp, **shape
@@ -123,15 +147,25 @@ def _stage_cost(
         freed[layer] = layer_act if fused else max(0.0, layer_act - layer_after_b)
     boundary = formulas.boundary_bytes(model, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes)
     first = layout.layer_range(stage).start == 0
-    if measured_act and not first:
-        # Measured layers count what their forward adds; the received input is held on top.
-        act, after_b = act + boundary, after_b + boundary
+    # Measured layers count what their forward adds (their output, not their input), the formulas a
+    # layer's input (not its output): where a measured layer starts a stage past the first or
+    # follows a formula's layer (a recomputing block), its input is held on top; where a formula's
+    # layer follows a measured one, that input was counted twice. Under sequence parallelism the
+    # hidden states inside a stage are sequence shards, and so is a received input that crossed as one.
+    prev: bool | None = None if first else False
+    for index, measured_layer in enumerate(measured_layers):
+        if prev is not None and measured_layer != prev:
+            sharded = sp and (index > 0 or stage - 1 in edges)
+            piece = boundary / tp if sharded else boundary
+            act, after_b = act + (piece if measured_layer else -piece), after_b + (
+                piece if measured_layer else -piece)
+        prev = measured_layer
     # Autocast's copies of the fp32 weights, which each forward keeps for its backward (half
     # precision without FSDP2; a recomputing block keeps none). The matmuls' autograd nodes hold
     # them until they are released, so a split backward frees them at W, not at B.
     per_param = state_bytes_per_param(layout.dtype)
     copies = autocast_copy_bytes(level=level, dp=layout.zero_dp, per_param=per_param)
-    copies *= sum(formulas.layer_autocast_params(model, i, tp=tp, recompute=recompute)
+    copies *= sum(formulas.layer_autocast_params(model, i, tp=tp, recompute=modes[i])
                   for i in layout.layer_range(stage))
     act, after_b = act + copies, after_b + copies
     if fused and fused_known and times[Pass.B] + times[Pass.W] > 0:
@@ -144,7 +178,7 @@ def _stage_cost(
         reruns = (Pass.B,) if fused or first else (Pass.B, Pass.W)
         for kind in reruns:
             times[kind] += refwd
-            tp_comm[kind] += tp_comm[Pass.F]
+            tp_comm[kind] += rerun_comm
     for kind in Pass:  # FSDP2's hooks on ZeRO-2/3 stages (measured sources only), TP all-reduces
         times[kind] += fsdp[kind] + tp_comm[kind]
     if first and not fused:
@@ -211,43 +245,52 @@ def backward_workspace(
     what the layers after it (run backward first) have freed by then (``freed``: per layer, the
     activation bytes of one micro-batch its backward lets go)."""
     measured = getattr(cost, "workspace_bytes", None)
-    recompute = bool(layout.recompute and layout.recompute[stage])
+    modes = stage_modes(layout, stage)
     tp = layout.stage_tp(stage)
+    sp = layout.sequence_parallel and tp > 1
     shape = {"micro_batch_size": layout.micro_batch_size, "seq_len": layout.seq_len}
     freed = freed or {}
     most = gone = 0.0
     for layer in reversed(layout.layer_range(stage)):
         more = -gone
         if measured is not None:
-            shrink = activation_scale(layout.model, layer, dtype=layout.dtype, tp=tp, **shape)[0]
+            shrink = activation_scale(layout.model, layer, dtype=layout.dtype, tp=tp, sequence_parallel=sp,
+                                      **shape)[0]
             more += (measured(layer, device_type=device_type, **shape) or 0.0) * shrink
-        if recompute:
-            more += recompute_workspace(layout, cost, layer, device_type, tp=tp)
+        if modes[layer] != "none":
+            more += recompute_workspace(layout, cost, layer, device_type, tp=tp, mode=modes[layer])
         most = max(most, more)
         gone += freed.get(layer, 0.0)
     return most
 
 
+def stage_modes(layout: PlanLayout, stage: int) -> dict[int, str]:
+    """Each layer of ``stage``'s recomputation mode (:meth:`medley.cost.recompute.Recompute.layer_modes`)."""
+    layers = layout.layer_range(stage)
+    kinds = [layout.model.layer_kind(i) for i in layers]
+    return dict(zip(layers, layout.stage_recompute(stage).layer_modes(kinds), strict=True))
+
+
 def recompute_workspace(
-    layout: PlanLayout, cost: CostSource | None, layer: int, device_type: str, *, tp: int = 1
+    layout: PlanLayout, cost: CostSource | None, layer: int, device_type: str, *, tp: int = 1,
+    mode: str = "full",
 ) -> float:
     """Bytes a recomputing block holds again during its backward: its forward's activations
-    (measured where the source knows them, scaled to one of ``tp`` TP ranks), beyond the input it
-    kept; 0 for other layers."""
+    (measured where the source knows them, scaled to one of ``tp`` TP ranks), beyond what it
+    kept under ``mode`` that the rerun saves again (:func:`medley.cost.formulas.layer_rerun_bytes`);
+    0 for other layers."""
     model, mbs, seq = layout.model, layout.micro_batch_size, layout.seq_len
     if model.layer_kind(layer) != "block":
         return 0.0
+    sp = layout.sequence_parallel and tp > 1
     measured = getattr(cost, "activation_bytes", None)
     found = measured(layer, micro_batch_size=mbs, seq_len=seq, device_type=device_type) if measured else None
     dtype_bytes = DTYPE_BYTES[layout.dtype]
     shape = {"micro_batch_size": mbs, "seq_len": seq}
-    if found:
-        full = tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, **shape)[0]
-    else:
-        full = formulas.layer_activation_bytes(model, layer, dtype_bytes=dtype_bytes, tp=tp, **shape)
-    kept = formulas.layer_activation_bytes(model, layer, micro_batch_size=mbs, seq_len=seq,
-                                           dtype_bytes=dtype_bytes, recompute=True)
-    return max(0.0, full - kept)
+    full = (tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, sequence_parallel=sp,
+                                **shape)[0] if found else None)
+    return formulas.layer_rerun_bytes(model, layer, dtype_bytes=dtype_bytes, recompute=mode, tp=tp,
+                                      sequence_parallel=sp, full_bytes=full, **shape)
 
 
 def compile_problem(

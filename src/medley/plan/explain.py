@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from medley.cost.recompute import Recompute, recompute_text
 from medley.errors import MedleyInputError
 from medley.plan.layout import PlanLayout
 from medley.plan.predict import predict_groups
@@ -74,9 +75,9 @@ class Explanation:
         return out
 
 
-def _option_text(zero: StageZero, recompute: bool) -> str:
+def _option_text(zero: StageZero, recompute: Recompute) -> str:
     level = "streamed ZeRO-3" if zero.streams else f"ZeRO-{zero.level}"
-    return level + (" with recomputation" if recompute else "")
+    return level + (f" with {recompute_text(recompute)}" if recompute else "")
 
 
 def _variants(layout: PlanLayout, result: SimResult) -> list[tuple[str, str, str, PlanLayout]]:
@@ -134,7 +135,7 @@ def _variants(layout: PlanLayout, result: SimResult) -> list[tuple[str, str, str
         out.append(
             (
                 "recomputation",
-                str(list(layout.recompute)),
+                _rc_list(layout.recompute),
                 "none",
                 replace(layout, recompute=(False,) * layout.num_stages),
             )
@@ -160,7 +161,11 @@ def _fold_zero(layout: PlanLayout) -> tuple[StageZero, ...]:
     return layout.zero[: layout.pp] if layout.schedule == "interleaved" else layout.zero
 
 
-def _fold_rc(layout: PlanLayout) -> tuple[bool, ...]:
+def _rc_list(settings: tuple[Recompute, ...]) -> str:
+    return "[" + ", ".join(str(r) for r in settings) + "]"
+
+
+def _fold_rc(layout: PlanLayout) -> tuple[Recompute, ...]:
     return layout.recompute[: layout.pp] if layout.schedule == "interleaved" else layout.recompute
 
 
@@ -174,7 +179,7 @@ def _group_variants(groups: tuple[PlanLayout, ...]) -> list[tuple[str, str, str,
                                recompute=_fold_rc(g)) for g in groups)
         out.append(("schedule", "+".join(g.schedule for g in groups), "1f1b in every group", folded))
     if any(any(g.recompute) for g in groups):
-        out.append(("recomputation", "+".join(str(list(g.recompute)) for g in groups), "none",
+        out.append(("recomputation", "+".join(_rc_list(g.recompute) for g in groups), "none",
                     tuple(replace(g, recompute=(False,) * g.num_stages) for g in groups)))
     placement = groups[0].placement
     other = Placement.BUBBLE if placement is Placement.NAIVE else Placement.NAIVE
@@ -248,7 +253,7 @@ def explain(search_result: SearchResult) -> Explanation:
         tightest_type=cluster.devices[tight].type.name,
         tightest_headroom_gb=headroom[tight] / GB,
         tightest_stage_option=_option_text(
-            layout.zero[stage], bool(layout.recompute and layout.recompute[stage])
+            layout.zero[stage], layout.stage_recompute(stage)
         ),
         knobs=knobs,
         versus_baselines=versus,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass
+from medley.cost.recompute import Recompute, parse_recompute
 from medley.cost.tensor_parallel import TensorParallelCompute
 from medley.errors import MedleyInputError
 from medley.plan.layout import TP_DEGREES, PlanLayout, check_tp
@@ -148,16 +149,20 @@ def inline_layout(
     placement: str = "bubble",
     buckets: int = 4,
     gather_windows: int = 1,
-    recompute: bool = False,
+    recompute: bool | str = False,
     dtype: str | None = None,
     clip_grad: bool = False,
     assignment: str | None = None,
     tp: str | None = None,
+    sequence_parallel: bool = False,
 ) -> PlanLayout:
     """A :class:`PlanLayout` from the flags of ``medley simulate`` (and ``medley train``);
     ``assignment`` (``--assignment "3,0;1,2"``) puts replica r's pipeline rank k on the k-th id of
     row r instead of :func:`default_assignment` (the first device of its TP group); ``tp``
-    (``--tp 2`` or ``--tp 2,1``) the tensor-parallel degree of each pipeline rank."""
+    (``--tp 2`` or ``--tp 2,1``) the tensor-parallel degree of each pipeline rank, with
+    ``sequence_parallel`` (``--sequence-parallel``) sequence parallelism on its TP stages; ``recompute``
+    every stage's recomputation, or text (``--recompute-mode``): one setting for all stages or one
+    per stage (``none,full:2``, see :mod:`medley.cost.recompute`)."""
     _check_flags(pp=pp, dp=dp, micro_batch_size=micro_batch_size, seq_len=seq_len,
                  virtual_stages=virtual_stages, buckets=buckets, gather_windows=gather_windows)
     model.check_seq_len(seq_len)
@@ -223,11 +228,23 @@ def inline_layout(
         seq_len=seq_len,
         zero=tuple(StageZero(level=lv, buckets=buckets, gather_windows=gather_windows) for lv in levels),
         placement=policy,
-        recompute=(recompute,) * stages,
+        recompute=_recompute(recompute, stages),
         dtype=dtype,
         knobs=knobs,
         clip_grad=clip_grad,
         tp=degrees,
+        sequence_parallel=sequence_parallel,
     )
     check_tp(layout, cluster)
     return layout
+
+
+def _recompute(value: bool | str, stages: int) -> tuple[Recompute, ...]:
+    """Each stage's recomputation from ``--recompute`` (a bool) or ``--recompute-mode`` (text)."""
+    if isinstance(value, bool):
+        return (parse_recompute(value),) * stages
+    items = [item for item in value.split(",") if item.strip()]
+    if len(items) not in (1, stages):
+        raise MedleyInputError(f"--recompute-mode '{value}': give one setting or one per stage ({stages})")
+    settings = tuple(parse_recompute(item, where="--recompute-mode") for item in items)
+    return settings * stages if len(settings) == 1 else settings

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from medley.cost.recompute import Recompute, parse_recompute
 from medley.errors import MedleyInputError
 from medley.schedule.zero_settings import Placement, StageZero
 from medley.spec.cluster import Cluster
@@ -30,7 +31,9 @@ class PlanLayout:
         micro_batch_size: sequences per micro-batch; seq_len: tokens per sequence.
         zero: ZeRO settings of each global stage.
         placement: collective placement policy.
-        recompute: per global stage, whether blocks recompute their forward before backward.
+        recompute: per global stage, how its blocks recompute in the backward
+            (:class:`medley.cost.recompute.Recompute`: none, full, selective, or either on the
+            stage's first k blocks); bools are read as full (True) and none (False).
         dtype: training precision of weights and activations (bf16, fp16 or fp32).
         clip_grad: clip gradients by their global norm; every optimizer step then waits for a
             world-wide all-reduce (``CLIP``) after the last gradient reduction of the step.
@@ -42,6 +45,9 @@ class PlanLayout:
             asymmetric plan (:mod:`medley.plan.segments`), whose replicas each hold every layer
             once; 0 (a plan of alike replicas): ``dp``. What a ZeRO level shards is cut into
             ``zero_dp`` pieces.
+        sequence_parallel: every stage of TP degree above 1 runs sequence parallelism (torch's
+            ``SequenceParallel`` norms, all-gather and reduce-scatter in place of the all-reduces,
+            :mod:`medley.runtime.tensor_parallel`); needs ``seq_len`` divisible by each degree.
     """
 
     model: ModelSpec
@@ -55,12 +61,21 @@ class PlanLayout:
     seq_len: int
     zero: tuple[StageZero, ...]
     placement: Placement = Placement.BUBBLE
-    recompute: tuple[bool, ...] = ()
+    recompute: tuple[Recompute, ...] = ()
     dtype: str = "bf16"
     knobs: dict[str, Any] = field(default_factory=dict)
     clip_grad: bool = False
     tp: tuple[int, ...] = ()
     sync_dp: int = 0
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(r, Recompute) for r in self.recompute):
+            object.__setattr__(self, "recompute", tuple(parse_recompute(r) for r in self.recompute))
+
+    def stage_recompute(self, stage: int) -> Recompute:
+        """Global stage ``stage``'s recomputation (none where the plan names none)."""
+        return self.recompute[stage] if self.recompute else Recompute()
 
     @property
     def zero_dp(self) -> int:
@@ -116,6 +131,37 @@ class PlanLayout:
 
 
 TP_DEGREES = (1, 2, 4, 8)
+
+
+def planned_sequence_parallel(seq_len: int, degrees: tuple[int, ...]) -> bool:
+    """Whether the planner runs sequence parallelism: whenever some degree is above 1 and
+    ``seq_len`` divides by each (it never holds more activation memory than plain TP, and its
+    all-gathers and reduce-scatters move the all-reduces' bytes; the edges' gathers aside)."""
+    return any(t > 1 for t in degrees) and all(seq_len % t == 0 for t in degrees)
+
+
+def sequence_sharded_edges(layout: PlanLayout) -> frozenset[int]:
+    """Stages s whose output reaches stage s + 1 as each TP rank's sequence shard under sequence
+    parallelism (:func:`sharded_edges` of the layout's stages; none without it). The runtime and
+    the compiler read this one rule."""
+    if not layout.sequence_parallel:
+        return frozenset()
+    ranges = [layout.layer_range(s) for s in range(layout.num_stages)]
+    return sharded_edges(layout.model, ranges, [layout.stage_tp(s) for s in range(layout.num_stages)])
+
+
+def sharded_edges(model: ModelSpec, ranges: list[range], degrees: list[int]) -> frozenset[int]:
+    """Stages s (layers ``ranges[s]``, TP degree ``degrees[s]``) whose output crosses to s + 1 as
+    a sequence shard: both hold blocks at the edge (s's last layer, s + 1's first) on groups of
+    one degree above 1, rank j feeding rank j; every other edge carries whole tensors (or
+    scattered ones, :func:`tp_scattered`)."""
+    out = set()
+    for stage in range(len(ranges) - 1):
+        here, there = ranges[stage], ranges[stage + 1]
+        if (there.start == here.stop and degrees[stage] > 1 and degrees[stage + 1] == degrees[stage]
+                and model.layer_kind(here.stop - 1) == "block" and model.layer_kind(there.start) == "block"):
+            out.add(stage)
+    return frozenset(out)
 
 
 def tp_sources(*, senders: int, receivers: int) -> tuple[int, ...]:
@@ -180,6 +226,11 @@ def check_tp(layout: PlanLayout, cluster: Cluster) -> None:
                     f"{where}: replica {r} pipeline rank {k} would span devices {group[0]}..{group[-1]}, "
                     "which are not one node of one device type; a TP group is consecutive device "
                     "ids on one node of one type: start it elsewhere (--devices) or lower tp")
+    uneven = [t for t in layout.tp if t > 1 and layout.seq_len % t]
+    if layout.sequence_parallel and uneven:
+        raise MedleyInputError(f"--sequence-parallel (the plan's layout.sequence_parallel): seq_len "
+                               f"{layout.seq_len} is not divisible by TP degree {uneven[0]}; choose a "
+                               "seq_len that is, or turn sequence parallelism off")
     used = layout.devices
     if len(set(used)) != len(used):
         raise MedleyInputError(f"{where}: the TP groups overlap (a device appears twice); start each "

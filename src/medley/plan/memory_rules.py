@@ -4,29 +4,81 @@ rule may also move layers, as Metis' load balancer does), or None when the split
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from itertools import accumulate
 
 import numpy as np
 
+from medley.cost.recompute import FULL, SELECTIVE, Recompute
 from medley.plan.bounds import MemoryOption, stage_memory
 from medley.plan.builder import MemoryRule, Setting, StagePlan
 from medley.schedule.generators import generate
 from medley.schedule.validate import in_flight_by_stage
 
 
-def cheapest_per_stage(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
+def cheapest_per_stage(setting: Setting, split: tuple[int, ...], *, finer: bool = True) -> StagePlan | None:
     """Memory rule: each stage takes the first option of the setting's ladder under which it
-    fits every device type that runs it."""
+    fits every device type that runs it; where that option recomputes (the ladder's full
+    recomputation) and ``finer``, the least rerun time under which the stage still fits
+    (:func:`lightest_recompute`; baselines that recompute all or nothing pass False)."""
     options = []
     start = 0
     for s, n in enumerate(split):
         fit = next((o for o in setting.ladder if _stage_fits(setting, s, start, n, o)), None)
         if fit is None:
             return None
+        if fit.recompute and finer:
+            fit = lightest_recompute(setting, s, start, n, fit)
         options.append(fit)
         start += n
     return StagePlan(stage_layers=split, options=tuple(options))
+
+
+def lightest_recompute(setting: Setting, s: int, start: int, n: int, option: MemoryOption) -> MemoryOption:
+    """``option`` (which fits stage ``s``, layers start..start+n) with the recomputation of least
+    rerun time, at its ZeRO level and buckets, under which the stage fits every device type that
+    runs it (:func:`least_rerun`)."""
+    model = setting.ctx.model
+    blocks = sum(model.layer_kind(i) == "block" for i in range(start, start + n))
+
+    def fits(rc: Recompute) -> bool:
+        return _stage_fits(setting, s, start, n, replace(option, recompute=rc))
+
+    def seconds(rc: Recompute) -> float:
+        return max(setting.table(s, t).time(start, start + n, recompute=rc)
+                   for t, _ in setting.stage_types(s))
+
+    return replace(option, recompute=least_rerun(blocks, fits, seconds))
+
+
+def least_rerun(blocks: int, fits: Callable[[Recompute], bool],
+                seconds: Callable[[Recompute], float]) -> Recompute:
+    """Of the recomputations a stage (or a rank's chunks) of at most ``blocks`` blocks may take,
+    the one of least ``seconds`` under which it ``fits``, given that full recomputation of every
+    block fits: selective on every block, full or selective on the fewest first blocks (the least
+    k, found by bisection: a stage's memory does not grow with k, tests/plan/test_recompute_search.py),
+    or full on every block."""
+
+    def fewest(mode: str) -> Recompute | None:
+        """The least k < blocks with MODE:k fitting (None when only all blocks do)."""
+        lo, hi = 1, blocks  # hi: all blocks, known to fit for the caller's mode
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(Recompute(mode, mid)):
+                hi = mid
+            else:
+                lo = mid + 1
+        return Recompute(mode, lo) if lo < blocks else None
+
+    found: list[Recompute | None] = [FULL]
+    if blocks > 1:
+        found.append(fewest("full"))
+    if fits(SELECTIVE):
+        found.append(SELECTIVE)
+        if blocks > 1:
+            found.append(fewest("selective"))
+    return min((rc for rc in found if rc is not None), key=seconds)
 
 
 def given(options: Sequence[MemoryOption]) -> MemoryRule:
@@ -52,7 +104,7 @@ def _stage_fits(setting: Setting, s: int, start: int, n: int, option: MemoryOpti
     )
 
 
-def cheapest_per_rank(setting: Setting, split: tuple[int, ...]) -> StagePlan | None:
+def cheapest_per_rank(setting: Setting, split: tuple[int, ...], *, finer: bool = True) -> StagePlan | None:
     """Memory rule for interleaved 1F1B: every chunk of a rank takes the cheapest option under
     which the rank fits at every moment of its schedule: its chunks' in-flight micro-batches
     after each forward (:func:`chunk_in_flight`) weighted by each chunk's activation bytes, on
@@ -87,6 +139,18 @@ def cheapest_per_rank(setting: Setting, split: tuple[int, ...]) -> StagePlan | N
         fit = next((o for o in ladder if all(peak(o, t) <= cap[t] for t in types)), None)
         if fit is None:
             return None
+        if fit.recompute and finer:
+            def fits(rc: Recompute, fit: MemoryOption = fit, types: set[str] = types,
+                     peak: Callable[[MemoryOption, str], float] = peak, cap: dict[str, float] = cap) -> bool:
+                return all(peak(replace(fit, recompute=rc), t) <= cap[t] for t in types)
+
+            def seconds(rc: Recompute, chunks: list[int] = chunks, types: set[str] = types) -> float:
+                return max(sum(setting.table(c, t).time(starts[c], starts[c] + split[c], recompute=rc)
+                               for c in chunks) for t in types)
+
+            most = max(sum(ctx.model.layer_kind(i) == "block" for i in range(starts[c], starts[c] + split[c]))
+                       for c in chunks)
+            fit = replace(fit, recompute=least_rerun(most, fits, seconds))
         for c in chunks:
             options[c] = fit
     return StagePlan(stage_layers=split, options=tuple(o for o in options if o is not None))

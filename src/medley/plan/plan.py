@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import tomli_w
 from pydantic import BaseModel, Field, ValidationError
 
+from medley.cost.recompute import FULL, NONE, parse_recompute
 from medley.errors import MedleyInputError
 from medley.fileio import read_toml, write_atomically
 from medley.plan.layout import PlanLayout, check_tp
@@ -158,6 +159,7 @@ class _GroupSpec(BaseModel):
     micro_batches: list[Annotated[int, Field(ge=1, le=MAX_MICRO_BATCHES)]] = Field(min_length=1)
     zero: list[_ZeroSpec] = Field(min_length=1)
     recompute: list[bool] = []
+    recompute_mode: list[Annotated[str, Field(max_length=32)]] = []  # per stage, medley.cost.recompute
     tp: list[int] = []
 
 
@@ -170,6 +172,7 @@ class _SharedSpec(BaseModel):
     placement: Literal["naive", "bubble"] = "bubble"
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     clip_grad: bool = False
+    sequence_parallel: bool = False
 
 
 class _LayoutSpec(_GroupSpec, _SharedSpec):
@@ -217,8 +220,10 @@ def _group_dict(layout: PlanLayout) -> dict[str, Any]:
         "knobs": dict(layout.knobs),
         "micro_batches": list(layout.micro_batches),
         "zero": [dataclasses.asdict(z) for z in layout.zero],
-        "recompute": list(layout.recompute),
+        "recompute": [bool(r) for r in layout.recompute],
     }
+    if any(r not in (NONE, FULL) for r in layout.recompute):
+        out["recompute_mode"] = [str(r) for r in layout.recompute]
     if layout.tp:
         out["tp"] = list(layout.tp)
     return out
@@ -233,6 +238,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     model = {k: v for k, v in dataclasses.asdict(first.model).items() if v is not None}
     shared = {"micro_batch_size": first.micro_batch_size, "seq_len": first.seq_len,
               "placement": first.placement.value, "dtype": first.dtype, "clip_grad": first.clip_grad}
+    if first.sequence_parallel:  # optional: plans without it read as before
+        shared["sequence_parallel"] = True
     if plan.asymmetric:
         version, layout = PLAN_VERSION, {**shared, "replicas": [_group_dict(g) for g in plan.groups]}
     else:
@@ -327,6 +334,14 @@ def _layout_from_spec(spec: _GroupSpec, shared: _SharedSpec, model: ModelSpec, c
     if spec.recompute and len(spec.recompute) != stages:
         raise fail("recompute", f"has {len(spec.recompute)} entries for {stages} stages",
                    "give one per stage")
+    if spec.recompute_mode and len(spec.recompute_mode) != stages:
+        raise fail("recompute_mode", f"has {len(spec.recompute_mode)} entries for {stages} stages",
+                   "give one per stage")
+    try:
+        recompute = tuple(parse_recompute(r, where="recompute_mode")
+                          for r in spec.recompute_mode or spec.recompute)
+    except MedleyInputError as err:
+        raise MedleyInputError(f"{source}: table '{where}': {err}") from None
     if min(spec.stage_layers) < 1:
         raise fail("stage_layers", "every stage needs at least one layer", "move layers into the empty stage")
     held = sum(spec.stage_layers) // (2 if spec.schedule == "bidirectional" else 1)
@@ -346,11 +361,12 @@ def _layout_from_spec(spec: _GroupSpec, shared: _SharedSpec, model: ModelSpec, c
         seq_len=shared.seq_len,
         zero=tuple(StageZero(**z.model_dump()) for z in spec.zero),
         placement=Placement(shared.placement),
-        recompute=tuple(spec.recompute),
+        recompute=recompute,
         dtype=shared.dtype,
         knobs=dict(spec.knobs),
         clip_grad=shared.clip_grad,
         tp=tuple(spec.tp),
+        sequence_parallel=shared.sequence_parallel,
     )
     try:
         model.check_seq_len(layout.seq_len, field="seq_len")

@@ -36,7 +36,8 @@ from medley.plan.layout import PlanLayout
 from medley.schedule.zero import split_evenly
 from medley.schedule.zero_settings import Placement, StageZero
 
-SHARED_FIELDS = ("model", "micro_batch_size", "seq_len", "placement", "dtype", "clip_grad")
+SHARED_FIELDS = ("model", "micro_batch_size", "seq_len", "placement", "dtype", "clip_grad",
+                 "sequence_parallel")
 """What every replica group of a plan has in common (the global batch's shape and precision)."""
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from medley.plan.bounds import MemoryOption
-from medley.plan.layout import PlanLayout
+from medley.plan.layout import PlanLayout, planned_sequence_parallel
 from medley.plan.segments import joined
 from medley.schedule.zero_settings import Placement, StageZero
 from medley.spec.model import ModelSpec
@@ -129,6 +129,7 @@ class Candidate:
             # torchtitan): every plan is timed with the CLIP barrier before its optimizer steps.
             clip_grad=True,
             tp=st.tp,
+            sequence_parallel=planned_sequence_parallel(seq_len, st.tp),
         )
 
     @property

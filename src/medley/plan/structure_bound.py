@@ -11,7 +11,9 @@ Each rank's memory is read at 1F1B's in-flight depth of its position, by the mem
 * :func:`fill_bound`: no recomputation, the fill of the best set of ranks;
 * :func:`recompute_bound`: a rank takes its recomputing time for the share beyond what it holds
   without recomputing, and holds no more than it can with (infinite when a replica cannot hold
-  the model: no build needed to find that);
+  the model: no build needed to find that); recomputing time is the least any recomputation
+  (full, selective, on some blocks) pays per block's worth of activations freed
+  (``_least_rerun_rate``);
 * :func:`block_bound` (:meth:`StructureBounds.refined`, asked only of structures the others do
   not skip): the same with whole blocks per stage for the bottleneck.
 
@@ -28,7 +30,8 @@ from heapq import heapify, heappop, heappush
 
 import numpy as np
 
-from medley.plan.bounds import Flight, memory_options, memory_prefix
+from medley.cost.zero_memory import state_bytes_per_param
+from medley.plan.bounds import Flight, LayerTable, memory_options, memory_prefix
 from medley.plan.context import PlanContext
 from medley.plan.space import Structure
 from medley.schedule.generators.classic import one_f_one_b_depth
@@ -118,8 +121,10 @@ class StructureBounds:
             table = self._ctx.table(device_type, mbs, tp=tp)
             last = table.num_layers
             plain = [table.time(i, i + 1) for i in range(1, last - 1)]
-            recomputing = [table.time(i, i + 1, recompute=True) for i in range(1, last - 1)]
-            found = self._times[key] = (table.total[-1], table.time(0, last, recompute=True), max(plain),
+            rate = _least_rerun_rate(table)
+            recomputing = [table.time(i, i + 1) + rate * (table.refwd[i + 1] - table.refwd[i])
+                           for i in range(1, last - 1)]
+            found = self._times[key] = (table.total[-1], table.total[-1] + rate * table.refwd[-1], max(plain),
                                         table.time(0, 1) + table.time(last - 1, last), min(plain),
                                         min(recomputing))
         return found
@@ -139,9 +144,30 @@ class StructureBounds:
             for option in memory_options(dp):
                 state = np.diff(memory_prefix(table, option=option, dp=dp, flight=Flight(full=0.0)))[1:-1]
                 both = np.diff(memory_prefix(table, option=option, dp=dp, flight=Flight(full=1.0)))[1:-1]
-                found[option.recompute].append((float(state.min()), float((both - state).min())))
+                found[bool(option.recompute)].append((float(state.min()), float((both - state).min())))
             self._blocks[key] = found
         return found
+
+
+def _least_rerun_rate(table: LayerTable) -> float:
+    """The least rerun seconds, per second of a block's forward, that any recomputation pays per
+    block's worth of activations it frees: full recomputation reruns at least the blocks it frees
+    (rate 1), selective reruns their memory-bound share but frees only what it does not keep, so
+    it reruns share x held / (held - kept) blocks' worth per block freed (held: a plain block's
+    activations and at most its autocast copies). The recomputing times of
+    the bounds take the least of the two, and only blocks rerun."""
+    if table.num_layers < 3:
+        return 1.0
+    # What a plain block holds per micro-batch: its activations and, at most, autocast's weight
+    # copies (which a recomputing block does not keep).
+    per_param = state_bytes_per_param(table.dtype)
+    copies = (per_param.weights if per_param.master_in_optimizer else 0.0) * (table.cast[2] - table.cast[1])
+    act, kept = table.act[2] - table.act[1] + copies, table.act_sel[2] - table.act_sel[1]
+    forward = table.refwd[2] - table.refwd[1]
+    if act <= kept or forward <= 0:
+        return 1.0
+    share = (table.refwd_sel[2] - table.refwd_sel[1]) / forward
+    return min(1.0, share * act / (act - kept))
 
 
 def fill_bound(rows: Counter[tuple[Rank, ...]], micro_batches: float) -> float:
@@ -249,25 +275,35 @@ def _least_sum(row: Sequence[Rank]) -> float:
 
 def _block_bottleneck(row: Sequence[Rank], blocks: int, start: float) -> float:
     """The least B within which the ranks hold ``blocks`` whole blocks between them: a rank holds
-    n plain blocks if n <= its plain count and n x its shortest block's time <= B, or n
-    recomputing ones likewise. Walked up from ``start`` over the times at which a rank's count
+    n plain blocks if n <= its plain count and n x its shortest block's time <= B, or n blocks up
+    to its recomputing count if, its plain count of them at the plain time and the rest at the
+    recomputing time, they take at most B. Walked up from ``start`` over the times at which a rank's count
     grows (the larger of the two then, both lower bounds of the bottleneck); infinite when the
     ranks cannot hold the blocks at all."""
     kinds = Counter(rank[4:] for rank in row)
     if sum(n * max(plain, most) for (_, _, plain, most), n in kinds.items()) < blocks:
         return float("inf")
 
-    def reach(kind: tuple[float, float, int, int], at: float) -> tuple[tuple[int, float, int], ...]:
-        """(blocks within ``at``, block seconds, cap) plain and recomputing."""
+    def reach(kind: tuple[float, float, int, int], at: float) -> tuple[tuple[int, int], ...]:
+        """(blocks within ``at``, cap) plain and recomputing."""
         block, block_rc, plain, most = kind
-        return ((int(at / block * (1 + 1e-12)), block, plain),
-                (int(at / block_rc * (1 + 1e-12)), block_rc, most))
+        n_plain = int(at / block * (1 + 1e-12))
+        saved = plain * (block_rc - block)
+        n_rc = n_plain if n_plain < plain else max(plain, int((at + saved) / block_rc * (1 + 1e-12)))
+        return (n_plain, plain), (n_rc, most)
+
+    def seconds(kind: tuple[float, float, int, int], n: int, recomputing: bool) -> float:
+        """n blocks plain, or with all but the plain count recomputing (recomputation may cover
+        only some of a stage's blocks)."""
+        block, block_rc, plain, _ = kind
+        return n * block + (max(0, n - plain) * (block_rc - block) if recomputing else 0.0)
 
     def held(kind: tuple[float, float, int, int], at: float) -> int:
-        return max(min(cap, n) for n, _, cap in reach(kind, at))
+        return max(min(cap, n) for n, cap in reach(kind, at))
 
     def after(kind: tuple[float, float, int, int], at: float) -> float:
-        return min(((n + 1) * t for n, t, cap in reach(kind, at) if n < cap), default=float("inf"))
+        return min((seconds(kind, n + 1, rc) for rc, (n, cap) in enumerate(reach(kind, at)) if n < cap),
+                   default=float("inf"))
 
     at = start
     counts = {kind: held(kind, at) for kind in kinds}

@@ -10,7 +10,9 @@
   leads' transfer of the bytes the busiest link carries (:func:`hop_bytes_factor`). Between
   groups of one degree t > 1 each transfer is a 1/t slice (:func:`medley.plan.layout.tp_scattered`)
   and the receiving group's all-gather of the slices is part of the compute action that uses
-  the tensor (:func:`gather_time`), like the blocks' TP all-reduces.
+  the tensor (:func:`gather_time`), like the blocks' TP all-reduces. Under sequence parallelism
+  an edge of :func:`medley.plan.layout.sequence_sharded_edges` carries the same slices (each
+  rank's sequence shard) and needs no gather: the next stage's blocks take the shards.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from medley.cost.interfaces import Collective, CommModel
-from medley.plan.layout import PlanLayout, tp_scattered
+from medley.plan.layout import PlanLayout, sequence_sharded_edges, tp_scattered
 from medley.sim.problem import StageCost
 from medley.spec.cluster import Cluster
 
@@ -65,6 +67,7 @@ def scale_hops(
     stage's backward (the gradient)."""
     if not layout.tp:
         return
+    edges = sequence_sharded_edges(layout)
     for stage in range(len(row) - 1):
         if layout.layer_range(stage + 1).start == 0 or s2r[stage] == s2r[stage + 1]:
             continue  # a second pipeline starts afresh; a rank hands over in memory
@@ -72,6 +75,6 @@ def scale_hops(
         nbytes = row[stage].send_bytes
         row[stage].send_bytes = nbytes * hop_bytes_factor(cluster, here, there)
         row[stage].send_back_bytes = nbytes * hop_bytes_factor(cluster, there, here)
-        if comm is not None:
+        if comm is not None and stage not in edges:
             row[stage + 1].forward_s += gather_time(comm, here, there, nbytes)
             row[stage].backward_input_s += gather_time(comm, there, here, nbytes)

@@ -18,11 +18,12 @@ from medley.spec.model import ModelSpec
 
 
 def measure_tp(model: ModelSpec, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype = torch.float32,
-               warmup: int = 2, runs: int = 5) -> tuple[float, float]:
-    """(forward, fused backward) medians of a block under tensor parallelism on CPU."""
+               warmup: int = 2, runs: int = 5, compiled: bool = False) -> tuple[float, float]:
+    """(forward, fused backward) medians of a block under tensor parallelism on CPU (``compiled``:
+    compiled as ``--compile`` does; traced at the first call, so with its DTensor layers)."""
     device = torch.device("cpu")
     with one_rank_group():
-        layer = build_layer(model, "block", dtype, device)
+        layer = build_layer(model, "block", dtype, device, compiled=compiled)
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=(TP_DIM,))
         parallelize_module(layer.module, mesh, block_plan(model.mlp == "swiglu"), src_data_rank=None)
         x, targets = layer_inputs(model, "block", micro_batch_size, seq_len, dtype, device)

@@ -27,6 +27,7 @@ from medley.plan.plan import Plan
 from medley.plan.predict import predict_groups
 from medley.plan.segments import joined
 from medley.profile.emulate import EmulatedCluster, core_share, emulated_cluster
+from medley.profile.fidelity_replay import MeasuredStep, replay_steps
 from medley.profile.fidelity_result import (
     FidelityResult,
     busy_seconds,
@@ -76,7 +77,8 @@ class FidelityCase:
         micro_batch_size, seq_len: the shape of a micro-batch.
         slowdowns: emulated slowdown of each device (device ``k*dp + r`` runs replica r's rank k).
         buckets: ZeRO layer buckets per stage; gather_windows: ZeRO-3 gather rounds (0 streams).
-        recompute: blocks recompute their forward before the backward.
+        recompute: blocks recompute their forward before the backward (True: full), or the text of
+            ``--recompute-mode`` (``selective``, ``full:1``, one per stage).
         clip_grad: clip gradients by their global norm (the runtime clips at norm 1.0).
         dtype: ``fp32``, or ``bf16`` (the runtime computes under CPU autocast; the simulator
             reads a bf16 profile and the bf16 memory model).
@@ -106,7 +108,7 @@ class FidelityCase:
     warmup: tuple[int, ...] = ()
     buckets: int = 1
     gather_windows: int = 1
-    recompute: bool = False
+    recompute: bool | str = False
     clip_grad: bool = False
     dtype: str = "fp32"
     from_planner: int = 0
@@ -165,7 +167,8 @@ def describe(layout: PlanLayout | Sequence[PlanLayout], slowdowns: Sequence[floa
     if any(z.streams for z in layout.zero):
         parts.append("streamed")
     if any(layout.recompute):
-        parts.append("recompute")
+        modes = [str(r) for r in layout.recompute]
+        parts.append("recompute" if set(modes) == {"full"} else "recompute " + ",".join(modes))
     if layout.clip_grad:
         parts.append("clip")
     parts.append(layout.dtype)
@@ -371,7 +374,7 @@ def run_case(
     from medley.runtime.launch import train_local
     from medley.runtime.train import TrainConfig
 
-    cores = cores or os.cpu_count() or 1
+    cores = cores or len(os.sched_getaffinity(0)) or 1
     place = functools.partial(emulate, case, profile_name=profile_name, directory=directory, cores=cores)
     groups = case_groups(case, place(profile)[0])
     used = sorted(d for layout in groups for d in layout.devices)  # every device of every TP group
@@ -390,6 +393,7 @@ def run_case(
         progress=False,
         dtype=case.dtype,
         warmup_steps=0,
+        trace_actions=True,
     )
     with cpu_meter() as use:
         records = train_local(plan, config)
@@ -397,6 +401,8 @@ def run_case(
     loaded_prediction, _, _ = predict_groups(groups, loaded.cluster, cost=loaded.cost)
     timed = records[warmup_steps:] or records
     times = [r.step_time_s for r in timed]
+    traced = [MeasuredStep.of(r) for r in timed]
+    replayed = replay_steps(problem, traced)
     devices = sorted({d for r in timed for d in r.step_time_by_device})
     return FidelityResult(
         case=case.name,
@@ -423,4 +429,9 @@ def run_case(
         busiest_compute_s=_compute_steps(timed, int(breakdown["device"])),
         emulated_sleep_s=statistics.median(r.emulated_sleep_s for r in timed),
         tags=tags(groups, case),
+        replay_step_s=replayed,
+        replay_measured_s=[step.world_s for step in traced],
+        replay_skew_s=statistics.median(max(step.skew_s.values()) for step in traced),
+        world=len(used),
+        cores=cores,
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def busy_seconds(actions: Mapping[str, float]) -> float:
@@ -41,6 +42,11 @@ class FidelityResult:
         cost_source, compute_share, loaded_compute_share, background_cores, wall_s: how it was
             predicted and run (see :func:`run_case`); step_times_s: every step measured.
         tags: what the plan exercises (:func:`tags`), to group errors by.
+        replay_step_s: each timed step simulated with that step's measured compute durations
+            (:mod:`medley.profile.fidelity_replay`); replay_measured_s: the same steps as measured,
+            from the first rank's start to the last rank's end; replay_skew_s: the median over
+            them of how much later the last rank began than the first.
+        world: ranks the case ran (devices of every TP group); cores: the cores they ran on.
     """
 
     case: str
@@ -65,6 +71,32 @@ class FidelityResult:
     busiest_compute_s: list[float] = field(default_factory=list)
     emulated_sleep_s: float = 0.0
     tags: list[str] = field(default_factory=list)
+    replay_step_s: list[float] = field(default_factory=list)
+    replay_measured_s: list[float] = field(default_factory=list)
+    replay_skew_s: float = 0.0
+    world: int = 0
+    cores: int = 0
+
+    @property
+    def replay_errors(self) -> list[float]:
+        """Each timed step's replay (its own measured compute in the simulator) against that step."""
+        return [(s - m) / m for s, m in zip(self.replay_step_s, self.replay_measured_s, strict=True) if m > 0]
+
+    @property
+    def replay_error(self) -> float:
+        """The median over the timed steps of the replay's signed error (nan: not replayed)."""
+        return _median(self.replay_errors)
+
+    @property
+    def replay_abs_error(self) -> float:
+        """The median over the timed steps of the replay's |error|: the case's replay figure."""
+        return _median([abs(e) for e in self.replay_errors])
+
+    @property
+    def within_cores(self) -> bool:
+        """Whether every rank had a core of its own (no more ranks than cores): the cases the
+        end-to-end figure is taken on; the others are predicted with the core-sharing stretch."""
+        return 0 < self.world <= self.cores
 
     @property
     def step_error(self) -> float:
@@ -142,7 +174,46 @@ def _worst(values: Sequence[float]) -> float:
     return max(values) if values else float("nan")
 
 
-def summarize(results: Sequence[FidelityResult]) -> dict[str, float]:
+def _group_figures(rows: Sequence[FidelityResult]) -> dict[str, float]:
+    """Replay and end-to-end figures of some cases (a feature's, the ones within the cores)."""
+    replay = [r.replay_abs_error for r in rows]
+    return {
+        "cases": len(rows),
+        "median_abs_replay_error": _median(replay),
+        "worst_abs_replay_error": _worst(replay),
+        "median_replay_error": _median([r.replay_error for r in rows]),
+        "median_abs_step_error": _median([abs(r.step_error) for r in rows]),
+        "worst_abs_step_error": _worst([abs(r.step_error) for r in rows]),
+        "median_abs_fastest_step_error": _median([abs(r.fastest_step_error) for r in rows]),
+    }
+
+
+def replay_summary(results: Sequence[FidelityResult]) -> dict[str, Any]:
+    """The replay figures over ``results``, the end-to-end figures on the cases within the cores
+    and on those sharing them, and both per feature (tag)."""
+    replay = [r.replay_abs_error for r in results]
+    steps = [abs(e) for r in results for e in r.replay_errors]
+    within = [r for r in results if r.within_cores]
+    sharing = [r for r in results if not r.within_cores]
+    tags = sorted({t for r in results for t in r.tags})
+    return {
+        "median_abs_replay_error": _median(replay),
+        "worst_abs_replay_error": _worst(replay),
+        "median_replay_error": _median([r.replay_error for r in results]),
+        "worst_abs_replay_step_error": _worst(steps),
+        "replayed_steps": len(steps),
+        "cases_within_cores": len(within),
+        "median_abs_step_error_within_cores": _median([abs(r.step_error) for r in within]),
+        "worst_abs_step_error_within_cores": _worst([abs(r.step_error) for r in within]),
+        "median_abs_fastest_step_error_within_cores": _median([abs(r.fastest_step_error) for r in within]),
+        "cases_sharing_cores": len(sharing),
+        "median_abs_step_error_sharing_cores": _median([abs(r.step_error) for r in sharing]),
+        "worst_abs_step_error_sharing_cores": _worst([abs(r.step_error) for r in sharing]),
+        "by_feature": {tag: _group_figures([r for r in results if tag in r.tags]) for tag in tags},
+    }
+
+
+def summarize(results: Sequence[FidelityResult]) -> dict[str, Any]:
     steps = [abs(r.step_error) for r in results]
     loaded = [abs(r.loaded_step_error) for r in results]
     fastest = [abs(r.fastest_step_error) for r in results]
@@ -173,6 +244,7 @@ def summarize(results: Sequence[FidelityResult]) -> dict[str, float]:
         "worst_abs_memory_error_fp32": _worst(memory["fp32"]),
         "median_abs_memory_error_bf16": _median(memory["bf16"]),
         "worst_abs_memory_error_bf16": _worst(memory["bf16"]),
+        **replay_summary(results),
     }
 
 

@@ -17,11 +17,13 @@ from medley.spec.model import ModelSpec
 
 
 def measure_fsdp(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len: int,
-                 dtype: torch.dtype = torch.float32, warmup: int = 2, runs: int = 5) -> tuple[float, float]:
-    """(forward, fused backward) medians of the layer under FSDP2 on CPU."""
+                 dtype: torch.dtype = torch.float32, warmup: int = 2, runs: int = 5,
+                 compiled: bool = False) -> tuple[float, float]:
+    """(forward, fused backward) medians of the layer under FSDP2 on CPU (``compiled``: a block
+    compiled as ``--compile`` does, before FSDP2 as in the runtime)."""
     device = torch.device("cpu")
     with one_rank_group():
-        layer = build_layer(model, kind, dtype, device)
+        layer = build_layer(model, kind, dtype, device, compiled=compiled)
         unit = fully_shard(layer.module, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=False)
         unit.set_requires_gradient_sync(False)
         unit.set_reshard_after_backward(False)

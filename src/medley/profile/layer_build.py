@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from medley.profile.memory import quiet_median
+from medley.runtime.compile import compile_block
 from medley.runtime.model import Block, Embedding, Head, init_layer, token_loss_sum
 from medley.spec.model import ModelSpec
 
@@ -28,11 +29,17 @@ class ProfiledLayer:
     forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def build_layer(model: ModelSpec, kind: str, dtype: torch.dtype, device: torch.device) -> ProfiledLayer:
+def build_layer(model: ModelSpec, kind: str, dtype: torch.dtype, device: torch.device, *,
+                compiled: bool = False) -> ProfiledLayer:
     """The layer in ``dtype``, its forward run as the runtime runs it: a half-precision one under
     ``torch.autocast`` (:class:`medley.runtime.executor.RankExecutor`), whose norms compute (and
-    keep for their backward) an fp32 copy of their input."""
+    keep for their backward) an fp32 copy of their input. ``compiled``: a block is compiled as
+    ``medley train --compile`` compiles it (:func:`medley.runtime.compile.compile_block`; the
+    embedding and the head stay eager there too), traced at its first (warm-up) call, so after
+    any wrapper applied next."""
     layer = _build_layer(model, kind, dtype, device)
+    if compiled and kind == "block":  # timed split (B, W) and fused: safe for both
+        compile_block(layer.module, split_backward=True)
     if dtype == torch.float32:
         return layer
     plain = layer.forward

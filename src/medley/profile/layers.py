@@ -145,25 +145,30 @@ def _fused_run(layer: ProfiledLayer, x: torch.Tensor, targets: torch.Tensor, dev
 
 
 def measure_layer(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len: int, dtype: str = "fp32",
-                  device: str = "cpu", warmup: int = 2, runs: int = 5) -> LayerMeasurement:
-    """Medians of ``runs`` repetitions of one layer kind at one shape."""
+                  device: str = "cpu", warmup: int = 2, runs: int = 5,
+                  compiled: bool = False) -> LayerMeasurement:
+    """Medians of ``runs`` repetitions of one layer kind at one shape; ``compiled``: a block
+    compiled as ``medley train --compile`` compiles it (see :func:`profile_layers`)."""
     dev = torch.device(device)
-    layer = build_layer(model, kind, TORCH_DTYPES[dtype], dev)
+    layer = build_layer(model, kind, TORCH_DTYPES[dtype], dev, compiled=compiled)
     x, targets = layer_inputs(model, kind, micro_batch_size, seq_len, TORCH_DTYPES[dtype], dev)
     for _ in range(warmup):
         _split_run(layer, x, targets, dev)
         _fused_run(layer, x, targets, dev)
     split = [_split_run(layer, x, targets, dev) for _ in range(runs)]
     fused = [_fused_run(layer, x, targets, dev) for _ in range(runs)]
-    workspace = _backward_workspace(layer, x, targets) if dev.type == "cpu" else 0.0
-    live = measure_live_activations(layer, x, targets) if dev.type == "cpu" else None
+    # The CPU byte counts run under torch dispatch modes, which dynamo does not trace: a compiled
+    # block's are counted on the same block eager (what inductor's graph saves is not measured).
+    counted = build_layer(model, kind, TORCH_DTYPES[dtype], dev) if compiled and kind == "block" else layer
+    workspace = _backward_workspace(counted, x, targets) if dev.type == "cpu" else 0.0
+    live = measure_live_activations(counted, x, targets) if dev.type == "cpu" else None
     fsdp_forward = fsdp_backward = tp_forward = tp_backward = None
     if dev.type == "cpu":
         from medley.profile.dtensor import measure_tp
         from medley.profile.fsdp import measure_fsdp
 
         shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "dtype": TORCH_DTYPES[dtype],
-                 "warmup": warmup, "runs": runs}
+                 "warmup": warmup, "runs": runs, "compiled": compiled}
         fsdp_forward, fsdp_backward = measure_fsdp(model, kind, **shape)
         if kind == "block":
             tp_forward, tp_backward = measure_tp(model, **shape)
@@ -186,17 +191,26 @@ def measure_layer(model: ModelSpec, kind: str, *, micro_batch_size: int, seq_len
 
 def profile_layers(model: ModelSpec, *, micro_batch_sizes: Sequence[int], seq_lens: Sequence[int],
                    dtype: str = "fp32", device: str = "cpu", threads: int = 1, warmup: int = 2,
-                   runs: int = 5) -> list[LayerMeasurement]:
-    """Every layer kind of ``model`` at every (micro-batch size, sequence length)."""
+                   runs: int = 5, compiled: bool = False) -> list[LayerMeasurement]:
+    """Every layer kind of ``model`` at every (micro-batch size, sequence length).
+
+    ``compiled``: blocks are compiled (:func:`medley.runtime.compile.compile_block`, as for a
+    zero-bubble rank, since both the split and the fused backward are timed) and timed after their
+    warm-up, which compiles them. Their split backward (B then W, reusing the graph) runs the
+    compiled backward graph twice, so B + W is about twice the fused backward, as in the runtime;
+    AOTAutograd's buffer donation is off while they are measured (restored after)."""
+    import torch._functorch.config as functorch_config
+
     previous = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(threads)
     try:
-        return [
-            measure_layer(model, kind, micro_batch_size=mbs, seq_len=seq, dtype=dtype, device=device,
-                          warmup=warmup, runs=runs)
-            for seq in seq_lens for mbs in micro_batch_sizes for kind in ("embedding", "block", "head")
-        ]
+        with functorch_config.patch(donated_buffer=not compiled):
+            return [
+                measure_layer(model, kind, micro_batch_size=mbs, seq_len=seq, dtype=dtype, device=device,
+                              warmup=warmup, runs=runs, compiled=compiled)
+                for seq in seq_lens for mbs in micro_batch_sizes for kind in ("embedding", "block", "head")
+            ]
     finally:
         torch.set_num_threads(previous)
 
@@ -215,7 +229,7 @@ def profile_optimizer(model: ModelSpec, *, dtype: str = "fp32", device: str = "c
             params = list(build_layer(model, kind, TORCH_DTYPES[dtype], dev).module.parameters())
             for param in params:
                 param.grad = torch.randn_like(param) * 1e-3
-            adamw, kwargs = optimizer_class("adamw", lr=1e-4, weight_decay=0.1)
+            adamw, kwargs = optimizer_class("adamw", lr=1e-4, weight_decay=0.1, device=dev)
             optimizer = adamw(params, **kwargs)
             samples = []
             for i in range(warmup + runs):

@@ -21,6 +21,7 @@ import torch
 
 from medley.fileio import write_atomically
 from medley.profile.fidelity import FidelityResult, summarize
+from medley.profile.fidelity_replay_report import cores_lines, replay_lines
 
 READING = """\
 How to read this. *predicted*: the simulator on the emulated cluster (profile times x slowdown,
@@ -62,6 +63,8 @@ def result_row(r: FidelityResult) -> dict[str, Any]:
         memory_errors={str(k): v for k, v in r.memory_errors.items()},
         compute_error=r.compute_error,
         rest_error=r.rest_error,
+        replay_error=r.replay_error,
+        replay_abs_error=r.replay_abs_error,
     )
     return row
 
@@ -307,7 +310,8 @@ def markdown_from_payload(payload: dict[str, Any]) -> str:
     if results:
         worst = max(results, key=lambda r: abs(r.fastest_step_error))
         lines += [explain_worst(worst), "", _worst_memory(results), ""]
-    lines += [*_by_tag(results), "", *_overhead(meta), "", READING, ""]
+    lines += [*_by_tag(results), "", *replay_lines(results), *cores_lines(results), *_overhead(meta), "",
+              READING, ""]
     return "\n".join(lines)
 
 

@@ -62,12 +62,13 @@ def run_profile(
     micro_batch_sizes: Sequence[int] = (1, 2, 4), seq_lens: Sequence[int] = (128,), dtype: str = "fp32",
     threads: int = 1, warmup: int = 2, runs: int = 5, comm_ranks: Sequence[int] = (2, 4),
     comm_sizes: Sequence[int] | None = None, progress: Callable[[str], None] | None = None,
-    overhead: bool = False,
+    overhead: bool = False, compiled: bool = False,
 ) -> Profile:
     """Measure ``model``'s layers on ``device`` (and gloo collectives when ``comm_ranks`` is given).
     ``overhead``: also the runtime's per-action and per-transfer overhead
     (:mod:`medley.profile.overhead`, CPU only). ``progress(description)`` is called as each of
-    :func:`profile_steps` steps starts."""
+    :func:`profile_steps` steps starts. ``compiled``: blocks timed compiled, as ``medley train
+    --compile`` runs them (the profile says so in ``compiled``)."""
     if overhead and device != "cpu":
         raise MedleyInputError("--overhead is measured on CPU ranks (gloo) only; pass --no-overhead")
     if device not in ("cpu", "cuda"):
@@ -85,7 +86,7 @@ def run_profile(
     step = progress or (lambda _description: None)
     step(f"{model.name}: measuring layers")
     layers = profile_layers(model, micro_batch_sizes=micro_batch_sizes, seq_lens=seq_lens, dtype=dtype,
-                            device=device, threads=threads, warmup=warmup, runs=runs)
+                            device=device, threads=threads, warmup=warmup, runs=runs, compiled=compiled)
     step(f"{model.name}: measuring the optimizer step")
     optimizer = profile_optimizer(model, dtype=dtype, device=device, threads=threads, warmup=warmup,
                                   runs=runs)
@@ -105,7 +106,7 @@ def run_profile(
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         host=socket.gethostname(), device_type=name, device_kind=device, device_detail=_device_detail(device),
         torch_version=torch.__version__, dtype=dtype, threads=threads, model=model_dict(model), layers=layers,
-        comm=comm, optimizer=optimizer, overhead=measured_overhead,
+        comm=comm, optimizer=optimizer, overhead=measured_overhead, compiled=compiled,
         notes=f"times: medians of the faster half of {runs} runs after {warmup} warm-up runs; torch threads "
               f"{threads}; load average when done {_loadavg()}",
     )

@@ -85,6 +85,10 @@ class TrainConfig:
             (each rank reads its own stages' tensors); None: the seeded initialisation.
         hf_dir: the Hugging Face model directory the model came from (``--model DIR`` or
             ``init_from``), recorded in checkpoints so that an export copies its tokenizer files.
+        compile: ``torch.compile`` each transformer block (:mod:`medley.runtime.compile`); the
+            first step then includes the compilation.
+        trace_actions: every record carries each rank's per-action timings of its step
+            (``StepRecord.action_spans_by_device``; one more gather per step, outside its timed part).
     """
 
     steps: int = 20
@@ -124,6 +128,8 @@ class TrainConfig:
     grad_hook: GradHook | None = None
     init_from: Path | None = None
     hf_dir: Path | None = None
+    compile: bool = False
+    trace_actions: bool = False
 
     def data_options(self) -> DataOptions:
         """How to read the data: text is tokenized with ``tokenizer``, else with the model
@@ -170,6 +176,11 @@ class StepRecord:
         action_time_by_device: of it, by device id, the seconds each rank spent in each kind of
             action (``medley.runtime.executor.ACTION_CATEGORIES``: compute, transfer, zero, optim,
             clip); host time, so on CUDA only the launches.
+        action_spans_by_device: with ``TrainConfig.trace_actions``, by device id, each action of
+            the rank's program in order as (action in medley's text form, start s, end s), times
+            since the rank's step began (``RankExecutor.action_spans``); else empty.
+        step_start_by_device: with ``trace_actions``, by device id, when the rank's step began on
+            ``time.perf_counter``'s clock (one clock for the processes of one machine on Linux).
     """
 
     step: int
@@ -186,6 +197,8 @@ class StepRecord:
     eval_loss: float | None = None
     step_time_by_device: dict[int, float] = field(default_factory=dict)
     action_time_by_device: dict[int, dict[str, float]] = field(default_factory=dict)
+    action_spans_by_device: dict[int, list[tuple[str, float, float]]] = field(default_factory=dict)
+    step_start_by_device: dict[int, float] = field(default_factory=dict)
 
     def as_json(self) -> dict:
         """The record as strict JSON: device ids as strings, a skipped step's infinite
@@ -194,6 +207,8 @@ class StepRecord:
         row["peak_memory_bytes"] = {str(k): v for k, v in self.peak_memory_bytes.items()}
         row["step_time_by_device"] = {str(k): v for k, v in self.step_time_by_device.items()}
         row["action_time_by_device"] = {str(k): v for k, v in self.action_time_by_device.items()}
+        row["action_spans_by_device"] = {str(k): v for k, v in self.action_spans_by_device.items()}
+        row["step_start_by_device"] = {str(k): v for k, v in self.step_start_by_device.items()}
         if not math.isfinite(self.grad_norm):
             row["grad_norm"] = None
         return row

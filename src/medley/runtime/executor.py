@@ -7,7 +7,9 @@ interleaved stages never mix up their messages; between TP groups of unlike degr
 rank j takes the tensor from sending TP rank ``tp_sources(...)[j]``, forward and backward alike,
 :func:`medley.plan.layout.tp_sources`; between TP groups of one degree t > 1 rank j sends slice j of
 t and the receiving group all-gathers the slices in the compute action that uses the tensor,
-:func:`medley.plan.layout.tp_scattered`), and the ZeRO collectives of
+:func:`medley.plan.layout.tp_scattered`; under sequence parallelism an edge of
+:func:`medley.plan.layout.sequence_sharded_edges` carries each rank's sequence shard as it is, no
+gather), and the ZeRO collectives of
 :mod:`medley.runtime.sharding`. Adjacent stages on the same rank hand activations and gradients
 over in memory. Nothing happens that the list does not say, so every member of a DP group issues
 the collectives the schedule placed, in the same order.
@@ -100,6 +102,9 @@ class RankExecutor:
         tp_group: this rank's TP group, where the slices of a scattered hop are all-gathered
             (:func:`~medley.plan.layout.tp_scattered`); needed when this rank's TP degree is above
             1 and a neighbouring pipeline rank has the same degree.
+        sequence_edges: stages whose output crosses to the next stage as each TP rank's sequence
+            shard (:func:`~medley.plan.layout.sequence_sharded_edges`): those transfers (and the
+            gradients back) are ``[micro_batch_size, seq / tp, hidden]``, sent and used as they are.
 
     Two attributes steer fp16 runs (:mod:`medley.runtime.precision`): ``loss_scale`` multiplies
     each loss before its backward (the reported losses stay unscaled), and ``skip_optim``, set
@@ -111,6 +116,10 @@ class RankExecutor:
     ``transfer`` (posting sends, waiting on receives), ``zero`` (the ZeRO collectives), ``optim``
     and ``clip``; the fidelity study sets them against the simulator's parts. It is wall time on
     the host: on CUDA, where kernels run asynchronously, it counts their launches only.
+    ``action_spans`` holds, for the same run, each action's (start, end) seconds since the program
+    started (``action_origin``, on ``time.perf_counter``'s clock: CLOCK_MONOTONIC on Linux, one
+    clock for every process of the machine), in program order; the fidelity study replays a
+    step's compute durations in the simulator (:mod:`medley.profile.fidelity_replay`).
     """
 
     def __init__(self, *, schedule: PipelineSchedule, pipeline_rank: int, stages: dict[int, ShardedStage],
@@ -120,7 +129,8 @@ class RankExecutor:
                  before_optim: Callable[[int, int | None], None] | None = None,
                  before_clip: Callable[[], None] | None = None, device: torch.device | None = None,
                  tp_rank: int = 0, synced_stages: frozenset[int] = frozenset(),
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None,
+                 sequence_edges: frozenset[int] = frozenset()) -> None:
         self.schedule = schedule
         self.rank = pipeline_rank
         self.stages = stages
@@ -137,11 +147,14 @@ class RankExecutor:
         self.device = device or torch.device("cpu")
         self.emulated_sleep_s = 0.0
         self.action_s = dict.fromkeys(ACTION_CATEGORIES, 0.0)
+        self.action_spans: list[tuple[float, float]] = []
+        self.action_origin = 0.0
         self.loss_scale = 1.0
         self.skip_optim = False
         self.state: dict[int, StageState] = {}
         self.synced_stages = synced_stages
         self.tp_group = tp_group
+        self.sequence_edges = sequence_edges
         self.pending_sends = self._pending_sends()
 
     @property
@@ -168,12 +181,16 @@ class RankExecutor:
         self.state = {stage: StageState() for stage in self.stages}
         self.skip_optim = False
         self.action_s = dict.fromkeys(ACTION_CATEGORIES, 0.0)
+        spans = self.action_spans = []
         if self.pending_sends.schedule is not self.schedule:  # the schedule may be swapped between steps
             self.pending_sends = self._pending_sends()
+        origin = self.action_origin = time.perf_counter()
         for action in program:
             started = time.perf_counter()
             self._run(action, batch)
-            self.action_s[_CATEGORY[action.kind]] += time.perf_counter() - started
+            ended = time.perf_counter()
+            self.action_s[_CATEGORY[action.kind]] += ended - started
+            spans.append((started - origin, ended - origin))
         started = time.perf_counter()
         self.pending_sends.wait_all()
         self.action_s["transfer"] += time.perf_counter() - started
@@ -242,7 +259,7 @@ class RankExecutor:
         else:
             if mb not in st.inputs:
                 raise RuntimeError(f"{stage}F{mb} on rank {self.rank}: its input was never received")
-            inp = self._whole(st.inputs[mb], stage - 1).detach().requires_grad_(True)
+            inp = self._whole(st.inputs[mb], stage - 1, stage).detach().requires_grad_(True)
             st.inputs[mb] = inp
         with self._autocast():
             out = self.stages[stage].module(inp)
@@ -258,7 +275,8 @@ class RankExecutor:
         last = stage == self.schedule.num_stages - 1
         outputs = [self._scaled(st.losses[mb])] if last else [st.outputs.pop(mb)]
         # A gradient received in the wire dtype (:attr:`dtype`) takes the output's dtype back.
-        grads = None if last else [self._whole(st.output_grads.pop(mb), stage + 1).to(outputs[0].dtype)]
+        received = None if last else self._whole(st.output_grads.pop(mb), stage + 1, stage)
+        grads = None if received is None else [received.to(outputs[0].dtype)]
         inputs = [st.inputs.pop(mb)] if stage > 0 else []
         if full:
             torch.autograd.backward(outputs, grads)
@@ -314,10 +332,15 @@ class RankExecutor:
         theirs = self._group(peer_stage)
         return theirs[tp_sources(senders=len(theirs), receivers=len(self.pipeline[self.rank]))[self.tp_rank]]
 
-    def _scattered(self, peer_stage: int) -> bool:
-        """Whether transfers with ``peer_stage`` carry slices (:func:`tp_scattered`); a stage on
-        this rank hands its tensors over whole, in memory."""
-        if peer_stage in self.stages:
+    def _sequence_sharded(self, peer_stage: int, stage: int) -> bool:
+        """Whether tensors between ``stage`` (this rank's) and ``peer_stage`` are sequence shards."""
+        return min(peer_stage, stage) in self.sequence_edges
+
+    def _scattered(self, peer_stage: int, stage: int) -> bool:
+        """Whether transfers between ``stage`` and ``peer_stage`` carry slices of a whole tensor
+        (:func:`tp_scattered`); a stage on this rank hands its tensors over in memory, and a
+        sequence shard crosses as it is."""
+        if peer_stage in self.stages or self._sequence_sharded(peer_stage, stage):
             return False
         return tp_scattered(senders=len(self._group(peer_stage)), receivers=len(self.pipeline[self.rank]))
 
@@ -326,10 +349,10 @@ class RankExecutor:
         size: :func:`medley.plan.layout.tp_undivided`)."""
         return prod(self.activation_shape) // len(self.pipeline[self.rank])
 
-    def _whole(self, tensor: torch.Tensor, peer_stage: int) -> torch.Tensor:
-        """An activation or gradient from ``peer_stage``, all-gathered over the TP group first when
-        the hop is scattered (it came as this rank's slice)."""
-        if not self._scattered(peer_stage):
+    def _whole(self, tensor: torch.Tensor, peer_stage: int, stage: int) -> torch.Tensor:
+        """An activation or gradient from ``peer_stage`` for ``stage``, all-gathered over the TP
+        group first when the hop is scattered (it came as this rank's slice)."""
+        if not self._scattered(peer_stage, stage):
             return tensor
         if self.tp_group is None:
             raise RuntimeError(f"pipeline rank {self.rank} received a slice of a scattered hop but was "
@@ -345,7 +368,7 @@ class RankExecutor:
         else:
             tensor, tag = st.input_grads.pop(mb), self._tag(peer_stage, mb, grad=True)
         tensor = tensor.to(self.dtype).contiguous()
-        if self._scattered(peer_stage):
+        if self._scattered(peer_stage, action.stage):
             # This rank's slice only (the tensor is whole on every TP rank), copied so that the
             # pending send does not keep the whole tensor alive until it is known delivered.
             n = self._slice_numel()
@@ -356,7 +379,10 @@ class RankExecutor:
     def _recv(self, action: Action) -> None:
         st, mb = self.state[action.stage], action.micro_batch
         peer_stage = p2p_peer_stage(action)
-        shape = (self._slice_numel(),) if self._scattered(peer_stage) else self.activation_shape
+        shape = (self._slice_numel(),) if self._scattered(peer_stage, action.stage) else self.activation_shape
+        if self._sequence_sharded(peer_stage, action.stage):
+            batch, seq, hidden = self.activation_shape
+            shape = (batch, seq // len(self.pipeline[self.rank]), hidden)
         buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
         # Tags name the (sending stage, direction) pair, so both ends compute the same one.
         if action.kind is Kind.RECV_F:

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from torch.distributed.tensor import DTensor, Shard
 
 from medley.errors import MedleyInputError
 from medley.fileio import check_regular_file, read_user_json
 from medley.runtime.hf_names import check_hf_family, hf_name
+from medley.runtime.materialize import local_box, local_tensor
 from medley.runtime.model import Decoder
-from medley.runtime.sharding import shard_rows
 from medley.spec.cluster_schema import printable
 from medley.spec.model import ModelSpec
 
@@ -122,17 +121,6 @@ def check_hf_weights(spec: ModelSpec, directory: Path) -> None:
                                              "this file lacks, or it is damaged")) from None
 
 
-def _rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The tensor this rank holds of ``param`` and its first row in the full tensor: a ZeRO-2/3
-    (FSDP2) parameter is a DTensor cut into ``torch.chunk`` pieces along dim 0 over the dp mesh."""
-    if not isinstance(param, DTensor):
-        return param, 0
-    if tuple(param.placements) != (Shard(0),):
-        raise ValueError(f"a sharded parameter with placements {param.placements} is not FSDP2's Shard(0)")
-    start, _ = shard_rows(param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank())
-    return param.to_local(), start
-
-
 def load_hf_weights(module: Decoder, directory: Path) -> None:
     """Fill ``module``'s parameters (a stage or the whole model) from ``directory``, reading only
     the tensors of its own layers."""
@@ -141,7 +129,8 @@ def load_hf_weights(module: Decoder, directory: Path) -> None:
 
 def load_hf_tensors(spec: ModelSpec, named: Iterable[tuple[str, torch.Tensor]], directory: Path) -> None:
     """Fill parameters given by medley name from ``directory``: a plain one with its whole tensor,
-    a ZeRO-2/3 shard (DTensor) with only its own rows (read as a slice of the file)."""
+    a TP slice or ZeRO-1/2/3 shard (DTensor) with only its own box of it (read as a slice of the
+    file, :func:`medley.runtime.materialize.local_box`)."""
     check_hf_family(spec, what=f"--init-from {directory}")
     with torch.no_grad():
         for file, entries in _by_file(named, tensor_files(directory), Path(directory)).items():
@@ -152,8 +141,9 @@ def load_hf_tensors(spec: ModelSpec, named: Iterable[tuple[str, torch.Tensor]], 
                     if list(piece.get_shape()) != list(param.shape):
                         raise _shape_error(file, hf, name, piece.get_shape(), param.shape)
                     _check_dtype(file, hf, piece.get_dtype())
-                    local, start = _rows(param)
-                    local.copy_(piece[start:start + local.shape[0]] if local.dim() else piece[:])
+                    local = local_tensor(param)
+                    if local.numel():  # a short dim-0 cut can leave a rank no rows
+                        local.copy_(piece[local_box(param)] if local.dim() else piece[:])
                     if not bool(torch.isfinite(local).all()):
                         raise MedleyInputError(printable(
                             f"{file}: tensor '{hf}' holds NaN or infinite values; give the directory of "

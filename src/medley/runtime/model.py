@@ -13,12 +13,16 @@ stage and the full model, but for a tied model's head copy on a stage without th
 from __future__ import annotations
 
 import math
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from medley.cost.recompute import SAVED_OPS, Recompute, parse_recompute
 from medley.spec.model import ModelSpec
 
 
@@ -177,25 +181,90 @@ class Head(nn.Module):
         return F.linear(x, tied_weight) if self.out is None else self.out(x)
 
 
-def init_layer(module: nn.Module, seed: int, layer_index: int, num_blocks: int) -> None:
-    """Seeded init of one layer: N(0, 0.02) matrices, residual outputs scaled by depth, zero biases,
-    unit norms. Parameters are drawn in name order from a generator private to the layer."""
+def init_values(named_shapes: Iterable[tuple[str, Sequence[int]]], seed: int, layer_index: int,
+                num_blocks: int) -> Iterator[tuple[str, float | torch.Tensor]]:
+    """The seeded initial value of each parameter of one layer, given by (name, full shape): a float
+    where every element takes it (unit norms, zero biases), else the whole drawn tensor: N(0, 0.02)
+    matrices, residual outputs scaled by depth. Parameters are drawn in name order from a generator
+    private to the layer, lazily (one whole tensor at a time), so a sharded stage can keep its
+    slice of each (:mod:`medley.runtime.materialize`) and get the values of the whole layer."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + layer_index)
-    for name, param in sorted(module.named_parameters()):
-        with torch.no_grad():
-            if "norm" in name:
-                param.fill_(1.0) if name.endswith("weight") else param.zero_()
-            elif name.endswith("bias"):
-                param.zero_()
-            else:
-                residual_out = name.endswith(("wo.weight", "down.weight"))
-                std = 0.02 / math.sqrt(2 * num_blocks) if residual_out else 0.02
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
+    for name, shape in sorted(named_shapes, key=lambda item: item[0]):
+        if "norm" in name:
+            yield name, 1.0 if name.endswith("weight") else 0.0
+        elif name.endswith("bias"):
+            yield name, 0.0
+        else:
+            residual_out = name.endswith(("wo.weight", "down.weight"))
+            std = 0.02 / math.sqrt(2 * num_blocks) if residual_out else 0.02
+            yield name, torch.randn(tuple(shape), generator=gen, device="cpu") * std  # on a GPU too
+
+
+def init_layer(module: nn.Module, seed: int, layer_index: int, num_blocks: int) -> None:
+    """Seeded init of one whole (unsharded) layer in place (:func:`init_values`)."""
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, value in init_values(((n, p.shape) for n, p in params.items()), seed, layer_index,
+                                       num_blocks):
+            params[name].fill_(value) if isinstance(value, float) else params[name].copy_(value)
+
+
+def tied_copy_value(spec: ModelSpec, seed: int) -> torch.Tensor:
+    """The initial value of a tied head's copy (:data:`TIED_COPY`): the embedding's weight, drawn as
+    layer 0 draws it."""
+    with torch.device("meta"):
+        shapes = [(name, p.shape) for name, p in Embedding(spec).named_parameters()]
+    for name, value in init_values(shapes, seed, 0, spec.num_blocks):
+        if name == "tok.weight":
+            assert isinstance(value, torch.Tensor)
+            return value
+    raise AssertionError("the embedding has no tok.weight")
+
+
+def _saved_ops() -> frozenset[Any]:
+    """:data:`medley.cost.recompute.SAVED_OPS` as this torch's OpOverloads (those it has)."""
+    found = set()
+    for name in SAVED_OPS:
+        namespace, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None and hasattr(packet, overload):
+            found.add(getattr(packet, overload))
+    return frozenset(found)
+
+
+SELECTIVE_SAVED = _saved_ops()
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Save the matmuls' and the attention kernel's outputs; recompute the rest."""
+    del ctx, args, kwargs
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _KeptAfterRead(dict):
+    """One op's cached outputs (by call index) that a read during a rerun does not drop: a split
+    backward (B, then W: two autograd calls) reruns a checkpointed block twice, and torch's cache
+    otherwise refuses the second rerun. The entries go with the block's autograd graph."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key not in self:  # the forward writes each entry once; a rerun's write only marks it read
+            super().__setitem__(key, value)
+
+
+def selective_contexts() -> tuple[Any, Any]:
+    """torch's selective checkpoint contexts under medley's policy (:mod:`medley.cost.recompute`),
+    their cache kept across reruns (:class:`_KeptAfterRead`)."""
+    caching, cached = create_selective_checkpoint_contexts(_selective_policy)
+    storage: defaultdict[Any, _KeptAfterRead] = defaultdict(_KeptAfterRead)
+    caching.storage = cached.storage = storage
+    return caching, cached
 
 
 class Decoder(nn.Module):
-    """Layers ``[first_layer, last_layer)`` of the model described by ``spec``; with ``recompute``
-    each block keeps only its input and recomputes its activations in the backward; ``init`` False
+    """Layers ``[first_layer, last_layer)`` of the model described by ``spec``; ``recompute`` (a
+    :class:`medley.cost.recompute.Recompute`; True: full) says which blocks recompute in the
+    backward and how: ``full`` keeps only the block's input, ``selective`` its input and its
+    matmuls' and attention's outputs (torch's selective checkpoint contexts); ``init`` False
     leaves the parameters as constructed (for weights loaded next, or shapes on the meta device).
 
     The input is token ids [batch, seq] when the range holds the embedding, else hidden states
@@ -204,7 +273,7 @@ class Decoder(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, *, first_layer: int = 0, last_layer: int | None = None,
-                 seed: int = 0, recompute: bool = False, init: bool = True) -> None:
+                 seed: int = 0, recompute: Recompute | bool = False, init: bool = True) -> None:
         super().__init__()
         last_layer = spec.num_layers if last_layer is None else last_layer
         if not 0 <= first_layer < last_layer <= spec.num_layers:
@@ -215,7 +284,7 @@ class Decoder(nn.Module):
         has_embed, has_head = first_layer == 0, last_layer == spec.num_layers
         tied_copy = spec.tied_embeddings and has_head and not has_embed
         self.spec = spec
-        self.recompute = recompute
+        self.recompute = parse_recompute(recompute)
         self.first_layer, self.last_layer = first_layer, last_layer
         self.embed = Embedding(spec) if has_embed else None
         block_ids = range(max(first_layer, 1), min(last_layer, spec.num_blocks + 1))
@@ -229,10 +298,8 @@ class Decoder(nn.Module):
 
     def _init_tied_copy(self, seed: int) -> None:
         """The head's copy starts as the embedding's weight (drawn as layer 0 draws it)."""
-        embedding = Embedding(self.spec)
-        init_layer(embedding, seed, 0, self.spec.num_blocks)
         with torch.no_grad():
-            self.head.out.weight.copy_(embedding.tok.weight)
+            self.head.out.weight.copy_(tied_copy_value(self.spec, seed))
 
     def layer_modules(self) -> dict[int, nn.Module]:
         """This range's layers by global layer index."""
@@ -248,10 +315,13 @@ class Decoder(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
-        for block in self.blocks.values():
-            if self.recompute and torch.is_grad_enabled():
+        for position, block in enumerate(self.blocks.values()):
+            mode = self.recompute.mode_of(position) if torch.is_grad_enabled() else "none"
+            if mode == "full":
                 # Keep only the block's input; its activations are recomputed in the backward.
                 x = checkpoint(block, x, use_reentrant=False)
+            elif mode == "selective":
+                x = checkpoint(block, x, use_reentrant=False, context_fn=selective_contexts)
             else:
                 x = block(x)
         if self.head is not None:

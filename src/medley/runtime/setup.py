@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from medley.errors import MedleyInputError
-from medley.plan.layout import PlanLayout
+from medley.plan.layout import PlanLayout, sequence_sharded_edges
 from medley.plan.plan import Plan
 from medley.plan.world import build_world
 from medley.runtime import placement
@@ -109,7 +109,7 @@ def _report(plan: Plan, place: RankPlace, *, device_id: int, stages: list[int]) 
 def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optimizer],
                optimizer_kwargs: dict[str, Any], dtype: str = "fp32",
                clip_grad: bool = False, slowdown: Mapping[int, float] | None = None,
-               init_from: Path | None = None) -> RankSetup:
+               init_from: Path | None = None, compile: bool = False) -> RankSetup:
     """Build this rank's stages and executor for ``plan`` (collective: every rank calls it).
 
     ``clip_grad`` decides whether the schedules carry the ``CLIP`` action (the run's clipping
@@ -120,7 +120,8 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
     read their weights from (else the seeded initialisation). ``dtype`` (fp32, bf16, fp16): the
     run's precision: half precision computes under autocast, gathers weights and reduces gradients
     in the dtypes the simulator counts (:func:`medley.cost.zero_memory.state_bytes_per_param`) and
-    passes activations between stages in the compute dtype.
+    passes activations between stages in the compute dtype. ``compile``: torch.compile each block
+    (:mod:`medley.runtime.compile`).
     """
     device = _device()
     table, devices = _placement(plan, device)
@@ -141,7 +142,9 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
     stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers, zero=levels,
                                 groups=groups, seed=seed, optimizer_class=optimizer_class,
                                 optimizer_kwargs=optimizer_kwargs, recompute=layout.recompute,
-                                init_from=init_from, precision=dtype, units=world.segments.units[group])
+                                init_from=init_from, precision=dtype, units=world.segments.units[group],
+                                sequence_parallel=layout.sequence_parallel,
+                                sequence_edges=sequence_sharded_edges(layout), compile=compile)
     n_tokens = plan.tokens_per_step
     me = devices[dist.get_rank()]
     factor = 1.0 if slowdown is None else slowdown[me]
@@ -152,7 +155,7 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
         loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens,
         autocast_dtype=None if dtype == "fp32" else TORCH_DTYPES[dtype], dtype=TORCH_DTYPES[dtype],
         slowdown=factor, device=device, synced_stages=tp_synced_stages(layout),
-        tp_group=groups.tp_group)
+        tp_group=groups.tp_group, sequence_edges=sequence_sharded_edges(layout))
     if layout.tied_copies:
         tied_grads = build_tied_grads(groups, list(world.schedules), stages, levels)
         executor.before_clip = None if tied_grads is None else tied_grads.sum_grads

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from medley.cost.zero_levels import ZeroLevel, fsdp_units, zero_level
 from medley.cost.zero_memory import state_bytes_per_param
 from medley.runtime.model import Decoder, shared_name
-from medley.runtime.tensor_parallel import is_tp_sharded
+from medley.runtime.tensor_parallel import is_tp_sharded, replicate_partial_grads
 from medley.runtime.torch_adapter import fsdp_reduce_grad, fsdp_unsharded_params
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -151,6 +151,7 @@ class ShardedStage:
             if self.sharded:
                 fsdp_reduce_grad(self.fsdp_units[index])
             else:
+                replicate_partial_grads(self.buckets[index])
                 self._all_reduce(self.buckets[index], self.dp_groups[index])
 
     def optim_step(self, bucket: int | None) -> None:
@@ -283,7 +284,7 @@ def shard_stage(
     module: Decoder, *, zero: int, bucket_layers: Sequence[int] | None,
     dp_mesh: DeviceMesh | Sequence[DeviceMesh | None] | None,
     optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any], precision: str = "fp32",
-    tp_rank: int = 0,
+    tp_rank: int = 0, device: torch.device | None = None,
 ) -> ShardedStage:
     """Apply the stage's ZeRO level to ``module`` and build its optimizers (over the parameter
     shards for levels 1-3, over whole parameters for level 0).
@@ -300,7 +301,12 @@ def shard_stage(
     With one replica (no ``dp_mesh`` or one of size 1) there is nothing to shard: levels 1-3 run
     as level 0 (:func:`~medley.cost.zero_levels.fsdp_units`), whose state
     :mod:`medley.cost.zero_memory` books for them there; FSDP2 over one rank would hold the weights
-    twice. The schedule's ZeRO actions then do nothing, as the simulator times them."""
+    twice. The schedule's ZeRO actions then do nothing, as the simulator times them.
+
+    ``device``: where a meta-device ``module`` gets (uninitialised) storage for this rank's shards,
+    once TP and FSDP2 have cut it; None leaves it where it is. A stage given a ``device`` or still
+    on the meta device holds no gathered copies yet: the caller fills its shards, then gathers them
+    (levels 1-2) with :meth:`ShardedStage.unshard`."""
     layers = module.layer_modules()
     groups = bucket_layer_groups(sorted(layers), bucket_layers)
     meshes = list(dp_mesh) if isinstance(dp_mesh, Sequence) else [dp_mesh] * len(groups)
@@ -342,6 +348,8 @@ def shard_stage(
         # The norms then see a half-precision input beside their fp32 weight, for which torch
         # warns that its fused kernel does not apply (the composite one computes in fp32).
         warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+    if device is not None:  # after wrapping, so that FSDP2 allocates its shards alone; before the
+        module.to_empty(device=device)  # lists below (a meta parameter moved is a new object)
     # Built before any unshard, so that FSDP stages hold (and step) their sharded parameters.
     buckets = [[p for i in group for p in layers[i].parameters()] for group in groups]
     local_name = {p: name for name, p in module.named_parameters()}
@@ -351,9 +359,13 @@ def shard_stage(
     stage = ShardedStage(module=module, zero=zero, buckets=buckets, fsdp_units=units, dp_groups=dp_groups,
                          optimizers=optimizers, bucket_names=bucket_names, copies=copies,
                          reduce_dtype=TORCH_DTYPES[state.grad_dtype], tp_rank=tp_rank)
-    if meaning.gathers_after_step:  # weights stay gathered between steps at levels 1-2
-        stage.unshard(None)
+    if meaning.gathers_after_step and device is None and not _on_meta(module):
+        stage.unshard(None)  # weights stay gathered between steps at levels 1-2
     return stage
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return any(_local(p).is_meta for p in module.parameters())
 
 
 def _same_kind_groups(params: Sequence[nn.Parameter]) -> list[dict[str, list[nn.Parameter]]]:

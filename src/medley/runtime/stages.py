@@ -13,11 +13,13 @@ import torch
 import torch.distributed as dist
 
 from medley.errors import MedleyInputError
+from medley.runtime.compile import apply_compile, splits_backward
 from medley.runtime.groups import RankGroups
-from medley.runtime.hf_weights import load_hf_tensors, load_hf_weights
+from medley.runtime.hf_weights import load_hf_tensors
+from medley.runtime.materialize import init_local_shards
 from medley.runtime.model import Decoder
 from medley.runtime.sharding import ShardedStage, bucket_layer_groups, shard_stage
-from medley.runtime.tensor_parallel import parallelize_blocks
+from medley.runtime.tensor_parallel import apply_sequence_edges, parallelize_blocks
 from medley.schedule.ir import PipelineSchedule
 from medley.spec.model import ModelSpec
 
@@ -42,15 +44,27 @@ def build_local_stages(
     groups: RankGroups, seed: int, optimizer_class: type[torch.optim.Optimizer],
     optimizer_kwargs: dict[str, Any], recompute: Sequence[bool] = (), init_from: Path | None = None,
     precision: str = "fp32", units: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+    materialize: bool = True, sequence_parallel: bool = False, sequence_edges: frozenset[int] = frozenset(),
+    compile: bool = False,
 ) -> dict[int, ShardedStage]:
     """Build, tensor-parallelise (TP degree > 1) and shard only the stages this rank runs in
-    ``schedule`` (its replica's program); with ``init_from`` (a Hugging Face model directory) each
-    stage reads its own layers' weights from it (under ZeRO-1/2/3 without TP only this rank's rows
-    of them; under TP whole layers, before each TP rank keeps its slice); ``precision``: the run's
-    dtype (see :func:`medley.runtime.sharding.shard_stage`). ``units[s]``: the (segment, bucket in
-    segment) of each bucket of stage s (:attr:`medley.plan.segments.SyncSegments.units`): each
-    bucket is sharded over, and its blocks split on, its segment's mesh (``groups.meshes``); None:
-    every bucket on the rank's one mesh (alike replicas)."""
+    ``schedule`` (its replica's program), as torchtitan does: each stage is built on the meta
+    device, TP and the ZeRO level's FSDP2 units are applied there, and only then does it get
+    storage (on the default device) for this rank's shards, which take their part of the seeded
+    initialisation (:mod:`medley.runtime.materialize`; bit-identical to the whole model's) or,
+    with ``init_from`` (a Hugging Face model directory), just their rows of its weights. No rank
+    ever holds a whole stage: at most one whole parameter beside its shards.
+
+    ``materialize`` False leaves the stages on the meta device once TP and FSDP2 are applied
+    (shapes, placements and process groups only: a dry run's; nothing is read or initialised).
+    ``precision``: the run's dtype (see :func:`medley.runtime.sharding.shard_stage`). ``units[s]``:
+    the (segment, bucket in segment) of each bucket of stage s
+    (:attr:`medley.plan.segments.SyncSegments.units`): each bucket is sharded over, and its blocks
+    split on, its segment's mesh (``groups.meshes``); None: every bucket on the rank's one mesh
+    (alike replicas). ``sequence_parallel``: TP stages run sequence parallelism, their shards
+    crossing the edges ``sequence_edges`` names (:func:`medley.plan.layout.sequence_sharded_edges`).
+    ``compile``: each block is compiled (:func:`medley.runtime.compile.apply_compile`) after TP and
+    before ZeRO sharding."""
     if len(split) != schedule.num_stages or len(zero) != schedule.num_stages:
         raise ValueError(f"split {tuple(split)} and zero {tuple(zero)} must give one entry per stage "
                          f"({schedule.num_stages} stages)")
@@ -60,24 +74,34 @@ def build_local_stages(
     error: MedleyInputError | None = None
     for stage in schedule.stages_of_rank(place.pipeline_rank):
         first, last = ranges[stage]
-        module = Decoder(spec, first_layer=first, last_layer=last, seed=seed,
-                         recompute=bool(recompute and recompute[stage]), init=init_from is None)
-        if init_from is not None and groups.tp > 1 and error is None:
-            error = _reading(functools.partial(load_hf_weights, module, init_from))
+        with torch.device("meta"):
+            module = Decoder(spec, first_layer=first, last_layer=last, seed=seed,
+                             recompute=recompute[stage] if recompute else False, init=False)
         buckets = bucket_layer_groups(list(range(first, last)), schedule.bucket_layers.get(stage))
         meshes = ([groups.mesh] * len(buckets) if units is None
                   else [groups.meshes[segment] for segment, _ in units[stage]])
         for layers, mesh in zip(buckets, meshes, strict=True):
-            parallelize_blocks(module, mesh["tp"], layers=layers)
+            parallelize_blocks(module, mesh["tp"], layers=layers, sequence_parallel=sequence_parallel)
+        if sequence_parallel:
+            apply_sequence_edges(module, meshes[0]["tp"], sharded_input=stage - 1 in sequence_edges,
+                                 sharded_output=stage in sequence_edges)
+        if compile:
+            apply_compile(module, split_backward=splits_backward(schedule, place.pipeline_rank))
         stages[stage] = shard_stage(module, zero=zero[stage], bucket_layers=schedule.bucket_layers.get(stage),
                                     dp_mesh=[mesh["dp"] for mesh in meshes], optimizer_class=optimizer_class,
                                     optimizer_kwargs=optimizer_kwargs, precision=precision,
-                                    tp_rank=place.tp_rank)
-        if init_from is not None and groups.tp == 1 and error is None:  # after sharding, as a checkpoint
-            local = stages[stage].named_parameters_local()  # load: a ZeRO-2/3 rank reads its rows
+                                    tp_rank=place.tp_rank,
+                                    device=torch.get_default_device() if materialize else None)
+        if not materialize:
+            continue
+        if init_from is None:
+            init_local_shards(module, seed)
+        elif error is None:  # each rank reads its own shards' rows (a TP slice, FSDP2's dim-0 piece)
+            local = stages[stage].named_parameters_local()
             error = _reading(functools.partial(load_hf_tensors, spec, local, init_from))
-            stages[stage].refresh_gathered()
-    if init_from is not None:
+        if stages[stage].meaning.gathers_after_step:
+            stages[stage].unshard(None)  # levels 1-2 keep the weights gathered between steps
+    if init_from is not None and materialize:
         _agree(error)
     return stages
 

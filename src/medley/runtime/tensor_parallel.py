@@ -8,8 +8,22 @@ each of the two block-input gradients (the column-wise layers' replicated inputs
 embedding and the head stay plain tensors, the same on every TP rank: their inputs and output
 gradients are whole (replicated) on each, so their gradients agree and need no TP reduction.
 
-Every TP rank builds the whole layer from the seeded initialisation (bit-identical on each) and
-keeps its own slice (``src_data_rank=None``: no broadcast).
+With sequence parallelism (``sequence_parallel``, torchtitan's LLaMA plan) the hidden states
+between the sub-layers are cut along the sequence over the TP group: the norms run on 1/tp of the
+tokens (torch's ``SequenceParallel``; their weights become replicated DTensors whose gradients
+DTensor sums over the group), the attention and the MLP all-gather their input (``Shard(1)`` to
+``Replicate``) and their row-wise layers reduce-scatter their output (``Shard(1)``): per block one
+all-gather and one reduce-scatter after each sub-layer in forward, the same pair in backward,
+instead of Megatron's two all-reduces each way. At a stage's edges (:func:`apply_sequence_edges`)
+the first block takes its input whole (the embedding's output, a hop from a group of another
+degree) and keeps its sequence shard, and the last block all-gathers its output, except across
+an edge :func:`medley.plan.layout.sequence_sharded_edges` names, where the neighbouring stage has
+blocks on a group of the same degree: there the shard itself crosses (1/tp of the bytes, no
+gather).
+
+Blocks are split on the meta device (``src_data_rank=None``: nothing is broadcast); each TP rank
+then fills only its own slice, from the seeded initialisation or a checkpoint
+(:mod:`medley.runtime.materialize`).
 """
 
 from __future__ import annotations
@@ -18,11 +32,14 @@ from collections.abc import Collection
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -32,32 +49,44 @@ from medley.runtime.model import Decoder
 TP_DIM = "tp"
 
 
-def block_plan(swiglu: bool) -> dict[str, ColwiseParallel | RowwiseParallel | PrepareModuleInput]:
-    """The parallel style of each linear layer of a block (by its name inside the block).
+def block_plan(swiglu: bool, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The parallel style of each layer of a block (by its name inside the block).
 
     The attention and the MLP take their input as one replicated DTensor, which their
     column-wise layers share: the backward sums those layers' partial input gradients and
     all-reduces once per sub-layer (Megatron's two per block). Left to ColwiseParallel alone, each
     of q, k, v, gate and up made its own and all-reduced its own gradient: five per block
-    (tests/runtime/test_tp_bytes.py counts them)."""
+    (tests/runtime/test_tp_bytes.py counts them). With ``sequence_parallel`` that input arrives
+    cut on the sequence from the norm (``SequenceParallel``) and is all-gathered once per
+    sub-layer (its gradient reduce-scattered once), and the row-wise layers reduce-scatter their
+    output to the sequence shard (the module docstring)."""
+    held = Shard(1) if sequence_parallel else Replicate()
+
     def shared() -> PrepareModuleInput:
-        return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+        return PrepareModuleInput(input_layouts=(held,), desired_input_layouts=(Replicate(),),
                                   use_local_output=False)
 
-    plan: dict[str, ColwiseParallel | RowwiseParallel | PrepareModuleInput] = {
+    def rowwise() -> RowwiseParallel:
+        return RowwiseParallel(output_layouts=held)
+
+    plan: dict[str, ParallelStyle] = {
         "attn": shared(), "mlp": shared(),
         "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-        "attn.wo": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(),
+        "attn.wo": rowwise(), "mlp.up": ColwiseParallel(), "mlp.down": rowwise(),
     }
     if swiglu:
         plan["mlp.gate"] = ColwiseParallel()
+    if sequence_parallel:
+        plan["attn_norm"] = SequenceParallel()
+        plan["mlp_norm"] = SequenceParallel()
     return plan
 
 
 def parallelize_blocks(module: Decoder, tp_mesh: DeviceMesh, *,
-                       layers: Collection[int] | None = None) -> None:
+                       layers: Collection[int] | None = None, sequence_parallel: bool = False) -> None:
     """Shard every block of ``module`` (those among the global layer indices ``layers``, if given)
-    over ``tp_mesh`` (a 1-D mesh named ``tp``), in place."""
+    over ``tp_mesh`` (a 1-D mesh named ``tp``), in place; with ``sequence_parallel`` the
+    sequence-parallel plan (:func:`block_plan`; then :func:`apply_sequence_edges` once per stage)."""
     if tp_mesh.size() == 1:
         return
     spec = module.spec
@@ -66,13 +95,36 @@ def parallelize_blocks(module: Decoder, tp_mesh: DeviceMesh, *,
         raise ValueError(f"TP degree {tp_mesh.size()} does not divide the model's {undivided}")
     for key, block in module.blocks.items():
         if layers is None or int(key) + 1 in layers:
-            parallelize_module(block, tp_mesh, block_plan(spec.mlp == "swiglu"), src_data_rank=None)
+            plan = block_plan(spec.mlp == "swiglu", sequence_parallel=sequence_parallel)
+            parallelize_module(block, tp_mesh, plan, src_data_rank=None)
+
+
+def apply_sequence_edges(module: Decoder, tp_mesh: DeviceMesh, *, sharded_input: bool,
+                         sharded_output: bool) -> None:
+    """The layouts at a sequence-parallel stage's edges (the module docstring): its first block
+    cuts a whole input to its sequence shard (forward: no communication; backward: the gradient
+    all-gathered whole) unless ``sharded_input`` (the previous stage sent the shard), and its last
+    block all-gathers its output (backward: each rank keeps its shard of the whole gradient)
+    unless ``sharded_output``. A stage without blocks, or on a mesh of one, is left alone."""
+    if tp_mesh.size() == 1 or not module.blocks:
+        return
+    keys = list(module.blocks)
+    if not sharded_input:
+        parallelize_module(module.blocks[keys[0]], tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+    if not sharded_output:
+        parallelize_module(module.blocks[keys[-1]], tp_mesh, PrepareModuleOutput(
+            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
 
 
 def is_tp_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` (a parameter or its gradient, FSDP-sharded or not) is cut over a TP mesh:
-    each TP rank then holds other values, where a replicated one is the same on all of them."""
-    return isinstance(tensor, DTensor) and TP_DIM in (tensor.device_mesh.mesh_dim_names or ())
+    each TP rank then holds other values, where a replicated one (a plain tensor, or a norm's
+    weight under sequence parallelism: a DTensor replicated on ``tp``) is the same on all of them."""
+    if not isinstance(tensor, DTensor):
+        return False
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return TP_DIM in names and not tensor.placements[names.index(TP_DIM)].is_replicate()
 
 
 def tp_synced_stages(layout: PlanLayout) -> frozenset[int]:
@@ -81,3 +133,14 @@ def tp_synced_stages(layout: PlanLayout) -> frozenset[int]:
     model = layout.model
     return frozenset(s for s in range(layout.num_stages) if layout.stage_tp(s) > 1
                      and any(model.layer_kind(i) == "block" for i in layout.layer_range(s)))
+
+
+def replicate_partial_grads(params: Collection[torch.nn.Parameter]) -> None:
+    """Sum over the TP group the gradients DTensor left partial: a sequence-parallel norm's weight
+    (replicated) gets from each TP rank the sum over its tokens only (``Partial``). FSDP2
+    (ZeRO-1/2/3) redistributes these itself; a ZeRO-0 stage calls this at its REDUCE_GRAD, before
+    its DP all-reduce and the gradient norm. One all-reduce of the weight per such norm and step."""
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            param.grad = grad.redistribute(placements=param.placements)

@@ -4,6 +4,8 @@
   input gradient first and keeps the autograd intermediates that the weight gradient needs later.
 * FSDP2's per-parameter-group reduce-scatter, driven by medley at its REDUCE_GRAD actions instead
   of by FSDP's autograd hooks (as torch's own ``PipelineStage.perform_reduce_grad`` does).
+* The dry run's (:mod:`medley.runtime.dry_run`): the fake process group's store, fake tensors,
+  storage identity and DTensor's shard offsets at a given mesh coordinate (what DCP saves).
 """
 
 from __future__ import annotations
@@ -12,9 +14,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+__all__ = ["FakeStore", "FakeTensorMode"]  # with the functions below
 
 
 def backward_input(
@@ -69,3 +77,31 @@ def fsdp_unsharded_params(module: FSDPModule) -> list[torch.nn.Parameter]:
     and unshard (only their storage is freed and refilled), so autograd graphs that saved them
     stay valid once the unit is gathered again."""
     return [fp.unsharded_param for group in fsdp_param_groups(module) for fp in group.fsdp_params]
+
+
+def fsdp_unsharded_grads(module: FSDPModule) -> list[torch.Tensor | None]:
+    """The unsharded gradients an FSDP unit holds before its reduce-scatter: the parameter's own
+    ``.grad``, or the copy FSDP2 accumulates in the reduce dtype when that differs from the
+    parameter dtype (bf16 weights, fp32 reduction: the parameter's ``.grad`` is then freed)."""
+    return [fp.unsharded_accumulated_grad if fp.unsharded_accumulated_grad is not None
+            else fp.unsharded_param.grad
+            for group in fsdp_param_groups(module) for fp in group.fsdp_params]
+
+
+def fake_tensor_mode() -> FakeTensorMode:
+    """A mode whose tensors have shapes and dtypes but no storage bytes (real inputs allowed)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """Which storage ``tensor`` views (views of one storage share it; fake storages too)."""
+    return tensor.untyped_storage()._cdata
+
+
+def shard_at(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
+             placements: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Sizes and global offsets of the shard of a DTensor of ``shape`` and ``placements`` at
+    ``coordinate`` of a mesh of ``mesh_shape`` (torch's own computation, which DCP's save planner
+    runs for the rank it is on)."""
+    return _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+

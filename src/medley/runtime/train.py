@@ -53,11 +53,13 @@ __all__ = ["StepRecord", "TrainConfig", "check_config", "load_data", "resolve_dt
 def train(plan: Plan, config: TrainConfig) -> list[StepRecord]:
     """Train ``plan`` on this rank; rank 0 returns the records of the steps it ran."""
     check_config(config)
-    opt_class, opt_kwargs = optimizer_class(config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
+    opt_class, opt_kwargs = optimizer_class(config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
+                                            device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dtype = resolve_dtype(plan, config)
     # fp16 checks its gradients in the CLIP action's all-reduce: its schedules always have one.
     clip_grad = config.clip_norm is not None or dtype == "fp16"
     setup = build_rank(plan, seed=config.seed, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
+                       compile=config.compile,
                        dtype=dtype, clip_grad=clip_grad, slowdown=_slowdown(plan, config),
                        init_from=config.init_from)
     scaler = None
@@ -99,6 +101,7 @@ class _Loop:
         self.sequences = sum(plan.micro_batches) * layout.micro_batch_size
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.sq_norm = torch.zeros((), dtype=torch.float64)
+        self.step_spans: tuple[float, list[tuple[float, float]]] = (0.0, [])  # the last step's
         if not setup.executor.carries_clip:  # clipping off, not fp16, no tied copies
             setup.executor.before_optim = self._count_norm
         else:
@@ -248,6 +251,8 @@ class _Loop:
         if setup.device.type == "cuda":
             torch.cuda.synchronize(setup.device)
         elapsed = time.perf_counter() - started
+        # This step's action timings (an evaluation makes its own).
+        self.step_spans = (setup.executor.action_origin, setup.executor.action_spans)
         peak = cuda_peak_bytes(setup.device) if setup.device.type == "cuda" else 0
         loss_sum = self._own(losses)
         return torch.tensor([loss_sum, float(self.sq_norm), elapsed, setup.executor.emulated_sleep_s, peak,
@@ -301,6 +306,7 @@ class _Loop:
         if not bool((stats[:, 5:7] == stats[0, 5:7]).all()):
             raise RuntimeError(f"step {step}: the ranks disagree on the loss scale or the skipped steps "
                                f"{stats[:, 5:7].tolist()}: a bug in medley's fp16 loss scaling")
+        spans = self._gather_spans()
         if self.rank != 0:
             return None
         step_time = float(stats[:, 2].max())
@@ -315,12 +321,26 @@ class _Loop:
             action_time_by_device=self._by_device(
                 [dict(zip(ACTION_CATEGORIES, row, strict=True))
                  for row in stats[:, 7:7 + len(ACTION_CATEGORIES)].tolist()]),
+            action_spans_by_device=self._by_device([s for _, s in spans]) if spans else {},
+            step_start_by_device=self._by_device([origin for origin, _ in spans]) if spans else {},
             step=step, loss=loss,
             lr=self.step_lr, grad_norm=grad_norm,
             step_time_s=step_time, tokens_per_s=self.plan.tokens_per_step / step_time,
             mfu=None if self.flops_per_peak is None else self.flops_per_peak / step_time,
             peak_memory_bytes=memory, emulated_sleep_s=float(stats[:, 3].max()),
             loss_scale=None if self.scaler is None else float(stats[0, 5]), skipped_steps=int(stats[0, 6]))
+
+    def _gather_spans(self) -> list[tuple[float, list[tuple[str, float, float]]]]:
+        """Collective with ``trace_actions``: every rank's (program start, [(action, start, end)])
+        of its last step, by global rank; else nothing."""
+        if not self.config.trace_actions:
+            return []
+        origin, spans = self.step_spans
+        mine = (origin, [(str(a), start, end) for a, (start, end) in
+                         zip(self.setup.executor.program, spans, strict=True)])
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        return gathered
 
     def _by_device(self, values: torch.Tensor | list) -> dict:
         """One value per global rank (a column of the stats, or a list), keyed by the rank's plan

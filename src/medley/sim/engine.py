@@ -59,7 +59,7 @@ class _Run:
         n = len(prog.ops)
         self.prog = prog
         self.pc = [0] * n
-        self.clock = [0.0] * n  # compute stream free = program point
+        self.clock = list(prog.device_start) or [0.0] * n  # compute stream free = program point
         self.blocked_on = [-1] * n
         self.busy = [0.0] * n
         self.exposed_transfer = [0.0] * n

@@ -141,6 +141,13 @@ class SimProblem:
         tp_members: a rank run by a tensor-parallel group: its device in ``devices`` (the lead)
             -> the group's other devices, which run the same actions at the same times with the
             same memory; the result reports each of them as a copy of the lead.
+        duration_overrides: seconds that replace what ``stage_costs`` and ``collectives`` give an
+            action on the compute stream: device id (a lead, for a TP group) -> action (F, B, W,
+            BW or OPTIM of that device's program) -> seconds; every occurrence of the action takes
+            them. Communication (transfers, collectives) stays modelled. The fidelity study
+            replays a measured step's compute this way (:mod:`medley.profile.fidelity_replay`).
+        start_s: when each device's program starts (device id, a lead for a TP group -> seconds
+            >= 0; missing: 0): a replayed step's ranks start at the skew they were measured at.
     """
 
     schedules: list[PipelineSchedule]
@@ -153,6 +160,8 @@ class SimProblem:
     tokens_per_step: float = 0.0
     collectives: CollectiveTable | None = None
     tp_members: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    duration_overrides: dict[int, dict[Action, float]] = field(default_factory=dict)
+    start_s: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         replicas = len(self.schedules)
@@ -192,6 +201,31 @@ class SimProblem:
                 if device in seen:
                     raise ValueError(f"device {device} appears twice in SimProblem.devices / tp_members")
                 seen.add(device)
+        if self.duration_overrides:
+            self._check_overrides()
+        leads = {device for row in self.devices for device in row}
+        for device, start in self.start_s.items():
+            if device not in leads or not start >= 0:
+                raise ValueError(f"SimProblem.start_s: device {device} starts at {start}; give a rank's "
+                                 "lead device a start >= 0")
+
+    def _check_overrides(self) -> None:
+        """Every overridden action is a compute-stream action of its device's program."""
+        rows = {device: self.schedules[r].actions[k]
+                for r, row in enumerate(self.devices) for k, device in enumerate(row)}
+        for device, table in self.duration_overrides.items():
+            if device not in rows:
+                raise ValueError(f"SimProblem.duration_overrides names device {device}, which leads no "
+                                 "rank (give a TP group's durations to its lead)")
+            runs = {a for a in rows[device] if a.is_compute or a.kind is Kind.OPTIM}
+            unknown = sorted(str(a) for a in table if a not in runs)
+            if unknown:
+                raise ValueError(f"SimProblem.duration_overrides: device {device} runs no compute "
+                                 f"action {', '.join(unknown[:5])}")
+            negative = sorted(str(a) for a, seconds in table.items() if not seconds >= 0)
+            if negative:
+                raise ValueError(f"SimProblem.duration_overrides: device {device} gives "
+                                 f"{', '.join(negative[:5])} a duration below 0")
 
 
 _ZERO_KINDS = frozenset({Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD, Kind.OPTIM, Kind.CLIP})

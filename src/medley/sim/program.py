@@ -50,6 +50,7 @@ class Program:
     coll_action: list[Action] = field(default_factory=list)
     coll_seq: list[list[int]] = field(default_factory=list)  # per device, instances in issue order
     link_names: list[str] = field(default_factory=list)
+    device_start: list[float] = field(default_factory=list)  # when each device's program starts
 
 
 class _Builder:
@@ -114,12 +115,14 @@ class _Builder:
                     "every member of a DP group must issue the same collectives in the same order"
                 )
         self.prog.link_names = list(self.link_ids)
+        self.prog.device_start = [self.problem.start_s.get(d, 0.0) for d in self.prog.device_ids]
         return self.prog
 
     def build_rank(
         self, r: int, k: int, schedule: PipelineSchedule, row: list[Action], lowered: bool
     ) -> None:
         device = self.dense[self.problem.devices[r][k]]
+        measured = self.problem.duration_overrides.get(self.problem.devices[r][k])
         s2r = schedule.stage_to_rank
         last = schedule.num_stages - 1
         costs = self.problem.stage_costs[r]
@@ -170,6 +173,8 @@ class _Builder:
                         producer = here + stride + m
                         dep = producer if s2r[s + 1] == k else producer + 2 * stride
                     send = not lowered and s > first and s2r[s - 1] != k
+                if measured:
+                    dur = measured.get(action, dur)
                 if kind is not kind_f:  # the backward's workspace, for as long as it runs
                     mem_start += cost.workspace_bytes
                     mem_end += cost.workspace_bytes
@@ -194,7 +199,7 @@ class _Builder:
             elif kind in P2P_KINDS:
                 continue  # receives are posted early; the consumer waits for the arrival slot
             else:
-                self.zero_op(r, device, action, occurrences, unshard, reduce, ops, live_grad)
+                self.zero_op(r, device, action, occurrences, unshard, reduce, ops, live_grad, measured)
 
     def send_op(
         self, r: int, k: int, forward: bool, s: int, mb: int, s2r: tuple[int, ...], action: Action
@@ -228,8 +233,10 @@ class _Builder:
         arrival = self.slot(r, 2 if forward else 3, s, 0)
         return (self.dense[src], self.dense[dst], dur, self.links(src, dst), producer, arrival)
 
-    def zero_op(self, r, device, action, occurrences, unshard, reduce, ops, live_grad) -> None:
+    def zero_op(self, r, device, action, occurrences, unshard, reduce, ops, live_grad, measured=None) -> None:
         cost = self.problem.collectives(r, action)
+        if measured and action.kind is Kind.OPTIM and action in measured:
+            cost = replace(cost, compute_s=measured[action])
         if action.kind is Kind.REDUCE_GRAD:
             # A reduction frees at most the unsharded gradient still live (none after a round
             # of forwards only); rounding leftovers below one byte count as freed.
