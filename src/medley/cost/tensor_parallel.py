@@ -117,9 +117,8 @@ class TensorParallelCompute:
         self, layer: int, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int
     ) -> float | None:
         """The source's own time of one pass of block ``layer`` on one of ``tp`` ranks, if it has one."""
-        ask = getattr(self.cost, "tp_layer_time", None)
-        found = ask(layer, kind, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=device_type,
-                    tp=tp) if ask is not None else None
+        found = self.cost.tp_layer_time(layer, kind, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                                        device_type=device_type, tp=tp)
         return None if found is None else found.seconds
 
     def scale(self, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int) -> float:

@@ -46,10 +46,9 @@ class CollectiveTable:
     def __init__(self, world: World, cluster: Cluster, cost: CostSource | None = None) -> None:
         self.world, self.cluster = world, cluster
         self.state = state_bytes_per_param(world.groups[0].dtype)
-        self.optimizer_time = getattr(cost, "optimizer_time", None)
-        measured = getattr(cost, "collective_overhead_time", None)
+        self.optimizer_time = None if cost is None else cost.optimizer_time
         # The runtime's work around each gather or reduction call (measured sources only).
-        self.call_overhead = (measured() or 0.0) if measured is not None else 0.0
+        self.call_overhead = 0.0 if cost is None else (cost.collective_overhead_time() or 0.0)
         self.comm = TopologyCommModel(cluster)
         self._devices: dict[int, tuple[int, ...]] = {}
         self._cache: dict[tuple, CollectiveCost] = {}

@@ -83,15 +83,14 @@ def _stage_cost(
     freed: dict[int, float] = {}  # layer -> what its backward frees of one micro-batch's activations
     measured_layers: list[bool] = []  # per layer: whether its activation bytes were measured
     dtype_bytes = DTYPE_BYTES[layout.dtype]
-    full_time = getattr(cost, "backward_full_time", None)
-    fsdp_time = getattr(cost, "fsdp_extra_time", None) if fsdp_units(level, layout.zero_dp) else None
+    full_time = cost.backward_full_time
+    fsdp_time = cost.fsdp_extra_time if fsdp_units(level, layout.zero_dp) else None
     fsdp = {kind: 0.0 for kind in Pass}
-    measured_bytes = getattr(cost, "activation_bytes", None)
-    per_action = getattr(cost, "action_overhead_time", None)
-    overhead = (per_action(device_type=device_type) or 0.0) if per_action is not None else 0.0
+    measured_bytes = cost.activation_bytes
+    overhead = cost.action_overhead_time(device_type=device_type) or 0.0
     at = {"micro_batch_size": mbs, "seq_len": seq, "device_type": device_type}
     tp_comm = {kind: 0.0 for kind in Pass}  # TP collectives and DTensor's dispatch (measured sources)
-    dtensor_time = getattr(cost, "tp_extra_time", None) if tp > 1 else None
+    dtensor_time = cost.tp_extra_time if tp > 1 else None
     sp = layout.sequence_parallel and tp > 1
     edges = sequence_sharded_edges(layout)
     has_block = any(model.layer_kind(i) == "block" for i in layout.layer_range(stage))
@@ -121,16 +120,14 @@ def _stage_cost(
             if fsdp_time is not None:
                 extra = fsdp_time(layer, kind, **at)
                 fsdp[kind] += (extra or 0.0) * (tensor.scale(kind, tp=tp, **at) if block else 1.0)
-        full = None
-        if full_time is not None:
-            full = full_time(layer, **at)
+        full = full_time(layer, **at)
         fused_known = fused_known and full is not None
         if full is not None:
             back = tensor.scale(Pass.B, tp=tp, **at) + tensor.scale(Pass.W, tp=tp, **at)
             fused_s += full.seconds * (back / 2 if block else 1.0)
         found = None
         # Recomputing blocks keep what their mode keeps (a formula); embedding and head do not recompute.
-        if measured_bytes is not None and mode == "none":
+        if mode == "none":
             found = measured_bytes(layer, **at)
         measured_act = measured_act and found is not None
         measured_layers.append(found is not None)
@@ -244,7 +241,7 @@ def backward_workspace(
     a recomputing block's whole forward activations held again (:func:`recompute_workspace`), less
     what the layers after it (run backward first) have freed by then (``freed``: per layer, the
     activation bytes of one micro-batch its backward lets go)."""
-    measured = getattr(cost, "workspace_bytes", None)
+    measured = None if cost is None else cost.workspace_bytes
     modes = stage_modes(layout, stage)
     tp = layout.stage_tp(stage)
     sp = layout.sequence_parallel and tp > 1
@@ -283,8 +280,8 @@ def recompute_workspace(
     if model.layer_kind(layer) != "block":
         return 0.0
     sp = layout.sequence_parallel and tp > 1
-    measured = getattr(cost, "activation_bytes", None)
-    found = measured(layer, micro_batch_size=mbs, seq_len=seq, device_type=device_type) if measured else None
+    found = (None if cost is None else
+             cost.activation_bytes(layer, micro_batch_size=mbs, seq_len=seq, device_type=device_type))
     dtype_bytes = DTYPE_BYTES[layout.dtype]
     shape = {"micro_batch_size": mbs, "seq_len": seq}
     full = (tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, sequence_parallel=sp,
@@ -378,5 +375,4 @@ def _group_costs(layout: PlanLayout, cluster: Cluster, cost: CostSource, schedul
 
 def _p2p_overhead(cost: CostSource) -> float:
     """The runtime's hand-off per point-to-point transfer, from a measured source (else 0)."""
-    measured = getattr(cost, "p2p_overhead_time", None)
-    return (measured() or 0.0) if measured is not None else 0.0
+    return cost.p2p_overhead_time() or 0.0
