@@ -105,6 +105,13 @@ def sequence_parallel_cases() -> list[Case]:
         # ZeRO-0: the norms' partial gradients summed over TP before the DP all-reduce.
         Case(name="sp-tp2xdp2-zero0", pp=1, dp=2, tp=(2,), split=(6,), zero=(0,),
              schedules=[gen("1f1b", pp=1, micro_batches=2)] * 2, sequence_parallel=True),
+        # With recomputation: a selective block reruns its sequence-parallel norms and gathers; a
+        # full one keeps its input shard (and a split backward reruns it twice).
+        Case(name="sp-tp2xpp2-selective", pp=2, dp=1, tp=(2, 2), split=(3, 3), zero=(0, 0),
+             schedules=[gen("1f1b", pp=2, micro_batches=4)], sequence_parallel=True,
+             recompute=("selective", "selective")),
+        Case(name="sp-tp2xpp2-zbh1-full:1-selective:1", pp=2, dp=1, tp=(2, 2), split=(3, 3), zero=(1, 3),
+             schedules=[zb_h1(2, 4)], sequence_parallel=True, recompute=("full:1", "selective:1")),
     ]
 
 
