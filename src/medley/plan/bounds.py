@@ -184,7 +184,7 @@ def layer_table(
     blocks = [model.layer_kind(i) == "block" for i in range(model.num_layers)]
     refwd = [f if block else 0.0 for f, block in zip(times[Pass.F], blocks, strict=True)]
     share = catalog.cheap_share(1, device_type=device_type, tp=tp, **shape) if model.num_blocks else 0.0
-    sized = {"dtype_bytes": nbytes, "tp": tp, **shape}
+    sized = {"dtype_bytes": nbytes, "tp": tp, "sequence_parallel": sp, **shape}
     return LayerTable(
         device_type=device_type,
         micro_batch_size=micro_batch_size,
