@@ -20,6 +20,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,11 @@ from medley.runtime.groups import RankGroups, RankTable, make_groups, row_major_
 from medley.runtime.optim import optimizer_class
 from medley.runtime.sharding import ShardedStage
 from medley.runtime.stages import build_local_stages
-from medley.runtime.torch_adapter import FakeStore, FakeTensorMode, fake_tensor_mode
+from medley.runtime.tensor_parallel import local_tensor
+from medley.runtime.torch_adapter import fake_store, fake_tensor_mode
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,7 +181,7 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised; the dry run needs its own fake one")
     hook = sys.excepthook  # init_process_group prefixes it with the rank, once per world made
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -207,7 +212,7 @@ def _shards(stages: dict[int, ShardedStage]) -> list[ParamShard]:
     out = []
     for stage in stages.values():
         for name, param in stage.named_parameters_local():
-            local = param.to_local() if isinstance(param, DTensor) else param
+            local = local_tensor(param)
             placements = ", ".join(map(str, param.placements)) if isinstance(param, DTensor) else "whole"
             out.append(ParamShard(name=name, shape=tuple(param.shape), local=tuple(local.shape),
                                   dtype=str(param.dtype).removeprefix("torch."), placements=placements))

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from medley.cost import formulas
 from medley.cost.zero_levels import fsdp_units
@@ -26,6 +25,7 @@ from medley.plan.layout import PlanLayout
 from medley.runtime.model import token_loss_sum
 from medley.runtime.optim import ensure_state
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
+from medley.runtime.tensor_parallel import local_tensor
 from medley.runtime.torch_adapter import fsdp_unsharded_grads, storage_id
 
 TOLERANCE = 0.02
@@ -113,7 +113,7 @@ class Storages:
     def add(self, tensor: torch.Tensor | None) -> None:
         if tensor is None:
             return
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = local_tensor(tensor)
         key = storage_id(local)
         if key not in self.seen:
             self.seen.add(key)

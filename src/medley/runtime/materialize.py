@@ -5,8 +5,9 @@ initialise).
 A parameter as a rank holds it is a box of the whole tensor: a TP slice (``Shard(d)`` over the
 ``tp`` mesh) and, under ZeRO-1/2/3, FSDP2's ``torch.chunk`` piece of that slice along dim 0 (a
 ``_StridedShard`` where both cut dim 0). :func:`local_box` gives that box from the DTensor's
-placements (torch's own ``compute_local_shape_and_global_offset``), for the seeded values here and
-for the rows a rank reads of a Hugging Face checkpoint (:mod:`medley.runtime.hf_weights`).
+placements (torch's own computation, :func:`medley.runtime.torch_adapter.shard_at`), for the
+seeded values here and for the rows a rank reads of a Hugging Face checkpoint
+(:mod:`medley.runtime.hf_weights`).
 
 The values come from :func:`medley.runtime.model.init_values`, the one initialisation rule: each
 layer's parameters are drawn whole, one at a time and in the same order as the single-process
@@ -18,9 +19,10 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from medley.runtime.model import TIED_COPY, Decoder, init_values, tied_copy_value
+from medley.runtime.tensor_parallel import local_tensor
+from medley.runtime.torch_adapter import shard_at
 
 
 def local_box(param: torch.Tensor) -> tuple[slice, ...]:
@@ -28,16 +30,13 @@ def local_box(param: torch.Tensor) -> tuple[slice, ...]:
     tensor)."""
     if not isinstance(param, DTensor):
         return tuple(slice(0, size) for size in param.shape)
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    mesh = param.device_mesh
+    shape, offset = shard_at(tuple(param.shape), tuple(mesh.shape), tuple(mesh.get_coordinate()),
+                             tuple(param.placements))
     if tuple(shape) != tuple(param.to_local().shape):
         raise AssertionError(f"local shape {tuple(param.to_local().shape)} is not the {tuple(shape)} its "
                              f"placements {param.placements} give")
     return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
-
-
-def local_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds of ``param`` (a view of FSDP2's padded shard, which writes fill)."""
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def init_local_shards(module: Decoder, seed: int) -> None:

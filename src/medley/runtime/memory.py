@@ -19,10 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from medley.runtime.sharding import ShardedStage
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+from medley.runtime.tensor_parallel import local_tensor
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -37,7 +34,7 @@ class LiveTensorBytes(TorchDispatchMode):
         self._sample()
 
     def _track(self, tensor: torch.Tensor) -> None:
-        storage = _local(tensor).untyped_storage()
+        storage = local_tensor(tensor).untyped_storage()
         key = id(storage)
         if key not in self.storages:
             self.storages[key] = weakref.ref(storage, lambda _, key=key: self.storages.pop(key, None))

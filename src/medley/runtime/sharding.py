@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from medley.cost.zero_levels import ZeroLevel, fsdp_units, zero_level
 from medley.cost.zero_memory import state_bytes_per_param
 from medley.runtime.model import Decoder, shared_name
-from medley.runtime.tensor_parallel import is_tp_sharded, replicate_partial_grads
+from medley.runtime.tensor_parallel import is_tp_sharded, local_tensor, replicate_partial_grads
 from medley.runtime.torch_adapter import fsdp_reduce_grad, fsdp_unsharded_params
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -202,7 +202,7 @@ class ShardedStage:
         for param, grad in self._final_grads(bucket):
             if param in self.copies or (self.tp_rank > 0 and not is_tp_sharded(grad)):
                 continue
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            local = local_tensor(grad)
             total += local.double().square().sum()
         return total
 
@@ -210,7 +210,7 @@ class ShardedStage:
         """Whether every gradient this rank holds is finite (each replica checks its own copy:
         the norm counts only replica 0's at level 0)."""
         for grad in self.final_grads():
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            local = local_tensor(grad)
             if not bool(torch.isfinite(local).all()):
                 return False
         return True
@@ -263,7 +263,8 @@ class ShardedStage:
         if group is None or not params:
             return
         # TP-sharded gradients (DTensors) reduce their local slices: the dp group holds one TP rank.
-        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
+        grads = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
+                 for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads]).to(self.reduce_dtype)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         offset = 0
@@ -365,7 +366,7 @@ def shard_stage(
 
 
 def _on_meta(module: nn.Module) -> bool:
-    return any(_local(p).is_meta for p in module.parameters())
+    return any(local_tensor(p).is_meta for p in module.parameters())
 
 
 def _same_kind_groups(params: Sequence[nn.Parameter]) -> list[dict[str, list[nn.Parameter]]]:
@@ -388,10 +389,6 @@ def _cast_input(dtype: torch.dtype) -> Any:
         return None
 
     return hook
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _policy(mixed: MixedPrecisionPolicy | None) -> dict[str, MixedPrecisionPolicy]:

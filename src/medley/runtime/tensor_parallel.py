@@ -117,6 +117,12 @@ def apply_sequence_edges(module: Decoder, tp_mesh: DeviceMesh, *, sharded_input:
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of ``tensor``: a DTensor's local piece (its TP slice, FSDP2's
+    padded shard of it: writes to it fill the DTensor), else ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def is_tp_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` (a parameter or its gradient, FSDP-sharded or not) is cut over a TP mesh:
     each TP rank then holds other values, where a replicated one (a plain tensor, or a norm's

@@ -31,6 +31,7 @@ from medley.cost.zero_levels import tied_sum_by_rows
 from medley.runtime.groups import RankGroups, RankTable
 from medley.runtime.model import TIED_WEIGHT
 from medley.runtime.sharding import ShardedStage, shard_rows
+from medley.runtime.tensor_parallel import local_tensor
 from medley.schedule.ir import PipelineSchedule
 
 
@@ -104,7 +105,7 @@ def _local(stage: ShardedStage, param: torch.nn.Parameter) -> torch.Tensor:
     grad = stage.final_grad(param)
     if grad is None:
         raise RuntimeError(f"the tied weight {TIED_WEIGHT} has no gradient at the CLIP action")
-    return grad.to_local() if hasattr(grad, "to_local") else grad
+    return local_tensor(grad)
 
 
 def tied_ranks(table: RankTable, schedules: list[PipelineSchedule]) -> list[tuple[int, int]]:

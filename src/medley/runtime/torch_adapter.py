@@ -4,25 +4,26 @@
   input gradient first and keeps the autograd intermediates that the weight gradient needs later.
 * FSDP2's per-parameter-group reduce-scatter, driven by medley at its REDUCE_GRAD actions instead
   of by FSDP's autograd hooks (as torch's own ``PipelineStage.perform_reduce_grad`` does).
-* The dry run's (:mod:`medley.runtime.dry_run`): the fake process group's store, fake tensors,
-  storage identity and DTensor's shard offsets at a given mesh coordinate (what DCP saves).
+* DTensor's shard sizes and offsets at a mesh coordinate (:func:`shard_at`): what a rank's shard
+  of the seeded initialisation or of a checkpoint holds (:mod:`medley.runtime.materialize`), and
+  what DCP saves.
+* The dry run's (:mod:`medley.runtime.dry_run`): the fake process group's store, fake tensors and
+  storage identity.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
-__all__ = ["FakeStore", "FakeTensorMode"]  # with the functions below
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 def backward_input(
@@ -90,7 +91,17 @@ def fsdp_unsharded_grads(module: FSDPModule) -> list[torch.Tensor | None]:
 
 def fake_tensor_mode() -> FakeTensorMode:
     """A mode whose tensors have shapes and dtypes but no storage bytes (real inputs allowed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_store() -> torch.distributed.Store:
+    """The store of torch's fake process group, with its ``"fake"`` backend registered (imported
+    here, by the dry run only: torch's testing package is no import of a training rank)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
 
 
 def storage_id(tensor: torch.Tensor) -> int:
