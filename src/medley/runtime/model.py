@@ -13,16 +13,16 @@ stage and the full model, but for a tied model's head copy on a stage without th
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from medley.cost.recompute import SAVED_OPS, Recompute, parse_recompute
+from medley.runtime.torch_adapter import rerunnable_selective_contexts
 from medley.spec.model import ModelSpec
 
 
@@ -241,23 +241,11 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class _KeptAfterRead(dict):
-    """One op's cached outputs (by call index) that a read during a rerun does not drop: a split
-    backward (B, then W: two autograd calls) reruns a checkpointed block twice, and torch's cache
-    otherwise refuses the second rerun. The entries go with the block's autograd graph."""
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        if key not in self:  # the forward writes each entry once; a rerun's write only marks it read
-            super().__setitem__(key, value)
-
-
 def selective_contexts() -> tuple[Any, Any]:
     """torch's selective checkpoint contexts under medley's policy (:mod:`medley.cost.recompute`),
-    their cache kept across reruns (:class:`_KeptAfterRead`)."""
-    caching, cached = create_selective_checkpoint_contexts(_selective_policy)
-    storage: defaultdict[Any, _KeptAfterRead] = defaultdict(_KeptAfterRead)
-    caching.storage = cached.storage = storage
-    return caching, cached
+    their cache kept across reruns (a split backward reruns a block twice:
+    :func:`medley.runtime.torch_adapter.rerunnable_selective_contexts`)."""
+    return rerunnable_selective_contexts(_selective_policy)
 
 
 class Decoder(nn.Module):

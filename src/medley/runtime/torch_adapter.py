@@ -7,12 +7,15 @@
 * DTensor's shard sizes and offsets at a mesh coordinate (:func:`shard_at`): what a rank's shard
   of the seeded initialisation or of a checkpoint holds (:mod:`medley.runtime.materialize`), and
   what DCP saves.
+* The cache of torch's selective checkpoint contexts, kept across reruns
+  (:func:`rerunnable_selective_contexts`).
 * The dry run's (:mod:`medley.runtime.dry_run`): the fake process group's store, fake tensors and
   storage identity.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -87,6 +91,25 @@ def fsdp_unsharded_grads(module: FSDPModule) -> list[torch.Tensor | None]:
     return [fp.unsharded_accumulated_grad if fp.unsharded_accumulated_grad is not None
             else fp.unsharded_param.grad
             for group in fsdp_param_groups(module) for fp in group.fsdp_params]
+
+
+class _KeptAfterRead(dict):
+    """One op's cached outputs (by call index) that a read during a rerun does not drop: a split
+    backward (B, then W: two autograd calls) reruns a checkpointed block twice, and torch's cache
+    otherwise refuses the second rerun. The entries go with the block's autograd graph."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key not in self:  # the forward writes each entry once; a rerun's write only marks it read
+            super().__setitem__(key, value)
+
+
+def rerunnable_selective_contexts(policy: Any) -> tuple[Any, Any]:
+    """``torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)`` whose shared cache
+    (the modes' ``storage``, private) keeps its entries after a rerun reads them."""
+    caching, cached = create_selective_checkpoint_contexts(policy)
+    storage: defaultdict[Any, _KeptAfterRead] = defaultdict(_KeptAfterRead)
+    caching.storage = cached.storage = storage
+    return caching, cached
 
 
 def fake_tensor_mode() -> FakeTensorMode:
