@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from medley.errors import MedleyInputError
+from medley.runtime.torch_adapter import dynamo_supported, keep_backward_buffers
 from medley.schedule.ir import Kind, PipelineSchedule
 
 
@@ -56,9 +57,7 @@ def compile_block(block: nn.Module, *, split_backward: bool = False) -> None:
     The backward graph then runs twice per micro-batch: B + W cost about two fused backwards, as
     ``medley profile --compile`` measures."""
     if split_backward:
-        import torch._functorch.config as functorch_config
-
-        functorch_config.donated_buffer = False
+        keep_backward_buffers()
         block.compile(fullgraph=True, options=dict(SPLIT_BACKWARD_OPTIONS))
     else:
         block.compile(fullgraph=True)
@@ -74,9 +73,7 @@ def check_compile_available() -> None:
     early (exit 2, one line) where either is missing."""
     import shutil
 
-    from torch._dynamo import is_dynamo_supported
-
-    if not is_dynamo_supported():
+    if not dynamo_supported():
         raise MedleyInputError("--compile: torch.compile is not supported by this Python or torch build; "
                                "run without --compile")
     if not torch.cuda.is_available() and shutil.which("g++") is None and shutil.which("c++") is None:

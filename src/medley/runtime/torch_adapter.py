@@ -9,6 +9,8 @@
   what DCP saves.
 * The cache of torch's selective checkpoint contexts, kept across reruns
   (:func:`rerunnable_selective_contexts`).
+* ``torch.compile``'s switches (:mod:`medley.runtime.compile`): whether dynamo runs here, and
+  AOTAutograd's buffer donation, off where a compiled backward runs twice.
 * The dry run's (:mod:`medley.runtime.dry_run`): the fake process group's store, fake tensors and
   storage identity.
 """
@@ -110,6 +112,21 @@ def rerunnable_selective_contexts(policy: Any) -> tuple[Any, Any]:
     storage: defaultdict[Any, _KeptAfterRead] = defaultdict(_KeptAfterRead)
     caching.storage = cached.storage = storage
     return caching, cached
+
+
+def dynamo_supported() -> bool:
+    """Whether ``torch.compile`` can run in this Python and torch build."""
+    from torch._dynamo import is_dynamo_supported
+
+    return is_dynamo_supported()
+
+
+def keep_backward_buffers() -> None:
+    """AOTAutograd stops donating a compiled backward's saved buffers, for this process (read
+    when a module is traced): a zero-bubble rank runs one compiled backward twice (B, then W)."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
 
 
 def fake_tensor_mode() -> FakeTensorMode:
