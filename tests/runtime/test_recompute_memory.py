@@ -51,14 +51,17 @@ def measured(first: int, last: int, recompute: Recompute) -> float:
     return float(held + x.untyped_storage().nbytes() - (0 if last_stage else out.untyped_storage().nbytes()))
 
 
-def predicted(split: str, recompute: str) -> list[float]:
+def predicted(split: str, recompute: str, *, tp: int = 1) -> list[float]:
+    """The activation bytes the compiler books per stage of a two-stage pipeline of tiny (``tp`` > 1:
+    tensor parallel with sequence parallelism on both stages)."""
     profile = load_profile(PROFILE).model_copy(update={"overhead": None})
     cost = ProfileCostSource(profile=profile, name=PROFILE.name, model=TINY)
-    nodes = [{"name": "cpus", "device": CPU_DEVICE_TYPE, "count": 2}]
+    nodes = [{"name": "cpus", "device": CPU_DEVICE_TYPE, "count": 2 * tp}]
     cluster = cluster_from_dict({"name": "cpus", "nodes": nodes}, source="test")
     layout = inline_layout(cluster=cluster, model=TINY, cost=cost, pp=2, dp=1, schedule="1f1b",
                            micro_batches="2", micro_batch_size=MBS, seq_len=SEQ, zero="0,0", split=split,
-                           dtype="fp32", recompute=recompute)
+                           dtype="fp32", recompute=recompute, tp=None if tp == 1 else f"{tp},{tp}",
+                           sequence_parallel=tp > 1)
     return [c.activation_bytes for c in compile_problem(layout, cluster, cost).stage_costs[0]]
 
 
@@ -84,3 +87,25 @@ def test_selective_keeps_exactly_the_formulas_tensors_and_less_than_none() -> No
     assert held["full"] == sum(formulas.layer_activation_bytes(TINY, i, recompute="full", **kw)
                                for i in blocks)
     assert held["full"] < held["selective"] < held["none"]
+
+
+@pytest.mark.timeout(300)
+def test_tp2_sequence_parallel_ranks_hold_the_booked_bytes_per_mode(tmp_path: Path) -> None:
+    """Two stages of tiny at tp 2 with sequence parallelism on gloo (the edge between them a
+    sequence shard): what each rank's forward leaves alive, per recomputation mode, against the
+    booked activation bytes (the tp 1 profile through the memory model's TP and SP shares and the
+    recompute formulas): within 5% on both stages."""
+    from equality_worker import Case
+    from test_equality import launch
+    from tp_bytes_worker import RECOMPUTE_MODES, count_sp_recompute_bytes
+
+    case = Case(name="sp-recompute", pp=1, dp=1, split=(3, 3), zero=(0,), tp=(2,))
+    got = launch(2, [case], tmp_path, body=count_sp_recompute_bytes)[case.name]
+    assert "error" not in got, got["error"]
+    booked = {mode: predicted("3,3", mode, tp=2) for mode in RECOMPUTE_MODES}
+    for mode in RECOMPUTE_MODES:
+        print(mode, [f"{got[f'{mode}/{s}'] / 1e6:.3f}/{booked[mode][s] / 1e6:.3f} MB" for s in range(2)])
+    for mode in RECOMPUTE_MODES:
+        for s in range(2):
+            g, b = got[f"{mode}/{s}"], booked[mode][s]
+            assert g == pytest.approx(b, rel=0.05), f"stage {s} {mode}: measured {g:.0f} B, booked {b:.0f} B"

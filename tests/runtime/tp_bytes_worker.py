@@ -120,3 +120,54 @@ def count_saved_bytes(case: Case) -> dict[str, Any]:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+RECOMPUTE_MODES = ("none", "full", "selective", "full:1", "selective:1")
+
+
+def count_sp_recompute_bytes(case: Case) -> dict[str, Any]:
+    """What one micro-batch's forward leaves alive on this TP rank of each stage of tiny split
+    ``case.split`` (tp = all ranks, sequence parallelism; the edge between the stages sharded, as
+    :func:`medley.plan.layout.sharded_edges` says), per recomputation mode: the live local storages
+    with the stage's input and without its output, as ``test_recompute_memory`` counts them at tp 1
+    and at its shape (that of the tiny profile)."""
+    from test_recompute_memory import MBS, SEQ
+
+    from medley.cost.recompute import parse_recompute
+    from medley.plan.layout import sharded_edges
+    from medley.runtime.memory import LiveTensorBytes
+    from medley.runtime.model import token_loss_sum
+
+    spec = get_model("tiny")
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(TP_DIM,))
+    ranges, first = [], 0
+    for count in case.split:
+        ranges.append(range(first, first + count))
+        first += count
+    edges = sharded_edges(spec, ranges, [world] * len(ranges))
+    out: dict[str, Any] = {}
+    for mode in RECOMPUTE_MODES:
+        for s, layers in enumerate(ranges):
+            stage = Decoder(spec, first_layer=layers.start, last_layer=layers.stop, seed=SEED,
+                            recompute=parse_recompute(mode))
+            parallelize_blocks(stage, mesh, sequence_parallel=True)
+            apply_sequence_edges(stage, mesh, sharded_input=s - 1 in edges, sharded_output=s in edges)
+            gen = torch.Generator().manual_seed(SEED + 1)
+            if layers.start == 0:
+                x = torch.randint(0, spec.vocab_size, (MBS, SEQ), generator=gen)
+            else:
+                seq = SEQ // world if s - 1 in edges else SEQ
+                x = torch.randn(MBS, seq, spec.hidden_size, generator=gen, requires_grad=True)
+            targets = torch.randint(0, spec.vocab_size, (MBS, SEQ), generator=gen)
+            tracker = LiveTensorBytes([*map(_local, stage.parameters()), x])
+            base = tracker.live()
+            last = layers.stop == spec.num_layers
+            with tracker:
+                y = stage(x)
+                if last:
+                    y = token_loss_sum(y, targets)
+                held = tracker.live() - base
+            kept = held + x.untyped_storage().nbytes() - (0 if last else _local(y).untyped_storage().nbytes())
+            out[f"{mode}/{s}"] = float(kept)
+    return out

@@ -147,12 +147,14 @@ def _stage_cost(
     # Measured layers count what their forward adds (their output, not their input), the formulas a
     # layer's input (not its output): where a measured layer starts a stage past the first or
     # follows a formula's layer (a recomputing block), its input is held on top; where a formula's
-    # layer follows a measured one, that input was counted twice. Under sequence parallelism the
-    # hidden states inside a stage are sequence shards, and so is a received input that crossed as one.
+    # layer follows a measured one, that input was counted twice. Under sequence parallelism a
+    # block's input inside a stage is a sequence shard (the head's is whole: the last block gathers
+    # it), and so is a received input that crossed as one.
+    layers = layout.layer_range(stage)
     prev: bool | None = None if first else False
     for index, measured_layer in enumerate(measured_layers):
         if prev is not None and measured_layer != prev:
-            sharded = sp and (index > 0 or stage - 1 in edges)
+            sharded = sp and (model.layer_kind(layers[index]) == "block" if index > 0 else stage - 1 in edges)
             piece = boundary / tp if sharded else boundary
             act, after_b = act + (piece if measured_layer else -piece), after_b + (
                 piece if measured_layer else -piece)
