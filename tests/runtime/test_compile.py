@@ -8,6 +8,8 @@ recompute and buckets, TP, ZeRO-3 zero-bubble) took 94 s together with a cold ca
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from train_plans import config, tiny_plan, tp_plan
 
@@ -48,6 +50,16 @@ def test_compiled_zero3_buckets_recompute_matches_the_reference() -> None:
 @pytest.mark.timeout(400)
 def test_compiled_tensor_parallel_matches_the_reference() -> None:
     check_compiled_run(tp_plan(tp=(2, 2), split="3,3", zero="0,0", schedule="1f1b", micro_batches="4"))
+
+
+@pytest.mark.timeout(400)
+def test_compiled_sequence_parallel_with_selective_recompute_matches_the_reference() -> None:
+    """The plan the search makes of TP (sequence parallelism on, a stage recomputing selectively,
+    one its first block): torch.compile traces through SequenceParallel's DTensors and the
+    selective checkpoint contexts."""
+    base = tp_plan(tp=(2, 2), split="3,3", zero="0,0", schedule="1f1b", micro_batches="4")
+    layout = dataclasses.replace(base.layout, sequence_parallel=True, recompute=("selective", "full:1"))
+    check_compiled_run(dataclasses.replace(base, layout=layout))
 
 
 @pytest.mark.timeout(400)
