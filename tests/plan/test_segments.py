@@ -12,10 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from medley.errors import MedleyInputError
+from medley.plan import world
 from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan, load_plan, plan_to_dict, save_plan
 from medley.plan.segments import joined
 from medley.plan.world import build_world
+from medley.schedule import world_order
 from medley.schedule.zero_settings import StageZero
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
@@ -150,3 +152,33 @@ def test_tied_embeddings_are_refused_with_replica_groups_and_never_planned() -> 
     untied = Estimator(cluster, TINY, CatalogCostSource.for_cluster(TINY, cluster), seq_len=16,
                        global_batch=8, memory_headroom=0.05)
     assert grouped_candidates(untied, [parts], [(1, 1)], ("1f1b",), max_pp=6)  # the same, untied: planned
+
+
+@settings(max_examples=40, deadline=None)
+@given(groups=asymmetric_groups())
+def test_walking_one_replica_per_group_and_program_gives_the_verdict_of_walking_all(
+        groups: list[PlanLayout]) -> None:
+    """build_world's world-order check walks one stand-in per (group, program); on every drawn
+    world it reaches the verdict the walk over every replica reaches (the drawn worlds all run, so
+    this finds false hangs; tests/schedule/test_world_order.py has worlds that hang)."""
+    verdicts: list[tuple[bool, bool]] = []
+
+    def both(schedules, key, kin):  # noqa: ANN001, ANN202 - check_world_order's signature
+        found = []
+        for k in (kin, None):
+            try:
+                world_order.check_world_order(schedules, key, kin=k)
+                found.append(False)
+            except world_order.WorldOrderError:
+                found.append(True)
+        verdicts.append((found[0], found[1]))
+        if found[0]:
+            raise world_order.WorldOrderError("hangs")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(world, "check_world_order", both)
+        try:
+            world.build_world(joined(groups))
+        except MedleyInputError:
+            pass
+    assert all(walked == every for walked, every in verdicts)

@@ -87,7 +87,8 @@ def build_world(groups: Sequence[PlanLayout]) -> World:
     world = World(groups=groups, schedules=tuple(placed), segments=segments)
     if several:
         try:
-            check_world_order(world.schedules, lambda replica, action: collective_key(world, replica, action))
+            check_world_order(world.schedules, lambda replica, action: collective_key(world, replica, action),
+                              kin=lambda replica: world.segments.where(replica)[0])
         except WorldOrderError as err:
             raise MedleyInputError(f"layout.replicas: {err}; give the groups other splits or schedules, "
                                    "or ZeRO level 0 where they meet") from None

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 
-from medley.schedule.ir import Action, Kind, PipelineSchedule, add_send_recv, p2p_peer_stage
+from medley.schedule.ir import P2P_KINDS, Action, Kind, PipelineSchedule, add_send_recv, p2p_peer_stage
 
 Rank = tuple[int, int]
 """(global replica, pipeline rank): a TP group runs one program, so its lead stands for it."""
@@ -31,16 +31,41 @@ class WorldOrderError(ValueError):
     comes."""
 
 
-def check_world_order(schedules: Sequence[PipelineSchedule], key: CollectiveKey) -> None:
+def check_world_order(schedules: Sequence[PipelineSchedule], key: CollectiveKey,
+                      kin: Callable[[int], Hashable] | None = None) -> None:
     """Raise :class:`WorldOrderError` unless every replica's program (lowered if compute-only)
-    runs to its end when receives wait for their sends and collectives for all their members."""
-    programs: dict[Rank, list[Action]] = {}
+    runs to its end when receives wait for their sends and collectives for all their members.
+
+    ``kin(replica)``: replicas of one kin that run one program (equal schedules) have
+    the same collective keys for every action and meet in every collective either member joins,
+    so they reach each collective together: one of them stands for all (the first), the others'
+    programs are not walked (a 1,024-device plan of 64 alike replicas walks one per group). The
+    verdict is the same; the error names the stand-ins."""
+    stand_ins: dict[Hashable, list[int]] = {}
     for replica, schedule in enumerate(schedules):
-        if not any(a.kind in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
-                   for row in schedule.actions for a in row) and schedule.num_ranks > 1:
-            schedule = add_send_recv(schedule)
-        for rank, row in enumerate(schedule.actions):
+        alike = stand_ins.setdefault(replica if kin is None else kin(replica), [])
+        if not any(schedules[other] is schedule or schedules[other] == schedule for other in alike):
+            alike.append(replica)
+    walked = frozenset(r for alike in stand_ins.values() for r in alike)
+    lowered: dict[int, PipelineSchedule] = {}
+    programs: dict[Rank, list[Action]] = {}
+    for replica in sorted(walked):
+        schedule = schedules[replica]
+        if id(schedule) not in lowered:
+            lowers = not any(a.kind in P2P_KINDS for row in schedule.actions for a in row)
+            needs = schedule.num_ranks > 1 and lowers
+            lowered[id(schedule)] = add_send_recv(schedule) if needs else schedule
+        for rank, row in enumerate(lowered[id(schedule)].actions):
             programs[(replica, rank)] = row
+    keys: dict[tuple[Hashable, Action], tuple[tuple[Rank, ...], Hashable] | None] = {}
+
+    def walked_key(replica: int, action: Action) -> tuple[tuple[Rank, ...], Hashable] | None:
+        memo = (replica if kin is None else kin(replica), action)
+        if memo not in keys:
+            found = key(replica, action)
+            keys[memo] = None if found is None else (tuple(m for m in found[0] if m[0] in walked), found[1])
+        return keys[memo]
+
     position = dict.fromkeys(programs, 0)
     posted: set[tuple[int, Kind, int, int]] = set()
     waiting_for_send: dict[tuple[int, Kind, int, int], Rank] = {}
@@ -68,7 +93,7 @@ def check_world_order(schedules: Sequence[PipelineSchedule], key: CollectiveKey)
                 if message in waiting_for_send:
                     ready.append(waiting_for_send.pop(message))
             else:
-                found = key(replica, action)
+                found = walked_key(replica, action)
                 if found is not None and len(found[0]) > 1:
                     members, identity = found
                     if me not in at:
