@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from medley.cost.estimator import CatalogCostSource
 from medley.plan import builder, memory_rules, split_rules
-from medley.plan.bounds import MemoryOption
+from medley.plan.bounds import memory_option
 from medley.plan.candidates import Estimator
 from medley.plan.space import Structure
 from medley.spec.cluster_load import parse_cluster_arg
@@ -29,7 +29,7 @@ def test_fixed_option_uniform_split_equal_micro_batches() -> None:
     est = _estimator()
     st = Structure(pool="p", strategy="stage-major", pp=2, dp=2, assignment=((0, 2), (1, 3)),
                    micro_batch_size=1)
-    option = MemoryOption(level=3, buckets=8, recompute=True)
+    option = memory_option(3, buckets=8, recompute=True)
     candidate = builder.build(est, st, "1f1b", split=split_rules.uniform, memory=memory_rules.fixed(option),
                               micro_batches=builder.equal_micro_batches(), estimate=builder.no_estimate)
     assert candidate is not None

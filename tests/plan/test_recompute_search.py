@@ -18,7 +18,7 @@ from medley.cost.estimator import CatalogCostSource
 from medley.cost.recompute import FULL, NONE, SELECTIVE, Recompute, parse_recompute
 from medley.errors import MedleyInputError
 from medley.plan import memory_rules
-from medley.plan.bounds import Flight, MemoryOption, layer_table, stage_memory
+from medley.plan.bounds import Flight, layer_table, memory_option, stage_memory
 from medley.plan.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, load_plan, save_plan
@@ -78,7 +78,7 @@ def test_memory_does_not_grow_and_time_does_not_fall_with_k(i: int, n: int, flig
     recomputed keeps less (its rerun at the backward is booked once, for the largest)."""
     j = min(i + n, MODEL.num_layers)
     blocks = sum(MODEL.layer_kind(layer) == "block" for layer in range(i, j))
-    options = [MemoryOption(level=level, recompute=Recompute(mode, k) if k else NONE)
+    options = [memory_option(level, recompute=Recompute(mode, k) if k else NONE)
                for k in range(blocks + 1)]
     at = {"dp": 4, "in_flight": Flight(full=flight)}
     memory = [stage_memory(TABLE, i, j, option=o, **at) for o in options]
@@ -91,10 +91,10 @@ def test_memory_does_not_grow_and_time_does_not_fall_with_k(i: int, n: int, flig
     if saves:
         assert memory[-1] <= memory[0] * (1 + 1e-12)
     assert all(b >= a for a, b in zip(times, times[1:], strict=False))
-    whole = MemoryOption(level=level, recompute=Recompute(mode))
+    whole = memory_option(level, recompute=Recompute(mode))
     assert stage_memory(TABLE, i, j, option=whole, **at) == pytest.approx(memory[-1])
     # Selective keeps more than full and less than nothing recomputed; it reruns less.
-    sel, full, plain = (MemoryOption(level=level, recompute=r) for r in (SELECTIVE, FULL, NONE))
+    sel, full, plain = (memory_option(level, recompute=r) for r in (SELECTIVE, FULL, NONE))
     if blocks:
         assert stage_memory(TABLE, i, j, option=full, **at) < stage_memory(TABLE, i, j, option=sel, **at)
         if saves:

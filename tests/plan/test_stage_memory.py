@@ -11,7 +11,7 @@ import pytest
 from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
-from medley.plan.bounds import MemoryOption, layer_table, stage_memory
+from medley.plan.bounds import layer_table, memory_option, stage_memory
 from medley.plan.compile import backward_workspace, compile_problem, recompute_workspace
 from medley.plan.layout import PlanLayout
 from medley.schedule.zero_settings import StageZero
@@ -31,8 +31,8 @@ def _table():
 @pytest.mark.parametrize(("i", "j"), [(1, 5), (0, 3), (30, 34)])
 def test_recompute_adds_the_largest_blocks_activations_once(i: int, j: int) -> None:
     table = _table()
-    plain = stage_memory(table, i, j, option=MemoryOption(level=0), dp=1, in_flight=3.0)
-    rc = stage_memory(table, i, j, option=MemoryOption(level=0, recompute=True), dp=1, in_flight=3.0)
+    plain = stage_memory(table, i, j, option=memory_option(0), dp=1, in_flight=3.0)
+    rc = stage_memory(table, i, j, option=memory_option(0, recompute=True), dp=1, in_flight=3.0)
     state = stage_state_bytes(table.params[j] - table.params[i], level=0, dp=1,
                               per_param=state_bytes_per_param("bf16")).peak
     full = [formulas.layer_activation_bytes(MODEL, k, micro_batch_size=MBS, seq_len=SEQ, dtype_bytes=2)
@@ -72,6 +72,6 @@ def test_the_compiler_books_the_same_transient() -> None:
     compiled = compile_problem(layout, cluster, cost).stage_costs[0][0].workspace_bytes
     assert compiled == pytest.approx(max(0.0, rerun - head_act))
     state = stage_state_bytes(table.params[-1], level=0, dp=1, per_param=state_bytes_per_param("bf16")).peak
-    bound = stage_memory(table, 0, MODEL.num_layers, option=MemoryOption(level=0, recompute=True), dp=1,
+    bound = stage_memory(table, 0, MODEL.num_layers, option=memory_option(0, recompute=True), dp=1,
                          in_flight=0.0) - state
     assert compiled <= bound <= rerun

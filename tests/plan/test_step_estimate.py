@@ -13,7 +13,7 @@ from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Collective
 from medley.cost.zero_memory import state_bytes_per_param
-from medley.plan.bounds import MemoryOption, pipeline_time, round_trip_cycle
+from medley.plan.bounds import memory_option, pipeline_time, round_trip_cycle
 from medley.plan.candidates import Estimator
 from medley.plan.collectives import OPTIMIZER_STEP_BYTES_PER_PARAM
 from medley.plan.space import Structure
@@ -53,7 +53,7 @@ def test_dp_collectives_sharing_a_node_port_queue() -> None:
     est = _estimator()
     st = _structure(((0, 1), (8, 9)))
     split = (17, 17)
-    level1 = MemoryOption(level=1)
+    level1 = memory_option(1)
     exposed = exposed_dp(est, st, split, (level1, level1), (16, 16), 0.0)
     state = state_bytes_per_param(est.dtype(st.assignment))
     reductions, gathers, steps = 0.0, 0.0, []
@@ -73,7 +73,7 @@ def test_a_tail_bubble_hides_the_later_ranks_reduction() -> None:
     """Rank 1 finishes its backward half a stage time before rank 0: its reduction starts then."""
     est = _estimator()
     st = _structure(((0, 1), (8, 9)))
-    options = (MemoryOption(level=1), MemoryOption(level=1))
+    options = (memory_option(1), memory_option(1))
     tight = exposed_dp(est, st, (17, 17), options, (16, 16), 0.0)
     hidden = exposed_dp(est, st, (17, 17), options, (16, 16), 1e3)
     rank1 = est.comm.collective_time(

@@ -10,7 +10,7 @@ from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
 from medley.plan import ranking
 from medley.plan import search as search_module
-from medley.plan.bounds import Flight, MemoryOption, stage_memory
+from medley.plan.bounds import Flight, MemoryOption, memory_option, stage_memory
 from medley.plan.builder import build, given_micro_batches
 from medley.plan.candidates import Estimator
 from medley.plan.compile import compile_problem
@@ -61,7 +61,7 @@ def test_tp_degrees_divide_the_model() -> None:
     assert all(model.num_heads % t == 0 and model.num_kv_heads % t == 0 for t in tp_degrees(est, range(8)))
 
 
-@pytest.mark.parametrize("option", [MemoryOption(level=0), MemoryOption(level=1, recompute=True)])
+@pytest.mark.parametrize("option", [memory_option(0), memory_option(1, recompute=True)])
 def test_planner_tables_book_what_the_compiler_books_at_tp(option: MemoryOption) -> None:
     est = _estimator("8xA100-80GB", global_batch=8)
     st = Structure(pool="all", strategy="stage-major", pp=2, dp=2, assignment=((0, 4), (2, 6)),

@@ -40,7 +40,7 @@ from itertools import permutations
 
 from medley.errors import MedleyInputError
 from medley.plan import builder, memory_rules, split_rules
-from medley.plan.bounds import MemoryOption
+from medley.plan.bounds import MemoryOption, memory_option
 from medley.plan.builder import MemoryRule, Setting, StagePlan
 from medley.plan.candidates import Estimator
 from medley.plan.context import PlanContext
@@ -93,7 +93,7 @@ def _zero1_options(dp: int) -> tuple[MemoryOption, MemoryOption]:
     """ZeRO-1 when replicated (Megatron's distributed optimizer), full recomputation only when
     nothing fits without it."""
     level = 1 if dp > 1 else 0
-    return MemoryOption(level=level), MemoryOption(level=level, recompute=True)
+    return memory_option(level), memory_option(level, recompute=True)
 
 
 def one_option_for_all(choices: Sequence[MemoryOption] | None = None) -> MemoryRule:

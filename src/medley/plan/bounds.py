@@ -24,13 +24,14 @@ import numpy as np
 
 from medley.cost import formulas
 from medley.cost.estimator import DTYPE_BYTES, CatalogCostSource
-from medley.cost.interfaces import CommModel, CostSource, Pass
+from medley.cost.interfaces import CommModel, CostSource, Pass, ProfileRangeError
 from medley.cost.recompute import FULL, NONE, Recompute, parse_recompute
 from medley.cost.tensor_parallel import TensorParallelCompute, tp_comm_time
 from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
 from medley.plan.layout import planned_sequence_parallel
 from medley.schedule.generators.classic import one_f_one_b_depth
 from medley.schedule.zero import split_evenly
+from medley.schedule.zero_settings import StageZero
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
@@ -215,20 +216,39 @@ def layer_table(
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryOption:
-    """One way to make a stage fit: ZeRO level (3 here means streamed ZeRO-3) and recomputation
-    (:class:`medley.cost.recompute.Recompute`; True: full)."""
+    """One way to make a stage fit.
 
-    level: int
+    Attributes:
+        zero: the stage's ZeRO setting (:class:`medley.schedule.zero_settings.StageZero`; its
+            ``buckets`` may exceed a short stage's layers, the layout clamps them).
+        recompute: what the stage recomputes (:class:`medley.cost.recompute.Recompute`; True: full).
+    """
+
+    zero: StageZero
     recompute: Recompute = NONE
-    buckets: int = 4
 
     def __post_init__(self) -> None:
         if not isinstance(self.recompute, Recompute):
             object.__setattr__(self, "recompute", parse_recompute(self.recompute))
 
     @property
+    def level(self) -> int:
+        return self.zero.level
+
+    @property
+    def buckets(self) -> int:
+        return self.zero.buckets
+
+    @property
     def streams(self) -> bool:
-        return self.level == 3
+        return self.zero.streams
+
+
+def memory_option(level: int, *, buckets: int = 4, recompute: Recompute | bool = NONE) -> MemoryOption:
+    """The searched option at ZeRO ``level`` in ``buckets`` buckets: the search's ZeRO-3 is
+    streamed (gather windows 0: each compute action gathers its buckets and frees them)."""
+    zero = StageZero(level=level, buckets=buckets, gather_windows=0 if level == 3 else 1)
+    return MemoryOption(zero=zero, recompute=recompute)  # type: ignore[arg-type] - parsed after
 
 
 def memory_options(dp: int, *, replicated_level: int = 0) -> tuple[MemoryOption, ...]:
@@ -237,14 +257,14 @@ def memory_options(dp: int, *, replicated_level: int = 0) -> tuple[MemoryOption,
     steps only a shard but gathers the updated weights after the step, which nothing hides):
     ``replicated_level`` 1 starts the ladder at ZeRO-1, for a builder to try both."""
     if dp == 1:
-        return (MemoryOption(level=0), MemoryOption(level=0, recompute=FULL))
-    plain = (MemoryOption(level=0),) if replicated_level == 0 else ()
+        return (memory_option(0), memory_option(0, recompute=FULL))
+    plain = (memory_option(0),) if replicated_level == 0 else ()
     return (
         *plain,
-        MemoryOption(level=1),
-        MemoryOption(level=3, buckets=8),
-        MemoryOption(level=1, recompute=FULL),
-        MemoryOption(level=3, buckets=8, recompute=FULL),
+        memory_option(1),
+        memory_option(3, buckets=8),
+        memory_option(1, recompute=FULL),
+        memory_option(3, buckets=8, recompute=FULL),
     )
 
 
@@ -421,7 +441,7 @@ def best_standalone_tokens_per_s(
                 for i in range(model.num_layers)
                 for p in Pass
             )
-        except ValueError:  # a measured profile without this size
+        except ProfileRangeError:  # a measured profile without this size
             continue
         best = max(best, (mbs * seq_len / seconds, mbs))
     return best

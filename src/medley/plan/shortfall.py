@@ -9,7 +9,7 @@ from medley.cost import formulas
 from medley.cost.zero_memory import state_bytes_per_param
 from medley.errors import MedleyInputError
 from medley.plan import builder, memory_rules, split_rules
-from medley.plan.bounds import MemoryOption, stage_memory
+from medley.plan.bounds import memory_option, stage_memory
 from medley.plan.context import PlanContext
 from medley.plan.ranking import RankedPlan, rank_plan
 from medley.plan.space import PP_CHOICES, Candidate, Constraints, Structure
@@ -34,7 +34,7 @@ def frugal_candidate(ctx: PlanContext, devices: list[int], max_pp: int, mbs: int
             pool="frugal", strategy="memory-first", pp=pp, dp=dp,
             assignment=ctx.assign(order, pp, dp, "stage-major"), micro_batch_size=mbs,
         )
-        option = MemoryOption(level=3 if dp > 1 else 0, buckets=FRUGAL_BUCKETS, recompute=True)
+        option = memory_option(3 if dp > 1 else 0, buckets=FRUGAL_BUCKETS, recompute=True)
         candidate = builder.build(
             ctx, structure, "1f1b", split=split_rules.uniform, memory=memory_rules.fixed(option),
             micro_batches=builder.equal_micro_batches(), estimate=builder.no_estimate,

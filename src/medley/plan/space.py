@@ -114,11 +114,7 @@ class Candidate:
             micro_batch_size=st.micro_batch_size,
             seq_len=seq_len,
             zero=tuple(
-                StageZero(
-                    level=o.level,
-                    buckets=max(1, min(o.buckets, n)),
-                    gather_windows=0 if o.streams else 1,
-                )
+                replace(o.zero, buckets=max(1, min(o.buckets, n)))
                 for o, n in zip(self.options, self.stage_layers, strict=True)
             ),
             placement=Placement.BUBBLE,
