@@ -1,0 +1,30 @@
+"""The README's measured figures are the ones the benchmarks wrote (prose figures come from data):
+the demo's times from bench/results/demo_time.json, the dry run's from check_dry_run.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_the_demo_times_are_the_measured_ones() -> None:
+    data = json.loads((ROOT / "bench" / "results" / "demo_time.json").read_text())
+    whole = round(data["runs"]["whole"]["wall_s"])
+    said = (f"{whole} s measured by `bench/demo_time.py` with `scripts/demo.sh`, of which about "
+            f"{data['hf_part_s']} s is the Hugging Face part, `--hf-steps 0` skips it; about "
+            f"{data['without_training_s']} s without the real CPU runs")
+    assert said in one_line(README)
+
+
+def test_the_dry_run_cpu_time_is_the_measured_one() -> None:
+    data = json.loads((ROOT / "bench" / "results" / "check_dry_run.json").read_text())
+    said = (f"The 1,024-device 70B plan ({data['world_size']} ranks, {data['ranks_built']} built) took "
+            f"{data['wall_s']:.0f} s wall clock, {data['cpu_s']:.0f} s of CPU")
+    assert said in one_line(README)
