@@ -12,6 +12,7 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from medley.cli.demo import run_demo
+from medley.cli.demo_hf import hf_finetune
 from medley.plan.plan import load_plan
 
 
@@ -37,3 +38,8 @@ def test_demo_plans_simulates_and_trains(tmp_path: Path) -> None:
     assert any(not torch.equal(base[name], tuned[name]) for name in base), "the steps must change the weights"
     if importlib.util.find_spec("transformers") is not None:
         assert hf["generated"].startswith("The river") and len(hf["generated_ids"]) > 2
+    # The demo run again into the same --out (as `scripts/demo.sh` twice does) replaces its own
+    # Hugging Face directories instead of stopping at "demo-hf-base: File exists".
+    again = hf_finetune(out_dir=tmp_path, plan=load_plan(tmp_path / "demo-emulated-plan.toml"), steps=1,
+                        emulate=True, console=Console(quiet=True))
+    assert Path(again["export"]) == exported and (exported / "model.safetensors").stat().st_size > 0

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from medley.fileio import remove_path
 from medley.plan.plan import Plan
 from medley.spec.model import ModelSpec
 
@@ -97,10 +98,12 @@ def hf_finetune(*, out_dir: Path, plan: Plan, steps: int, emulate: bool, console
     shape = replace(plan.shared.model, vocab_size=HF_VOCAB, tied_embeddings=False)
     shapes = " + ".join(f"pp={g.pp} x dp={g.dp}" for g in plan.groups)
     console.rule(f"A Hugging Face model: made here, fine-tuned on {shapes}, exported, loaded by transformers")
+    export = out_dir / "demo-hf-finetuned"
+    for earlier in (out_dir / "demo-hf-base", export):  # an earlier demo's, in the demo's own --out
+        remove_path(earlier)
     base = write_model_dir(out_dir / "demo-hf-base", shape, seed=1)
     model = get_model(str(base))
     check_init_from(model, base)
-    export = out_dir / "demo-hf-finetuned"
     config = TrainConfig(steps=steps, emulate=emulate, init_from=base, hf_dir=base, warmup_steps=2,
                          lr=1e-2, checkpoint_dir=export_checkpoints(export))
     records = train_local(Plan(groups=[replace(g, model=model) for g in plan.groups], cluster=plan.cluster),
