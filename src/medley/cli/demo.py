@@ -17,7 +17,10 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -31,7 +34,7 @@ from medley.cli.plan_report import print_result, result_data
 from medley.cli.simulate_cmd import write_pictures
 from medley.cli.spec_cmds import print_cluster, print_model_costs
 from medley.cost.estimator import CatalogCostSource
-from medley.fileio import check_output_dir
+from medley.fileio import check_output_dir, write_atomically
 from medley.plan.explain import explain
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, load_plan, save_plan
@@ -136,21 +139,36 @@ def emulated_run(*, out_dir: Path, steps: int, console: Console) -> dict:
             "loss_first": records[0].loss, "loss_last": records[-1].loss}
 
 
+PARTS = {"plan": "planning", "zero_placement": "ZIPPer", "run": "real run", "hf": "Hugging Face"}
+
+
 def run_demo(*, out_dir: Path, model_name: str, console: Console, train_steps: int = 30,
              hf_steps: int = 0) -> dict:
     """The demo's parts and their figures; ``hf_steps`` > 0 adds the Hugging Face part, which
     trains on the emulated run's plan (so it needs ``train_steps`` > 0)."""
-    figures = {"plan": plan_demo_cluster(out_dir=out_dir, model_name=model_name, console=console)}
-    figures["zero_placement"] = zero_placement_demo(model_name=model_name, console=console)
+    seconds: dict[str, float] = {}
+    figures: dict = {"seconds": seconds}
+
+    def part(name: str, run: Callable[[], object]) -> None:
+        start = time.perf_counter()
+        figures[name] = run()
+        seconds[name] = round(time.perf_counter() - start, 1)
+
+    part("plan", lambda: plan_demo_cluster(out_dir=out_dir, model_name=model_name, console=console))
+    part("zero_placement", lambda: zero_placement_demo(model_name=model_name, console=console))
     if train_steps > 0:
-        figures["run"] = emulated_run(out_dir=out_dir, steps=train_steps, console=console)
+        part("run", lambda: emulated_run(out_dir=out_dir, steps=train_steps, console=console))
     if train_steps <= 0 < hf_steps:
         console.print("the Hugging Face part trains on the emulated run's plan: skipped with --train-steps 0")
     elif hf_steps > 0:
         from medley.cli.demo_hf import hf_finetune
 
         plan = load_plan(out_dir / "demo-emulated-plan.toml")
-        figures["hf"] = hf_finetune(out_dir=out_dir, plan=plan, steps=hf_steps, emulate=True, console=console)
+        part("hf", lambda: hf_finetune(out_dir=out_dir, plan=plan, steps=hf_steps, emulate=True,
+                                       console=console))
+    write_atomically(out_dir / "demo-times.json", json.dumps(seconds, indent=1) + "\n")
+    console.print("took " + ", ".join(f"{PARTS[name]} {s:.1f} s" for name, s in seconds.items())
+                  + f" ({out_dir / 'demo-times.json'})")
     return figures
 
 
