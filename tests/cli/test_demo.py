@@ -27,8 +27,9 @@ def test_demo_plans_simulates_and_trains(tmp_path: Path) -> None:
     assert run["predicted_s"] > 0 and 0 < run["fastest_s"] <= run["median_s"]
     assert run["loss_last"] < run["loss_first"]
     for name in ("demo-plan.toml", "demo-emulated-plan.toml", "demo-gantt.png", "demo-trace.json",
-                 "demo-profile-cpu.json"):
+                 "demo-profile-cpu.json", "demo-times.json"):
         assert (tmp_path / name).stat().st_size > 0
+    assert set(figures["seconds"]) == {"plan", "zero_placement", "run", "hf"}
     assert load_plan(tmp_path / "demo-emulated-plan.toml").shared.clip_grad
     hf = figures["hf"]
     exported = Path(hf["export"])

@@ -21,7 +21,7 @@ backward holds again is :func:`medley.cost.formulas.layer_rerun_bytes`, and the 
 forward time it reruns is :func:`rerun_share`: the source's forward time (measured where a profile
 has it) times the catalog roofline's share of memory-bound work in it, an estimate; no profile
 measures a selective block's rerun yet. On CPU with tiny blocks the selective contexts' dispatch
-modes cost Python time per op that this leaves out (bench/results/fidelity-recompute.md).
+modes cost Python time per op that this leaves out (bench/results/fidelity.md, the tiny-pp2-selective cases).
 """
 
 from __future__ import annotations
