@@ -111,11 +111,16 @@ def cluster_summary(cluster: Cluster) -> dict[str, Any]:
     }
 
 
+def tflops_text(tflops: float) -> str:
+    """Whole TFLOPS from 10 up, two significant digits below (a CPU's 0.5 is not "0")."""
+    return f"{tflops:,.0f}" if tflops >= 10 else f"{tflops:.2g}"
+
+
 def print_cluster(cluster: Cluster, console: Console) -> None:
     summary = cluster_summary(cluster)
     table = Table(
         title=f"Cluster '{cluster.name}': {cluster.num_devices} devices, "
-        f"{summary['total_tflops_half']:,.0f} bf16/fp16 TFLOPS, "
+        f"{tflops_text(summary['total_tflops_half'])} bf16/fp16 TFLOPS, "
         f"{summary['total_memory_gb']:,.0f} GB"
     )
     for col in ("node", "devices", "ids", "memory GB", "TFLOPS", "node link", "groups"):
@@ -123,7 +128,8 @@ def print_cluster(cluster: Cluster, console: Console) -> None:
     rows = summary["nodes"]
     shown = rows if len(rows) <= 24 else rows[:12] + rows[-4:]
     for row in shown:
-        ids = f"{row['first_device']}-{row['first_device'] + row['count'] - 1}"
+        last = row['first_device'] + row['count'] - 1
+        ids = f"{row['first_device']}" if last == row['first_device'] else f"{row['first_device']}-{last}"
         link = (
             f"{row['link']['kind']} {row['link']['bandwidth_gbps']:g} GB/s, {row['link']['latency_us']:g} µs"
         )
@@ -132,7 +138,7 @@ def print_cluster(cluster: Cluster, console: Console) -> None:
             f"{row['count']}x {', '.join(row['device_types'])}",
             ids,
             f"{row['memory_gb']:,.0f}",
-            f"{row['tflops']:,.0f}",
+            tflops_text(row["tflops"]),
             link,
             " / ".join(row["groups"]),
         )

@@ -20,7 +20,7 @@ from medley.cli import hf_cmd
 from medley.cli.console import literal, make_console
 from medley.cli.errors import MedleyInputError, exit_on_input_error, print_error
 from medley.plan.plan import Plan
-from medley.runtime.placement import world_size_terms
+from medley.runtime.placement import ranks_needed
 from medley.spec.limits import MAX_SEED, MAX_STEPS
 
 DEFAULT_DEVICE = "A100-80GB"
@@ -74,7 +74,7 @@ def run(plan: Plan, config, *, local_ranks: int | None):  # noqa: ANN001, ANN201
         return train_local(plan, config, nprocs=local_ranks)
     if "RANK" not in os.environ:
         raise MedleyInputError(
-            f"the plan needs {plan.world_size} ranks: launch with torchrun --nproc-per-node "
+            f"the plan needs {ranks_needed(plan)}: launch with torchrun --nproc-per-node "
             f"{plan.world_size} or pass --local-ranks {plan.world_size}")
     result = rank_main(plan, config)
     if isinstance(result, InputFailure):
@@ -307,8 +307,8 @@ def register(app: typer.Typer) -> None:
                 sequence_parallel=sequence_parallel)
         if local_ranks is not None and local_ranks != the_plan.world_size:
             raise MedleyInputError(
-                f"--local-ranks {local_ranks}: the plan needs {world_size_terms(the_plan)} = "
-                f"{the_plan.world_size} ranks; pass --local-ranks {the_plan.world_size}")
+                f"--local-ranks {local_ranks}: the plan needs {ranks_needed(the_plan)}; "
+                f"pass --local-ranks {the_plan.world_size}")
         from medley.runtime.config import load_data
 
         # A bad --data fails once, before launch; a text data set is tokenized here, once.

@@ -38,7 +38,7 @@ from medley.plan.plan import Plan
 from medley.runtime import placement
 from medley.runtime.lifecycle import die_with_parent
 from medley.runtime.nodes import LAUNCHER_PID_ENV, ONE_THREAD_ENV
-from medley.runtime.placement import PlacementEntry, world_size_terms
+from medley.runtime.placement import PlacementEntry, ranks_needed
 from medley.runtime.train import StepRecord, TrainConfig, load_data, train
 
 PROCESS_GROUP_TIMEOUT_S = 120
@@ -159,8 +159,8 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, m
     nprocs = plan.world_size if nprocs is None else nprocs
     if nprocs != plan.world_size:
         raise MedleyInputError(
-            f"--local-ranks {nprocs}: the plan needs {world_size_terms(plan)} = "
-            f"{plan.world_size} ranks; pass --local-ranks {plan.world_size}")
+            f"--local-ranks {nprocs}: the plan needs {ranks_needed(plan)}; "
+            f"pass --local-ranks {plan.world_size}")
     # Check the data and build any token cache here, once, before a rank starts (they map it).
     load_data(config, seq_len=plan.shared.seq_len, vocab_size=plan.shared.model.vocab_size)
     launch = LaunchConfig(

@@ -98,6 +98,12 @@ def world_size_terms(plan: Plan) -> str:
     return terms[0] if len(terms) == 1 else " + ".join(f"({term})" for term in terms)
 
 
+def ranks_needed(plan: Plan) -> str:
+    """``pp P x dp D = N ranks`` (``= 1 rank`` for one), for messages."""
+    count = plan.world_size
+    return f"{world_size_terms(plan)} = {count} rank{'' if count == 1 else 's'}"
+
+
 def _group_terms(layout: PlanLayout) -> str:
     if set(layout.tp) <= {1}:
         return f"pp {layout.pp} x dp {layout.dp}"

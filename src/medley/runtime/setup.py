@@ -20,7 +20,7 @@ from medley.runtime import placement
 from medley.runtime.executor import RankExecutor, with_default_collectives
 from medley.runtime.groups import RankGroups, RankPlace, RankTable, make_groups, segment_holders
 from medley.runtime.model import token_loss_sum
-from medley.runtime.placement import PlacementEntry, world_size_terms
+from medley.runtime.placement import PlacementEntry, ranks_needed
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 from medley.runtime.stages import build_local_stages
 from medley.runtime.tensor_parallel import tp_synced_stages
@@ -65,8 +65,9 @@ def check_plan(plan: Plan, world_size: int) -> None:
     layout, model = plan.shared, plan.shared.model
     if world_size != plan.world_size:
         raise MedleyInputError(
-            f"the plan needs {world_size_terms(plan)} = {plan.world_size} ranks but {world_size} were "
-            f"started; launch {plan.world_size} (torchrun --nproc-per-node {plan.world_size}, or "
+            f"the plan needs {ranks_needed(plan)} but {world_size} "
+            f"{'was' if world_size == 1 else 'were'} started; launch {plan.world_size} "
+            f"(torchrun --nproc-per-node {plan.world_size}, or "
             f"--local-ranks {plan.world_size}) or change layout.pp / layout.dp / layout.tp")
     if any(group.schedule == "bidirectional" for group in plan.groups):
         raise MedleyInputError("layout.schedule 'bidirectional' (the model held twice) is not run by the "
