@@ -144,7 +144,7 @@ def main() -> None:
     for row in rows:
         print(f"{row['family']:>12} pp={row['pp']:<3} m={row['micro_batches']:<4} comm={row['comm']!s:<5} "
               f"{row['executed_ops']:>7} ops in {row['seconds']:.3f} s = {row['ops_per_s']:,.0f}/s")
-    slowest = max(r["seconds"] for r in rows if _is_goal(r, payload))
+    slowest = max((r["seconds"] for r in rows if _is_goal(r, payload)), default=0.0)
     print(f"goal: 1F1B {GOAL_PP} stages x {GOAL_M} micro-batches under {GOAL_S:g} s: "
           f"{'met' if payload['goal_met'] else 'MISSED'} (slowest of its cases {slowest:.3f} s)")
 
