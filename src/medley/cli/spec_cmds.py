@@ -21,7 +21,7 @@ from medley.cost.interfaces import Pass
 from medley.spec.catalog import DeviceType, load_catalog
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import parse_cluster_arg
-from medley.spec.model import ModelSpec
+from medley.spec.model import PRESETS, ModelSpec
 from medley.spec.model_arg import get_model
 
 DEFAULT_MODEL_CLUSTER = "4xA100-80GB+4xV100-32GB+4xT4-16GB"  # the demo cluster's device types
@@ -160,6 +160,27 @@ def print_cluster(cluster: Cluster, console: Console) -> None:
         print_table(console, tiers)
 
 
+def preset_rows() -> list[dict[str, Any]]:
+    """Every model preset's name and shape (what ``--model NAME`` takes)."""
+    return [{"name": name, "params": formulas.total_params(spec), "blocks": spec.num_blocks,
+             "hidden": spec.hidden_size, "heads": spec.num_heads, "kv_heads": spec.num_kv_heads,
+             "vocab": spec.vocab_size, "max_seq_len": spec.max_seq_len,
+             "tied_embeddings": spec.tied_embeddings}
+            for name, spec in PRESETS.items()]
+
+
+def print_presets(console: Console) -> None:
+    table = Table(title="Model presets (--model NAME; or a Hugging Face config.json or model directory)")
+    for col in ("name", "parameters", "blocks", "hidden", "heads / kv", "vocab", "max seq"):
+        table.add_column(col, justify="left" if col == "name" else "right")
+    for row in preset_rows():
+        params = row["params"]
+        size = f"{params / 1e9:.1f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
+        table.add_row(row["name"], size, str(row["blocks"]), str(row["hidden"]),
+                      f"{row['heads']} / {row['kv_heads']}", f"{row['vocab']:,}", f"{row['max_seq_len']:,}")
+    print_table(console, table)
+
+
 def model_summary(
     model: ModelSpec, cluster: Cluster, *, micro_batch_size: int, seq_len: int, dtype: str = "bf16"
 ) -> dict[str, Any]:
@@ -286,6 +307,14 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(cluster_summary(spec), indent=2))
         else:
             print_cluster(spec, make_console())
+
+    @model_app.command("list")
+    def model_list(as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False) -> None:
+        """The model presets: name, parameters and shape."""
+        if as_json:
+            typer.echo(json.dumps(preset_rows(), indent=2))
+        else:
+            print_presets(make_console())
 
     @model_app.command("show")
     def model_show(

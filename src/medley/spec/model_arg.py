@@ -19,7 +19,12 @@ def get_model(name_or_path: str) -> ModelSpec:
         path = path / "config.json"
     if path.suffix == ".json" or path.exists():
         return load_hf_config(path)
+    if "/" in name_or_path or name_or_path.startswith("."):  # meant as a path
+        raise MedleyInputError(
+            f"model {name_or_path}: no such file or directory; give the path of a Hugging Face model "
+            "directory or its config.json (e.g. huggingface-cli download ORG/NAME --local-dir DIR), "
+            "or a preset (medley model list)")
     raise MedleyInputError(
-        f"unknown model '{name_or_path}': give a preset ({', '.join(PRESETS)}) or the "
+        f"unknown model '{name_or_path}': give a preset ({', '.join(PRESETS)}; medley model list) or the "
         f"path of a Hugging Face config.json."
     )
