@@ -139,8 +139,8 @@ def test_help_says_what_medley_does_and_lists_commands_in_order_of_use() -> None
     assert result.exit_code == 0
     assert "medley plans, simulates and runs hybrid-parallel" in result.output
     assert "--debug" in result.output
-    listed = [line.split()[1] for line in result.output.splitlines()
-              if line.startswith("│ ") and len(line.split()) > 1 and line.split()[1] in ORDER]
+    listed = [line.split()[0] for line in result.output.split("Commands:")[1].splitlines()
+              if line.startswith("  ") and not line.startswith("   ") and line.split()[0] in ORDER]
     assert listed == list(ORDER)
 
 

@@ -73,3 +73,17 @@ def test_print_table_never_cuts_a_cell(width: int, cells: list[str]) -> None:
     text = out.replace("\n", "")
     for cell in cells:
         assert cell in text or len(cell) + 2 > width  # a cell wider than the screen folds, never cut
+
+
+def test_every_help_text_fits_80_columns_without_cutting_an_option() -> None:
+    """rich's help panels cut long option names at 80 columns (`--checkpoint-eve…`); the plain
+    help wraps the descriptions and keeps every name whole."""
+    import typer
+
+    group = typer.main.get_command(app)
+    commands = [[name] for name in group.commands]  # type: ignore[attr-defined]
+    commands += [[name, sub] for name, cmd in group.commands.items()  # type: ignore[attr-defined]
+                 for sub in getattr(cmd, "commands", {})]
+    for args in commands:
+        out = run([*args, "--help"], 80)
+        assert "…" not in out and all(len(line) <= 80 for line in out.splitlines()), (args, out)

@@ -97,7 +97,7 @@ def hf_finetune(*, out_dir: Path, plan: Plan, steps: int, emulate: bool, console
 
     shape = replace(plan.shared.model, vocab_size=HF_VOCAB, tied_embeddings=False)
     shapes = " + ".join(f"pp={g.pp} x dp={g.dp}" for g in plan.groups)
-    console.rule(f"A Hugging Face model: made here, fine-tuned on {shapes}, exported, loaded by transformers")
+    console.rule(f"Hugging Face: make, fine-tune on {shapes}, export, load")
     export = out_dir / "demo-hf-finetuned"
     for earlier in (out_dir / "demo-hf-base", export):  # an earlier demo's, in the demo's own --out
         remove_path(earlier)

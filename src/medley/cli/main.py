@@ -45,6 +45,17 @@ class MedleyGroup(TyperGroup):
         names = super().list_commands(ctx)
         return sorted(names, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
 
+    def format_commands(self, ctx: Any, formatter: Any) -> None:  # noqa: ANN401 - click's
+        """Each command with its first paragraph whole, wrapped (click cuts it to one line)."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, " ".join((command.help or "").strip().split("\n\n")[0].split())))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
     def make_context(self, info_name: str | None, args: list[str], parent: Any = None,  # noqa: ANN401
                      **extra: Any) -> Any:  # noqa: ANN401 - typer's click context
         return guarded(lambda: super(MedleyGroup, self).make_context(info_name, args, parent, **extra))
@@ -54,7 +65,7 @@ class MedleyGroup(TyperGroup):
 
 
 app = typer.Typer(cls=MedleyGroup, no_args_is_help=True, add_completion=False, help=HELP,
-                  pretty_exceptions_show_locals=False)
+                  pretty_exceptions_show_locals=False, rich_markup_mode=None)
 
 
 @app.callback()
