@@ -50,7 +50,12 @@ def test_plan_json_out_and_show(tmp_path: Path) -> None:
     assert set(best["headroom_gb_by_type"]) <= {"A100-80GB", "V100-32GB"}
     for row in data["plans"]:  # tp per pipeline rank; devices counted with their TP groups
         assert len(row["tp"]) == row["pp"] and row["devices_used"] == row["dp"] * sum(row["tp"])
+        placed = [d for replica in row["assignment"] for group in replica for d in group]
+        assert len(placed) == len(set(placed)) == row["devices_used"]
+        assert [[len(group) for group in replica] for replica in row["assignment"]] == [row["tp"]] * row["dp"]
     plan = load_plan(plan_file)
+    assert data["plans"][0]["assignment"] == [[list(plan.layout.group(r, k)) for k in range(plan.layout.pp)]
+                                              for r in range(plan.layout.dp)]
     assert plan.prediction is not None
     assert plan.prediction.tokens_per_s == best["tokens_per_s"]
     code, out = _run("show", str(plan_file), "--gantt", str(tmp_path / "g.png"), "--json")
