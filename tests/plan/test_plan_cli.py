@@ -50,12 +50,13 @@ def test_plan_json_out_and_show(tmp_path: Path) -> None:
     assert set(best["headroom_gb_by_type"]) <= {"A100-80GB", "V100-32GB"}
     for row in data["plans"]:  # tp per pipeline rank; devices counted with their TP groups
         assert len(row["tp"]) == row["pp"] and row["devices_used"] == row["dp"] * sum(row["tp"])
-        placed = [d for replica in row["assignment"] for group in replica for d in group]
+        placed = [d for rank in row["tp_groups"] for group in rank for d in group]  # the device assignment
         assert len(placed) == len(set(placed)) == row["devices_used"]
-        assert [[len(group) for group in replica] for replica in row["assignment"]] == [row["tp"]] * row["dp"]
+        sizes = [[len(group) for group in rank] for rank in row["tp_groups"]]
+        assert sizes == [[t] * row["dp"] for t in row["tp"]]
     plan = load_plan(plan_file)
-    assert data["plans"][0]["assignment"] == [[list(plan.layout.group(r, k)) for k in range(plan.layout.pp)]
-                                              for r in range(plan.layout.dp)]
+    assert data["plans"][0]["tp_groups"] == [[list(plan.layout.group(r, k)) for r in range(plan.layout.dp)]
+                                             for k in range(plan.layout.pp)]
     assert plan.prediction is not None
     assert plan.prediction.tokens_per_s == best["tokens_per_s"]
     code, out = _run("show", str(plan_file), "--gantt", str(tmp_path / "g.png"), "--json")

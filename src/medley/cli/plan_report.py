@@ -28,8 +28,6 @@ def group_row(layout: PlanLayout, cluster: Cluster) -> dict:
         **group_summary(layout),
         "device_types": sorted({cluster.devices[d].type.name for d in layout.devices}),
         "devices_used": len(layout.devices),
-        # assignment[r][k]: the device ids (TP rank order) of replica r's pipeline rank k
-        "assignment": [[list(layout.group(r, k)) for k in range(layout.pp)] for r in range(layout.dp)],
         "micro_batch_size": layout.micro_batch_size,
         "streamed": [z.streams for z in layout.zero],
         "placement": layout.placement.value,
