@@ -14,6 +14,7 @@ from medley.plan.layout import PlanLayout
 from medley.plan.predict import layer_sources
 from medley.plan.ranking import RankedPlan
 from medley.plan.search import SearchResult
+from medley.spec.catalog import precision_reason
 from medley.spec.cluster import Cluster
 
 GB = 1e9
@@ -28,6 +29,7 @@ def group_row(layout: PlanLayout, cluster: Cluster) -> dict:
         **group_summary(layout),
         "device_types": sorted({cluster.devices[d].type.name for d in layout.devices}),
         "devices_used": len(layout.devices),
+        "dtype": layout.dtype,
         "micro_batch_size": layout.micro_batch_size,
         "streamed": [z.streams for z in layout.zero],
         "placement": layout.placement.value,
@@ -38,8 +40,10 @@ def _shape_fields(plan: RankedPlan, cluster: Cluster) -> dict:
     """The plan's shape: its groups (``replica_groups``) and, for alike replicas, the one group's
     fields at the top level too."""
     groups = [group_row(layout, cluster) for layout in plan.plan.groups]
+    dtype = plan.plan.shared.dtype  # one precision for every group
+    precision = precision_reason(dtype, {cluster.devices[d].type for d in plan.plan.devices})
     return {"asymmetric": plan.plan.asymmetric, "devices_used": len(plan.plan.devices),
-            "replica_groups": groups, **({} if plan.plan.asymmetric else groups[0])}
+            "precision": precision, "replica_groups": groups, **({} if plan.plan.asymmetric else groups[0])}
 
 
 def _plan_row(plan: RankedPlan, result: SearchResult) -> dict:
@@ -153,7 +157,7 @@ def print_result(data: dict, console: Console) -> None:
         figures.add_column(col, justify="right")
     shapes = Table(title="The ranked plans")
     columns = ("#", "pp x dp", "tp per rank", "schedule", "mbs x counts", "layers per stage",
-               "ZeRO per stage")
+               "ZeRO per stage", "dtype")
     for col in columns:
         shapes.add_column(col, justify="right", overflow="fold")
     for rank, row in enumerate(data["plans"], 1):
@@ -163,6 +167,8 @@ def print_result(data: dict, console: Console) -> None:
             _add_shape(shapes, f"{rank}" if len(groups) == 1 else f"{rank}.g{g}", group)
     print_table(console, figures)
     print_table(console, shapes)
+    console.print(f"precision of plan 1: {data['plans'][0]['precision']} "
+                  "(medley train --dtype trains another)")
     if any(row["asymmetric"] for row in data["plans"]):
         console.print("N.gK: replica group K of plan N, replicas of their own shape (each holds every layer; "
                       "replicas meet in the ZeRO groups of the layers they share)")
@@ -198,6 +204,7 @@ def _add_shape(shapes: Table, label: str, row: dict) -> None:
         f"{row['micro_batch_size']} x {_short(sorted(set(row['micro_batches'])))}",
         _short(row["split"]),
         _short(zero),
+        row["dtype"],
     )
 
 

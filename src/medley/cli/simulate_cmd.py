@@ -24,6 +24,7 @@ from medley.plan.predict import layer_sources, simulate_layout
 from medley.plan.world import build_world
 from medley.sim.problem import SimProblem
 from medley.sim.result import SimResult
+from medley.spec.catalog import precision_reason
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model import ModelSpec
@@ -105,6 +106,8 @@ def summary(layout: PlanLayout | Sequence[PlanLayout], cluster: Cluster, problem
         "micro_batch_size": first.micro_batch_size,
         "seq_len": first.seq_len,
         "dtype": first.dtype,
+        "precision": precision_reason(first.dtype, {cluster.devices[d].type for g in groups
+                                                    for d in g.devices}),
         "zero_placement": str(first.placement),
         "replica_groups": [group_summary(group) for group in groups],
         "step_time_s": result.step_time_s,
@@ -139,7 +142,7 @@ def _title(data: dict) -> str:
     tp = f" tp={','.join(map(str, data['tp']))}" if any(t > 1 for t in data.get("tp", ())) else ""
     tp += "+sp" if tp and data.get("sequence_parallel") else ""
     return (f"{data['model']} · {data['schedule']} · pp={data['pp']} dp={data['dp']}{tp} "
-            f"· split {data['split']} · ZeRO {data['zero']} ({data['zero_placement']})")
+            f"· split {data['split']} · ZeRO {data['zero']} ({data['zero_placement']}) · {data['dtype']}")
 
 
 def print_groups(data: dict, console: Console) -> None:
@@ -209,6 +212,7 @@ def print_summary(data: dict, console: Console) -> None:
             for k, (t, groups) in enumerate(zip(data["tp"], data["tp_groups"], strict=True))))
     if any(data.get("recompute", ())):
         console.print("recomputation per stage: " + ", ".join(data["recompute_mode"]))
+    console.print("precision: " + data["precision"])
     if "cost_sources" in data:
         parts = [f"{device}: " + ", ".join(f"{kind} {src}" for kind, src in kinds.items())
                  for device, kinds in data["cost_sources"].items()]

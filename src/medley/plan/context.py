@@ -106,7 +106,8 @@ class PlanContext:
         return self.device_types[device_type].memory_bytes * (1.0 - self.headroom)
 
     def dtype(self, assignment: Assignment) -> str:
-        """bf16 when every device of ``assignment`` supports it, else fp16."""
+        """:func:`medley.spec.catalog.half_precision` of ``assignment``'s devices (per device
+        flags, the search asks this for every structure)."""
         no_bf16 = self._no_bf16.__getitem__
         return "fp16" if any(map(no_bf16, chain.from_iterable(assignment))) else "bf16"
 

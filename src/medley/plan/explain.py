@@ -20,6 +20,7 @@ from medley.plan.search import SearchResult
 from medley.plan.split_rules import uniform_split
 from medley.schedule.zero_settings import Placement, StageZero
 from medley.sim.result import SimResult
+from medley.spec.catalog import precision_reason
 
 GB = 1e9
 # How the explanation names each ZeRO placement policy (the plan file writes the enum value).
@@ -49,6 +50,7 @@ class Explanation:
     knobs: list[KnobEffect]
     versus_baselines: dict[str, float | None]
     aggregate_fraction: float
+    precision: str
 
     def lines(self) -> list[str]:
         out = [
@@ -57,6 +59,7 @@ class Explanation:
             "to it.",
             f"Memory: device {self.tightest_device} ({self.tightest_type}) has the least headroom, "
             f"{self.tightest_headroom_gb:.1f} GB; its stage runs {self.tightest_stage_option}.",
+            f"Precision: {self.precision}.",
         ]
         for k in self.knobs:
             if k.step_time_s is None:
@@ -258,4 +261,6 @@ def explain(search_result: SearchResult) -> Explanation:
         knobs=knobs,
         versus_baselines=versus,
         aggregate_fraction=best.tokens_per_s / search_result.aggregate_tokens_per_s,
+        precision=precision_reason(best.plan.shared.dtype,
+                                   {cluster.devices[d].type for d in best.plan.devices}),
     )

@@ -16,6 +16,7 @@ from medley.plan.layout import TP_DEGREES, PlanLayout, check_tp
 from medley.plan.split_rules import speed_split
 from medley.schedule.generators import generate
 from medley.schedule.zero_settings import Placement, StageZero
+from medley.spec.catalog import half_precision
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_schema import printable
 from medley.spec.limits import MAX_BLOCKS, MAX_MICRO_BATCHES, MAX_WINDOWS, check_sim_work
@@ -211,7 +212,7 @@ def inline_layout(
         raise MedleyInputError(f"--zero '{zero}': ZeRO levels are 0, 1, 2 or 3")
     used = {cluster.devices[d].type for row in devices for d in row}
     if dtype is None:
-        dtype = "bf16" if all(t.supports_bf16 for t in used) else "fp16"
+        dtype = half_precision(used)
     try:
         policy = Placement(placement)
     except ValueError:

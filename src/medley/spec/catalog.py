@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Literal
@@ -63,6 +64,23 @@ class DeviceType:
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (bf16, fp16 or fp32)."""
         return (self.peak_tflops_fp32 if dtype == "fp32" else self.peak_tflops_half) * 1e12
+
+
+def half_precision(types: Iterable[DeviceType]) -> str:
+    """The precision a plan on devices of ``types`` trains in unless told otherwise: bf16 when
+    every type has it, else fp16 (with loss scaling: V100- and T4-class parts have no bf16)."""
+    return "bf16" if all(t.supports_bf16 for t in types) else "fp16"
+
+
+def precision_reason(dtype: str, types: Iterable[DeviceType]) -> str:
+    """Why a plan on devices of ``types`` trains in ``dtype``, in words (plan table, show, explain)."""
+    lacking = sorted({t.name for t in types if not t.supports_bf16})
+    if dtype == "fp16" and lacking:
+        verb = "has" if len(lacking) == 1 else "have"
+        return f"fp16 with loss scaling: {', '.join(lacking)} {verb} no bf16"
+    if dtype == "bf16":
+        return "bf16: every device of the plan has it"
+    return f"{dtype}: as set (plan --dtype or the plan file)"
 
 
 class _Entry(BaseModel):

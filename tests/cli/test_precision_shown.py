@@ -1,0 +1,39 @@
+"""The precision a plan trains in, and why, is shown where a user looks (issue 30, item 2): the
+plan table and --json, --explain, show and simulate. V100/T4-class parts have no bf16, so any
+plan using one trains in fp16 with loss scaling."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from medley.cli.main import app
+
+runner = CliRunner()
+PLAN = ["plan", "--model", "tiny", "--global-batch", "8", "--seq-len", "64", "--top", "1"]
+SIMULATE = ["simulate", "--model", "tiny", "--pp", "2", "--seq-len", "64"]
+
+
+def output(args: list[str]) -> str:
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_a_v100_plan_says_fp16_and_why_everywhere() -> None:
+    data = json.loads(output([*PLAN, "--cluster", "2xV100-32GB", "--json"]))
+    best = data["plans"][0]
+    assert best["precision"] == "fp16 with loss scaling: V100-32GB has no bf16"
+    assert best["replica_groups"][0]["dtype"] == "fp16"
+    table = output([*PLAN, "--cluster", "2xV100-32GB", "--explain"])
+    assert "precision of plan 1: fp16 with loss scaling: V100-32GB has no bf16" in table
+    assert "Precision: fp16 with loss scaling: V100-32GB has no bf16." in table
+    shown = output([*SIMULATE, "--cluster", "2xV100-32GB"])
+    assert "· fp16" in shown and "precision: fp16 with loss scaling: V100-32GB has no bf16" in shown
+
+
+def test_an_a100_plan_says_bf16_and_fp32_is_as_set() -> None:
+    simulate = [*SIMULATE, "--cluster", "2xA100-80GB", "--json"]
+    assert json.loads(output(simulate))["precision"] == "bf16: every device of the plan has it"
+    assert json.loads(output([*simulate, "--dtype", "fp32"]))["precision"].startswith("fp32: as set")
