@@ -37,3 +37,16 @@ def test_an_a100_plan_says_bf16_and_fp32_is_as_set() -> None:
     simulate = [*SIMULATE, "--cluster", "2xA100-80GB", "--json"]
     assert json.loads(output(simulate))["precision"] == "bf16: every device of the plan has it"
     assert json.loads(output([*simulate, "--dtype", "fp32"]))["precision"].startswith("fp32: as set")
+
+
+def test_plan_dtype_sets_every_plans_precision_and_refuses_bf16_where_a_device_lacks_it() -> None:
+    for dtype, cluster in (("fp32", "2xA100-80GB"), ("fp16", "2xA100-80GB"), ("fp32", "2xV100-32GB")):
+        data = json.loads(output([*PLAN, "--cluster", cluster, "--dtype", dtype, "--json"]))
+        assert {group["dtype"] for row in data["plans"] for group in row["replica_groups"]} == {dtype}
+        assert data["plans"][0]["precision"] == f"{dtype}: as set (plan --dtype or the plan file)"
+    half = json.loads(output([*PLAN, "--cluster", "2xA100-80GB", "--json"]))["plans"][0]["step_time_s"]
+    full = json.loads(output([*PLAN, "--cluster", "2xA100-80GB", "--dtype", "fp32", "--json"]))
+    assert full["plans"][0]["step_time_s"] > half  # timed at the fp32 peak, not the half one
+    result = runner.invoke(app, [*PLAN, "--cluster", "2xA100-80GB+2xV100-32GB", "--dtype", "bf16"])
+    assert result.exit_code == 2
+    assert "--dtype bf16: V100-32GB has no bf16; give --dtype fp16 or fp32" in result.stderr

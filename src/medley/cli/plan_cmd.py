@@ -36,7 +36,8 @@ from medley.spec.model_arg import get_model
 
 
 def _constraints(
-    max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, cluster, asymmetric=True
+    max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, cluster, asymmetric=True,
+    dtype=None,
 ) -> Constraints:
     families = tuple(s.strip() for s in schedules.split(",") if s.strip()) if schedules else None
     excluded = ()
@@ -60,6 +61,7 @@ def _constraints(
         exclude_devices=excluded,
         micro_batch_sizes=sizes,
         asymmetric=asymmetric,
+        dtype=dtype,
     )
 
 
@@ -111,6 +113,9 @@ def register(app: typer.Typer) -> None:
             typer.Option("--asymmetric/--no-asymmetric",
                          help="Also plan replica groups of their own shape (a pipeline per device type)"),
         ] = True,
+        dtype: Annotated[str | None, typer.Option(
+            help="bf16, fp16 or fp32 for every plan (default: bf16 where every device has it, "
+                 "else fp16)")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON")] = False,
     ) -> None:
         """Search the fastest (or cheapest) plans and rank them by exact simulation."""
@@ -128,9 +133,10 @@ def register(app: typer.Typer) -> None:
         model_spec = get_model(model)
         seq_len = model_spec.default_seq_len() if seq_len is None else seq_len
         constraints = _constraints(
-            max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, spec, asymmetric
+            max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, spec, asymmetric, dtype
         )
-        cost = cost_source(model_spec, spec, profiles=profile or (), profiles_dir=profiles, seq_len=seq_len)
+        cost = cost_source(model_spec, spec, profiles=profile or (), profiles_dir=profiles, seq_len=seq_len,
+                           dtype=dtype)
         with PhaseBar(not as_json) as progress:
             result = search(
                 spec,

@@ -43,8 +43,10 @@ class PlanContext:
         seq_len: int,
         global_batch: int,
         memory_headroom: float,
+        dtype: str | None = None,
     ) -> None:
         self.cluster, self.model, self.cost = cluster, model, cost
+        self.forced_dtype = dtype
         self.seq_len, self.global_batch = seq_len, global_batch
         self.headroom = memory_headroom
         self.comm = TopologyCommModel(cluster)
@@ -108,6 +110,8 @@ class PlanContext:
     def dtype(self, assignment: Assignment) -> str:
         """:func:`medley.spec.catalog.half_precision` of ``assignment``'s devices (per device
         flags, the search asks this for every structure)."""
+        if self.forced_dtype is not None:
+            return self.forced_dtype
         no_bf16 = self._no_bf16.__getitem__
         return "fp16" if any(map(no_bf16, chain.from_iterable(assignment))) else "bf16"
 

@@ -134,6 +134,15 @@ def _check_inputs(
         raise MedleyInputError(
             f"tp_degrees {constraints.tp_degrees}: give degrees among {TP_DEGREES} (None: all)."
         )
+    if constraints.dtype not in (None, "bf16", "fp16", "fp32"):
+        raise MedleyInputError(f"--dtype {constraints.dtype}: give bf16, fp16 or fp32 (or leave it out).")
+    if constraints.dtype == "bf16":
+        lacking = sorted({d.type.name for i, d in enumerate(cluster.devices)
+                          if not d.type.supports_bf16 and i not in set(constraints.exclude_devices)})
+        if lacking:
+            raise MedleyInputError(
+                f"--dtype bf16: {', '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} no bf16; "
+                "give --dtype fp16 or fp32, or leave those devices out with --exclude-devices.")
     if constraints.max_pp is not None and constraints.max_pp < 1:
         raise MedleyInputError(f"--max-pp {constraints.max_pp}: give at least 1.")
     devices = [d for d in range(cluster.num_devices) if d not in set(constraints.exclude_devices)]
@@ -209,6 +218,7 @@ def search(
         seq_len=seq_len,
         global_batch=global_batch,
         memory_headroom=constraints.memory_headroom,
+        dtype=constraints.dtype,
     )
     sizes = _usable_sizes(estimator, devices, constraints)
     pools = device_pools(cluster, devices, estimator)

@@ -40,6 +40,8 @@ class Constraints:
             and the nodes allow; ``(1,)``: no tensor parallelism).
         asymmetric: also plan replica groups of their own shape, one per device type
             (:mod:`medley.plan.asymmetric`); False: every replica alike.
+        dtype: the precision every plan trains in (bf16, fp16 or fp32); None: the half precision
+            the devices allow (:func:`medley.spec.catalog.half_precision`).
     """
 
     max_pp: int | None = None
@@ -49,6 +51,7 @@ class Constraints:
     micro_batch_sizes: tuple[int, ...] | None = None
     tp_degrees: tuple[int, ...] | None = None
     asymmetric: bool = True
+    dtype: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
