@@ -105,3 +105,18 @@ def test_a_tp_file_of_another_model_names_itself(tmp_path) -> None:
     bad.write_text(json.dumps(raw))
     with pytest.raises(MedleyInputError, match=r"mbs1_tmp2.json: 3 profiled layers but opt-350m has 26"):
         MetisCostSource.from_directory(tmp_path / "p", OPT)
+
+
+def test_a_profiles_directory_with_types_the_cluster_lacks_is_used_for_the_others() -> None:
+    """A directory holds profiles of more types than the cluster has (the public set: seven): the
+    cluster's types are read, the others named in one note; one with none of them is refused."""
+    cluster = parse_cluster_arg("4xA100-40GB")
+    catalog = CatalogCostSource.for_cluster(OPT, cluster)
+    notes: list[str] = []
+    cost = measured_cost_source(catalog, cluster, profiles_dir=PROFILES, notes=notes)
+    at = {"micro_batch_size": 1, "seq_len": SEQ, "device_type": "A100-40GB"}
+    assert cost.layer_time(1, Pass.F, **at).source.startswith("metis")
+    said = f"--profiles {PROFILES}: left out the profiles of V100-16, types the cluster does not have"
+    assert notes == [said]
+    with pytest.raises(MedleyInputError, match="no profile of a type cluster '4xH100-80GB' has"):
+        measured_cost_source(catalog, parse_cluster_arg("4xH100-80GB"), profiles_dir=PROFILES)

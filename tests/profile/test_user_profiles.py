@@ -177,10 +177,14 @@ def test_plan_reads_metis_own_layout_and_matches_bare_gpu_names_to_the_cluster()
 
 
 def test_metis_profiles_must_match_the_cluster() -> None:
+    """A directory may hold types the cluster lacks (named in a note); it must hold one it has,
+    and a GPU name must not stand for two of its types."""
     opt = ["--model", "opt-350m", "--global-batch", "32"]
-    code, out = _run("plan", "--cluster", "4xA100-40GB", *opt, "--profiles", str(REPACKAGED))
-    assert code == 2 and "(V100-16): measured device type 'V100-16'" in out
-    assert "its types: A100-40GB" in out
+    code, out = _run("plan", "--cluster", "4xA100-40GB", *opt, "--profiles", str(REPACKAGED), "--top", "1")
+    assert code == 0 and "left out the profiles of V100-16, types the cluster does not have" in out
+    code, out = _run("plan", "--cluster", "4xH100-80GB", *opt, "--profiles", str(REPACKAGED))
+    assert code == 2 and "no profile of a type cluster '4xH100-80GB' has" in out
+    assert "its types: H100-SXM-80GB; the directory's: A100-40, V100-16" in out
     code, out = _run("plan", "--cluster", "2xA100-80GB+2xA100-PCIE-80GB+2xV100-16GB", *opt,
                      "--profiles", str(METIS_OWN))
     assert code == 2 and "GPU name 'A100' could be any of A100-80GB, A100-PCIE-80GB" in out

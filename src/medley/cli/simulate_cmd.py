@@ -407,10 +407,15 @@ def cost_source(
     """The catalog estimate, with the device types that ``--profile`` files (one per type) or a
     ``--profiles`` directory of Metis-format files measured answered from them (every profile must
     match a type of ``cluster``: medley.cost.user_profiles). ``seq_len`` is assumed for Metis
-    files that do not record theirs."""
+    files that do not record theirs. What a ``--profiles`` directory held for types the cluster
+    lacks is left out and named in one line on stderr."""
     catalog = CatalogCostSource.for_cluster(model, cluster, dtype=dtype or "bf16")
-    return measured_cost_source(catalog, cluster, profiles=profiles, profiles_dir=profiles_dir,
-                                seq_len=seq_len)
+    notes: list[str] = []
+    source = measured_cost_source(catalog, cluster, profiles=profiles, profiles_dir=profiles_dir,
+                                  seq_len=seq_len, notes=notes)
+    for note in notes:
+        typer.echo(f"note: {note}", err=True)
+    return source
 
 
 def with_comm_profile(cluster: Cluster, path: Path | None) -> Cluster:

@@ -9,9 +9,11 @@ device types and answers each type from its own profile, every other type from t
   name (``NVIDIA A100-SXM4-80GB``, as older profile files wrote it) or, for a bare GPU name as
   Metis writes it (``A100``), the one type of the cluster whose name starts with it
   (A100-80GB); per-node variants of a type (``A100-80GB@node``) count as that type;
-* a profile that matches no type of the cluster, a GPU name that could be several of its types,
-  two profiles of one type, or a ``medley profile`` file of another model is a
-  :class:`MedleyInputError` naming the file: nothing is silently ignored.
+* a ``--profile`` file that matches no type of the cluster, a GPU name that could be several of
+  its types, two profiles of one type, or a ``medley profile`` file of another model is a
+  :class:`MedleyInputError` naming the file; a ``--profiles`` directory may hold types the
+  cluster lacks (the public profile sets hold seven): those are left out and named in a note
+  (``notes``), so nothing is ignored silently.
 """
 
 from __future__ import annotations
@@ -128,12 +130,14 @@ def _catalog_name(label: str) -> str:
 
 
 def cluster_types_for(
-    label: str, cluster: Cluster, *, flag: str, catalog_name: str | None = None, bare: bool = False
+    label: str, cluster: Cluster, *, flag: str, catalog_name: str | None = None, bare: bool = False,
+    missing_ok: bool = False,
 ) -> list[str]:
     """The names of ``cluster``'s device types that a profile of ``label`` (the catalog's
     ``catalog_name`` when known) stands for (module docstring; ``bare``: ``label`` is a GPU name
     as Metis writes it, which may also stand for the one type whose name starts with it); none,
-    or several different types, is a :class:`MedleyInputError` naming ``flag``."""
+    or several different types, is a :class:`MedleyInputError` naming ``flag`` (none is ``[]``
+    with ``missing_ok``)."""
     names = list(cluster.device_types())
     canonical = catalog_name or _catalog_name(label)
     exact = [n for n in names if _base(n) == canonical]
@@ -151,6 +155,8 @@ def cluster_types_for(
             f"'{printable(cluster.name)}'; name the profile after one of them (e.g. "
             f"DeviceType.{bases[0]}_tp1_bs1.json)."
         )
+    if missing_ok:
+        return []
     raise MedleyInputError(
         f"{flag}: measured device type '{printable(label)}', which cluster '{printable(cluster.name)}' "
         f"does not have (its types: {types}); give profiles of those types only (`medley profile "
@@ -187,29 +193,42 @@ def _profile_source(
 
 
 def _metis_source(
-    directory: Path, cost: CatalogCostSource, cluster: Cluster, owners: dict[str, str], seq_len: int | None
+    directory: Path, cost: CatalogCostSource, cluster: Cluster, owners: dict[str, str], seq_len: int | None,
+    notes: list[str],
 ) -> tuple[CostSource, list[str]]:
     from medley.cost.metis import MetisCostSource
 
     source = MetisCostSource.from_directory(directory, cost.model, fallback=cost, assumed_seq_len=seq_len)
-    entries = {}
+    entries, left_out = {}, []
     for name, by_mbs in source.profile.entries.items():
         gpu = source.profile.gpu_names.get(name, name)
         flag = f"--profiles {directory} ({gpu})"
-        names = cluster_types_for(gpu, cluster, flag=flag, catalog_name=name, bare=True)
+        names = cluster_types_for(gpu, cluster, flag=flag, catalog_name=name, bare=True, missing_ok=True)
+        if not names:
+            left_out.append(printable(gpu))
         _claim(owners, names, flag)
         entries.update(dict.fromkeys(names, by_mbs))
+    if not entries:
+        types = ", ".join(sorted({_base(n) for n in cluster.device_types()}))
+        raise MedleyInputError(
+            f"--profiles {directory}: no profile of a type cluster '{printable(cluster.name)}' has (its "
+            f"types: {types}; the directory's: {', '.join(sorted(left_out))}); give a directory with "
+            "profiles of those types.")
+    if left_out:
+        notes.append(f"--profiles {directory}: left out the profiles of {', '.join(sorted(left_out))}, "
+                     "types the cluster does not have")
     source.profile = dataclasses.replace(source.profile, entries=entries)
     return source, list(entries)
 
 
 def measured_cost_source(
     cost: CatalogCostSource, cluster: Cluster, *, profiles: Sequence[Path] = (),
-    profiles_dir: Path | None = None, seq_len: int | None = None,
+    profiles_dir: Path | None = None, seq_len: int | None = None, notes: list[str] | None = None,
 ) -> CostSource:
     """``cost`` (the catalog estimate) with each device type that ``profiles`` or ``profiles_dir``
     measured answered from its profile. ``seq_len`` is assumed for Metis files that do not
-    record theirs."""
+    record theirs. ``notes`` gets one line per thing left out (profiles of types the cluster
+    lacks in ``profiles_dir``)."""
     if not profiles and profiles_dir is None:
         return cost
     owners: dict[str, str] = {}
@@ -220,7 +239,8 @@ def measured_cost_source(
         sources.update(dict.fromkeys(source.device_scale, source))
         dtypes.add(source.profile.dtype)
     if profiles_dir is not None:
-        metis, names = _metis_source(Path(profiles_dir), cost, cluster, owners, seq_len)
+        metis, names = _metis_source(Path(profiles_dir), cost, cluster, owners, seq_len,
+                                     notes if notes is not None else [])
         sources.update(dict.fromkeys(names, metis))
     return PerDeviceCostSource(sources=sources, fallback=cost,
                                profile_dtype=dtypes.pop() if len(dtypes) == 1 else None)
