@@ -66,10 +66,14 @@ class Explanation:
                 out.append(f"{k.knob}: {k.chosen}; with {k.alternative} the plan would not fit or run.")
             else:
                 change = (k.slowdown or 1.0) - 1.0
-                out.append(
-                    f"{k.knob}: {k.chosen}; with {k.alternative} the step takes {k.step_time_s:.3f} s "
-                    f"({change:+.1%})."
-                )
+                if abs(change) < 0.0005:  # "+0.0%" said nothing
+                    effect = f"{k.alternative} gives the same step ({k.step_time_s:.3f} s)"
+                elif change < 0:  # the search ranks whole plans; say so rather than hide it
+                    effect = (f"with {k.alternative} the step would take {k.step_time_s:.3f} s, "
+                              f"{-change:.1%} less (a variant the search did not simulate)")
+                else:
+                    effect = f"with {k.alternative} the step takes {k.step_time_s:.3f} s ({change:+.1%})"
+                out.append(f"{k.knob}: {k.chosen}; {effect}.")
         for name, ratio in self.versus_baselines.items():
             out.append(
                 f"vs {name}: " + ("baseline finds no plan that fits" if ratio is None else f"{ratio:.2f}x")
