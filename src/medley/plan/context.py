@@ -108,8 +108,9 @@ class PlanContext:
         return self.device_types[device_type].memory_bytes * (1.0 - self.headroom)
 
     def dtype(self, assignment: Assignment) -> str:
-        """:func:`medley.spec.catalog.half_precision` of ``assignment``'s devices (per device
-        flags, the search asks this for every structure)."""
+        """The precision ``assignment`` trains in: the search's ``dtype`` when one was given, else
+        :func:`medley.spec.catalog.half_precision` of its devices (per-device flags: the search
+        asks this for every structure)."""
         if self.forced_dtype is not None:
             return self.forced_dtype
         no_bf16 = self._no_bf16.__getitem__
