@@ -22,7 +22,7 @@ def get_model(name_or_path: str) -> ModelSpec:
     if "/" in name_or_path or name_or_path.startswith("."):  # meant as a path
         raise MedleyInputError(
             f"model {name_or_path}: no such file or directory; give the path of a Hugging Face model "
-            "directory or its config.json (e.g. huggingface-cli download ORG/NAME --local-dir DIR), "
+            "directory or its config.json (e.g. hf download ORG/NAME --local-dir DIR), "
             "or a preset (medley model list)")
     raise MedleyInputError(
         f"unknown model '{name_or_path}': give a preset ({', '.join(PRESETS)}; medley model list) or the "
