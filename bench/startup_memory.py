@@ -90,13 +90,13 @@ def rank_main(rank: int, world: int, port: int, case: str, out: str) -> None:
     executor = RankExecutor(
         schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pipeline=groups.pipeline,
         tp_rank=place.tp_rank, tp_group=groups.tp_group, activation_shape=(MBS, SEQ, spec.hidden_size),
-        loss_fn=lambda o, t: token_loss_sum(o, t) / n_tokens)
+        loss_fn=token_loss_sum)
     gen = torch.Generator().manual_seed(place.replica)
     for _ in range(2):
         tokens = torch.randint(0, spec.vocab_size, (MICRO_BATCHES * MBS, SEQ + 1), generator=gen)
         chunks = tokens.split(MBS)
         executor.run_step(MicroBatches(inputs=[c[:, :-1] for c in chunks],
-                                       targets=[c[:, 1:] for c in chunks]))
+                                       targets=[c[:, 1:] for c in chunks], loss_tokens=n_tokens))
     steady = _status("VmHWM")
     with torch.device("meta"):
         whole = Decoder(spec, init=False)

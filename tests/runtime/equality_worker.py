@@ -67,7 +67,8 @@ def replica_batch(tokens: torch.Tensor, micro_batches: list[int], replica: int) 
     start = sum(micro_batches[:replica]) * MBS
     rows = tokens[start:start + micro_batches[replica] * MBS]
     chunks = rows.split(MBS)
-    return MicroBatches(inputs=[c[:, :-1] for c in chunks], targets=[c[:, 1:] for c in chunks])
+    return MicroBatches(inputs=[c[:, :-1] for c in chunks], targets=[c[:, 1:] for c in chunks],
+                        loss_tokens=tokens[:, 1:].numel())
 
 
 def reference_step(model: Decoder, tokens: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -126,7 +127,6 @@ def run_case(case: Case) -> dict:
     for stage in stages.values():
         for block in (m for m in stage.module.modules() if isinstance(m, Block)):
             block.register_forward_pre_hook(lambda *_: block_calls.__setitem__(0, block_calls[0] + 1))
-    n_tokens = sum(micro_batches) * MBS * SEQ
     # The first step stops before OPTIM so that gradients can be compared.
     no_optim = [[a for a in row if a.kind is not Kind.OPTIM] for row in schedule.actions]
     executor = RankExecutor(
@@ -134,7 +134,7 @@ def run_case(case: Case) -> dict:
         pipeline=groups.pipeline,
         tp_rank=place.tp_rank, tp_group=groups.tp_group, activation_shape=(MBS, SEQ, spec.hidden_size),
         sequence_edges=edges,
-        loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens)
+        loss_fn=token_loss_sum)
     reference = Decoder(spec, seed=SEED)
     ref_opt = torch.optim.SGD(reference.parameters(), **sgd)
     result = {"grad": 0.0, "loss": 0.0, "param1": 0.0, "param2": 0.0,

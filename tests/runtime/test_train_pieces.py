@@ -18,7 +18,7 @@ from medley.cli.main import app
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
 from medley.runtime.checkpoint import SafeReader
-from medley.runtime.data import decode, encode, load_source, replica_slice
+from medley.runtime.data import Rows, decode, encode, load_source, replica_slice
 from medley.runtime.model import Decoder
 from medley.runtime.optim import lr_at
 from medley.runtime.reference import reference_losses
@@ -42,7 +42,8 @@ def test_global_batch_is_a_function_of_the_step_and_replicas_split_it(data: str 
     assert not torch.equal(first, source.global_batch(step=5, seed=1, sequences=8, seq_len=16))
     rows = []
     for replica in range(2):
-        part = replica_slice(first, micro_batches=(3, 1), micro_batch_size=2, replica=replica)
+        part = replica_slice(Rows.of(first), micro_batches=(3, 1), micro_batch_size=2, replica=replica)
+        assert part.loss_tokens == 8 * 16
         assert all(torch.equal(x[:, 1:], y[:, :-1]) for x, y in zip(part.inputs, part.targets, strict=True))
         rows += [torch.cat([x, y[:, -1:]], dim=1) for x, y in zip(part.inputs, part.targets, strict=True)]
     assert torch.equal(torch.cat(rows), first)

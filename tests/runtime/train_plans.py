@@ -24,12 +24,12 @@ SEQ_LEN, MICRO_BATCH_SIZE, SEED = 32, 2, 3
 
 def tiny_plan(*, pp: int, dp: int, split: str, zero: str, schedule: str, micro_batches: str,
               buckets: int = 1, model: ModelSpec | None = None, devices: int | None = None,
-              **inline: object) -> Plan:
+              seq_len: int = SEQ_LEN, **inline: object) -> Plan:
     cluster = parse_cluster_arg(f"{devices or pp * dp}xA100-80GB")
     model = model or get_model("tiny")
     layout = inline_layout(
         cluster=cluster, model=model, cost=CatalogCostSource.for_cluster(model, cluster), pp=pp, dp=dp,
-        schedule=schedule, micro_batches=micro_batches, micro_batch_size=MICRO_BATCH_SIZE, seq_len=SEQ_LEN,
+        schedule=schedule, micro_batches=micro_batches, micro_batch_size=MICRO_BATCH_SIZE, seq_len=seq_len,
         split=split, zero=zero, buckets=buckets, **inline)
     return Plan(layout=layout, cluster=cluster)
 

@@ -95,13 +95,12 @@ def count_case(case: Case, calls: dict[str, tuple[str, int, str]] = COUNTED) -> 
     stages = build_local_stages(spec, schedule=schedule, split=split, zero=zero, groups=groups,
                                 seed=SEED, optimizer_class=torch.optim.SGD, optimizer_kwargs=dict(lr=LR),
                                 precision=case.dtype, units=units)
-    n_tokens = sum(micro_batches) * MBS * SEQ
     half = None if case.dtype == "fp32" else TORCH_DTYPES[case.dtype]
     executor = RankExecutor(
         schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pipeline=groups.pipeline,
         tp_rank=place.tp_rank, tp_group=groups.tp_group,
         activation_shape=(MBS, SEQ, spec.hidden_size), dtype=TORCH_DTYPES[case.dtype], autocast_dtype=half,
-        loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens)
+        loss_fn=token_loss_sum)
     totals: dict[str, int] = {}
     for step in range(2):
         batch = replica_batch(global_batch(micro_batches, step), micro_batches, place.replica)

@@ -209,6 +209,11 @@ def register(app: typer.Typer) -> None:
             "tokenizer.json (or its directory) for text data (default: the model directory's, else a "
             "text file is read as bytes)"))] = None,
         text_field: Annotated[str, typer.Option(help="JSON field / column holding the text")] = "text",
+        data_format: Annotated[str, typer.Option(help=(
+            "auto (by the first row's fields), text, chat ('messages' in the chat template, loss on the "
+            "assistant's tokens) or completion ('prompt'/'completion', loss on the completion)"))] = "auto",
+        chat_template: Annotated[str | None, typer.Option(help=(
+            "Jinja chat template file for chat data (default: the tokenizer directory's)"))] = None,
         token_dtype: Annotated[str | None, typer.Option(help=(
             ".bin token ids: uint16 or uint32 (default: from the .idx beside it, else uint16)"))] = None,
         data_cache: Annotated[Path | None, typer.Option(help=(
@@ -220,6 +225,8 @@ def register(app: typer.Typer) -> None:
         tensorboard: Annotated[Path | None, typer.Option(help="Write TensorBoard scalars here")] = None,
         checkpoint_dir: Annotated[Path | None, typer.Option(help="Save here; resume from the newest")] = None,
         checkpoint_every: Annotated[int, typer.Option(help="Save every K steps (0: at the end)")] = 0,
+        keep: Annotated[int | None, typer.Option(help=(
+            "Newest checkpoints kept, older ones deleted (default 2)"))] = None,
         local_ranks: Annotated[int | None, typer.Option(help="Start N ranks on this machine")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Step records and placement as JSON")] = False,
         emulate: Annotated[bool, typer.Option(help="Stretch compute per the plan's device speeds")] = False,
@@ -278,13 +285,16 @@ def register(app: typer.Typer) -> None:
         config = TrainConfig(
             steps=steps, seed=seed, optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, min_lr=min_lr,
             weight_decay=weight_decay, clip_norm=clip_norm or None, data=data, tokenizer=tokenizer,
-            text_field=text_field, token_dtype=token_dtype, data_cache=data_cache, val_data=val_data,
+            text_field=text_field, data_format=data_format, chat_template=chat_template,
+            token_dtype=token_dtype, data_cache=data_cache, val_data=val_data,
             val_fraction=val_fraction, eval_every=eval_every, eval_batches=eval_batches,
             tensorboard=tensorboard, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, log_jsonl=log_jsonl, emulate=emulate,
             slowdown=parse_slowdown(slowdown), progress=not as_json, dtype=dtype,
             step_timeout_s=step_timeout or None, gc_every=gc_every, reset_data_order=reset_data_order,
             init_from=init_from, hf_dir=hf_cmd.hf_dir_of(model, init_from), compile=compile_blocks)
+        if keep is not None:
+            config.checkpoint_keep = keep
         if compile_blocks:
             from medley.runtime.compile import check_compile_available
 
@@ -312,7 +322,10 @@ def register(app: typer.Typer) -> None:
         from medley.runtime.config import load_data
 
         # A bad --data fails once, before launch; a text data set is tokenized here, once.
-        load_data(config, seq_len=the_plan.shared.seq_len, vocab_size=the_plan.shared.model.vocab_size)
+        shared = the_plan.shared
+        source = load_data(config, seq_len=shared.seq_len, vocab_size=shared.model.vocab_size)
+        for note in source.notes:
+            typer.echo(literal(note), err=True)
         if init_from is not None:
             hf_cmd.check_init_from(the_plan.shared.model, init_from)
         check_fits(the_plan, config, local_ranks=local_ranks)

@@ -96,8 +96,8 @@ def _run_case(case: RuntimeCase, rounds: int, steps: int, seed: int) -> dict:
     sequences = sum(layout.micro_batches) * layout.micro_batch_size
     batches = []
     for step in range(steps):
-        tokens = source.global_batch(step=step, seed=seed, sequences=sequences, seq_len=layout.seq_len)
-        batches.append(replica_slice(tokens, micro_batches=layout.micro_batches,
+        rows = source.global_rows(step=step, seed=seed, sequences=sequences, seq_len=layout.seq_len)
+        batches.append(replica_slice(rows, micro_batches=layout.micro_batches,
                                      micro_batch_size=layout.micro_batch_size, replica=setup.replica))
     ours_s: list[float] = []
     torch_s: list[float] = []

@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from medley.errors import MedleyInputError
 from medley.fileio import open_no_follow, os_error_message, remove_path
+from medley.runtime import lock
 from medley.runtime.checkpoint_verify import (
     FORMAT,
     META_FILE,
@@ -55,7 +58,8 @@ from medley.runtime.optim import ensure_state
 from medley.runtime.sharding import ShardedStage
 
 PREFIX = "step-"
-KEEP = 2  # newest checkpoints kept; older ones are deleted after each save
+KEEP = 2  # default of ``--keep``: newest checkpoints kept; older ones are deleted after each save
+_SHARED_WAIT_S = 10.0  # how long a rank looks for rank 0's token (a shared file system's caches)
 
 
 def checkpoint_state(stages: dict[int, ShardedStage], *, for_load: bool,
@@ -124,6 +128,34 @@ def shared_error(error: str | None) -> str | None:
     return next((e for e in gathered if e), None)
 
 
+def check_shared(directory: Path, token: str | None) -> None:
+    """Collective: every rank sees rank 0's lock-file token in ``directory`` (``token`` is rank
+    0's; other ranks pass None), or every rank raises one :class:`MedleyInputError` naming the
+    ranks and hosts that do not. Every rank writes its shards into the step directory rank 0
+    creates and rank 0 alone publishes it, so all nodes must share the directory."""
+    shared = [token, str(directory)]  # rank 0's: every rank's message is the same line
+    dist.broadcast_object_list(shared, src=0)
+    seen = dist.get_rank() == 0
+    deadline = time.monotonic() + _SHARED_WAIT_S
+    while not seen:
+        seen = lock.read_token(directory) == shared[0]
+        if seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    gathered: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (seen, socket.gethostname()))
+    missing = [(rank, entry[1]) for rank, entry in enumerate(gathered) if entry is not None and not entry[0]]
+    if missing:
+        ranks = ", ".join(str(rank) for rank, _ in missing)
+        hosts = ", ".join(sorted({host for _, host in missing}))
+        where = Path(shared[1])
+        raise MedleyInputError(
+            f"--checkpoint-dir {where}: rank{'s' if len(missing) > 1 else ''} {ranks} (on {hosts}) do "
+            f"not see the lock file rank 0 wrote there ({where / lock.LOCK_FILE}); every rank writes its "
+            "shards into the directory and rank 0 publishes it, so all nodes need the same directory: give a "
+            "--checkpoint-dir on a shared file system (NFS, Lustre, ...)")
+
+
 def _hash_files(directory: Path, names: list[str]) -> dict[str, str]:
     """Collective: sha256 of each named file; every rank hashes its share, all get every hash."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -166,8 +198,9 @@ def _write_failure(tmp: Path, err: BaseException) -> str:
     return f"checkpoint {tmp}: cannot write ({reason}); free some space or choose another --checkpoint-dir."
 
 
-def _publish(directory: Path, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
-    """Rank 0: write medley.json, rename ``tmp`` to ``final`` and rotate out the oldest. Renames
+def _publish(directory: Path, tmp: Path, final: Path, meta: dict[str, Any], keep: int) -> None:
+    """Rank 0: write medley.json, rename ``tmp`` to ``final`` and delete all but the ``keep``
+    newest checkpoints. Renames
     move links themselves and removals remove them as links: nothing outside is touched."""
     with os.fdopen(open_no_follow(tmp / META_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as handle:
         json.dump(meta, handle, indent=1)
@@ -179,7 +212,7 @@ def _publish(directory: Path, tmp: Path, final: Path, meta: dict[str, Any]) -> N
         os.rename(final, old)
     os.rename(tmp, final)
     remove_path(old)
-    for previous in sorted(directory.glob(f"{PREFIX}*"), key=lambda p: p.name)[:-KEEP]:
+    for previous in sorted(directory.glob(f"{PREFIX}*"), key=lambda p: p.name)[:-keep]:
         doomed = directory / f".old-{previous.name}"
         remove_path(doomed)
         os.rename(previous, doomed)  # out of sight at once: a half-deleted step-N would look damaged
@@ -187,8 +220,10 @@ def _publish(directory: Path, tmp: Path, final: Path, meta: dict[str, Any]) -> N
 
 
 def save_checkpoint(directory: Path, *, next_step: int, stages: dict[int, ShardedStage],
-                    meta: dict[str, Any], train_state: dict[str, torch.Tensor] | None = None) -> Path:
-    """Collective: every rank writes its shards; rank 0 publishes the directory atomically.
+                    meta: dict[str, Any], train_state: dict[str, torch.Tensor] | None = None,
+                    keep: int = KEEP) -> Path:
+    """Collective: every rank writes its shards; rank 0 publishes the directory atomically and
+    keeps the ``keep`` newest checkpoints.
 
     Nothing is written when a tensor is not finite; a failed write (disk full) removes the
     temporary directory, keeps the previous checkpoints and is one :class:`MedleyInputError` on
@@ -222,7 +257,7 @@ def save_checkpoint(directory: Path, *, next_step: int, stages: dict[int, Sharde
     if dist.get_rank() == 0:
         try:
             _publish(directory, tmp, final, {**meta, "format": FORMAT, "next_step": next_step,
-                                             "entries": manifest_of(written), "files": hashes})
+                                             "entries": manifest_of(written), "files": hashes}, keep)
         except OSError as err:
             error = "checkpoint " + os_error_message(tmp, err)
     _raise_if(shared_error(error), cleanup=tmp)

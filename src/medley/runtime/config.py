@@ -13,6 +13,7 @@ from pathlib import Path
 
 from medley.errors import MedleyInputError
 from medley.fileio import UnsafePathError, check_output_dir, check_output_file, open_no_follow
+from medley.runtime.checkpoint import KEEP
 from medley.runtime.data import DataOptions, DataSource, load_source
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 from medley.spec.limits import MAX_SEED, MAX_STEPS
@@ -40,6 +41,12 @@ class TrainConfig:
         tokenizer: a tokenizers ``tokenizer.json`` (or its directory) for text data; None: plain
             text is read as bytes.
         text_field: the JSON field or column holding the text.
+        data_format: ``auto``, ``text``, ``chat`` (``messages`` rendered by the chat template, the
+            loss on the assistant's tokens) or ``completion`` (``prompt``/``completion`` pairs, the
+            loss on the completion); auto tells them by the first row's fields
+            (:mod:`medley.runtime.data.examples`).
+        chat_template: a Jinja chat template file for ``chat`` data; None: the tokenizer
+            directory's (:mod:`medley.runtime.data.chat`).
         token_dtype: ids of ``.bin`` token files: ``uint16`` or ``uint32`` (None: the Megatron
             ``.idx`` beside it, else uint16 as nanoGPT).
         data_cache: where tokenized text is cached (None: ``~/.cache/medley/tokens``).
@@ -51,6 +58,8 @@ class TrainConfig:
         tensorboard: rank 0 writes TensorBoard scalars here (needs the tensorboard package).
         checkpoint_dir: where checkpoints go; a run resumes from the newest one found there.
         checkpoint_every: save every this many steps (and after the last step); 0: only at the end.
+        checkpoint_keep: the newest checkpoints kept (older ones are deleted after each save);
+            ``checkpoint_dir`` must be one directory every node sees (checked at start).
         log_jsonl: rank 0 appends one JSON line per step here.
         emulate: stretch each rank's compute by its device's slowdown (see ``medley.runtime.emulate``).
         slowdown: factor per device id, overriding the plan-derived one (implies ``emulate``).
@@ -102,6 +111,8 @@ class TrainConfig:
     data: str | None = None
     tokenizer: str | None = None
     text_field: str = "text"
+    data_format: str = "auto"
+    chat_template: str | None = None
     token_dtype: str | None = None
     data_cache: Path | None = None
     val_data: str | None = None
@@ -111,6 +122,7 @@ class TrainConfig:
     tensorboard: Path | None = None
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0
+    checkpoint_keep: int = KEEP
     log_jsonl: Path | None = None
     emulate: bool = False
     slowdown: dict[int, float] = field(default_factory=dict)
@@ -139,7 +151,8 @@ class TrainConfig:
         if tokenizer is None and model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
             tokenizer = str(model_dir)
         return DataOptions(tokenizer=tokenizer, text_field=self.text_field, token_dtype=self.token_dtype,
-                           cache_dir=self.data_cache, val_fraction=self.val_fraction)
+                           cache_dir=self.data_cache, val_fraction=self.val_fraction, kind=self.data_format,
+                           chat_template=self.chat_template)
 
     def eval_due(self, step: int) -> bool:
         """Whether the model after ``step`` is evaluated: every ``eval_every`` steps and after the last."""
@@ -247,6 +260,8 @@ def check_config(config: TrainConfig) -> None:
     _check_eval(config)
     if config.checkpoint_every < 0:
         raise MedleyInputError(f"--checkpoint-every {config.checkpoint_every} must be >= 0")
+    if config.checkpoint_keep < 1:
+        raise MedleyInputError(f"--keep {config.checkpoint_keep}: keep at least 1 checkpoint")
     if config.gc_every < 0:
         raise MedleyInputError(f"--gc-every {config.gc_every} must be >= 0 (0: automatic collection)")
     if config.dtype not in (None, *TORCH_DTYPES):

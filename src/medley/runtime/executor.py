@@ -66,10 +66,19 @@ class StageState:
 
 @dataclass(kw_only=True)
 class MicroBatches:
-    """This replica's token ids and targets, one [micro_batch_size, seq] tensor per micro-batch."""
+    """This replica's token ids and targets, one [micro_batch_size, seq] tensor per micro-batch.
+
+    Attributes:
+        inputs: token ids per micro-batch.
+        targets: the next token per position, -100 where the loss does not count.
+        loss_tokens: learned targets in the whole global batch (every replica's): each
+            micro-batch's summed loss is divided by it, so the losses of the step add up to the
+            mean over the global batch.
+    """
 
     inputs: list[torch.Tensor]
     targets: list[torch.Tensor]
+    loss_tokens: int
 
 
 class RankExecutor:
@@ -83,7 +92,8 @@ class RankExecutor:
             (``RankGroups.pipeline``); transfers go over the world group to these ranks.
         tp_rank: this rank's place in its TP group.
         activation_shape: [micro_batch_size, seq, hidden] of the tensors passed between stages.
-        loss_fn: loss of one micro-batch from logits and targets, already scaled for the global batch.
+        loss_fn: summed loss of one micro-batch from logits and targets (``token_loss_sum``); the
+            executor divides it by the global batch's ``MicroBatches.loss_tokens``.
         dtype: dtype of the activations and gradients passed between stages (the compute dtype;
             each side casts to and from it).
         autocast_dtype: run forwards under ``torch.autocast`` in this dtype (bf16 compute on fp32
@@ -264,7 +274,7 @@ class RankExecutor:
         with self._autocast():
             out = self.stages[stage].module(inp)
             if stage == self.schedule.num_stages - 1:
-                st.losses[mb] = self.loss_fn(out, batch.targets[mb])
+                st.losses[mb] = self.loss_fn(out, batch.targets[mb]) / batch.loss_tokens
                 return
         st.outputs[mb] = out
         if stage + 1 in self.stages:

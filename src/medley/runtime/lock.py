@@ -1,13 +1,15 @@
 """One run per checkpoint directory: a lock file that names its holder.
 
 Rank 0 of a run holds an exclusive ``flock`` on ``<checkpoint dir>/.medley.lock`` for the whole
-run and writes its host and pid into it. The kernel drops the lock when the holder exits, however
-it ends (``kill -9`` included), so a lock left by a dead run is simply taken over; while the
-holder lives, a second run is refused with a message that names it. On a file system without
-``flock`` the pid written in the file decides (a holder on this host is alive while its pid is).
-The lock file is opened without following links (:func:`medley.fileio.open_no_follow`): a
-``.medley.lock`` that is a symbolic link, a hard link or not a regular file is refused, so a
-received checkpoint directory cannot make the run overwrite another file.
+run and writes its host, pid and a random token into it (every other rank then reads the token
+back to prove it sees the same directory: :func:`medley.runtime.checkpoint.check_shared`). The
+kernel drops the lock when the holder exits, however it ends (``kill -9`` included), so a lock
+left by a dead run is simply taken over; while the holder lives, a second run is refused with a
+message that names it. On a file system without ``flock`` the pid written in the file decides (a
+holder on this host is alive while its pid is). The lock file is opened without following links
+(:func:`medley.fileio.open_no_follow`): a ``.medley.lock`` that is a symbolic link, a hard link or
+not a regular file is refused, so a received checkpoint directory cannot make the run overwrite
+another file.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +37,12 @@ class DirectoryLock:
     Attributes:
         path: the lock file.
         handle: the open lock file; closing it releases the lock.
+        token: the random token written into it for this run.
     """
 
     path: Path
     handle: IO[str]
+    token: str
 
     def release(self) -> None:
         if not self.handle.closed:
@@ -101,8 +106,20 @@ def acquire(directory: Path) -> DirectoryLock:
                 holder.get("pid")):
             handle.close()
             raise _refuse(directory, path, holder) from None
+    token = secrets.token_hex(16)
     handle.seek(0)
     handle.truncate()
-    handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}) + "\n")
+    handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "token": token}) + "\n")
     handle.flush()
-    return DirectoryLock(path=path, handle=handle)
+    os.fsync(handle.fileno())  # a shared file system shows it to the other nodes
+    return DirectoryLock(path=path, handle=handle, token=token)
+
+
+def read_token(directory: Path) -> str | None:
+    """The token in ``directory``'s lock file as this process sees it (None: no readable file)."""
+    try:
+        with os.fdopen(open_no_follow(Path(directory) / LOCK_FILE, os.O_RDONLY), "r") as handle:
+            token = _holder(handle).get("token")
+    except OSError:
+        return None
+    return token if isinstance(token, str) else None

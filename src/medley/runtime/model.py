@@ -319,5 +319,6 @@ class Decoder(nn.Module):
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of token cross-entropies; callers scale by 1 / global token count."""
+    """Sum of token cross-entropies (a target of -100 counts nothing); callers divide it by the
+    global batch's learned targets."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")

@@ -61,8 +61,8 @@ def reference_run(layout: PlanLayout, config: TrainConfig, *, steps: int | None 
     for step in range(config.steps if steps is None else steps):
         set_lr(optimizer, lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup_steps=config.warmup_steps,
                                 total_steps=config.steps))
-        tokens = source.global_batch(step=step, seed=config.seed, sequences=sequences, seq_len=layout.seq_len)
-        loss = token_loss_sum(model(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel()
+        rows = source.global_rows(step=step, seed=config.seed, sequences=sequences, seq_len=layout.seq_len)
+        loss = token_loss_sum(model(rows.tokens[:, :-1]), rows.targets) / rows.loss_tokens
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if config.clip_norm is not None:
@@ -83,6 +83,6 @@ def _eval_loss(model: Decoder, source: DataSource, batches: int, sequences: int)
     with torch.no_grad():
         total = 0.0
         for index in range(batches):
-            tokens = source.eval_batch(index, sequences=sequences)
-            total += float(token_loss_sum(model(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel())
+            rows = source.eval_rows(index, sequences=sequences)
+            total += float(token_loss_sum(model(rows.tokens[:, :-1]), rows.targets) / rows.loss_tokens)
     return total / batches

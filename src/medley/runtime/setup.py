@@ -146,14 +146,13 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
                                 init_from=init_from, precision=dtype, units=world.segments.units[group],
                                 sequence_parallel=layout.sequence_parallel,
                                 sequence_edges=sequence_sharded_edges(layout), compile=compile)
-    n_tokens = plan.tokens_per_step
     me = devices[dist.get_rank()]
     factor = 1.0 if slowdown is None else slowdown[me]
     executor = RankExecutor(
         schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pipeline=groups.pipeline,
         tp_rank=place.tp_rank,
         activation_shape=(layout.micro_batch_size, layout.seq_len, layout.model.hidden_size),
-        loss_fn=lambda out, tgt: token_loss_sum(out, tgt) / n_tokens,
+        loss_fn=token_loss_sum,
         autocast_dtype=None if dtype == "fp32" else TORCH_DTYPES[dtype], dtype=TORCH_DTYPES[dtype],
         slowdown=factor, device=device, synced_stages=tp_synced_stages(layout),
         tp_group=groups.tp_group, sequence_edges=sequence_sharded_edges(layout))

@@ -145,6 +145,12 @@ class _Loop:
         error = checkpoint.shared_error(error)
         if error is not None:
             raise MedleyInputError(error)
+        try:
+            checkpoint.check_shared(self.config.checkpoint_dir, None if held is None else held.token)
+        except MedleyInputError:
+            if held is not None:
+                held.release()
+            raise
         return held
 
     def _run(self) -> list[StepRecord]:
@@ -214,7 +220,8 @@ class _Loop:
             return
         if next_step == self.config.steps or (every > 0 and next_step % every == 0):
             checkpoint.save_checkpoint(directory, next_step=next_step, stages=self.setup.stages,
-                                       meta=self.meta, train_state=self._train_state())
+                                       meta=self.meta, train_state=self._train_state(),
+                                       keep=self.config.checkpoint_keep)
 
     def _train_state(self) -> dict[str, torch.Tensor]:
         """The loop's checkpointed scalars: the skipped steps (they hold back the learning-rate
@@ -224,9 +231,9 @@ class _Loop:
 
     def _batch(self, step: int) -> MicroBatches:
         layout = self.plan.shared
-        tokens = self.source.global_batch(step=step, seed=self.config.seed, sequences=self.sequences,
-                                          seq_len=layout.seq_len).to(self.setup.device)
-        return replica_slice(tokens, micro_batches=self.plan.micro_batches,
+        rows = self.source.global_rows(step=step, seed=self.config.seed, sequences=self.sequences,
+                                       seq_len=layout.seq_len).to(self.setup.device)
+        return replica_slice(rows, micro_batches=self.plan.micro_batches,
                              micro_batch_size=layout.micro_batch_size, replica=self.setup.replica)
 
     def _step(self, step: int) -> torch.Tensor:
@@ -266,8 +273,8 @@ class _Loop:
             return torch.zeros(1, dtype=torch.float64)
         layout, total = self.plan.shared, 0.0
         for index in range(self.config.eval_batches):
-            tokens = self.source.eval_batch(index, sequences=self.sequences).to(self.setup.device)
-            batch = replica_slice(tokens, micro_batches=self.plan.micro_batches,
+            rows = self.source.eval_rows(index, sequences=self.sequences).to(self.setup.device)
+            batch = replica_slice(rows, micro_batches=self.plan.micro_batches,
                                   micro_batch_size=layout.micro_batch_size, replica=self.setup.replica)
             total += self._own(self.setup.executor.run_forward(batch))
         return torch.tensor([total], dtype=torch.float64)

@@ -73,6 +73,45 @@ def documents(path: Path, fmt: str, *, field: str, flag: str) -> Iterator[str]:
         yield from _text(path, flag=flag)
 
 
+def records(path: Path, fmt: str, *, fields: tuple[str, ...], flag: str) -> Iterator[tuple[str, dict]]:
+    """The rows of a jsonl, parquet or save_to_disk data set as (where, row): ``where`` names the
+    file and line or row for messages; a parquet or arrow row holds those of ``fields`` it has."""
+    if fmt == "jsonl":
+        with open_user_file(path, what="data file", flag=flag) as handle:
+            for number, raw in enumerate(handle, start=1):
+                where = f"{flag} {path}:{number}"
+                row = _jsonl_row(raw, where=where)
+                if row is None:
+                    continue
+                if not isinstance(row, dict):
+                    raise MedleyInputError(f"{where}: not a JSON object; give one object per line")
+                yield where, row
+        return
+    if fmt not in ("parquet", "arrow"):
+        raise MedleyInputError(f"{flag} {path}: instruction data is read from .jsonl, .parquet or a datasets "
+                               "save_to_disk directory; convert it to one of those")
+    files = input_files(path, fmt) if fmt == "parquet" else _arrow_files(path, flag=flag)
+    for file in files:
+        check_regular_file(file, what="data file")
+        try:
+            if fmt == "parquet":
+                reader = pq.ParquetFile(file)
+                names = [n for n in fields if n in reader.schema_arrow.names]
+                batches = reader.iter_batches(batch_size=_ROWS, columns=names)
+            else:
+                stream = pa.ipc.open_stream(pa.memory_map(str(file)))
+                names = [n for n in fields if n in stream.schema.names]
+                batches = iter(stream)
+            number = 0
+            for batch in batches:
+                for row in batch.select(names).to_pylist():
+                    yield f"{flag} {file} row {number}", row
+                    number += 1
+        except (OSError, pa.ArrowException) as err:
+            raise MedleyInputError(f"{flag} {file}: cannot read its rows ({type(err).__name__}: {err}); "
+                                   "check the file") from None
+
+
 def _jsonl(path: Path, *, field: str, flag: str) -> Iterator[str]:
     """The ``field`` text of each line's object. A line is read whole (its JSON needs it), but
     decoded and parsed on its own, so a bad line is named by its number."""
@@ -84,9 +123,8 @@ def _jsonl(path: Path, *, field: str, flag: str) -> Iterator[str]:
                 yield text
 
 
-def _jsonl_text(raw: bytes, *, path: Path, number: int, field: str, flag: str) -> str | None:
-    """Line ``number``'s text, None for a blank line, or a one-line error naming the line."""
-    where = f"{flag} {path}:{number}"
+def _jsonl_row(raw: bytes, *, where: str) -> object:
+    """Line ``raw``'s JSON value, None for a blank line, or a one-line error naming the line."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -95,12 +133,20 @@ def _jsonl_text(raw: bytes, *, path: Path, number: int, field: str, flag: str) -
     if not line.strip():
         return None
     try:
-        row = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as err:
         raise MedleyInputError(f"{where}: not JSON ({err.msg}); give one JSON object per line") from None
     except RecursionError:
         raise MedleyInputError(f"{where}: JSON nested too deeply; give one flat JSON object per line") \
             from None
+
+
+def _jsonl_text(raw: bytes, *, path: Path, number: int, field: str, flag: str) -> str | None:
+    """Line ``number``'s text, None for a blank line, or a one-line error naming the line."""
+    where = f"{flag} {path}:{number}"
+    row = _jsonl_row(raw, where=where)
+    if row is None:
+        return None
     text = row.get(field) if isinstance(row, dict) else None
     if not isinstance(text, str):
         what = "has no" if not isinstance(row, dict) or field not in row else "has a non-text"

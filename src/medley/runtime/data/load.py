@@ -18,7 +18,9 @@ import numpy as np
 
 from medley.errors import MedleyInputError
 from medley.fileio import read_user_bytes
-from medley.runtime.data.cache import cached_tokens, load_tokenizer
+from medley.runtime.data.cache import TextTokenizer, cached_tokens, load_tokenizer
+from medley.runtime.data.chat import load_chat_template
+from medley.runtime.data.examples import Examples, cached_examples, data_kind, usable
 from medley.runtime.data.formats import data_format
 from medley.runtime.data.source import BYTE_VOCAB, SYNTHETIC, DataSource
 from medley.runtime.data.tokens import (
@@ -52,6 +54,11 @@ class DataOptions:
             Megatron ``.idx`` beside it, else uint16 (nanoGPT).
         cache_dir: ``--data-cache``: where token caches go; None: :func:`default_cache_dir`.
         val_fraction: ``--val-fraction``: hold out this share of the windows (the last ones).
+        kind: ``--data-format``: ``auto`` (a ``messages`` field: conversations; ``prompt`` and
+            ``completion``: pairs; else text), ``text``, ``chat`` or ``completion``
+            (:mod:`.examples`).
+        chat_template: ``--chat-template``: a Jinja file for conversations; None: the tokenizer
+            directory's (``chat_template.jinja`` or ``tokenizer_config.json``).
     """
 
     tokenizer: str | None = None
@@ -59,6 +66,8 @@ class DataOptions:
     token_dtype: str | None = None
     cache_dir: Path | None = None
     val_fraction: float = 0.0
+    kind: str = "auto"
+    chat_template: str | None = None
 
 
 def load_source(data: str | Path | None, *, seq_len: int, options: DataOptions | None = None,
@@ -76,6 +85,12 @@ def load_source(data: str | Path | None, *, seq_len: int, options: DataOptions |
             raise MedleyInputError("--val-fraction/--val-data: the synthetic source has no validation set; "
                                    "give --data FILE or drop them")
         return DataSource(name=SYNTHETIC, fingerprint=SYNTHETIC)
+    if data is not None:
+        kind = data_kind(Path(data), data_format(Path(data), flag="--data"), kind=options.kind,
+                         text_field=options.text_field, flag="--data")
+        if kind != "text":
+            return _example_source(Path(data), kind=kind, seq_len=seq_len, options=options,
+                                   vocab_size=vocab_size, val_data=val_data, verify=verify)
     tokens, digest, is_bytes = _tokens(data, options=options, vocab_size=vocab_size, flag="--data",
                                        verify=verify)
     name = f"shipped:{SHIPPED_CORPUS}" if data is None else str(data)
@@ -117,13 +132,70 @@ def _tokens(data: str | Path | None, *, options: DataOptions, vocab_size: int, f
         _check_byte_vocab(vocab_size, flag=flag, name=str(path))
         text = _read_bytes(path, flag=flag)
         return text, hashlib.sha256(text.tobytes()).hexdigest()[:16], True
-    tokenizer = load_tokenizer(options.tokenizer)
+    tokenizer = _checked_tokenizer(options.tokenizer, vocab_size)
+    tokens, meta = cached_tokens(path, fmt, tokenizer=tokenizer, field=options.text_field,
+                                 cache_dir=Path(options.cache_dir or default_cache_dir()), flag=flag,
+                             verify=verify)
+    return tokens, meta["sha256"][:16], False
+
+
+def _examples(path: Path, *, kind: str, seq_len: int, options: DataOptions, vocab_size: int, flag: str,
+              verify: bool) -> tuple[Examples, str, int]:
+    """The usable examples of ``path``, their fingerprint, and how many were cut to length."""
+    fmt = data_format(path, flag=flag)
+    if options.tokenizer is None:
+        raise MedleyInputError(f"{flag} {path}: {kind} data needs a tokenizer; pass --tokenizer "
+                               "tokenizer.json or a --model DIR that has one")
+    tokenizer = _checked_tokenizer(options.tokenizer, vocab_size)
+    template = load_chat_template(tokenizer.path.parent, options.chat_template) if kind == "chat" else None
+    arrays, digest = cached_examples(path, fmt, kind=kind, tokenizer=tokenizer, template=template,
+                             cache_dir=Path(options.cache_dir or default_cache_dir()), flag=flag,
+                             verify=verify)
+    order, cut = usable(arrays["mask"], arrays["offsets"], seq_len=seq_len)
+    examples = Examples(ids=arrays["ids"], mask=arrays["mask"], offsets=arrays["offsets"], order=order,
+                        seq_len=seq_len, pad_id=tokenizer.eos_id)
+    return examples, digest, cut
+
+
+def _example_source(path: Path, *, kind: str, seq_len: int, options: DataOptions, vocab_size: int,
+                    val_data: str | Path | None, verify: bool) -> DataSource:
+    """Conversations or prompt/completion pairs (:mod:`.examples`), the last ``val_fraction``
+    of them (or ``val_data``'s) for validation."""
+    examples, digest, cut = _examples(path, kind=kind, seq_len=seq_len, options=options,
+                                      vocab_size=vocab_size, flag="--data", verify=verify)
+    total = len(examples.offsets) - 1
+    notes = [f"--data {path}: {total:,} {'conversations' if kind == 'chat' else 'prompt/completion pairs'}, "
+             f"{cut:,} cut to {seq_len + 1} tokens, {total - examples.count:,} left out (nothing learned in "
+             "their first tokens); the loss counts the "
+             f"{'assistant' if kind == 'chat' else 'completion'} tokens only"]
+    held = int(round(examples.count * options.val_fraction)) if options.val_fraction else 0
+    if options.val_fraction:
+        held = max(1, held)
+    train = examples.part(0, examples.count - held)
+    val = examples.part(examples.count - held, examples.count) if held else None
+    if held:
+        digest += f":val{options.val_fraction}"
+    if val_data is not None:
+        if val_data == SYNTHETIC:
+            raise MedleyInputError("--val-data synthetic: give a data file")
+        val, _, _ = _examples(Path(val_data), kind=kind, seq_len=seq_len, options=options,
+                              vocab_size=vocab_size, flag="--val-data", verify=verify)
+    if train.count < 2:
+        raise MedleyInputError(f"--data {path}: {train.count} usable examples (at least 2); give more data, "
+                               "a longer --seq-len or a smaller --val-fraction")
+    if val is not None and val.count < 1:
+        raise MedleyInputError("--val-data/--val-fraction: no usable validation example; give more "
+                               "validation data or a longer --seq-len")
+    return DataSource(name=str(path), fingerprint=digest, examples=train, val_examples=val,
+                      notes=tuple(notes))
+
+
+def _checked_tokenizer(given: str | Path, vocab_size: int) -> TextTokenizer:
+    tokenizer = load_tokenizer(given)
     if tokenizer.vocab_size > vocab_size:
         raise MedleyInputError(f"--tokenizer {tokenizer.path}: {tokenizer.vocab_size} tokens, more than the "
                                f"model's vocab_size {vocab_size}; use a model with a larger vocabulary")
-    tokens, meta = cached_tokens(path, fmt, tokenizer=tokenizer, field=options.text_field,
-                                 cache_dir=options.cache_dir or default_cache_dir(), flag=flag, verify=verify)
-    return tokens, meta["sha256"][:16], False
+    return tokenizer
 
 
 def _check_byte_vocab(vocab_size: int, *, flag: str, name: str) -> None:

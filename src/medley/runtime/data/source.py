@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from medley.runtime.data.examples import IGNORE, Examples
 from medley.runtime.data.windows import Windows, sample_order
 from medley.runtime.executor import MicroBatches
 
@@ -34,6 +35,34 @@ def decode(tokens: torch.Tensor) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Rows:
+    """Sequences of a batch and what each position learns.
+
+    Attributes:
+        tokens: [sequences, seq_len + 1] token ids.
+        targets: [sequences, seq_len]: the next token where the loss counts, else ``IGNORE``
+            (-100, the value ``F.cross_entropy`` and transformers skip); text data learns every
+            position (``tokens[:, 1:]``), instruction data the assistant's or completion's tokens.
+    """
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor) -> Rows:
+        """Text rows: every next token is learned."""
+        return cls(tokens=tokens, targets=tokens[:, 1:])
+
+    @property
+    def loss_tokens(self) -> int:
+        """Targets the loss counts: the mean loss of the batch divides its sum by this."""
+        return int((self.targets != IGNORE).sum())
+
+    def to(self, device: torch.device) -> Rows:
+        return Rows(tokens=self.tokens.to(device), targets=self.targets.to(device))
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataSource:
     """Where sequences come from.
 
@@ -45,6 +74,9 @@ class DataSource:
         val: the validation windows (``--val-fraction`` or ``--val-data``), if any.
         text: byte text sources: the whole text's byte ids (training samples random offsets in
             it, as medley always did), else None.
+        examples: instruction data: the training examples (:mod:`.examples`), else None.
+        val_examples: instruction data: the validation examples, if any.
+        notes: what the launching process says about the data (examples cut or left out).
     """
 
     name: str
@@ -52,13 +84,36 @@ class DataSource:
     train: Windows | None = None
     val: Windows | None = None
     text: np.ndarray | None = None
+    examples: Examples | None = None
+    val_examples: Examples | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def synthetic(self) -> bool:
         return self.name == SYNTHETIC
 
+    def global_rows(self, *, step: int, seed: int, sequences: int, seq_len: int) -> Rows:
+        """The global batch of ``step``: ``sequences`` rows and what each position learns."""
+        if self.examples is not None:
+            if self.examples.seq_len != seq_len:
+                raise ValueError(f"the source was cut for seq_len {self.examples.seq_len}, not {seq_len}")
+            order = sample_order(count=self.examples.count, seed=seed, first_sample=step * sequences,
+                                 samples=sequences)
+            tokens, targets = self.examples.rows(order)
+            return Rows(tokens=tokens, targets=targets)
+        return Rows.of(self.global_batch(step=step, seed=seed, sequences=sequences, seq_len=seq_len))
+
+    def eval_rows(self, index: int, *, sequences: int) -> Rows:
+        """Validation batch ``index``: the validation windows or examples in order."""
+        if self.val_examples is not None:
+            tokens, targets = self.val_examples.in_order(index, sequences)
+            return Rows(tokens=tokens, targets=targets)
+        return Rows.of(self.eval_batch(index, sequences=sequences))
+
     def global_batch(self, *, step: int, seed: int, sequences: int, seq_len: int) -> torch.Tensor:
         """``sequences`` rows of ``seq_len + 1`` token ids (inputs and shifted targets) for ``step``."""
+        if self.examples is not None:
+            return self.global_rows(step=step, seed=seed, sequences=sequences, seq_len=seq_len).tokens
         if self.train is not None:
             if self.train.seq_len != seq_len:
                 raise ValueError(f"the source was cut for seq_len {self.train.seq_len}, not {seq_len}")
@@ -77,15 +132,19 @@ class DataSource:
 
     def eval_batch(self, index: int, *, sequences: int) -> torch.Tensor:
         """Validation batch ``index``: the validation windows in order (the same every time)."""
+        if self.val_examples is not None:
+            return self.eval_rows(index, sequences=sequences).tokens
         if self.val is None:
             raise ValueError(f"{self.name} has no validation windows")
         return self.val.in_order(index, sequences)
 
 
-def replica_slice(tokens: torch.Tensor, *, micro_batches: Sequence[int], micro_batch_size: int,
+def replica_slice(rows: Rows, *, micro_batches: Sequence[int], micro_batch_size: int,
                   replica: int) -> MicroBatches:
-    """Replica ``replica``'s consecutive rows of the global batch, cut into its micro-batches."""
+    """Replica ``replica``'s consecutive rows of the global batch, cut into its micro-batches;
+    each micro-batch's loss is divided by the global batch's learned targets."""
     start = sum(micro_batches[:replica]) * micro_batch_size
-    rows = tokens[start:start + micro_batches[replica] * micro_batch_size]
-    chunks = rows.split(micro_batch_size)
-    return MicroBatches(inputs=[c[:, :-1] for c in chunks], targets=[c[:, 1:] for c in chunks])
+    end = start + micro_batches[replica] * micro_batch_size
+    tokens, targets = rows.tokens[start:end], rows.targets[start:end]
+    return MicroBatches(inputs=[c[:, :-1] for c in tokens.split(micro_batch_size)],
+                        targets=list(targets.split(micro_batch_size)), loss_tokens=rows.loss_tokens)

@@ -1,0 +1,54 @@
+"""Instruction data shared by the chat-data tests (importable by the launched ranks): a ChatML
+tokenizer directory (the suite's BPE with ``<|im_start|>``/``<|im_end|>`` added as special tokens
+and the ChatML template in its tokenizer_config.json), conversations and prompt/completion pairs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from medley.data.bpe import EOS, train_bpe
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+          "{% endif %}")
+TURNS = ["Bread is flour, water, salt and time.", "A starter is flour and water, alive.",
+         "Knead the dough until it is smooth.", "Bake it hot, then let it cool."]
+
+
+def chatml_tokenizer(directory: Path) -> Path:
+    """A tokenizer directory of 252 tokens (it fits the tiny model) with a ChatML template."""
+    directory.mkdir(parents=True, exist_ok=True)
+    train_bpe(directory / "tokenizer.json", 250)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": EOS, "unk_token": "<unk>", "chat_template": CHATML,
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def conversation(i: int) -> list[dict[str, str]]:
+    """A system line, then two user/assistant exchanges; the length varies with ``i``."""
+    first, second = TURNS[i % 4], TURNS[(i + 1) % 4]
+    return [{"role": "system", "content": "Answer as a baker."},
+            {"role": "user", "content": f"What is bread? {first}"},
+            {"role": "assistant", "content": " ".join([second] * (1 + i % 3))},
+            {"role": "user", "content": "And then?"},
+            {"role": "assistant", "content": first}]
+
+
+def write_chats(path: Path, count: int) -> Path:
+    path.write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(count)))
+    return path
+
+
+def write_pairs(path: Path, count: int) -> Path:
+    rows = [{"prompt": f"Question: {TURNS[i % 4]} Answer:", "completion": " " + " ".join([TURNS[(i + 2) % 4]]
+                                                                                         * (1 + i % 2))}
+            for i in range(count)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
