@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,11 +60,31 @@ def test_dry_run_json(plan: Path) -> None:
     assert [(n["node"], n["host"], n["devices"]) for n in nodes] == [("one", "host-a", [0]),
                                                                      ("three", None, [1, 2, 3])]
     one, three = (shlex.split(n["command"]) for n in nodes)
-    assert one[:3] == ["MEDLEY_NODE=one", "CUDA_VISIBLE_DEVICES=0", "torchrun"]
-    assert three[:3] == ["MEDLEY_NODE=three", "CUDA_VISIBLE_DEVICES=0,1,2", "torchrun"]
+    # This Python by its absolute path, torchrun and medley as modules: nothing needs the venv on PATH.
+    assert one[:5] == ["MEDLEY_NODE=one", "CUDA_VISIBLE_DEVICES=0", sys.executable, "-m",
+                       "torch.distributed.run"]
+    assert three[:3] == ["MEDLEY_NODE=three", "CUDA_VISIBLE_DEVICES=0,1,2", sys.executable]
     assert "--nproc-per-node 1 " in nodes[0]["command"] and "--nproc-per-node 3 " in nodes[1]["command"]
     assert all("--rdzv-endpoint host-a:29500" in n["command"] for n in nodes)
-    assert all(n["command"].endswith("medley train --plan plan.toml --steps 3 --json") for n in nodes)
+    assert all(n["command"].endswith(f"-m medley.cli.main train --plan {plan.resolve()} --steps 3 --json")
+               for n in nodes)
+
+
+def test_python_log_dir_and_absolute_paths(plan: Path) -> None:
+    Path("docs.jsonl").write_text("")
+    result = runner.invoke(app, ["launch", "plan.toml", "--dry-run", "--json", "--python",
+                                 "/opt/py/bin/python", "--log-dir", "/shared/logs", "--", "--data",
+                                 "docs.jsonl", "--checkpoint-dir=ckpt", "--data-format", "chat",
+                                 "--steps", "3"])
+    assert result.exit_code == 0, result.output
+    one, three = (shlex.split(n["command"]) for n in json.loads(result.stdout)["nodes"])
+    assert one[2] == "/opt/py/bin/python"
+    assert one[one.index("--log-dir") + 1] == "/shared/logs/one" and "--tee" in one and "--redirects" in one
+    assert three[three.index("--log-dir") + 1] == "/shared/logs/three"
+    # An existing file and a path flag become absolute; a word that names nothing stays as it is.
+    assert one[one.index("--data") + 1] == str(Path("docs.jsonl").resolve())
+    assert f"--checkpoint-dir={Path('ckpt').resolve()}" in one
+    assert one[one.index("--data-format") + 1] == "chat" and one[-2:] == ["--steps", "3"]
 
 
 def test_the_commands_for_people(plan: Path) -> None:
@@ -79,7 +100,7 @@ def test_slurm_writes_the_script(plan: Path) -> None:
     assert result.exit_code == 0, result.output
     script = Path("out/job.sbatch").read_text()
     assert script.startswith("#!/bin/bash") and "#SBATCH --nodes=2" in script
-    assert script.count("srun ") == 2 and script.count("--plan plan.toml --steps 9") == 2
+    assert script.count("srun ") == 2 and script.count(f"--plan {plan.resolve()} --steps 9") == 2
 
 
 def test_local_dry_run_lists_this_machines_agents(plan: Path) -> None:
@@ -121,7 +142,7 @@ def test_a_newline_plan_path_prints_escaped(tmp_path: Path, monkeypatch: pytest.
     result = runner.invoke(app, ["launch", name, "--slurm", "job.sbatch"])
     assert result.exit_code == 0, result.output
     assert "\x1b" not in result.stdout and "\ntouch X" not in result.stdout
-    assert "--plan $'p\\ntouch X\\n#\\x1b[2J.toml'" in result.stdout
+    assert "p\\ntouch X\\n#\\x1b[2J.toml'" in result.stdout and "--plan $'/" in result.stdout
     assert "p\\ntouch X\\n#\\x1b[2J.toml: 2 nodes" in result.stdout
 
 
@@ -133,8 +154,12 @@ def test_nothing_is_written_when_a_flag_is_bad(plan: Path) -> None:
 def test_no_host_and_no_endpoint_names_the_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     make_plan(tmp_path, host=None)
-    line = one_line_error(["launch", "plan.toml", "--slurm", "job.sbatch"])
+    line = one_line_error(["launch", "plan.toml"])
     assert "plan.toml: node 'one'" in line and "has no host" in line and "--rdzv-endpoint" in line
-    assert not Path("job.sbatch").exists()
+    # An sbatch script takes the rendezvous from its allocation's first host instead.
+    slurm = runner.invoke(app, ["launch", "plan.toml", "--slurm", "job.sbatch"])
+    assert slurm.exit_code == 0, slurm.output
+    assert 'MEDLEY_RDZV_ENDPOINT="${hosts[0]}:29500"' in Path("job.sbatch").read_text()
+    assert "rendezvous ${MEDLEY_RDZV_ENDPOINT}" in slurm.stdout
     local = runner.invoke(app, ["launch", "plan.toml", "--local", "--dry-run"])  # --local needs no host
     assert local.exit_code == 0, local.output

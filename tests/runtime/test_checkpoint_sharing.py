@@ -74,6 +74,7 @@ def test_keep_n_keeps_the_newest_n(tmp_path: Path) -> None:
     with pytest.raises(MedleyInputError, match="--keep 0: keep at least 1 checkpoint"):
         check_config(config(checkpoint_dir=tmp_path / "x", checkpoint_keep=0))
     plan = tiny_plan(pp=2, dp=1, split="3,3", zero="0,0", schedule="1f1b", micro_batches="2")
-    train_local(plan, config(steps=5, checkpoint_every=1, checkpoint_keep=3, checkpoint_dir=tmp_path / "ckpt"))
+    train_local(plan, config(steps=5, checkpoint_every=1, checkpoint_keep=3,
+                             checkpoint_dir=tmp_path / "ckpt"))
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == \
         ["step-00000003", "step-00000004", "step-00000005"]

@@ -151,8 +151,8 @@ def test_slurm_script_runs_one_task_per_node_on_its_host(tmp_path: Path) -> None
     common = ("--rdzv-backend c10d --rdzv-endpoint host-a:29500 --rdzv-id j --no-python medley train "
               "--plan plan.toml")
     assert run_script(tmp_path, script) == sorted([
-        "srun --nodes=1", "srun --ntasks=1", "srun --nodelist=host-a", "srun --nodes=1", "srun --ntasks=1",
-        "srun --nodelist=host-b",
+        "srun --nodes=1", "srun --ntasks=1", "srun --nodelist=host-a", "srun --gres=gpu:1", "srun --nodes=1",
+        "srun --ntasks=1", "srun --nodelist=host-b", "srun --gres=gpu:3",  # each node's own GPU count
         f"torchrun MEDLEY_NODE=one CUDA_VISIBLE_DEVICES=0 --nnodes 2 --nproc-per-node 1 {common}",
         f"torchrun MEDLEY_NODE=three CUDA_VISIBLE_DEVICES=0,1,2 --nnodes 2 --nproc-per-node 3 {common}"])
 

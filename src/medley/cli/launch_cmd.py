@@ -8,6 +8,7 @@ agents run under :func:`medley.runtime.agents.run_agents`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -22,6 +23,7 @@ import typer
 from medley.cli.errors import MedleyInputError, exit_on_input_error, usage_line
 from medley.plan.plan import Plan
 from medley.runtime.nodes import (
+    ENDPOINT_VAR,
     ONE_THREAD_ENV,
     VISIBLE_ENV,
     LaunchSettings,
@@ -29,8 +31,10 @@ from medley.runtime.nodes import (
     check_rdzv_id,
     launches_json,
     node_launches,
+    python_settings,
     shell_quote,
     slurm_script,
+    used_nodes,
 )
 from medley.runtime.placement import world_size_terms
 from medley.spec.cluster_schema import printable
@@ -39,9 +43,9 @@ LOCAL_ENV = {VISIBLE_ENV: "", ONE_THREAD_ENV: "1"}  # gloo on CPU, a core per ra
 _OWN_FLAGS = {"plan": "--plan", "local_ranks": "--local-ranks"}
 
 
-def check_train_args(ctx: typer.Context, args: list[str]) -> None:
+def check_train_args(ctx: typer.Context, args: list[str]) -> dict[str, object]:
     """Parse the flags after ``--`` as ``medley train`` would (nothing runs): an unknown flag or a
-    bad value, ``--plan`` or ``--local-ranks`` is an input error naming it."""
+    bad value, ``--plan`` or ``--local-ranks`` is an input error naming it. Returns the values."""
     root = ctx.find_root()
     train = root.command.get_command(root, "train")  # type: ignore[attr-defined]
     try:
@@ -53,6 +57,36 @@ def check_train_args(ctx: typer.Context, args: list[str]) -> None:
         if params.get(name) is not None:
             raise MedleyInputError(f"the training flags after --: {flag} is set by medley launch "
                                    "(one rank per plan device, on its node); remove it")
+    return params
+
+
+def absolute_paths(ctx: typer.Context, args: list[str]) -> list[str]:
+    """``args`` checked as ``medley train`` would check them (:func:`check_train_args`), with the
+    value of every path flag, and of any flag whose value names an existing file here, made
+    absolute: the nodes' commands do not depend on the directory they start in."""
+    params = check_train_args(ctx, args)
+    root = ctx.find_root()
+    train = root.command.get_command(root, "train")  # type: ignore[attr-defined]
+    names = {opt: param.name for param in train.params for opt in param.opts if opt.startswith("--")}
+    out, index = [], 0
+    while index < len(args):
+        arg = args[index]
+        flag, eq, inline = arg.partition("=")
+        name = names.get(flag)
+        takes = name is not None and not isinstance(params.get(name), bool)
+        if takes and eq:
+            out.append(f"{flag}={_absolute(inline, params[name])}")
+        elif takes and index + 1 < len(args):
+            out += [arg, _absolute(args[index + 1], params[name])]
+            index += 1
+        else:
+            out.append(arg)
+        index += 1
+    return out
+
+
+def _absolute(value: str, parsed: object) -> str:
+    return str(Path(value).absolute()) if isinstance(parsed, Path) or os.path.exists(value) else value
 
 
 def default_rdzv_id(plan_path: Path) -> str:
@@ -117,6 +151,10 @@ def register(app: typer.Typer) -> None:
         slurm: Annotated[Path | None, typer.Option(help="Write an sbatch script for the same here")] = None,
         local: Annotated[bool, typer.Option(help="Start every node's agent here (CPU, gloo)")] = False,
         dry_run: Annotated[bool, typer.Option(help="Print the commands, start nothing")] = False,
+        python: Annotated[str | None, typer.Option(help=(
+            "Python on the nodes, with medley installed (default: this one, as an absolute path)"))] = None,
+        log_dir: Annotated[str | None, typer.Option(help=(
+            "Every rank's output also goes to LOG_DIR/<node>/ (torchrun --log-dir, --tee)"))] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the commands as JSON")] = False,
     ) -> None:
         """Run a plan on its nodes: one torchrun agent per node the plan uses (its devices only)."""
@@ -127,16 +165,21 @@ def register(app: typer.Typer) -> None:
         if slurm is not None:
             check_output_file(slurm, flag="--slurm")
         the_plan = load_plan(plan)
-        args = list(train_args or [])
-        check_train_args(ctx, args)
+        args = absolute_paths(ctx, list(train_args or []))
         if local:
-            settings = local_settings(plan, args)
+            settings = dataclasses.replace(local_settings(plan, args), log_dir=log_dir)
         else:
-            settings = LaunchSettings(plan_path=str(plan), train_args=tuple(args),
-                                      rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id or default_rdzv_id(plan))
-        launches = node_launches(the_plan, settings)
+            settings = LaunchSettings(plan_path=str(plan.absolute()), train_args=tuple(args),
+                                      rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id or default_rdzv_id(plan),
+                                      log_dir=log_dir, **python_settings(python or sys.executable))
         if slurm is not None:
             write_atomically(slurm, slurm_script(the_plan, settings, job_name=settings.rdzv_id))
+            hosts_known = all(node.host is not None for node, _ in used_nodes(the_plan))
+            # Without hosts the script takes the rendezvous from the allocation's first host.
+            launches = node_launches(the_plan, settings, endpoint=None if rdzv_endpoint or hosts_known
+                                     else ENDPOINT_VAR)
+        else:
+            launches = node_launches(the_plan, settings)
         if local and not dry_run:
             start_local(launches)
             return

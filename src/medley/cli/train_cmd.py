@@ -19,6 +19,7 @@ from rich.table import Table
 from medley.cli import hf_cmd
 from medley.cli.console import literal, make_console
 from medley.cli.errors import MedleyInputError, exit_on_input_error, print_error
+from medley.cli.job_file import load_job_callback
 from medley.plan.plan import Plan
 from medley.runtime.placement import ranks_needed
 from medley.spec.limits import MAX_SEED, MAX_STEPS
@@ -200,6 +201,8 @@ def register(app: typer.Typer) -> None:
     @app.command("train")
     @exit_on_input_error
     def train_cmd(
+        job: Annotated[Path | None, typer.Option("--config", callback=load_job_callback, is_eager=True, help=(
+            "Job file (TOML): these flags by section; a flag given here wins (docs/job-file.md)"))] = None,
         plan: Annotated[Path | None, typer.Option(help="Plan TOML file (else the inline flags)")] = None,
         steps: Annotated[int, typer.Option(min=1, max=MAX_STEPS, help="Optimizer steps in total")] = 20,
         data: Annotated[str | None, typer.Option(help=(

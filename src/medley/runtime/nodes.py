@@ -46,6 +46,9 @@ class LaunchSettings:
         launcher: the torchrun command (``python -m torch.distributed.run`` for ``--local``).
         program: what torchrun runs, before ``train`` (``--no-python medley``).
         extra_env: more variables for every agent (``--local``: CPU only, one thread per rank).
+        log_dir: each node's torchrun writes every rank's stdout and stderr under
+            ``LOG_DIR/<node>/`` (``--log-dir``, ``--redirects 3``) and still shows them (``--tee 3``);
+            None: the ranks' output goes to the agent's terminal only.
     """
 
     plan_path: str
@@ -55,6 +58,13 @@ class LaunchSettings:
     launcher: tuple[str, ...] = TORCHRUN
     program: tuple[str, ...] = MEDLEY
     extra_env: dict[str, str] = field(default_factory=dict)
+    log_dir: str | None = None
+
+
+def python_settings(python: str) -> dict[str, tuple[str, ...]]:
+    """``launcher`` and ``program`` that need nothing on the nodes' PATH: ``PYTHON -m
+    torch.distributed.run ... -m medley.cli.main`` (the venv need not be active there)."""
+    return {"launcher": (python, "-m", "torch.distributed.run"), "program": ("-m", "medley.cli.main")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,8 +165,10 @@ def node_launches(plan: Plan, settings: LaunchSettings, *, endpoint: str | None 
     launches = []
     for node, devices in nodes:
         local = tuple(plan.cluster.devices[d].local_rank for d in devices)
+        logs = () if settings.log_dir is None else (
+            "--log-dir", f"{settings.log_dir.rstrip('/')}/{node.name}", "--redirects", "3", "--tee", "3")
         argv = (*settings.launcher, "--nnodes", str(len(nodes)), "--nproc-per-node", str(len(devices)),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", settings.rdzv_id,
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", settings.rdzv_id, *logs,
                 *settings.program, "train", "--plan", settings.plan_path, *settings.train_args)
         env = {NODE_ENV: node.name, VISIBLE_ENV: ",".join(map(str, local)), **settings.extra_env}
         launches.append(NodeLaunch(node=node.name, host=node.host, devices=devices, local_indices=local,
@@ -188,7 +200,8 @@ def slurm_script(plan: Plan, settings: LaunchSettings, *, job_name: str) -> str:
     lines = ["#!/bin/bash",
              f"# medley launch --slurm: {printable(settings.plan_path)} on {len(launches)} nodes, "
              f"{sum(n.nproc for n in launches)} ranks. Submit with sbatch; add your partition, account,",
-             "# time, --cpus-per-task and GPU (--gres) lines as your site needs.",
+             "# time and --cpus-per-task lines as your site needs. Each node's step below asks for its own",
+             "# GPUs (--gres=gpu:N; nodes differ): the allocation must grant them there.",
              f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={len(launches)}",
              "#SBATCH --ntasks-per-node=1"]
     if known:
@@ -200,8 +213,10 @@ def slurm_script(plan: Plan, settings: LaunchSettings, *, job_name: str) -> str:
     lines += [f"MEDLEY_RDZV_ENDPOINT={endpoint}", "pids=()"]
     for i, launch in enumerate(launches):
         host = shell_quote(str(launch.host)) if known else f'"${{hosts[{i}]}}"'
+        step = f"srun --nodes=1 --ntasks=1 --nodelist={host} --gres=gpu:{launch.nproc}"
         lines += [f"# node {printable(launch.node)}: devices {','.join(map(str, launch.devices))}",
-                  f"srun --nodes=1 --ntasks=1 --nodelist={host} env {launch.command} &", "pids+=($!)"]
+                  f"{step} env {launch.command} &",
+                  "pids+=($!)"]
     lines += ['for _ in "${pids[@]}"; do',
               "  if ! wait -n; then",
               '    echo "medley: a node failed; stopping the others" >&2',

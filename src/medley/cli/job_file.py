@@ -1,0 +1,132 @@
+"""``medley train --config job.toml``: the settings of a run in one file, by section.
+
+Each key is a ``medley train`` flag without its dashes (``checkpoint-every`` or
+``checkpoint_every``), in the section that :data:`SECTIONS` gives it, with the flag's type
+(numbers as TOML numbers, switches as ``true``/``false``, paths as strings). A relative path is
+relative to the job file's directory (a path flag's value always; a value that may also be a name,
+such as ``data`` or ``model``, when it names something there), so the file means the same on every
+node whatever directory a command runs in. A flag given on the command line wins over the file
+(and a relative path there is relative to the working directory, as always). The file is read as
+the command line is parsed (click's ``default_map``), so ``medley launch PLAN -- --config
+job.toml`` checks it once and passes it to every node. An unknown section or key, or a value the
+flag would refuse, is one line naming the file, the key and the fix. Example:
+``examples/job.toml``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from medley.errors import MedleyInputError
+from medley.fileio import read_user_bytes
+
+# Section -> the flags it holds (as click names them: ``--json`` is ``as_json``).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "plan": ("plan", "cluster", "pp", "dp", "tp", "schedule", "micro_batches", "micro_batch_size", "seq_len",
+             "virtual_stages", "split", "zero", "zero_placement", "buckets", "gather_windows", "assignment",
+             "sequence_parallel", "local_ranks", "emulate", "slowdown"),
+    "model": ("model", "init_from", "compile_blocks"),
+    "data": ("data", "tokenizer", "text_field", "data_format", "chat_template", "token_dtype", "data_cache",
+             "val_data", "val_fraction", "seed", "reset_data_order"),
+    "optimizer": ("steps", "optimizer", "lr", "min_lr", "warmup_steps", "weight_decay", "clip_norm"),
+    "precision": ("dtype",),
+    "checkpoint": ("checkpoint_dir", "checkpoint_every", "keep", "export_hf"),
+    "logging": ("log_jsonl", "tensorboard", "eval_every", "eval_batches", "as_json", "step_timeout",
+                "gc_every"),
+}
+_MAX_BYTES = 1 << 20
+
+
+def _keys(command: Any) -> dict[str, Any]:
+    """Job-file key -> the command's parameter, for every option with a long flag."""
+    found = {}
+    for param in command.params:
+        for opt in param.opts:
+            if opt.startswith("--"):
+                found[opt[2:].replace("-", "_")] = param
+    return found
+
+
+def read_job(path: Path, command: Any, ctx: typer.Context) -> dict[str, Any]:
+    """The job file as click defaults (parameter name -> value), every value checked as its flag."""
+    raw = read_user_bytes(path, what="job file", flag="--config")
+    if len(raw) > _MAX_BYTES:
+        raise MedleyInputError(f"{path}: {len(raw)} bytes; a job file is at most 1 MiB")
+    try:
+        table = tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise MedleyInputError(f"{path}: not TOML ({err}); fix the file") from None
+    keys = _keys(command)
+    defaults: dict[str, Any] = {}
+    for section, entries in table.items():
+        if section not in SECTIONS:
+            raise MedleyInputError(f"{path}: unknown section [{section}]; the sections are "
+                                   f"{', '.join(f'[{s}]' for s in SECTIONS)}")
+        if not isinstance(entries, dict):
+            raise MedleyInputError(f"{path}: '{section}' must be a [{section}] table of settings")
+        for key, value in entries.items():
+            name = key.replace("-", "_")
+            param = keys.get(name)
+            if param is None or param.name not in SECTIONS[section]:
+                home = next((s for s, names in SECTIONS.items() if param is not None and param.name in names),
+                            None)
+                fix = f"it belongs in [{home}]" if home else f"[{section}] takes {', '.join(_names(section))}"
+                raise MedleyInputError(f"{path}: [{section}] {key}: not a setting of [{section}]; {fix}")
+            try:
+                converted = param.process_value(ctx, value)
+            except typer.BadParameter as err:
+                raise MedleyInputError(f"{path}: [{section}] {key} = {value!r}: "
+                                       f"{err.format_message()}") from None
+            defaults[param.name] = _beside(path, value, is_path=isinstance(converted, Path))
+    return defaults
+
+
+def _beside(job: Path, value: object, *, is_path: bool) -> object:
+    """A relative path value taken from the job file's directory (see the module docstring)."""
+    if not isinstance(value, str) or not value or Path(value).is_absolute():
+        return value
+    there = Path(job).resolve().parent / value
+    return str(there) if is_path or there.exists() else value
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else str(value)
+
+
+def _names(section: str) -> list[str]:
+    return [{"as_json": "json", "compile_blocks": "compile"}.get(n, n) for n in SECTIONS[section]]
+
+
+def load_job_callback(ctx: typer.Context, value: Path | None) -> Path | None:
+    """``--config``'s callback (eager): the file's settings become the defaults of every other
+    flag of the command; a bad file is a usage error (one line, exit 2)."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    try:
+        defaults = read_job(value, ctx.command, ctx)
+    except MedleyInputError as err:
+        raise typer.BadParameter(str(err)) from None
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+def reference(command: Any) -> str:
+    """Every section's keys as Markdown tables (key, default, what it sets): docs/job-file.md."""
+    params = {param.name: param for param in command.params}
+    lines = []
+    for section, names in SECTIONS.items():
+        lines += [f"### [{section}]", "", "| key | default | |", "|---|---|---|"]
+        for name in names:
+            param = params[name]
+            key = next(opt[2:].replace("-", "_") for opt in param.opts if opt.startswith("--"))
+            default = "" if param.default is None else f"`{_toml(param.default)}`"
+            text = " ".join(str(param.help or "").split()).replace("|", "\\|")
+            lines.append(f"| `{key}` | {default} | {text} |")
+        lines.append("")
+    return "\n".join(lines)
