@@ -154,6 +154,26 @@ def _builtin() -> tuple[DeviceType, ...]:
     return tuple(catalog.values())
 
 
+def with_entries(catalog: dict[str, DeviceType], entries: dict[str, object], *,
+                 source: str) -> dict[str, DeviceType]:
+    """A copy of ``catalog`` with ``entries`` (a catalog file's ``[devices]`` table, as a cluster
+    file's or plan's ``device_types``) added or overriding, validated as a catalog file is."""
+    try:
+        data = _CatalogFile.model_validate({"devices": entries})
+    except ValidationError as err:
+        message = describe_validation_error(err, source).replace("'devices.", "'device_types.")
+        raise MedleyInputError(message) from None
+    merged = dict(catalog)
+    _merge(merged, Path(source), data)
+    return merged
+
+
+def catalog_entry(device: DeviceType) -> dict[str, object]:
+    """``device`` as a whole catalog entry (every field: it needs no catalog to be read back)."""
+    entry = {f.name: getattr(device, f.name) for f in fields(DeviceType) if f.name != "name"}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in entry.items() if v not in ("", ())}
+
+
 def load_catalog(extra: Path | None = None) -> dict[str, DeviceType]:
     """The built-in catalog, with entries from ``extra`` added or overriding (name -> type)."""
     catalog = {device.name: device for device in _builtin()}

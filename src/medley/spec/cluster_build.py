@@ -6,7 +6,7 @@ import fnmatch
 from dataclasses import replace
 
 from medley.errors import MedleyInputError
-from medley.spec.catalog import DeviceType, get_device_type
+from medley.spec.catalog import DeviceType, catalog_entry, get_device_type
 from medley.spec.cluster import DEFAULT_LINK_LATENCY_US, Cluster, Device, Node, NodeLink, Tier
 from medley.spec.cluster_schema import ClusterFile, NodeSpec, TierSpec
 
@@ -202,12 +202,14 @@ def build_cluster(spec: ClusterFile, *, source: str, catalog: dict[str, DeviceTy
     devices: list[Device] = []
     node_rows: list[tuple[str, tuple[int, ...], NodeLink, str | None]] = []
     seen: dict[str, str] = {}
+    used: dict[str, DeviceType] = {}
     for i, node_spec in enumerate(spec.nodes):
         where = f"nodes[{i}]"
         try:
             base = get_device_type(node_spec.device, catalog)
         except MedleyInputError as err:
             raise MedleyInputError(f"{source}: field '{where}.device': {err}") from None
+        used[base.name] = base
         names = (
             [node_spec.name]
             if node_spec.repeat == 1
@@ -231,10 +233,13 @@ def build_cluster(spec: ClusterFile, *, source: str, catalog: dict[str, DeviceTy
         Node(name=name, device_ids=ids, link=link, groups=tuple(paths[name]), host=host)
         for name, ids, link, host in node_rows
     ]
+    # What a plan embeds: the spec with its device types whole instead of a catalog file's path.
+    embedded = spec.model_dump(mode="json", exclude_none=True, exclude={"catalog"})
+    embedded["device_types"] = {name: catalog_entry(t) for name, t in used.items()}
     return Cluster(
         name=spec.name,
         devices=devices,
         nodes=nodes,
         tiers=tiers,
-        source_spec=spec.model_dump(mode="json", exclude_none=True),
+        source_spec=embedded,
     )

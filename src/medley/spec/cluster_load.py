@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from medley.errors import MedleyInputError
 from medley.fileio import read_toml
-from medley.spec.catalog import DeviceType, load_catalog
+from medley.spec.catalog import DeviceType, load_catalog, with_entries
 from medley.spec.cluster import DEFAULT_NETWORK_GBPS, DEFAULT_NETWORK_LATENCY_US, Cluster
 from medley.spec.cluster_build import build_cluster
 from medley.spec.cluster_schema import ClusterFile, describe_validation_error, printable
@@ -29,7 +29,10 @@ def load_cluster(path: Path, catalog: dict[str, DeviceType] | None = None) -> Cl
     if spec.catalog is not None:
         catalog = load_catalog(path.parent / spec.catalog)
         spec = spec.model_copy(update={"catalog": str((path.parent / spec.catalog).resolve())})
-    return build_cluster(spec, source=str(path), catalog=catalog or load_catalog())
+    catalog = catalog or load_catalog()
+    if spec.device_types:
+        catalog = with_entries(catalog, spec.device_types, source=str(path))
+    return build_cluster(spec, source=str(path), catalog=catalog)
 
 
 def cluster_from_dict(raw: dict, *, source: str) -> Cluster:
@@ -38,7 +41,11 @@ def cluster_from_dict(raw: dict, *, source: str) -> Cluster:
         spec = ClusterFile.model_validate(raw)
     except ValidationError as err:
         raise MedleyInputError(describe_validation_error(err, source)) from None
-    catalog = load_catalog(Path(spec.catalog)) if spec.catalog is not None else load_catalog()
+    # A plan stores its device types (device_types); an older one names a catalog file instead.
+    catalog = load_catalog(Path(spec.catalog)) if spec.catalog is not None and not spec.device_types \
+        else load_catalog()
+    if spec.device_types:
+        catalog = with_entries(catalog, spec.device_types, source=source)
     return build_cluster(spec, source=source, catalog=catalog)
 
 

@@ -119,6 +119,9 @@ class ClusterFile(BaseModel):
     model_config = STRICT
     name: str = Field(default="cluster", min_length=1)
     catalog: str | None = None
+    # Catalog entries inline (as a catalog file's [devices] table): what a plan stores of the
+    # device types it was made for, so that it needs no catalog file (medley.spec.catalog).
+    device_types: dict[str, dict[str, Any]] | None = Field(default=None, max_length=64)
     nodes: list[NodeSpec] = Field(min_length=1)
     tiers: list[TierSpec] = []
 
