@@ -20,6 +20,7 @@ from medley.cli import hf_cmd
 from medley.cli.console import literal, make_console
 from medley.cli.errors import MedleyInputError, exit_on_input_error, print_error
 from medley.cli.job_file import load_job_callback
+from medley.cli.train_inputs import check_inputs_exist, finished_line
 from medley.plan.plan import Plan
 from medley.runtime.placement import ranks_needed
 from medley.spec.limits import MAX_SEED, MAX_STEPS
@@ -282,6 +283,12 @@ def register(app: typer.Typer) -> None:
             "torch.compile each transformer block (the first step includes compiling)"))] = False,
     ) -> None:
         """Train a plan on torch.distributed and report loss, step time and memory per step."""
+        check_inputs_exist({"--data": data, "--val-data": val_data, "--tokenizer": tokenizer,  # before torch
+                            "--chat-template": chat_template, "--init-from": init_from, "--plan": plan})
+        done = finished_line(checkpoint_dir, steps)
+        if done is not None:
+            typer.echo(literal(done), err=True)
+            return
         from medley.plan.plan import load_plan
         from medley.runtime.train import TrainConfig, check_config
 

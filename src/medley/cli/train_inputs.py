@@ -1,0 +1,43 @@
+"""What ``medley train`` checks before it imports torch or starts a rank: that the inputs it
+was given exist (a mistyped ``--data`` is one line in well under a second), and whether the
+checkpoint directory already holds the run's last step (then there is nothing to do)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from medley.errors import MedleyInputError
+from medley.fileio import read_user_json
+
+_SYNTHETIC = "synthetic"
+_STEP_PREFIX = "step-"  # medley.runtime.checkpoint's directory names (importing it imports torch)
+
+
+def check_inputs_exist(given: dict[str, str | Path | None]) -> None:
+    """Every input path given (flag -> value: ``--data``, ``--tokenizer``, ...) exists."""
+    for flag, value in given.items():
+        if value is None or (flag in ("--data", "--val-data") and value == _SYNTHETIC):
+            continue
+        if not os.path.lexists(value):
+            raise MedleyInputError(f"{flag} {value}: no such file or directory; check the path")
+
+
+def finished_line(checkpoint_dir: Path | None, steps: int) -> str | None:
+    """A line saying there is nothing to train when the newest checkpoint in ``checkpoint_dir``
+    already holds step ``steps`` (its ``medley.json`` says so); None otherwise, and whenever the
+    directory needs the full check that resuming does."""
+    if checkpoint_dir is None or not Path(checkpoint_dir).is_dir():
+        return None
+    found = sorted(p for p in Path(checkpoint_dir).glob(f"{_STEP_PREFIX}*") if not p.is_symlink())
+    if not found:
+        return None
+    try:
+        meta = read_user_json(found[-1] / "medley.json", what="checkpoint metadata", fix="resume checks it")
+    except MedleyInputError:
+        return None
+    done = meta.get("next_step") if isinstance(meta, dict) else None
+    if not isinstance(done, int) or isinstance(done, bool) or done < steps:
+        return None
+    return (f"--checkpoint-dir {checkpoint_dir}: {found[-1].name} already holds step {done} of --steps "
+            f"{steps}: nothing to train (raise --steps to go on, or medley export {found[-1]})")
