@@ -120,3 +120,30 @@ def test_a_profiles_directory_with_types_the_cluster_lacks_is_used_for_the_other
     assert notes == [said]
     with pytest.raises(MedleyInputError, match="no profile of a type cluster '4xH100-80GB' has"):
         measured_cost_source(catalog, parse_cluster_arg("4xH100-80GB"), profiles_dir=PROFILES)
+
+
+def test_the_reported_sources_name_the_tp_files_read(tmp_path: Path) -> None:
+    """`plan/show/simulate --json`'s cost_sources: a TP 2 stage's blocks name the _tmp2 file the
+    compiler reads, not the tp1 one; where no such file is, the scaled tp1 time says so."""
+    from medley.plan.predict import cost_source_name, layer_sources
+
+    cluster = parse_cluster_arg("4xA100-40GB+2xV100-16GB")
+    catalog = CatalogCostSource.for_cluster(OPT, cluster)
+    cost = measured_cost_source(catalog, cluster, profiles_dir=PROFILES)
+    layout = inline_layout(cluster=cluster, model=OPT, cost=cost, pp=2, dp=1, schedule="1f1b",
+                           micro_batches="4", micro_batch_size=1, seq_len=SEQ, split="13,13", zero="0,0")
+    layout = dataclasses.replace(layout, assignment=((0, 4),), tp=(2, 1))
+    sources = layer_sources(layout, cluster, cost)
+    assert sources["A100-40GB tp2"]["block"] == "metis:A100-40/mbs1_tmp2.json"
+    assert sources["A100-40GB"]["block"] == "metis:A100-40/mbs1_tmp1.json"
+    assert sources["A100-40GB tp2"]["embedding"].endswith(" scaled to tp2")  # embeddings are not measured
+    assert set(sources) == {"A100-40GB", "A100-40GB tp2", "V100-16GB"}
+    assert "scaled" not in cost_source_name(layout, cost, cluster)
+    # Without the tp2 files, the block time is the tp1 file's, scaled.
+    copy = tmp_path / "profiles"
+    shutil.copytree(PROFILES, copy)
+    for path in copy.rglob("*_tmp2.json"):
+        path.unlink()
+    cost = measured_cost_source(catalog, cluster, profiles_dir=copy)
+    assert layer_sources(layout, cluster, cost)["A100-40GB tp2"]["block"] == \
+        "metis:A100-40/mbs1_tmp1.json scaled to tp2"

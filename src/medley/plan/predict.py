@@ -65,25 +65,35 @@ def simulate_groups(
 def layer_sources(layout: PlanLayout | Sequence[PlanLayout], cluster: Cluster,
                   cost: CostSource) -> dict[str, dict[str, str]]:
     """Where each layer kind's times came from (``catalog``, ``profile:FILE``, ...), per device
-    type of the plan (a layout, or the replica groups of one plan)."""
+    type of the plan (a layout, or the replica groups of one plan); a type that also runs stages
+    of tensor-parallel degree T > 1 has an entry ``TYPE tpT``: a block's time there is the
+    source's own measurement at that degree (a Metis ``_tpT_`` file) where it has one, else the
+    degree-1 time scaled (``... scaled to tpT``), as the compiler takes it."""
     groups = (layout,) if isinstance(layout, PlanLayout) else tuple(layout)
     first = groups[0]
     layers = {first.model.layer_kind(i): i for i in (0, 1, first.model.num_layers - 1)}
-    types = dict.fromkeys(cluster.devices[d].type.name for group in groups for row in group.assignment
-                          for d in row)
-    return {
-        name: {
-            kind: cost.layer_time(layer, Pass.F, micro_batch_size=first.micro_batch_size,
-                                  seq_len=first.seq_len, device_type=name).source
-            for kind, layer in layers.items()
-        }
-        for name in types
-    }
+    at = {"micro_batch_size": first.micro_batch_size, "seq_len": first.seq_len}
+    used = dict.fromkeys((cluster.devices[d].type.name, group.tp_of(k)) for group in groups
+                         for row in group.assignment for k, d in enumerate(row))
+    out: dict[str, dict[str, str]] = {}
+    for name, _ in used:
+        out.setdefault(name, {kind: cost.layer_time(layer, Pass.F, device_type=name, **at).source
+                              for kind, layer in layers.items()})
+    for name, tp in used:
+        if tp == 1:
+            continue
+        entry = {}
+        for kind, layer in layers.items():
+            own = cost.tp_layer_time(layer, Pass.F, device_type=name, tp=tp, **at)
+            entry[kind] = own.source if own is not None else f"{out[name][kind]} scaled to tp{tp}"
+        out[f"{name} tp{tp}"] = entry
+    return out
 
 
 def cost_source_name(layout: PlanLayout | Sequence[PlanLayout], cost: CostSource, cluster: Cluster) -> str:
     """All the sources the plan's per-layer times came from, joined by '+'."""
-    names = {s for by_kind in layer_sources(layout, cluster, cost).values() for s in by_kind.values()}
+    names = {s.split(" scaled to tp")[0] for by_kind in layer_sources(layout, cluster, cost).values()
+             for s in by_kind.values()}
     return "+".join(sorted(names))
 
 
