@@ -45,3 +45,15 @@ def test_plan_table_prints_an_ablation_line_per_step() -> None:
     assert "ablation: best plan" in out
     for step in STEPS:
         assert f"without {step} (" in out
+
+
+def test_shares_outside_0_to_1_are_said_in_words() -> None:
+    from medley.cli.plan_report import share_words
+
+    assert share_words(0.42, 1.2, 1.0, "metis-style") == ", 42% of the gain"
+    # Without the freedom, 3x the best step while the baseline is 1.1x: not "939% of the gain".
+    assert share_words(9.39, 3.0, 1.0, "metis-style") == \
+        ", 3.00x the best plan's step: slower than metis-style without it"
+    assert share_words(-0.05, 0.98, 1.0, "metis-style") == \
+        ", 2.0% faster than the best plan: a plan the planner's pruning missed"
+    assert share_words(None, None, 1.0, None) == ""

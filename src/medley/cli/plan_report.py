@@ -240,6 +240,20 @@ def print_ablation(ablation: dict, console: Console) -> None:
     console.print(f"ablation: best plan {best:.3f} s; where its gain {gain} comes from (each alone):")
     for step in ablation["steps"]:
         seconds = "no plan fits" if step["step_time_s"] is None else f"{step['step_time_s']:.3f} s"
-        share = "" if step["share_of_gain"] is None else f", {step['share_of_gain']:.0%} of the gain"
         note = f" ({step['note']})" if step["note"] else ""
-        console.print(f"  without {step['without']} ({step['removed']}): {seconds}{share}{note}")
+        console.print(f"  without {step['without']} ({step['removed']}): {seconds}"
+                      f"{share_words(step['share_of_gain'], step['step_time_s'], best, base)}{note}")
+
+
+def share_words(share: float | None, seconds: float | None, best: float, base: str | None) -> str:
+    """A step's share of the gain in words: a share in [0, 1] as a percentage; above 1 (the search
+    without the freedom is slower than the best baseline) and below 0 (faster than the best plan:
+    the planner's pruning missed that plan) as what they mean, not as 939% or -5%."""
+    if share is None or seconds is None:
+        return ""
+    if share > 1:
+        return f", {seconds / best:.2f}x the best plan's step: slower than {base} without it"
+    if share < 0:
+        return (f", {1 - seconds / best:.1%} faster than the best plan: a plan the planner's pruning "
+                "missed")
+    return f", {share:.0%} of the gain"
