@@ -2,15 +2,16 @@
 layer buckets, the planner's first choice for two CPU ranks): profile (with the runtime's
 overhead), simulate, train for real, report.
 
-The step-time bound here is a sanity bound, not the fidelity goal: the median of the two plans'
-errors against their fastest step stays within 75% (a simulator off by a factor of four or more,
-e.g. one that drops compute or mixes units, fails it; see test_fidelity_bounds.py). The goal (35%,
-and the issue's 10% / 5%) is bench/fidelity.py's: on this 2-core CPU the quiet-run errors of these
-two plans measured -25% to -54% (pp2) and -65% (ZeRO-1 in four FSDP2 buckets), and the profile's
-own overhead figures move the prediction by up to half between runs, so a 35% bound in CI fails
-at random. A failing run is repeated once; when other work used half a core or more during both
-attempts the timing check is skipped (saying so). Peak memory, a deterministic count of live
-tensor bytes, must agree within 5% (the issue's goal) on every rank of both plans.
+No end-to-end step-time bound here: how close the prediction comes to this machine's measured
+step is the fidelity goal, and goals are bench/fidelity.py's (on this 2-core CPU the quiet-run
+errors of these two plans measured -25% to -54% and -65%, and they move with whatever else runs:
+a bound in CI either fails at random or has to be skipped under load, which hides a real
+failure). What is checked instead does not depend on the machine's speed: each timed step is
+replayed in the simulator on its own measured compute durations, and the median replay error of
+each plan stays within 50% (a simulator that drops a dependency, a transfer or the overhead, or
+mixes units, fails it; the bench's worst case over 40 plans is 27.5%). Peak memory, a
+deterministic count of live tensor bytes, must agree within 5% (the issue's goal) on every rank
+of both plans.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from medley.profile.fidelity import FidelityCase, memory_failure, timing_failure
-from medley.profile.harness import TINY, harness_steps, profiles_for, run_cases, run_harness
+from medley.profile.fidelity import FidelityCase, memory_failure
+from medley.profile.harness import TINY, harness_steps, run_harness
 
-TIMING_BOUND = 0.75  # sanity bound (see the module docstring); the 35% goal is the bench's
+REPLAY_BOUND = 0.5  # median |replay error| per plan (see the module docstring)
 MEMORY_BOUND = 0.05  # the issue's goal
-BUSY_CORES = 0.5  # other work (measured during a run) past which step times say nothing
 
 
 @pytest.mark.timeout(600)
@@ -72,17 +72,7 @@ def test_two_plans_predicted_and_measured(tmp_path: Path) -> None:
     assert profile["overhead"]["figures"]["zero3_slope_per_micro_batch_s"] > 0
     blocks = [m for m in profile["layers"] if m["kind"] == "block"]
     assert blocks and all(m["tp_forward_s"] > 0 and m["tp_backward_full_s"] > 0 for m in blocks)
-    failure = timing_failure(results, bound=TIMING_BOUND)
-    if failure is not None:  # once more, on the same profiles: the machine may have been busy
-        profiles = profiles_for(cases, tmp_path, reuse=True)
-        again = run_cases(cases, profiles, steps=6, refresh_layers=False)
-        second = timing_failure(again, bound=TIMING_BOUND)
-        busy = min(max(r.background_cores for r in attempt) for attempt in (results, again))
-        if second is not None and busy >= BUSY_CORES:
-            pytest.skip(
-                f"the bound is for a quiet machine; other work used up to {busy:.2f} cores "
-                f"during both attempts here: {second}"
-            )
-        assert second is None, (
-            f"twice, one attempt with at most {busy:.2f} cores of other work: {failure}; {second}"
-        )
+    for r in results:  # the simulator's model of the step around measured compute
+        errors = sorted(abs(e) for e in r.replay_errors)
+        assert len(errors) >= 3, f"{r.case}: {len(errors)} steps replayed"
+        assert errors[len(errors) // 2] <= REPLAY_BOUND, f"{r.case}: replay errors {errors}"
