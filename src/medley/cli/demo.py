@@ -61,7 +61,8 @@ def plan_demo_cluster(*, out_dir: Path, model_name: str, console: Console) -> di
         console.print(f"· {line}")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_plan(result.best.plan, out_dir / "demo-plan.toml")
-    write_pictures(result.best.result, trace=out_dir / "demo-trace.json", gantt=out_dir / "demo-gantt.png")
+    write_pictures(result.best.result, trace=out_dir / "demo-trace.json", gantt=out_dir / "demo-gantt.png",
+                   cluster=cluster)
     console.print(f"Best plan: {out_dir / 'demo-plan.toml'} (`medley show` renders it); "
                   f"Gantt {out_dir / 'demo-gantt.png'}; trace {out_dir / 'demo-trace.json'} "
                   "(open in https://ui.perfetto.dev)")

@@ -198,7 +198,8 @@ def register(app: typer.Typer) -> None:
         cost = cost_source(layout.model, cluster, profiles=profile or (), profiles_dir=profiles,
                            seq_len=layout.seq_len)
         prediction, problem, result = predict_groups(plan.groups, cluster, cost=cost)
-        write_pictures(result, trace=trace, gantt=gantt, roles=device_roles(build_world(plan.groups)))
+        write_pictures(result, trace=trace, gantt=gantt, roles=device_roles(build_world(plan.groups)),
+                       cluster=cluster)
         data = summary(plan.groups, cluster, problem, result)
         data["cost_source"] = prediction.cost_source
         data["cost_sources"] = layer_sources(plan.groups, cluster, cost)

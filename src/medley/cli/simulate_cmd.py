@@ -391,7 +391,7 @@ def register(app: typer.Typer) -> None:
             sequence_parallel=sequence_parallel,
         )
         problem, result = simulate_layout(layout, spec, cost=cost, comm=not no_comm, where=SIZE_FLAGS)
-        write_pictures(result, trace=trace, gantt=gantt)
+        write_pictures(result, trace=trace, gantt=gantt, cluster=spec)
         data = summary(layout, spec, problem, result)
         data["cost_sources"] = layer_sources(layout, spec, cost)
         if as_json:
@@ -440,9 +440,10 @@ def check_pictures(*, trace: Path | None, gantt: Path | None) -> None:
 
 
 def write_pictures(result: SimResult, *, trace: Path | None, gantt: Path | None,
-                   roles: dict[int, str] | None = None) -> None:
+                   roles: dict[int, str] | None = None, cluster: Cluster | None = None) -> None:
     """The Chrome trace and the Gantt chart of ``result``; ``roles``: each device's part of the plan
-    (:func:`medley.plan.world.device_roles`), shown beside its name."""
+    (:func:`medley.plan.world.device_roles`), shown beside its name; ``cluster``: the one simulated,
+    whose device types name the chart's rows."""
     if trace is not None:
         from medley.sim.trace import write_chrome_trace
 
@@ -450,4 +451,4 @@ def write_pictures(result: SimResult, *, trace: Path | None, gantt: Path | None,
     if gantt is not None:
         from medley.sim.gantt import write_gantt
 
-        write_gantt(result, gantt, roles=roles)
+        write_gantt(result, gantt, roles=roles, cluster=cluster)
