@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from medley.cli.console import make_console, print_table
 from medley.cli.main import app
+from medley.spec.catalog import load_catalog
 
 DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "demo.toml")
 PLAN = ["plan", "--cluster", DEMO, "--model", "llama-2-7b", "--global-batch", "96", "--seq-len", "2048",
@@ -87,3 +88,26 @@ def test_every_help_text_fits_80_columns_without_cutting_an_option() -> None:
     for args in commands:
         out = run([*args, "--help"], 80)
         assert "…" not in out and all(len(line) <= 80 for line in out.splitlines()), (args, out)
+
+
+def test_the_device_catalog_is_one_line_per_type_in_80_columns(tmp_path: Path) -> None:
+    """A new user's `medley devices` at 80 columns was ~185 lines (every type as a block of
+    `field value` lines); now one row per type, with --wide for the full headers and bandwidth."""
+    names = list(load_catalog())
+    out = run(["devices"], 80)
+    lines = out.splitlines()
+    assert len(lines) <= len(names) + 6, out
+    assert "…" not in out and all(len(line) <= 80 for line in lines), out
+    rows = [line for line in lines if line.startswith("│ ")]
+    assert [row.split("│")[1].strip() for row in rows] == names  # one row per type, in catalog order
+    a100 = next(row for row in rows if row.startswith("│ A100-80GB "))
+    assert [cell.strip() for cell in a100.split("│")[1:-1]] == [
+        "A100-80GB", "80", "312", "19.5", "yes", "nvlink 300", "high"]
+    wide = run(["devices", "--wide"], 140)
+    assert "mem BW GB/s" in wide and "2039" in wide and all(name in wide for name in names)
+    extra = tmp_path / "extra.toml"
+    extra.write_text('[devices."A100-80GB"]\nmemory_gb = 81\n')
+    out = run(["devices", "--catalog", str(extra)], 80)
+    assert len(out.splitlines()) <= len(names) + 6 and "│ A100-80GB       │     81 │" in out
+    entries = {e["name"]: e for e in json.loads(run(["devices", "--json", "--catalog", str(extra)], 80))}
+    assert list(entries) == names and entries["A100-80GB"]["memory_gb"] == 81

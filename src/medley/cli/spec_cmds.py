@@ -39,31 +39,34 @@ def _count(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def print_devices(catalog: dict[str, DeviceType], console: Console) -> None:
-    table = Table(title=f"Device catalog ({len(catalog)} types; dense peaks)")
-    for col in (
-        "name",
-        "bf16/fp16 TF",
-        "fp32 TF",
-        "memory GB",
-        "mem BW GB/s",
-        "intra-node link",
-        "bf16",
-        "confidence",
-    ):
-        table.add_column(col, justify="left" if col in ("name", "node link GB/s", "confidence") else "right")
+# `medley devices`: one line per type in 80 columns (header, cells); --wide adds memory bandwidth.
+COMPACT_DEVICE_COLUMNS = ("name", "mem GB", "half TF", "fp32 TF", "bf16", "link GB/s", "conf")
+WIDE_DEVICE_COLUMNS = ("name", "bf16/fp16 TF", "fp32 TF", "memory GB", "mem BW GB/s", "intra-node link",
+                       "bf16", "confidence")
+LEFT_DEVICE_COLUMNS = ("name", "link GB/s", "intra-node link", "conf", "confidence")
+
+
+def print_devices(catalog: dict[str, DeviceType], console: Console, *, wide: bool = False) -> None:
+    """The catalog, one row per type: name, memory, dense peaks, bf16, link, confidence (fits 80
+    columns); ``wide`` spells the headers out and adds memory bandwidth."""
+    if wide:
+        title = f"Device catalog ({len(catalog)} types; dense peaks)"
+        columns = WIDE_DEVICE_COLUMNS
+    else:
+        title = f"Device catalog ({len(catalog)} types; dense peaks; half = bf16/fp16; --wide for more)"
+        columns = COMPACT_DEVICE_COLUMNS
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="left" if col in LEFT_DEVICE_COLUMNS else "right")
     for d in catalog.values():
         link = f"{d.intra_node_link} {d.intra_node_bandwidth_gbps:g}"
-        table.add_row(
-            d.name,
-            f"{d.peak_tflops_half:g}",
-            f"{d.peak_tflops_fp32:g}",
-            f"{d.memory_gb:g}",
-            f"{d.memory_bandwidth_gbps:g}",
-            link,
-            "yes" if d.supports_bf16 else "no",
-            d.confidence,
-        )
+        bf16 = "yes" if d.supports_bf16 else "no"
+        half, fp32, memory = f"{d.peak_tflops_half:g}", f"{d.peak_tflops_fp32:g}", f"{d.memory_gb:g}"
+        if wide:
+            bandwidth = f"{d.memory_bandwidth_gbps:g}"
+            table.add_row(d.name, half, fp32, memory, bandwidth, link, bf16, d.confidence)
+        else:
+            table.add_row(d.name, memory, half, fp32, bf16, link, d.confidence)
     print_table(console, table)
 
 
@@ -284,6 +287,8 @@ def register(app: typer.Typer) -> None:
     def devices(
         catalog: Annotated[Path | None, typer.Option(help="TOML file adding or overriding entries")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+        wide: Annotated[bool, typer.Option("--wide", help="full headers and memory bandwidth (about 110 "
+                                                          "columns)")] = False,
     ) -> None:
         """The device catalog: dense peak TFLOPS, memory, bandwidth, links."""
         entries = load_catalog(catalog)
@@ -294,7 +299,7 @@ def register(app: typer.Typer) -> None:
                 )
             )
         else:
-            print_devices(entries, make_console())
+            print_devices(entries, make_console(), wide=wide)
 
     @cluster_app.command("show")
     def cluster_show(
