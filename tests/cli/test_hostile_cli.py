@@ -42,7 +42,7 @@ def test_a_train_config_seed_out_of_range_names_the_flag() -> None:
     from medley.runtime.config import TrainConfig, check_config
 
     with pytest.raises(MedleyInputError, match=r"--seed 1099511627776: use a seed in 0\.\.4,294,967,295"):
-        check_config(TrainConfig(seed=2**40))
+        check_config(TrainConfig.of(seed=2**40))
 
 
 SEQ_LEN_LINE = ("4096: longer than the longest sequence of model 'tiny', 128 (max_seq_len); use --seq-len "

@@ -50,7 +50,7 @@ def test_pp2_dp2_chat_fine_tuning_matches_transformers_masked_loss(hf_models, tm
     directory = _chat_model(hf_models["qwen2"], tmp_path)
     data = _conversations(tmp_path / "chat.jsonl", 16)
     plan = hf_plan(directory, pp=2, dp=2, split="1,1", zero="3,1", micro_batches="2,2")
-    config = TrainConfig(steps=3, seed=SEED, warmup_steps=1, lr=1e-2, min_lr=1e-3, clip_norm=1.0,
+    config = TrainConfig.of(steps=3, seed=SEED, warmup_steps=1, lr=1e-2, min_lr=1e-3, clip_norm=1.0,
                          progress=False, measure_memory=False, init_from=directory, hf_dir=directory,
                          data=str(data), data_cache=tmp_path / "cache")
     records = train_local(plan, config)

@@ -42,9 +42,10 @@ def test_tp_zero3_stages_read_their_boxes_of_hf_weights(hf_models, family: str, 
                                                         zero: str) -> None:
     directory = hf_models[family]
     plan = tp_hf_plan(directory, pp=pp, dp=2, tp=tp, split=split, zero=zero)
-    config = TrainConfig(steps=2, seed=3, lr=1e-2, progress=False, measure_memory=False, init_from=directory)
+    config = TrainConfig.of(steps=2, seed=3, lr=1e-2, progress=False, measure_memory=False,
+                            init_from=directory)
     records = train_local(plan, config)
     want = reference_losses(plan.layout, config)
     assert max(abs(r.loss - w) for r, w in zip(records, want, strict=True)) <= TOL
-    seeded = reference_losses(plan.layout, TrainConfig(steps=1, seed=3, progress=False))
+    seeded = reference_losses(plan.layout, TrainConfig.of(steps=1, seed=3, progress=False))
     assert abs(records[0].loss - seeded[0]) > 1e-3, "the run must start from the directory's weights"

@@ -34,7 +34,7 @@ def test_tied_qwen2_on_two_stages_from_hf_weights_and_its_export(hf_models, tmp_
     assert result.exit_code == 0, result.output
     records = json.loads(result.stdout)["records"]
     plan = hf_plan(directory, pp=2, dp=1, split="2,2", zero="0,0", micro_batches="2")
-    config = TrainConfig(steps=3, seed=SEED, warmup_steps=1, lr=1e-2, min_lr=1e-3, clip_norm=1.0,
+    config = TrainConfig.of(steps=3, seed=SEED, warmup_steps=1, lr=1e-2, min_lr=1e-3, clip_norm=1.0,
                          progress=False, init_from=directory, hf_dir=directory)
     reference, want = reference_train(plan.layout, config)
     assert max(abs(r["loss"] - w) for r, w in zip(records, want, strict=True)) <= TOL

@@ -32,7 +32,7 @@ SEED = 3
 def test_pp2_dp2_zero31_run_from_hf_weights_and_its_export(hf_models, tmp_path: Path) -> None:
     directory = hf_models["llama"]
     plan = hf_plan(directory, pp=2, dp=2, split="2,2", zero="3,1", micro_batches="2,2")
-    config = TrainConfig(steps=3, seed=SEED, warmup_steps=1, lr=1e-2, min_lr=1e-3, clip_norm=1.0,
+    config = TrainConfig.of(steps=3, seed=SEED, warmup_steps=1, lr=1e-2, min_lr=1e-3, clip_norm=1.0,
                          progress=False, measure_memory=False, init_from=directory, hf_dir=directory,
                          checkpoint_dir=tmp_path / "ckpt")
     records = train_local(plan, config)
@@ -107,7 +107,7 @@ def test_a_stage_reads_only_the_files_of_its_own_tensors(hf_models, monkeypatch:
 def test_reference_losses_start_from_the_same_weights(hf_models) -> None:
     directory = hf_models["qwen2"]  # tied embeddings and Q/K/V biases: one stage
     plan = hf_plan(directory, pp=1, dp=1, split="4", zero="0", micro_batches="2")
-    config = TrainConfig(steps=1, seed=SEED, progress=False, init_from=directory)
+    config = TrainConfig.of(steps=1, seed=SEED, progress=False, init_from=directory)
     batch = load_data(config, seq_len=SEQ_LEN, vocab_size=plan.layout.model.vocab_size).global_batch(
         step=0, seed=SEED, sequences=4, seq_len=SEQ_LEN)
     assert abs(reference_losses(plan.layout, config)[0] - transformers_loss(directory, batch)) <= TOL
@@ -122,9 +122,9 @@ def test_text_data_is_tokenized_with_the_model_directorys_tokenizer(hf_models, b
         source = load_data(config, seq_len=SEQ_LEN, vocab_size=257)
         return source.global_batch(step=0, seed=SEED, sequences=4, seq_len=SEQ_LEN)
 
-    from_dir = first_batch(TrainConfig(hf_dir=hf_models["llama"]))
-    assert torch.equal(from_dir, first_batch(TrainConfig(init_from=hf_models["llama"])))
-    assert torch.equal(from_dir, first_batch(TrainConfig(tokenizer=str(bpe_tokenizer))))
-    assert not torch.equal(from_dir, first_batch(TrainConfig()))  # bytes
+    from_dir = first_batch(TrainConfig.of(hf_dir=hf_models["llama"]))
+    assert torch.equal(from_dir, first_batch(TrainConfig.of(init_from=hf_models["llama"])))
+    assert torch.equal(from_dir, first_batch(TrainConfig.of(tokenizer=str(bpe_tokenizer))))
+    assert not torch.equal(from_dir, first_batch(TrainConfig.of()))  # bytes
     with pytest.raises(MedleyInputError, match="read as bytes .* vocab_size is 100"):
-        load_data(TrainConfig(), seq_len=SEQ_LEN, vocab_size=100)
+        load_data(TrainConfig.of(), seq_len=SEQ_LEN, vocab_size=100)

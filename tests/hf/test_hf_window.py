@@ -58,7 +58,8 @@ def test_pp2_windowed_run_equals_the_reference(hf_models) -> None:
     directory = hf_models["qwen2_w8"]  # the window, Q/K/V biases, untied: two stages
     plan = hf_plan(directory, pp=2, dp=1, split="2,2", zero="0", micro_batches="2")
     check_plan(plan, 2)  # what plan emits for a window shorter than --seq-len, train runs
-    config = TrainConfig(steps=2, seed=3, lr=1e-2, progress=False, measure_memory=False, init_from=directory)
+    config = TrainConfig.of(steps=2, seed=3, lr=1e-2, progress=False, measure_memory=False,
+                            init_from=directory)
     records = train_local(plan, config)
     want = reference_losses(plan.layout, config)
     assert max(abs(r.loss - w) for r, w in zip(records, want, strict=True)) <= TOL

@@ -17,6 +17,7 @@ from medley.runtime.checkpoint import SafeReader
 from medley.runtime.launch import train_local
 from medley.runtime.model import Decoder
 from medley.runtime.reference import reference_train
+from medley.runtime.train import TrainHooks
 
 TOL = 1e-5
 STEPS = 3
@@ -81,8 +82,8 @@ def test_an_fp16_overflow_on_one_replica_group_skips_the_step_on_every_rank(tmp_
     plan = asymmetric_plan(*GROUPS["pp2+pp1-zero1"])
     hook = functools.partial(watch_and_inject, directory=str(tmp_path), inject_step=2, inject_rank="2",
                              inject_stage=0)
-    records = train_local(plan, config(steps=4, dtype="fp16", checkpoint_every=0, measure_memory=False,
-                                       grad_hook=hook))
+    records = train_local(plan, config(steps=4, dtype="fp16", checkpoint_every=0, measure_memory=False),
+                          hooks=TrainHooks(grad_hook=hook))
     assert [r.skipped_steps for r in records] == [0, 0, 1, 1]
     assert [r.loss_scale for r in records] == [INIT, INIT, INIT, INIT / 2]
     ranks = seen(tmp_path)
@@ -97,8 +98,8 @@ ASYMMETRIC = GROUPS["pp3+2xpp2-zero3"]  # 3 + 2 + 1 micro-batches
 SYMMETRIC = dict(pp=2, dp=2, split="3,3", zero="1,1", schedule="zb-h1", micro_batches="4,2")
 
 
-def run_six(plan: Plan, directory: Path, **extra: object) -> list:
-    return train_local(plan, config(checkpoint_dir=directory, measure_memory=False, **extra))
+def run_six(plan: Plan, directory: Path, hooks: TrainHooks | None = None) -> list:
+    return train_local(plan, config(checkpoint_dir=directory, measure_memory=False), hooks=hooks)
 
 
 @pytest.mark.timeout(400)
@@ -114,7 +115,7 @@ def test_asymmetric_checkpoints_resume_under_alike_replicas_and_back(tmp_path: P
     asymmetric, symmetric = asymmetric_plan(*ASYMMETRIC), tiny_plan(**SYMMETRIC)
     whole = run_six(asymmetric, tmp_path / "whole")
     with pytest.raises(Exception, match="StopTraining"):
-        run_six(asymmetric, tmp_path / "stopped", on_step=stop_after_step_3)
+        run_six(asymmetric, tmp_path / "stopped", TrainHooks(on_step=stop_after_step_3))
     resumed = run_six(asymmetric, tmp_path / "stopped")
     assert [r.step for r in resumed] == [4, 5]
     assert [r.loss for r in resumed] == [r.loss for r in whole[4:]]

@@ -3,7 +3,7 @@ matmuls to fp16 on CPU): close to fp32, an overflow anywhere skips the step on e
 halves the scale everywhere, the scale survives a resume, and a run never changes precision
 without saying so.
 
-The overflow is injected through ``TrainConfig.grad_hook`` (a test hook the ranks call right
+The overflow is injected through ``TrainHooks.grad_hook`` (a test hook the ranks call right
 before the step's global gradient check); the same hook writes what every rank saw to a file,
 so the tests check every rank, not only rank 0's records.
 """
@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ from medley.cost.estimator import CatalogCostSource
 from medley.errors import MedleyInputError
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, save_plan
-from medley.runtime.config import TrainConfig, check_config
+from medley.runtime.config import TrainConfig, TrainHooks, check_config
 from medley.runtime.launch import RankFailure, train_local
 from medley.runtime.optim import lr_at
 from medley.runtime.precision import LossScaler, choose_dtype
@@ -89,8 +90,8 @@ def test_an_overflow_on_one_rank_skips_that_step_on_every_rank(tmp_path: Path) -
     hook = functools.partial(watch_and_inject, directory=str(tmp_path), inject_step=2, inject_rank="3",
                              inject_stage=1)
     plan = tiny_plan(**PLAN_A)
-    records = train_local(plan, config(steps=5, dtype="fp16", checkpoint_every=0, measure_memory=False,
-                                       grad_hook=hook))
+    records = train_local(plan, config(steps=5, dtype="fp16", checkpoint_every=0, measure_memory=False),
+                          hooks=TrainHooks(grad_hook=hook))
     assert [r.skipped_steps for r in records] == [0, 0, 1, 1, 1]
     assert [r.loss_scale for r in records] == [INIT, INIT, INIT, INIT / 2, INIT / 2]
     assert math.isinf(records[2].grad_norm)
@@ -110,12 +111,12 @@ def test_resume_restores_the_scale_its_growth_and_the_skip_count(tmp_path: Path)
     """Overflow at step 1, the scale grows again after three good steps (after step 4). A run
     stopped after step 3 resumes at step 4 with the halved scale, the good-step count and the
     skip count of its checkpoint: its steps 4 and 5 equal the uninterrupted run's bit for bit."""
-    def run(directory: Path, **extra: object) -> list:
+    def run(directory: Path, on_step: Callable[[int], None] | None = None) -> list:
         hook = functools.partial(watch_and_inject, directory=str(tmp_path), inject_step=1, inject_rank="1",
                                  inject_stage=1)
         return train_local(tiny_plan(**PLAN_B), config(
-            dtype="fp16", checkpoint_dir=directory, measure_memory=False, grad_hook=hook,
-            loss_scale_growth_interval=3, **extra))
+            dtype="fp16", checkpoint_dir=directory, measure_memory=False, loss_scale_growth_interval=3),
+            hooks=TrainHooks(grad_hook=hook, on_step=on_step))
 
     whole = run(tmp_path / "whole")
     assert [r.loss_scale for r in whole] == [INIT, INIT, INIT / 2, INIT / 2, INIT / 2, INIT]
@@ -217,9 +218,9 @@ def test_a_run_in_another_precision_says_so_with_the_repredicted_step_time() -> 
 ])
 def test_bad_precision_settings_are_one_line(field: str, value: object, message: str) -> None:
     with pytest.raises(MedleyInputError) as caught:
-        check_config(TrainConfig(**{field: value}))
+        check_config(TrainConfig.of(**{field: value}))
     assert message in str(caught.value) and "\n" not in str(caught.value)
-    check_config(TrainConfig(dtype="fp16"))
+    check_config(TrainConfig.of(dtype="fp16"))
 
 
 MEDLEY = str(Path(sys.executable).with_name("medley"))

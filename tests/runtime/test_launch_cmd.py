@@ -244,7 +244,7 @@ def test_local_launch_of_unlike_nodes_equals_the_reference(tmp_path: Path, nodes
     done = launch_local(plan_file(tmp_path, plan), *TRAIN)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    want = reference_losses(plan.layout, TrainConfig(steps=3, seed=3, warmup_steps=2, lr=3e-3, min_lr=3e-4,
+    want = reference_losses(plan.layout, TrainConfig.of(steps=3, seed=3, warmup_steps=2, lr=3e-3, min_lr=3e-4,
                                                      clip_norm=1.0, weight_decay=0.1))
     losses = [r["loss"] for r in out["records"]]
     assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, want, strict=True)) <= TOL
@@ -413,7 +413,7 @@ def test_local_launch_of_an_asymmetric_plan_equals_the_reference(tmp_path: Path)
     out = json.loads(done.stdout)
     reference = dataclasses.replace(split_two.layout, dp=3, micro_batches=plan.micro_batches, sync_dp=0,
                                     assignment=((0, 1), (2, 3), (4, 5)))
-    want = reference_losses(reference, TrainConfig(steps=3, seed=3, warmup_steps=2, lr=3e-3, min_lr=3e-4,
+    want = reference_losses(reference, TrainConfig.of(steps=3, seed=3, warmup_steps=2, lr=3e-3, min_lr=3e-4,
                                                    clip_norm=1.0, weight_decay=0.1))
     losses = [r["loss"] for r in out["records"]]
     assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, want, strict=True)) <= TOL

@@ -19,6 +19,7 @@ from medley.runtime.checkpoint import SafeReader
 from medley.runtime.launch import train_local
 from medley.runtime.model import Decoder, shared_name
 from medley.runtime.reference import reference_losses
+from medley.runtime.train import TrainHooks
 from medley.schedule.ir import Kind
 
 TOL = 1e-5
@@ -54,8 +55,8 @@ def check_tied_run(plan: Plan, directory: Path) -> list:
     reference, and every copy of the tied weight (each end's, on every TP rank of every replica)
     holds the same weight and summed gradient, bit for bit, at every step. Returns the records."""
     hook = functools.partial(save_tied_copies, str(directory))
-    records = train_local(plan, config(steps=STEPS, checkpoint_every=0, measure_memory=False,
-                                       grad_hook=hook))
+    records = train_local(plan, config(steps=STEPS, checkpoint_every=0, measure_memory=False),
+                          hooks=TrainHooks(grad_hook=hook))
     want = reference_losses(plan.layout, config(steps=STEPS))
     assert max(abs(r.loss - w) for r, w in zip(records, want, strict=True)) <= TOL
     found = copies_by_step(directory)
@@ -115,8 +116,8 @@ def test_tied_checkpoint_resumes_under_another_plan(saved: str, resumed: str, tm
     hooked = tmp_path / "copies"
     hooked.mkdir()
     second = train_local(tiny_plan(model=tied_tiny(), **plans[resumed]),
-                         config(steps=STEPS, checkpoint_dir=directory, measure_memory=False,
-                                grad_hook=functools.partial(save_tied_copies, str(hooked))))
+                         config(steps=STEPS, checkpoint_dir=directory, measure_memory=False),
+                         hooks=TrainHooks(grad_hook=functools.partial(save_tied_copies, str(hooked))))
     assert [r.step for r in second] == [2, 3]
     assert max(abs(a.loss - b.loss) for a, b in zip(first[2:], second, strict=True)) <= TOL
     for copies in copies_by_step(hooked).values():

@@ -18,6 +18,7 @@ from train_plans import config, crash_rank_one_once, stop_after_step_3, tiny_pla
 from medley.runtime.checkpoint import SafeReader
 from medley.runtime.launch import RankFailure, train_local
 from medley.runtime.reference import reference_losses
+from medley.runtime.train import TrainHooks
 
 TOL = 1e-5
 # A: 4 ranks, zero-bubble, ZeRO-3 and ZeRO-1 stages, replicas with 5 and 3 micro-batches.
@@ -68,8 +69,8 @@ def test_killed_rank_resumes_from_the_last_checkpoint(baseline, tmp_path) -> Non
     rank, training resumes at step 4 and ends equal, bit for bit, to the uninterrupted run."""
     _, uninterrupted = baseline
     directory, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    records = train_local(tiny_plan(**PLAN_A), config(checkpoint_dir=directory, log_jsonl=log,
-                                                      on_step=crash_rank_one_once), max_restarts=1)
+    records = train_local(tiny_plan(**PLAN_A), config(checkpoint_dir=directory, log_jsonl=log),
+                          hooks=TrainHooks(on_step=crash_rank_one_once), max_restarts=1)
     assert [r.step for r in records] == [4, 5]
     assert [r.loss for r in records] == [r.loss for r in uninterrupted[4:]]
     logged = [json.loads(line)["step"] for line in log.read_text().splitlines() if '"step"' in line]
@@ -99,8 +100,8 @@ def test_resume_into_zero1_and_zero3_from_another_plan(tmp_path) -> None:
     directory = tmp_path / "ckpt"
     # Every rank stops after step 3; whichever torchelastic saw first is named.
     with pytest.raises(RankFailure, match=r"rank \d failed .StopTraining: stopped after step 3"):
-        train_local(tiny_plan(**PLAN_C), config(checkpoint_dir=directory, measure_memory=False,
-                                                on_step=stop_after_step_3))
+        train_local(tiny_plan(**PLAN_C), config(checkpoint_dir=directory, measure_memory=False),
+                    hooks=TrainHooks(on_step=stop_after_step_3))
     records = train_local(tiny_plan(**PLAN_A), config(checkpoint_dir=directory, measure_memory=False))
     want = reference_losses(tiny_plan(**PLAN_A).layout, config())
     assert [r.step for r in records] == [4, 5]

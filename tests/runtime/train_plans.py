@@ -49,7 +49,7 @@ def config(**overrides: object) -> TrainConfig:
     """Six AdamW steps, two of warm-up, clipping active (gradient norms here are about 3-4)."""
     base = dict(steps=6, seed=SEED, warmup_steps=2, lr=3e-3, min_lr=3e-4, clip_norm=1.0, checkpoint_every=2,
                 progress=False)
-    return TrainConfig(**{**base, **overrides})
+    return TrainConfig.of(**{**base, **overrides})
 
 
 def crash_rank_one_once(step: int) -> None:

@@ -122,7 +122,7 @@ def emulated_run(*, out_dir: Path, steps: int, console: Console) -> dict:
     if plan.asymmetric:
         shapes = f"{len(plan.groups)} replica groups of their own shape: {shapes}"
     console.print(f"planned: {shapes} ({out_dir / 'demo-emulated-plan.toml'})")
-    records = train_local(plan, TrainConfig(steps=steps, emulate=True, data=None, warmup_steps=3))
+    records = train_local(plan, TrainConfig.of(steps=steps, emulate=True, data=None, warmup_steps=3))
     timed = [r.step_time_s for r in records[5:]] or [r.step_time_s for r in records]
     measured = {"fastest": min(timed), "median": statistics.median(timed)}
     table = Table(title=f"{model.name}, {steps} steps, {plan.tokens_per_step} tokens per step")

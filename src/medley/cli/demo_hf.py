@@ -104,13 +104,13 @@ def hf_finetune(*, out_dir: Path, plan: Plan, steps: int, emulate: bool, console
     base = write_model_dir(out_dir / "demo-hf-base", shape, seed=1)
     model = get_model(str(base))
     check_init_from(model, base)
-    config = TrainConfig(steps=steps, emulate=emulate, init_from=base, hf_dir=base, warmup_steps=2,
+    config = TrainConfig.of(steps=steps, emulate=emulate, init_from=base, hf_dir=base, warmup_steps=2,
                          lr=1e-2, checkpoint_dir=export_checkpoints(export))
     records = train_local(Plan(groups=[replace(g, model=model) for g in plan.groups], cluster=plan.cluster),
                           config)
     with warnings.catch_warnings():  # DCP notes that it reads without a process group: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        export_after_training(config.checkpoint_dir, export, temporary=True)
+        export_after_training(config.checkpoint.dir, export, temporary=True)
     console.print(f"wrote {base} (LLaMA, {HF_VOCAB}-token BPE of the shipped corpus); fine-tuned it with "
                   f"init_from: loss {records[0].loss:.3f} -> {records[-1].loss:.3f} over {steps} steps; "
                   f"exported {export}")

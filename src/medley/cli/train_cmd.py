@@ -135,7 +135,7 @@ def check_fits(plan: Plan, config, *, local_ranks: int | None) -> None:  # noqa:
     dtype = run_dtype(plan, config, on_cuda=on_cuda)
     preflight(plan, dtype=dtype, local_ranks=local_world, on_cuda=on_cuda)
     if int(os.environ.get("RANK", "0")) == 0:
-        note = precision_note(plan, dtype, chosen=config.dtype is not None)
+        note = precision_note(plan, dtype, chosen=config.precision.dtype is not None)
         if note is not None:
             typer.echo(note, err=True)
 
@@ -292,7 +292,7 @@ def register(app: typer.Typer) -> None:
         from medley.plan.plan import load_plan
         from medley.runtime.train import TrainConfig, check_config
 
-        config = TrainConfig(
+        config = TrainConfig.of(
             steps=steps, seed=seed, optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, min_lr=min_lr,
             weight_decay=weight_decay, clip_norm=clip_norm or None, data=data, tokenizer=tokenizer,
             text_field=text_field, data_format=data_format, chat_template=chat_template,
@@ -304,7 +304,7 @@ def register(app: typer.Typer) -> None:
             step_timeout_s=step_timeout or None, gc_every=gc_every, reset_data_order=reset_data_order,
             init_from=init_from, hf_dir=hf_cmd.hf_dir_of(model, init_from), compile=compile_blocks)
         if keep is not None:
-            config.checkpoint_keep = keep
+            config.checkpoint.keep = keep
         if compile_blocks:
             from medley.runtime.compile import check_compile_available
 
@@ -312,7 +312,7 @@ def register(app: typer.Typer) -> None:
         if export_hf is not None:
             hf_cmd.check_export_target(export_hf, flag="--export-hf")
             if checkpoint_dir is None:
-                config.checkpoint_dir = hf_cmd.export_checkpoints(export_hf)
+                config.checkpoint.dir = hf_cmd.export_checkpoints(export_hf)
         check_config(config)  # output paths and numbers, before any work
         if plan is not None:
             the_plan = load_plan(plan)
@@ -343,7 +343,7 @@ def register(app: typer.Typer) -> None:
         if records is None:
             return
         if export_hf is not None:
-            hf_cmd.export_after_training(config.checkpoint_dir, export_hf, temporary=checkpoint_dir is None)
+            hf_cmd.export_after_training(config.checkpoint.dir, export_hf, temporary=checkpoint_dir is None)
             typer.echo(f"wrote the Hugging Face model {literal(str(export_hf))}", err=True)
         if as_json:
             typer.echo(json.dumps(run_json(records), indent=1, allow_nan=False))

@@ -1,6 +1,6 @@
 """An emulated heterogeneous cluster on this machine's CPU, and the costs that predict it.
 
-medley's runtime emulates unlike devices on like ones (``TrainConfig(emulate=True)``): each rank
+medley's runtime emulates unlike devices on like ones (``TrainConfig.of(emulate=True)``): each rank
 sleeps ``(factor - 1) x`` the measured time of every compute action, where ``factor`` is the
 plan's fastest device peak over the rank's own (:mod:`medley.runtime.emulate`). This module makes
 the matching plan inputs from a CPU profile:

@@ -42,7 +42,7 @@ from medley.sim.result import SimResult
 from medley.spec.model import ModelSpec
 
 if TYPE_CHECKING:
-    from medley.runtime.config import StepRecord
+    from medley.runtime.records import StepRecord
 
 __all__ = [
     "FidelityCase",
@@ -384,7 +384,7 @@ def run_case(
     bare, _ = place(profile.model_copy(update={"overhead": None}), used=used)
     no_overhead, _, _ = predict_groups(groups, bare.cluster, cost=bare.cost)
     plan = Plan(groups=groups, cluster=emulated.cluster, prediction=prediction)
-    config = TrainConfig(
+    config = TrainConfig.of(
         steps=steps,
         emulate=True,
         clip_norm=1.0 if groups[0].clip_grad else None,

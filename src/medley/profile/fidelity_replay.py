@@ -3,7 +3,7 @@
 A prediction from profiles carries two errors at once: the layer times (this shared 2-core machine
 varies a median +23% on identical compute between a case's fastest and median steps) and the
 simulator's model of everything else (dependencies, transfers, collectives, waits, the runtime's
-overhead). Replay takes the first away. With ``TrainConfig.trace_actions`` the runtime records
+overhead). Replay takes the first away. With ``TrainConfig.logging.trace_actions`` the runtime records
 every action's start and end on every rank (``StepRecord.action_spans_by_device``); for each
 measured step, the seconds of each compute action (F, B, W, BW, emulation sleep included, and the
 posting of the sends that follow it) and of each OPTIM replace the compiled durations of the same
@@ -31,7 +31,7 @@ from medley.sim.engine import simulate
 from medley.sim.problem import SimProblem
 
 if TYPE_CHECKING:
-    from medley.runtime.config import StepRecord
+    from medley.runtime.records import StepRecord
 
 Spans = Sequence[Sequence]  # (action text, start s, end s) per action, in program order
 
@@ -69,7 +69,7 @@ def step_durations(
         for k, device in enumerate(row):
             if device not in spans_by_device:
                 raise ValueError(f"replay: no action timings for device {device}; train with "
-                                 "TrainConfig(trace_actions=True)")
+                                 "TrainConfig.of(trace_actions=True)")
             ran = _host_durations(spans_by_device[device])
             # The simulator may lower the transfers itself (add_send_recv's placement): compare the rest.
             expected = [a for a in problem.schedules[r].actions[k] if a.kind not in P2P_KINDS]
@@ -90,7 +90,7 @@ def step_durations(
 
 @dataclass(frozen=True, kw_only=True)
 class MeasuredStep:
-    """One step as the runtime traced it (``TrainConfig.trace_actions``).
+    """One step as the runtime traced it (``TrainConfig.logging.trace_actions``).
 
     Attributes:
         spans: by device id, (action text, start s, end s) per action in program order, times since

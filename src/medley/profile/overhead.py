@@ -106,7 +106,7 @@ def _step_time(
     from medley.runtime.launch import train_local
     from medley.runtime.train import TrainConfig
 
-    config = TrainConfig(
+    config = TrainConfig.of(
         steps=2 * steps, clip_norm=None, data="synthetic", progress=False, dtype=dtype, warmup_steps=0
     )
     plan = _probe_plan(micro_batches, dtype, dp=dp, streamed_zero3=streamed_zero3)

@@ -254,7 +254,7 @@ class RankExecutor:
                 self.before_clip()
             if self.on_clip is None:
                 raise RuntimeError(f"{action} on pipeline rank {self.rank}: the schedule clips gradients "
-                                   "but no clipping was configured (TrainConfig.clip_norm)")
+                                   "but no clipping was configured (TrainConfig.optimizer.clip_norm)")
             self.on_clip()
 
     def _autocast(self) -> contextlib.AbstractContextManager:

@@ -39,7 +39,7 @@ from medley.runtime import placement
 from medley.runtime.lifecycle import die_with_parent
 from medley.runtime.nodes import LAUNCHER_PID_ENV, ONE_THREAD_ENV
 from medley.runtime.placement import PlacementEntry, ranks_needed
-from medley.runtime.train import StepRecord, TrainConfig, load_data, train
+from medley.runtime.train import StepRecord, TrainConfig, TrainHooks, load_data, train
 
 PROCESS_GROUP_TIMEOUT_S = 120
 _SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -109,7 +109,8 @@ def _exit_quietly(signum: int, _frame: object) -> None:
 
 
 @functools.partial(record, error_handler=_ERRORS)
-def rank_main(plan: Plan, config: TrainConfig) -> TrainRun | InputFailure | None:
+def rank_main(plan: Plan, config: TrainConfig,
+              hooks: TrainHooks | None = None) -> TrainRun | InputFailure | None:
     """Body of one launched rank: records and placement on rank 0, None elsewhere."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     die_with_parent(int(launcher) if launcher else None)
@@ -122,7 +123,7 @@ def rank_main(plan: Plan, config: TrainConfig) -> TrainRun | InputFailure | None
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a rank waits
     init_process_group()
     try:
-        records = train(plan, config)
+        records = train(plan, config, hooks)
     except MedleyInputError as err:
         # Bad input fails on every rank alike (plan, flags, checkpoint), so all return.
         return InputFailure(str(err))
@@ -141,7 +142,7 @@ def rank_main(plan: Plan, config: TrainConfig) -> TrainRun | InputFailure | None
 
 
 def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, max_restarts: int = 0,
-                start_method: str | None = None) -> TrainRun:
+                start_method: str | None = None, hooks: TrainHooks | None = None) -> TrainRun:
     """Train ``plan`` with ``nprocs`` ranks on this machine (default: the plan's world size), which
     plays every node of the plan's cluster (rank i on the plan's i-th device in ascending id).
 
@@ -173,7 +174,7 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, m
                 LAUNCHER_PID_ENV: str(os.getpid())}
     with _environment(settings), _agent_quiet(not debug_enabled()):
         try:
-            results = elastic_launch(launch, rank_main)(plan, config)
+            results = elastic_launch(launch, rank_main)(plan, config, hooks)
         except ChildFailedError as err:
             if debug_enabled():
                 raise

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from medley.runtime.config import StepRecord
+from medley.runtime.records import StepRecord
 
 
 class TensorBoardLog:

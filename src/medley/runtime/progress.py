@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from medley.runtime.config import StepRecord
+    from medley.runtime.records import StepRecord
 
 
 class TrainProgress:

@@ -49,32 +49,34 @@ def reference_train(layout: PlanLayout, config: TrainConfig, *,
 
 def reference_run(layout: PlanLayout, config: TrainConfig, *, steps: int | None = None) -> ReferenceRun:
     """Train the whole model in this process (fp32) from the run's initial weights (seeded, or
-    ``config.init_from``): the losses, and the validation losses where due."""
-    model = Decoder(layout.model, seed=config.seed, init=config.init_from is None)
-    if config.init_from is not None:
-        load_hf_weights(model, config.init_from)
-    opt_class, kwargs = optimizer_class(config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
+    ``config.model.init_from``): the losses, and the validation losses where due."""
+    model = Decoder(layout.model, seed=config.data.seed, init=config.model.init_from is None)
+    if config.model.init_from is not None:
+        load_hf_weights(model, config.model.init_from)
+    opt = config.optimizer
+    opt_class, kwargs = optimizer_class(opt.name, lr=opt.lr, weight_decay=opt.weight_decay)
     optimizer = opt_class(model.parameters(), **kwargs)
     source = load_data(config, seq_len=layout.seq_len, vocab_size=layout.model.vocab_size)
     sequences = sum(layout.micro_batches) * layout.micro_batch_size
     run = ReferenceRun()
-    for step in range(config.steps if steps is None else steps):
-        set_lr(optimizer, lr_at(step, lr=config.lr, min_lr=config.min_lr, warmup_steps=config.warmup_steps,
-                                total_steps=config.steps))
-        rows = source.global_rows(step=step, seed=config.seed, sequences=sequences, seq_len=layout.seq_len)
+    for step in range(opt.steps if steps is None else steps):
+        set_lr(optimizer, lr_at(step, lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
+                                total_steps=opt.steps))
+        rows = source.global_rows(step=step, seed=config.data.seed, sequences=sequences,
+                                  seq_len=layout.seq_len)
         loss = token_loss_sum(model(rows.tokens[:, :-1]), rows.targets) / rows.loss_tokens
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if config.clip_norm is not None:
+        if opt.clip_norm is not None:
             grads = [p.grad for p in model.parameters()]
             norm = math.sqrt(float(sum(g.double().square().sum() for g in grads)))
-            coef = min(1.0, config.clip_norm / (norm + 1e-6))
+            coef = min(1.0, opt.clip_norm / (norm + 1e-6))
             for grad in grads:
                 grad.mul_(coef)
         optimizer.step()
         run.losses.append(loss.item())
         if config.eval_due(step):
-            run.eval_losses[step] = _eval_loss(model, source, config.eval_batches, sequences)
+            run.eval_losses[step] = _eval_loss(model, source, config.logging.eval_batches, sequences)
     run.model = model
     return run
 

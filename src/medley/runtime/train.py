@@ -34,7 +34,7 @@ from medley.fileio import append_text
 from medley.plan.plan import Plan
 from medley.runtime import checkpoint, lock
 from medley.runtime.collector import StepGarbageCollector
-from medley.runtime.config import StepRecord, TrainConfig, check_config, load_data
+from medley.runtime.config import TrainConfig, TrainHooks, check_config, load_data
 from medley.runtime.data import replica_slice
 from medley.runtime.emulate import slowdown_factors
 from medley.runtime.executor import ACTION_CATEGORIES, MicroBatches
@@ -44,30 +44,34 @@ from medley.runtime.metrics import TensorBoardLog
 from medley.runtime.optim import lr_at, optimizer_class, set_lr
 from medley.runtime.precision import LossScaler, choose_dtype, unscale_and_clip
 from medley.runtime.progress import TrainProgress
+from medley.runtime.records import StepRecord
 from medley.runtime.setup import RankSetup, build_rank
 from medley.spec.cluster_schema import printable
 
-__all__ = ["StepRecord", "TrainConfig", "check_config", "load_data", "resolve_dtype", "run_dtype", "train"]
+__all__ = ["StepRecord", "TrainConfig", "TrainHooks", "check_config", "load_data", "resolve_dtype",
+           "run_dtype", "train"]
 
 
-def train(plan: Plan, config: TrainConfig) -> list[StepRecord]:
+def train(plan: Plan, config: TrainConfig, hooks: TrainHooks | None = None) -> list[StepRecord]:
     """Train ``plan`` on this rank; rank 0 returns the records of the steps it ran."""
     check_config(config)
-    opt_class, opt_kwargs = optimizer_class(config.optimizer, lr=config.lr, weight_decay=config.weight_decay,
+    opt = config.optimizer
+    opt_class, opt_kwargs = optimizer_class(opt.name, lr=opt.lr, weight_decay=opt.weight_decay,
                                             device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dtype = resolve_dtype(plan, config)
     # fp16 checks its gradients in the CLIP action's all-reduce: its schedules always have one.
-    clip_grad = config.clip_norm is not None or dtype == "fp16"
-    setup = build_rank(plan, seed=config.seed, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
-                       compile=config.compile,
+    clip_grad = opt.clip_norm is not None or dtype == "fp16"
+    setup = build_rank(plan, seed=config.data.seed, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
+                       compile=config.model.compile,
                        dtype=dtype, clip_grad=clip_grad, slowdown=_slowdown(plan, config),
-                       init_from=config.init_from)
+                       init_from=config.model.init_from)
     scaler = None
     if dtype == "fp16":
-        scaler = LossScaler(scale=config.loss_scale_init, backoff=config.loss_scale_backoff,
-                            growth=config.loss_scale_growth,
-                            growth_interval=config.loss_scale_growth_interval)
-    return _Loop(plan, config, setup, scaler).run()
+        precision = config.precision
+        scaler = LossScaler(scale=precision.loss_scale_init, backoff=precision.loss_scale_backoff,
+                            growth=precision.loss_scale_growth,
+                            growth_interval=precision.loss_scale_growth_interval)
+    return _Loop(plan, config, hooks or TrainHooks(), setup, scaler).run()
 
 
 def resolve_dtype(plan: Plan, config: TrainConfig) -> str:
@@ -76,23 +80,24 @@ def resolve_dtype(plan: Plan, config: TrainConfig) -> str:
 
 
 def run_dtype(plan: Plan, config: TrainConfig, *, on_cuda: bool) -> str:
-    """``config.dtype`` when given, else the plan's on CUDA and fp32 on CPU
+    """``config.precision.dtype`` when given, else the plan's on CUDA and fp32 on CPU
     (:func:`medley.runtime.precision.choose_dtype`)."""
-    return choose_dtype(plan, config.dtype, on_cuda=on_cuda)
+    return choose_dtype(plan, config.precision.dtype, on_cuda=on_cuda)
 
 
 def _slowdown(plan: Plan, config: TrainConfig) -> dict[int, float] | None:
-    if not (config.emulate or config.slowdown):
+    if not (config.emulation.emulate or config.emulation.slowdown):
         return None
-    return slowdown_factors(plan, config.slowdown)
+    return slowdown_factors(plan, config.emulation.slowdown)
 
 
 class _Loop:
     """One rank's training run: steps, statistics, checkpoints."""
 
-    def __init__(self, plan: Plan, config: TrainConfig, setup: RankSetup, scaler: LossScaler | None) -> None:
-        self.plan, self.config, self.setup, self.scaler = plan, config, setup, scaler
-        self.step_index, self.step_lr = 0, config.lr
+    def __init__(self, plan: Plan, config: TrainConfig, hooks: TrainHooks, setup: RankSetup,
+                 scaler: LossScaler | None) -> None:
+        self.plan, self.config, self.hooks, self.setup, self.scaler = plan, config, hooks, setup, scaler
+        self.step_index, self.step_lr = 0, config.optimizer.lr
         self.skipped_steps = torch.zeros((), dtype=torch.int64)  # checkpointed, whatever the precision
         layout = plan.shared
         # The launching process checked the data and built any token cache: ranks map it.
@@ -107,9 +112,10 @@ class _Loop:
         else:
             setup.executor.on_clip = self._clip
         self.meta = {"model": dataclasses.asdict(layout.model), "data": self.source.fingerprint,
-                     "optimizer": config.optimizer, "seq_len": layout.seq_len, "seed": config.seed,
+                     "optimizer": config.optimizer.name, "seq_len": layout.seq_len, "seed": config.data.seed,
                      "global_batch": self.sequences,
-                     "hf_dir": None if config.hf_dir is None else str(Path(config.hf_dir).resolve()),
+                     "hf_dir": None if config.model.hf_dir is None
+                     else str(Path(config.model.hf_dir).resolve()),
                      "plan": [{"pp": group.pp, "dp": group.dp, "split": list(group.stage_layers),
                                "zero": [z.level for z in group.zero],
                                "tp": [group.tp_of(k) for k in range(group.pp)]} for group in plan.groups]}
@@ -134,19 +140,19 @@ class _Loop:
 
     def _lock(self) -> lock.DirectoryLock | None:
         """Collective: rank 0 locks the checkpoint directory for this run, or every rank fails."""
-        if self.config.checkpoint_dir is None:
+        if self.config.checkpoint.dir is None:
             return None
         held, error = None, None
         if self.rank == 0:
             try:
-                held = lock.acquire(self.config.checkpoint_dir)
+                held = lock.acquire(self.config.checkpoint.dir)
             except MedleyInputError as err:
                 error = str(err)
         error = checkpoint.shared_error(error)
         if error is not None:
             raise MedleyInputError(error)
         try:
-            checkpoint.check_shared(self.config.checkpoint_dir, None if held is None else held.token)
+            checkpoint.check_shared(self.config.checkpoint.dir, None if held is None else held.token)
         except MedleyInputError:
             if held is not None:
                 held.release()
@@ -156,18 +162,18 @@ class _Loop:
     def _run(self) -> list[StepRecord]:
         start = self._resume()
         records: list[StepRecord] = []
-        shown = self.config.progress and self.rank == 0
-        progress = TrainProgress(self.config.steps, start) if shown else None
+        shown = self.config.logging.progress and self.rank == 0
+        progress = TrainProgress(self.config.optimizer.steps, start) if shown else None
         board = None
-        if self.rank == 0 and self.config.tensorboard is not None:
-            board = TensorBoardLog(self.config.tensorboard)
-        timeout = self.config.step_timeout_s
+        if self.rank == 0 and self.config.logging.tensorboard is not None:
+            board = TensorBoardLog(self.config.logging.tensorboard)
+        timeout = self.config.logging.step_timeout_s
         watchdog = StepWatchdog(timeout, rank=self.rank) if timeout is not None else None
         dist.barrier()
-        collector = StepGarbageCollector(self.config.gc_every)
+        collector = StepGarbageCollector(self.config.logging.gc_every)
         try:
             collector.start()
-            for step in range(start, self.config.steps):
+            for step in range(start, self.config.optimizer.steps):
                 if watchdog is not None:
                     watchdog.arm(step)
                 local = torch.cat([self._step(step), self._evaluate(step)])
@@ -182,8 +188,8 @@ class _Loop:
                     if progress is not None:
                         progress.update(record)
                 self._maybe_save(step + 1)
-                if self.config.on_step is not None:
-                    self.config.on_step(step)
+                if self.hooks.on_step is not None:
+                    self.hooks.on_step(step)
                 collector.after_step(step)
         finally:
             collector.stop()
@@ -193,17 +199,18 @@ class _Loop:
                 progress.close()
             if board is not None:
                 board.close()
-        if self.config.measure_memory and self.setup.device.type == "cpu" and start < self.config.steps:
+        on_cpu = self.setup.device.type == "cpu"
+        if self.config.logging.measure_memory and on_cpu and start < self.config.optimizer.steps:
             self._probe_memory(records)
         return records
 
     def _resume(self) -> int:
-        latest = checkpoint.latest_checkpoint(self.config.checkpoint_dir)
+        latest = checkpoint.latest_checkpoint(self.config.checkpoint.dir)
         if latest is None:
             return 0
         state = self._train_state()
         start, changed = checkpoint.load_checkpoint(latest, stages=self.setup.stages, expected=self.meta,
-                                                    reset_data_order=self.config.reset_data_order,
+                                                    reset_data_order=self.config.data.reset_data_order,
                                                     train_state=state)
         self.skipped_steps = state["skipped_steps"]
         if self.scaler is not None:
@@ -215,13 +222,13 @@ class _Loop:
         return start
 
     def _maybe_save(self, next_step: int) -> None:
-        every, directory = self.config.checkpoint_every, self.config.checkpoint_dir
+        every, directory = self.config.checkpoint.every, self.config.checkpoint.dir
         if directory is None:
             return
-        if next_step == self.config.steps or (every > 0 and next_step % every == 0):
+        if next_step == self.config.optimizer.steps or (every > 0 and next_step % every == 0):
             checkpoint.save_checkpoint(directory, next_step=next_step, stages=self.setup.stages,
                                        meta=self.meta, train_state=self._train_state(),
-                                       keep=self.config.checkpoint_keep)
+                                       keep=self.config.checkpoint.keep)
 
     def _train_state(self) -> dict[str, torch.Tensor]:
         """The loop's checkpointed scalars: the skipped steps (they hold back the learning-rate
@@ -231,7 +238,7 @@ class _Loop:
 
     def _batch(self, step: int) -> MicroBatches:
         layout = self.plan.shared
-        rows = self.source.global_rows(step=step, seed=self.config.seed, sequences=self.sequences,
+        rows = self.source.global_rows(step=step, seed=self.config.data.seed, sequences=self.sequences,
                                        seq_len=layout.seq_len).to(self.setup.device)
         return replica_slice(rows, micro_batches=self.plan.micro_batches,
                              micro_batch_size=layout.micro_batch_size, replica=self.setup.replica)
@@ -242,8 +249,8 @@ class _Loop:
         config, setup = self.config, self.setup
         # The schedule counts applied updates: a skipped fp16 step holds it back (as Megatron-LM).
         self.step_index, self.step_lr = step, lr_at(
-            step - int(self.skipped_steps), lr=config.lr, min_lr=config.min_lr,
-            warmup_steps=config.warmup_steps, total_steps=config.steps)
+            step - int(self.skipped_steps), lr=config.optimizer.lr, min_lr=config.optimizer.min_lr,
+            warmup_steps=config.optimizer.warmup_steps, total_steps=config.optimizer.steps)
         for stage in setup.stages.values():
             for optimizer in stage.optimizers:
                 set_lr(optimizer, self.step_lr)
@@ -272,7 +279,7 @@ class _Loop:
         if not self.config.eval_due(step):
             return torch.zeros(1, dtype=torch.float64)
         layout, total = self.plan.shared, 0.0
-        for index in range(self.config.eval_batches):
+        for index in range(self.config.logging.eval_batches):
             rows = self.source.eval_rows(index, sequences=self.sequences).to(self.setup.device)
             batch = replica_slice(rows, micro_batches=self.plan.micro_batches,
                                   micro_batch_size=layout.micro_batch_size, replica=self.setup.replica)
@@ -288,12 +295,12 @@ class _Loop:
         """The CLIP action: global norm by one all-reduce over the world, unscaled and clipped like
         torch's ``clip_grad_norm_``; in fp16 a non-finite norm skips the step on every rank."""
         setup = self.setup
-        if self.config.grad_hook is not None:
-            self.config.grad_hook(self.step_index, setup.stages,
+        if self.hooks.grad_hook is not None:
+            self.hooks.grad_hook(self.step_index, setup.stages,
                                   None if self.scaler is None else self.scaler.scale)
         # This rank's share, reported through the statistics gather (summed there).
         self.sq_norm = unscale_and_clip(setup.stages, replica=setup.replica, device=setup.device,
-                                        clip_norm=self.config.clip_norm, scaler=self.scaler)
+                                        clip_norm=self.config.optimizer.clip_norm, scaler=self.scaler)
         if self.scaler is not None and self.scaler.skipped_now:
             setup.executor.skip_optim = True
             self.skipped_steps.fill_(self.scaler.skipped_steps)
@@ -318,11 +325,11 @@ class _Loop:
             return None
         step_time = float(stats[:, 2].max())
         memory = {}
-        if self.setup.device.type == "cuda" and self.config.measure_memory:
+        if self.setup.device.type == "cuda" and self.config.logging.measure_memory:
             memory = {device: int(peak) for device, peak in self._by_device(stats[:, 4]).items()}
         eval_loss = None
         if self.config.eval_due(step):
-            eval_loss = float(stats[:, 7 + len(ACTION_CATEGORIES)].sum()) / self.config.eval_batches
+            eval_loss = float(stats[:, 7 + len(ACTION_CATEGORIES)].sum()) / self.config.logging.eval_batches
         return StepRecord(
             eval_loss=eval_loss, step_time_by_device=self._by_device(stats[:, 2]),
             action_time_by_device=self._by_device(
@@ -340,7 +347,7 @@ class _Loop:
     def _gather_spans(self) -> list[tuple[float, list[tuple[str, float, float]]]]:
         """Collective with ``trace_actions``: every rank's (program start, [(action, start, end)])
         of its last step, by global rank; else nothing."""
-        if not self.config.trace_actions:
+        if not self.config.logging.trace_actions:
             return []
         origin, spans = self.step_spans
         mine = (origin, [(str(a), start, end) for a, (start, end) in
@@ -357,21 +364,21 @@ class _Loop:
                            key=lambda item: item[0]))
 
     def _diverged(self, step: int, loss: float, grad_norm: float) -> MedleyInputError:
-        kept = (f"; the checkpoints in {self.config.checkpoint_dir} are from before it"
-                if self.config.checkpoint_dir is not None else "")
+        kept = (f"; the checkpoints in {self.config.checkpoint.dir} are from before it"
+                if self.config.checkpoint.dir is not None else "")
         if self.scaler is not None and self.scaler.exhausted and math.isfinite(loss):
             return MedleyInputError(
                 f"step {step}: fp16 gradients overflow even at loss scale {self.setup.executor.loss_scale:g} "
                 f"({int(self.skipped_steps)} steps skipped): training diverged, so the run stops{kept}; "
-                f"lower --lr (now {self.config.lr:g}) or train in bf16 or fp32 (--dtype) and rerun")
+                f"lower --lr (now {self.config.optimizer.lr:g}) or train in bf16 or fp32 (--dtype) and rerun")
         return MedleyInputError(
             f"step {step}: loss {loss:g}, gradient norm {grad_norm:g}: training diverged, so the run stops "
-            f"before saving this state{kept}; lower --lr (now {self.config.lr:g}) and rerun")
+            f"before saving this state{kept}; lower --lr (now {self.config.optimizer.lr:g}) and rerun")
 
     def _log(self, record: StepRecord) -> None:
-        if self.config.log_jsonl is None:
+        if self.config.logging.log_jsonl is None:
             return
-        path = Path(self.config.log_jsonl)
+        path = Path(self.config.logging.log_jsonl)
         path.parent.mkdir(parents=True, exist_ok=True)
         append_text(path, json.dumps(record.as_json(), allow_nan=False) + "\n")
 
@@ -379,8 +386,8 @@ class _Loop:
         """One more step under the memory tracker (after the last checkpoint: it changes nothing
         that is kept); its peak per rank goes into every record."""
         setup = self.setup
-        self.step_index = self.config.steps
-        batch = self._batch(self.config.steps)
+        self.step_index = self.config.optimizer.steps
+        batch = self._batch(self.config.optimizer.steps)
 
         def step() -> None:
             setup.executor.run_step(batch)
@@ -392,6 +399,6 @@ class _Loop:
         memory = dict(sorted((setup.device_of_rank[r], int(gathered[r])) for r in range(self.world)))
         for record in records:
             record.peak_memory_bytes = dict(memory)
-        if self.rank == 0 and self.config.log_jsonl is not None:
-            append_text(Path(self.config.log_jsonl),
+        if self.rank == 0 and self.config.logging.log_jsonl is not None:
+            append_text(Path(self.config.logging.log_jsonl),
                     json.dumps({"memory_probe": {str(k): v for k, v in memory.items()}}) + "\n")
