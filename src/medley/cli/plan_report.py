@@ -41,7 +41,7 @@ def _shape_fields(plan: RankedPlan, cluster: Cluster) -> dict:
     fields at the top level too."""
     groups = [group_row(layout, cluster) for layout in plan.plan.groups]
     dtype = plan.plan.shared.dtype  # one precision for every group
-    precision = precision_reason(dtype, {cluster.devices[d].type for d in plan.plan.devices})
+    precision = precision_reason(dtype, cluster.device_types(plan.plan.devices).values())
     return {"asymmetric": plan.plan.asymmetric, "devices_used": len(plan.plan.devices),
             "precision": precision, "replica_groups": groups, **({} if plan.plan.asymmetric else groups[0])}
 

@@ -106,8 +106,8 @@ def summary(layout: PlanLayout | Sequence[PlanLayout], cluster: Cluster, problem
         "micro_batch_size": first.micro_batch_size,
         "seq_len": first.seq_len,
         "dtype": first.dtype,
-        "precision": precision_reason(first.dtype, {cluster.devices[d].type for g in groups
-                                                    for d in g.devices}),
+        "precision": precision_reason(first.dtype,
+                                      cluster.device_types(d for g in groups for d in g.devices).values()),
         "zero_placement": str(first.placement),
         "replica_groups": [group_summary(group) for group in groups],
         "step_time_s": result.step_time_s,

@@ -265,6 +265,5 @@ def explain(search_result: SearchResult) -> Explanation:
         knobs=knobs,
         versus_baselines=versus,
         aggregate_fraction=best.tokens_per_s / search_result.aggregate_tokens_per_s,
-        precision=precision_reason(best.plan.shared.dtype,
-                                   {cluster.devices[d].type for d in best.plan.devices}),
+        precision=precision_reason(best.plan.shared.dtype, cluster.device_types(best.plan.devices).values()),
     )

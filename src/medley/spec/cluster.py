@@ -80,9 +80,11 @@ class Cluster:
     def node(self, name: str) -> Node:
         return self._node_by_name[name]
 
-    def device_types(self) -> dict[str, DeviceType]:
-        """Distinct device types present (override-renamed types included), name -> type."""
-        return {device.type.name: device.type for device in self.devices}
+    def device_types(self, ids: Iterable[int] | None = None) -> dict[str, DeviceType]:
+        """Distinct device types present (override-renamed types included), name -> type; of
+        the devices ``ids`` only, when given."""
+        devices = self.devices if ids is None else [self.devices[d] for d in ids]
+        return {device.type.name: device.type for device in devices}
 
     def devices_by_type(self, ids: Iterable[int] | None = None) -> dict[str, list[int]]:
         """Device ids by type name, types and ids in id order (only ``ids``, when given)."""
