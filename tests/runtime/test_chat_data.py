@@ -114,7 +114,7 @@ def test_the_cache_is_reused_and_a_damaged_one_rebuilt(chatml: Path, tmp_path: P
     options = _options(chatml, tmp_path / "cache")
     first = load_source(str(data), seq_len=SEQ, options=options, vocab_size=256)
     files = sorted(p.name for p in (tmp_path / "cache").iterdir())
-    assert len(files) == 4 and not any(name.endswith(".tmp") for name in files)
+    assert len(files) == 5 and not any(name.endswith(".tmp") for name in files)
     ids = next((tmp_path / "cache").glob("*.ids"))
     stamp = ids.stat().st_mtime_ns
     again = load_source(str(data), seq_len=SEQ, options=options, vocab_size=256)

@@ -12,8 +12,10 @@ no learned target in its first ``seq_len + 1`` tokens is left out of the order (
 
 The examples are tokenized once, in the launching process, into a cache like the text cache
 (:mod:`.cache`): ``<key>.ids`` (uint16 or uint32), ``<key>.mask`` (uint8), ``<key>.offsets``
-(int64, one more than the examples) and ``<key>.examples.json`` (counts and sha256 of the three,
-written last, so a cache is whole or absent). The key hashes the input files (path, size,
+(int64, one more than the examples), ``<key>.first`` (int64 per example: the position of its
+first learned token, -1 for none, so that ranks choose the usable examples without reading the
+mask) and ``<key>.examples.json`` (counts and sha256 of the four, written last, so a cache is
+whole or absent). The key hashes the input files (path, size,
 modification time), the tokenizer, the chat template and the kind of data; ranks map the files.
 """
 
@@ -38,9 +40,10 @@ from medley.runtime.data.formats import input_files, records
 
 KINDS = ("auto", "text", "chat", "completion")
 IGNORE = -100  # F.cross_entropy's ignore_index, and transformers' label for "no loss"
-EXAMPLES_VERSION = 1
+EXAMPLES_VERSION = 2
 _FIELDS = ("messages", "prompt", "completion")
-_PARTS = ("ids", "mask", "offsets")
+_PARTS = ("ids", "mask", "offsets", "first")
+_SCAN = 1 << 22  # elements hashed at a time when verifying a cache
 
 
 def data_kind(path: Path, fmt: str, *, kind: str, text_field: str, flag: str) -> str:
@@ -110,15 +113,13 @@ class Examples:
                         seq_len=self.seq_len, pad_id=self.pad_id)
 
 
-def usable(ids_mask: np.ndarray, offsets: np.ndarray, *, seq_len: int) -> tuple[np.ndarray, int]:
-    """The examples with a learned target in their first ``seq_len + 1`` tokens, and how many
+def usable(first: np.ndarray, offsets: np.ndarray, *, seq_len: int) -> tuple[np.ndarray, int]:
+    """The examples with a learned target in their first ``seq_len + 1`` tokens (``first``: each
+    one's first learned position, -1 for none; position 0 is never a target), and how many
     examples are longer than that (cut)."""
-    learned = np.concatenate([[0], np.cumsum(ids_mask, dtype=np.int64)])
-    lo, hi = offsets[:-1].astype(np.int64), offsets[1:].astype(np.int64)
-    end = np.minimum(hi, lo + seq_len + 1)
-    first = np.minimum(lo + 1, end)  # the first token is never a target
-    counts = learned[end] - learned[first]
-    return np.flatnonzero(counts > 0), int(np.count_nonzero(hi - lo > seq_len + 1))
+    first = np.asarray(first)
+    lengths = np.diff(np.asarray(offsets))
+    return np.flatnonzero((first >= 1) & (first <= seq_len)), int(np.count_nonzero(lengths > seq_len + 1))
 
 
 def cache_key(path: Path, fmt: str, *, kind: str, tokenizer: TextTokenizer,
@@ -168,8 +169,8 @@ def _read_cache(paths: dict[str, Path], meta_path: Path, *, vocab_size: int, ver
         if not isinstance(meta, dict) or meta.get("version") != EXAMPLES_VERSION:
             return None
         tokens, examples = int(meta["tokens"]), int(meta["examples"])
-        dtypes = {"ids": str(meta["dtype"]), "mask": "uint8", "offsets": "int64"}
-        sizes = {"ids": tokens, "mask": tokens, "offsets": examples + 1}
+        dtypes = {"ids": str(meta["dtype"]), "mask": "uint8", "offsets": "int64", "first": "int64"}
+        sizes = {"ids": tokens, "mask": tokens, "offsets": examples + 1, "first": examples}
         arrays = {}
         for part, path in paths.items():
             check_regular_file(path, what="example cache")
@@ -181,12 +182,15 @@ def _read_cache(paths: dict[str, Path], meta_path: Path, *, vocab_size: int, ver
         return None
     if verify:
         for part, array in arrays.items():
-            digest = hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
-            if digest != meta.get(f"sha256_{part}"):
+            digest = hashlib.sha256()
+            for start in range(0, len(array), _SCAN):  # in pieces: never a copy of the whole file
+                digest.update(np.ascontiguousarray(array[start:start + _SCAN]).tobytes())
+            if digest.hexdigest() != meta.get(f"sha256_{part}"):
                 return None
         offsets = arrays["offsets"]
-        if (tokens and int(arrays["ids"].max()) >= vocab_size) or int(offsets[0]) != 0 \
-                or int(offsets[-1]) != tokens or bool(np.any(np.diff(offsets) < 0)):
+        top = max((int(arrays["ids"][s:s + _SCAN].max()) for s in range(0, tokens, _SCAN)), default=0)
+        if top >= vocab_size or int(offsets[0]) != 0 or int(offsets[-1]) != tokens \
+                or bool(np.any(np.diff(offsets) < 0)):
             return None
     return arrays, meta
 
@@ -225,7 +229,7 @@ def _build(path: Path, fmt: str, *, kind: str, tokenizer: TextTokenizer, templat
     dtype = _dtype(tokenizer)
     try:
         with open(tmp["ids"], "wb") as ids_file, open(tmp["mask"], "wb") as mask_file:
-            offsets, total = [0], 0
+            offsets, first, total = [0], [], 0
             encoded = _encoded(path, fmt, kind=kind, tokenizer=tokenizer, template=template, flag=flag)
             for ids, mask in encoded:
                 for part, handle, raw in (("ids", ids_file, ids.astype(dtype).tobytes()),
@@ -234,12 +238,15 @@ def _build(path: Path, fmt: str, *, kind: str, tokenizer: TextTokenizer, templat
                     digests[part].update(raw)
                 total += len(ids)
                 offsets.append(total)
+                learned = np.flatnonzero(mask[1:])
+                first.append(int(learned[0]) + 1 if learned.size else -1)
             for handle in (ids_file, mask_file):
                 handle.flush()
                 os.fsync(handle.fileno())
-        raw = np.asarray(offsets, dtype=np.int64).tobytes()
-        digests["offsets"].update(raw)
-        Path(tmp["offsets"]).write_bytes(raw)
+        for part, values in (("offsets", offsets), ("first", first)):
+            raw = np.asarray(values, dtype=np.int64).tobytes()
+            digests[part].update(raw)
+            Path(tmp[part]).write_bytes(raw)
         for part in _PARTS:
             os.replace(tmp[part], paths[part])
     except OSError as err:

@@ -151,7 +151,7 @@ def _examples(path: Path, *, kind: str, seq_len: int, options: DataOptions, voca
     arrays, digest = cached_examples(path, fmt, kind=kind, tokenizer=tokenizer, template=template,
                              cache_dir=Path(options.cache_dir or default_cache_dir()), flag=flag,
                              verify=verify)
-    order, cut = usable(arrays["mask"], arrays["offsets"], seq_len=seq_len)
+    order, cut = usable(arrays["first"], arrays["offsets"], seq_len=seq_len)
     examples = Examples(ids=arrays["ids"], mask=arrays["mask"], offsets=arrays["offsets"], order=order,
                         seq_len=seq_len, pad_id=tokenizer.eos_id)
     return examples, digest, cut
