@@ -1,6 +1,6 @@
 """Resident memory of training on a large data set: the data is mapped, never held whole.
 
-    .venv/bin/python bench/data_streaming.py [--size-mb 512] [--text-mb 64] [--steps 4]
+    .venv/bin/python bench/data_streaming.py [--size-mb 512] [--text-mb 64] [--chat-mb 16] [--steps 4]
 
 1. A ``.bin`` token file of ``--size-mb`` MB (uint16, written in pieces through a numpy memmap)
    and a 1 MB one; ``medley train --local-ranks 2`` (pp 2) for ``--steps`` steps on each. Every
@@ -8,6 +8,9 @@
    anonymous part (RssAnon; mapped file pages are RssFile and the kernel may drop them).
 2. A ``.jsonl`` of ``--text-mb`` MB tokenized into the token cache (a BPE tokenizer trained on the
    shipped corpus): the launcher's peak while it streams the documents, and the time it takes.
+3. A ``.jsonl`` of ``--chat-mb`` MB of conversations (``messages``, a ChatML template in the
+   tokenizer's directory) rendered, tokenized and masked into the example cache, then one step
+   at sequence length 256: the same figures, and the conversations per second.
 
 Writes bench/results/data_streaming.json and bench/results/data_streaming.md.
 """
@@ -100,15 +103,51 @@ def text_file(path: Path, megabytes: int) -> Path:
     return path
 
 
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
+
+
+def chat_tokenizer(directory: Path) -> Path:
+    """The corpus BPE with ChatML's markers as special tokens and the template beside it."""
+    from tokenizers import Tokenizer
+
+    directory.mkdir()
+    train_bpe(directory / "tokenizer.json", 250)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                                  "chat_template": CHATML}))
+    return directory
+
+
+def chat_file(path: Path, megabytes: int) -> tuple[Path, int]:
+    """Conversations of corpus lines: a question, an answer, a follow-up and its answer."""
+    lines = resources.files("medley.data").joinpath("corpus.txt").read_text(encoding="utf-8").splitlines()
+    lines = [line for line in lines if line.strip()]
+    count = 0
+    with open(path, "w") as handle:
+        while handle.tell() < megabytes * 2**20:
+            turns = [lines[(count * 4 + k) % len(lines)] for k in range(4)]
+            messages = [{"role": role, "content": text} for role, text in
+                        zip(("user", "assistant", "user", "assistant"), turns, strict=True)]
+            handle.write(json.dumps({"messages": messages}) + "\n")
+            count += 1
+    return path, count
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=512)
     parser.add_argument("--text-mb", type=int, default=64)
+    parser.add_argument("--chat-mb", type=int, default=16)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     train = ["train", "--local-ranks", "2", "--pp", "2", "--split", "2,2", "--seq-len", "64",
              "--steps", str(args.steps), "--json"]
-    results: dict = {**provenance(), "size_mb": args.size_mb, "text_mb": args.text_mb, "steps": args.steps}
+    results: dict = {**provenance(), "size_mb": args.size_mb, "text_mb": args.text_mb,
+                     "chat_mb": args.chat_mb, "steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         big, small = token_file(root / "big.bin", args.size_mb), token_file(root / "small.bin", 1)
@@ -120,7 +159,13 @@ def main() -> None:
                                            str(tokenizer), "--data-cache", str(root / "cache")])
         meta = next((root / "cache").glob("*.json"))
         results["jsonl_tokens"] = json.loads(meta.read_text())["tokens"]
-    for run in ("bin_large", "bin_1mb", "jsonl_tokenize"):
+        chats, count = chat_file(root / "chats.jsonl", args.chat_mb)
+        results["chat_tokenize"] = watch([*train, "--steps", "1", "--seq-len", "256", "--data", str(chats),
+                                          "--tokenizer", str(chat_tokenizer(root / "chatml")), "--data-cache",
+                                          str(root / "chat-cache")])
+        meta = json.loads(next((root / "chat-cache").glob("*.examples.json")).read_text())
+        results["chat_conversations"], results["chat_tokens"] = count, meta["tokens"]
+    for run in ("bin_large", "bin_1mb", "jsonl_tokenize", "chat_tokenize"):
         results[run].pop("stdout")
     OUT.mkdir(exist_ok=True)
     (OUT / "data_streaming.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -134,7 +179,10 @@ def markdown(results: dict) -> str:
     names = {"bin_large": f".bin {results['size_mb']} MB, {results['steps']} steps",
              "bin_1mb": f".bin 1 MB, {results['steps']} steps",
              "jsonl_tokenize": f".jsonl {results['text_mb']} MB tokenized "
-                               f"({results['jsonl_tokens']:,} tokens), 1 step"}
+                               f"({results['jsonl_tokens']:,} tokens), 1 step",
+             "chat_tokenize": f"chat .jsonl {results['chat_mb']} MB rendered, tokenized and masked "
+                              f"({results['chat_conversations']:,} conversations, {results['chat_tokens']:,} "
+                              "tokens), 1 step"}
     for key, name in names.items():
         run, top = results[key], results[key]["largest"][0]
         rows.append(f"| {name} | {run['seconds']} | {run['launcher'].get('VmHWM')} | {top.get('VmHWM')} / "
@@ -144,6 +192,10 @@ def markdown(results: dict) -> str:
     prose = (f"From the 1 MB to the {results['size_mb']} MB token file the largest process's peak resident "
              f"memory grew by {growth:.1f} MiB, and its file-backed pages by "
              f"{large['RssFile'] - small['RssFile']:.1f} MiB.")
+    chat = results["chat_tokenize"]
+    rate = results["chat_conversations"] / chat["seconds"]
+    prose += (f" Conversations go into the example cache at {rate:,.0f} per second, the whole command "
+              "included (chat template, tokenizer, one training step).")
     head = f"Commit `{results.get('commit', '?')}`, command `{results.get('command', '?')}`.\n\n"
     return "# Data streaming: resident memory\n\n" + head + "\n".join(rows) + "\n\n" + prose + "\n"
 
