@@ -10,7 +10,7 @@
    shipped corpus): the launcher's peak while it streams the documents, and the time it takes.
 3. A ``.jsonl`` of ``--chat-mb`` MB of conversations (``messages``, a ChatML template in the
    tokenizer's directory) rendered, tokenized and masked into the example cache, then one step
-   at sequence length 256: the same figures, and the conversations per second.
+   at sequence length 128 (the tiny model's longest): the same figures, and the conversations per second.
 
 Writes bench/results/data_streaming.json and bench/results/data_streaming.md.
 """
@@ -129,7 +129,7 @@ def chat_file(path: Path, megabytes: int) -> tuple[Path, int]:
     count = 0
     with open(path, "w") as handle:
         while handle.tell() < megabytes * 2**20:
-            turns = [lines[(count * 4 + k) % len(lines)] for k in range(4)]
+            turns = [lines[(count * 4 + k) % len(lines)][:100] for k in range(4)]
             messages = [{"role": role, "content": text} for role, text in
                         zip(("user", "assistant", "user", "assistant"), turns, strict=True)]
             handle.write(json.dumps({"messages": messages}) + "\n")
@@ -160,7 +160,7 @@ def main() -> None:
         meta = next((root / "cache").glob("*.json"))
         results["jsonl_tokens"] = json.loads(meta.read_text())["tokens"]
         chats, count = chat_file(root / "chats.jsonl", args.chat_mb)
-        results["chat_tokenize"] = watch([*train, "--steps", "1", "--seq-len", "256", "--data", str(chats),
+        results["chat_tokenize"] = watch([*train, "--steps", "1", "--seq-len", "128", "--data", str(chats),
                                           "--tokenizer", str(chat_tokenizer(root / "chatml")), "--data-cache",
                                           str(root / "chat-cache")])
         meta = json.loads(next((root / "chat-cache").glob("*.examples.json")).read_text())
