@@ -285,7 +285,7 @@ def register(app: typer.Typer) -> None:
         """Train a plan on torch.distributed and report loss, step time and memory per step."""
         check_inputs_exist({"--data": data, "--val-data": val_data, "--tokenizer": tokenizer,  # before torch
                             "--chat-template": chat_template, "--init-from": init_from, "--plan": plan})
-        done = finished_line(checkpoint_dir, steps)
+        done = None if export_hf is not None else finished_line(checkpoint_dir, steps)  # export still due
         if done is not None:
             typer.echo(literal(done), err=True)
             return
