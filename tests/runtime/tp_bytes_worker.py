@@ -7,6 +7,8 @@ reduce-scatter's and an all-reduce's input."""
 
 from __future__ import annotations
 
+import gc
+import time
 from typing import Any
 
 import torch
@@ -125,6 +127,22 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 RECOMPUTE_MODES = ("none", "full", "selective", "full:1", "selective:1")
 
 
+def _settled(tracker: Any) -> int:  # a LiveTensorBytes (imported where it is used)
+    """The tracked bytes once nothing but the forward's own references holds them: garbage in
+    reference cycles collected, and gloo's worker thread given time to drop the buffers of the
+    collectives it ran (it holds each work a moment after the wait returns; an all-gathered
+    activation was counted in about one run in three without this)."""
+    previous = -1
+    for _ in range(20):
+        gc.collect()
+        live = tracker.live()
+        if live == previous:
+            return live
+        previous = live
+        time.sleep(0.02)
+    return previous
+
+
 def count_sp_recompute_bytes(case: Case) -> dict[str, Any]:
     """What one micro-batch's forward leaves alive on this TP rank of each stage of tiny split
     ``case.split`` (tp = all ranks, sequence parallelism; the edge between the stages sharded, as
@@ -167,7 +185,7 @@ def count_sp_recompute_bytes(case: Case) -> dict[str, Any]:
                 y = stage(x)
                 if last:
                     y = token_loss_sum(y, targets)
-                held = tracker.live() - base
+                held = _settled(tracker) - base
             kept = held + x.untyped_storage().nbytes() - (0 if last else _local(y).untyped_storage().nbytes())
             out[f"{mode}/{s}"] = float(kept)
     return out
