@@ -192,7 +192,6 @@ class EmulationConfig:
     slowdown: dict[int, float] = field(default_factory=dict)
 
 
-SECTIONS = ("model", "data", "optimizer", "precision", "checkpoint", "logging", "emulation")
 # Flat names (as medley train's flags name the settings) that differ from their section's field.
 _RENAMED = {"data": ("data", "path"), "optimizer": ("optimizer", "name"),
             "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
@@ -228,7 +227,7 @@ class TrainConfig:
         """A config from flat settings named as ``medley train``'s flags name them (``lr``,
         ``data``, ``checkpoint_dir``, ``dtype``, ...), each put in its section: how the CLI and
         the tests build one. An unknown name is a TypeError, as for a dataclass."""
-        parts: dict[str, dict[str, object]] = {name: {} for name in SECTIONS}
+        parts: dict[str, dict[str, object]] = {name: {} for name in _SECTION_CLASSES}
         for name, value in settings.items():
             section, key = _RENAMED.get(name) or (_SECTION_OF.get(name), name)
             if section is None:

@@ -156,7 +156,7 @@ def _checked(tokens_path: Path, meta_path: Path, fmt: str, *, tokenizer: TextTok
     this tokenizer needs; with ``full`` its ids hashing to the recorded sha256, each below the
     vocabulary size, the EOS ids at least as many as its documents), else None: build it again."""
     meta = _read_meta(meta_path, fmt)
-    if meta is None or meta["dtype"] != _dtype(tokenizer).__name__:
+    if meta is None or meta["dtype"] != id_dtype(tokenizer).__name__:
         return None
     try:
         check_regular_file(tokens_path, what="token cache")
@@ -187,7 +187,8 @@ def _ids_match(tokens_path: Path, meta: dict, *, tokenizer: TextTokenizer, eos: 
     return seen >= eos and digest.hexdigest() == meta["sha256"]
 
 
-def _dtype(tokenizer: TextTokenizer) -> type:
+def id_dtype(tokenizer: TextTokenizer) -> type:
+    """The dtype a cache stores ``tokenizer``'s ids in: uint16 when its vocabulary fits, else uint32."""
     return np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
 
 
@@ -243,7 +244,7 @@ def _alive(pid: int) -> bool:
 
 def _build(path: Path, fmt: str, *, tokenizer: TextTokenizer, field: str, tokens_path: Path, meta_path: Path,
            flag: str) -> None:
-    dtype = _dtype(tokenizer)
+    dtype = id_dtype(tokenizer)
     try:
         tokens_path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale(tokens_path.parent)

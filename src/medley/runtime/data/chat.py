@@ -24,6 +24,7 @@ own (as TRL does), the completion and the EOS learned.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -86,17 +87,13 @@ class ChatTemplate:
         return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
 
 
-_COMPILED: dict[str, jinja2.Template] = {}
-
-
+@functools.lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
-    if template not in _COMPILED:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[_Generation, loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        _COMPILED[template] = env.from_string(template)
-    return _COMPILED[template]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(template)
 
 
 def _special_tokens(config: dict) -> dict[str, str]:

@@ -34,7 +34,7 @@ import torch
 
 from medley.errors import MedleyInputError
 from medley.fileio import check_regular_file, open_user_file, os_error_message, write_atomically
-from medley.runtime.data.cache import TextTokenizer
+from medley.runtime.data.cache import TextTokenizer, id_dtype
 from medley.runtime.data.chat import ChatTemplate, encode_conversation, encode_pair
 from medley.runtime.data.formats import input_files, records
 
@@ -155,10 +155,6 @@ def cached_examples(path: Path, fmt: str, *, kind: str, tokenizer: TextTokenizer
     return arrays, f"{kind}:{digest[:16]}"
 
 
-def _dtype(tokenizer: TextTokenizer) -> str:
-    return "uint16" if tokenizer.vocab_size <= 2**16 else "uint32"
-
-
 def _read_cache(paths: dict[str, Path], meta_path: Path, *, vocab_size: int, verify: bool
                 ) -> tuple[dict[str, np.ndarray], dict] | None:
     """The cache's arrays when its ``.json`` reads back with the fields written and each file
@@ -226,7 +222,7 @@ def _build(path: Path, fmt: str, *, kind: str, tokenizer: TextTokenizer, templat
         raise MedleyInputError(f"--data-cache {cache_dir}: cannot write ({err.strerror}); choose another "
                                "--data-cache") from None
     digests = {part: hashlib.sha256() for part in _PARTS}
-    dtype = _dtype(tokenizer)
+    dtype = np.dtype(id_dtype(tokenizer)).name
     try:
         with open(tmp["ids"], "wb") as ids_file, open(tmp["mask"], "wb") as mask_file:
             offsets, first, total = [0], [], 0

@@ -31,7 +31,7 @@ from medley.runtime.data.tokens import (
     open_token_file,
     token_dtype,
 )
-from medley.runtime.data.windows import Windows, split_windows, window_count
+from medley.runtime.data.windows import Windows, held_out, split_windows, window_count
 
 SHIPPED_CORPUS = "corpus.txt"
 
@@ -168,9 +168,7 @@ def _example_source(path: Path, *, kind: str, seq_len: int, options: DataOptions
              f"{cut:,} cut to {seq_len + 1} tokens, {total - examples.count:,} left out (nothing learned in "
              "their first tokens); the loss counts the "
              f"{'assistant' if kind == 'chat' else 'completion'} tokens only"]
-    held = int(round(examples.count * options.val_fraction)) if options.val_fraction else 0
-    if options.val_fraction:
-        held = max(1, held)
+    held = held_out(examples.count, options.val_fraction)
     train = examples.part(0, examples.count - held)
     val = examples.part(examples.count - held, examples.count) if held else None
     if held:

@@ -53,12 +53,16 @@ def window_count(tokens: int, seq_len: int) -> int:
     return max(0, (tokens - 1) // seq_len)
 
 
+def held_out(total: int, val_fraction: float) -> int:
+    """How many of ``total`` samples (the last ones) ``val_fraction`` holds out: at least one
+    when it is above 0."""
+    return max(1, int(round(total * val_fraction))) if val_fraction > 0 else 0
+
+
 def split_windows(tokens: np.ndarray, *, seq_len: int, val_fraction: float) -> tuple[Windows, Windows | None]:
     """All windows of ``tokens`` for training, or the last ``val_fraction`` of them held out."""
     total = window_count(len(tokens), seq_len)
-    held = int(round(total * val_fraction)) if val_fraction > 0 else 0
-    if val_fraction > 0:
-        held = max(1, held)
+    held = held_out(total, val_fraction)
     train = Windows(tokens=tokens, seq_len=seq_len, first=0, count=total - held)
     val = Windows(tokens=tokens, seq_len=seq_len, first=total - held, count=held) if held else None
     return train, val
