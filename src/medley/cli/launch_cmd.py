@@ -26,6 +26,7 @@ from medley.runtime.nodes import (
     ENDPOINT_VAR,
     ONE_THREAD_ENV,
     VISIBLE_ENV,
+    ElasticSettings,
     LaunchSettings,
     NodeLaunch,
     check_rdzv_id,
@@ -100,16 +101,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def local_settings(plan_path: Path, train_args: list[str]) -> LaunchSettings:
-    """Every agent on this machine: this Python's torchrun and medley, 127.0.0.1 and a free port;
-    the agents and their ranks die with this process (:mod:`medley.runtime.local_agent`)."""
+def local_settings(plan_path: Path, train_args: list[str], *, rdzv_endpoint: str | None = None,
+                   rdzv_id: str | None = None) -> LaunchSettings:
+    """Every agent on this machine: this Python's torchrun and medley, 127.0.0.1 and a free port
+    (or the rendezvous given: a node that joins a running elastic job); the agents and their
+    ranks die with this process (:mod:`medley.runtime.local_agent`)."""
     script = Path(sys.executable).with_name("medley")
     program = ("--no-python", str(script)) if script.exists() else ("-m", "medley.cli.main")
     env = dict(LOCAL_ENV)
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # what torchrun would set, without its banner on stdout
     return LaunchSettings(plan_path=str(plan_path.resolve()), train_args=tuple(train_args),
-                          rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id=f"medley-{uuid.uuid4().hex[:10]}",
+                          rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
+                          rdzv_id=rdzv_id or f"medley-{uuid.uuid4().hex[:10]}",
                           launcher=(sys.executable, "-m", "medley.runtime.local_agent"), program=program,
                           extra_env=env)
 
@@ -124,6 +128,18 @@ def describe(plan_path: Path, plan: Plan, launches: list[NodeLaunch]) -> str:
         host, devices = printable(launch.host or "host not given"), ",".join(map(str, launch.devices))
         lines += ["", f"# node {printable(launch.node)} ({host}): devices {devices}", launch.command]
     return "\n".join(lines)
+
+
+def elastic_settings(params: dict[str, object], *, min_nodes: int, max_restarts: int) -> ElasticSettings:
+    """The elastic rendezvous of ``medley launch --elastic``; the training flags (``params``, as
+    :func:`check_train_args` parsed them) must name a checkpoint directory and interval."""
+    directory, every = params.get("checkpoint_dir"), params.get("checkpoint_every") or 0
+    if directory is None or not isinstance(every, int) or every < 1:
+        raise MedleyInputError("--elastic: give the training flags --checkpoint-dir DIR (on a file system "
+                               "every node shares) and --checkpoint-every N after --; a lost node's steps "
+                               "are redone from the newest checkpoint")
+    return ElasticSettings(min_nodes=min_nodes, max_restarts=max_restarts,
+                           checkpoint_dir=str(Path(str(directory)).absolute()))
 
 
 def check_flags(*, local: bool, slurm: Path | None, as_json: bool, dry_run: bool,
@@ -156,22 +172,47 @@ def register(app: typer.Typer) -> None:
         log_dir: Annotated[str | None, typer.Option(help=(
             "Every rank's output also goes to LOG_DIR/<node>/ (torchrun --log-dir, --tee)"))] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the commands as JSON")] = False,
+        elastic: Annotated[bool, typer.Option("--elastic", help=(
+            "Keep training when nodes are lost, return or slow down: torchrun's elastic rendezvous, a "
+            "re-plan for the devices present, resume from the newest checkpoint"))] = False,
+        min_nodes: Annotated[int, typer.Option(min=1, help=(
+            "Elastic: the fewest nodes the run goes on with"))] = 1,
+        max_restarts: Annotated[int, typer.Option(min=0, help=(
+            "Elastic: restarts after failures (lost nodes) per agent; joining nodes do not count"))] = 3,
+        node: Annotated[list[str] | None, typer.Option(help=(
+            "Start only this node's agent (--local; repeatable): a node that returns to a running "
+            "elastic job, with its --rdzv-endpoint and --rdzv-id"))] = None,
     ) -> None:
         """Run a plan on its nodes: one torchrun agent per node the plan uses (its devices only)."""
         from medley.fileio import check_output_file, write_atomically
         from medley.plan.plan import load_plan
 
         check_flags(local=local, slurm=slurm, as_json=as_json, dry_run=dry_run, rdzv_id=rdzv_id)
+        if elastic and slurm is not None:
+            raise MedleyInputError("--elastic --slurm: the sbatch script stops every node when one fails, so "
+                                   "it is not written for elastic runs; run the commands of --elastic "
+                                   "--dry-run on the nodes (srun one per node) instead")
+        if node and not local:
+            raise MedleyInputError("--node starts one node's agent here: use it with --local; on real nodes "
+                                   "run that node's command (--dry-run prints it)")
         if slurm is not None:
             check_output_file(slurm, flag="--slurm")
         the_plan = load_plan(plan)
         args = absolute_paths(ctx, list(train_args or []))
+        extra = None
+        if elastic:
+            extra = elastic_settings(check_train_args(ctx, list(train_args or [])), min_nodes=min_nodes,
+                                     max_restarts=max_restarts)
         if local:
-            settings = dataclasses.replace(local_settings(plan, args), log_dir=log_dir)
+            here = local_settings(plan, args, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+            settings = dataclasses.replace(here, log_dir=log_dir, elastic=extra)
         else:
+            python_parts = python_settings(python or sys.executable)
+            if elastic:  # the agent waits to be admitted when it joins a running job
+                python_parts["launcher"] = (python or sys.executable, "-m", "medley.runtime.local_agent")
             settings = LaunchSettings(plan_path=str(plan.absolute()), train_args=tuple(args),
                                       rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id or default_rdzv_id(plan),
-                                      log_dir=log_dir, **python_settings(python or sys.executable))
+                                      log_dir=log_dir, elastic=extra, **python_parts)
         if slurm is not None:
             write_atomically(slurm, slurm_script(the_plan, settings, job_name=settings.rdzv_id))
             hosts_known = all(node.host is not None for node, _ in used_nodes(the_plan))
@@ -180,8 +221,10 @@ def register(app: typer.Typer) -> None:
                                      else ENDPOINT_VAR)
         else:
             launches = node_launches(the_plan, settings)
+        if node:
+            launches = only_nodes(launches, node)
         if local and not dry_run:
-            start_local(launches)
+            start_local(launches, elastic=elastic)
             return
         if as_json:
             typer.echo(json.dumps(launches_json(launches), indent=1))
@@ -191,19 +234,31 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"\nwrote {printable(slurm)}: submit it with sbatch {shell_quote(str(slurm))}")
 
 
-def start_local(launches: list[NodeLaunch]) -> None:
+def only_nodes(launches: list[NodeLaunch], names: list[str]) -> list[NodeLaunch]:
+    """The launches of the nodes ``names`` (``--node``), each a node the plan uses."""
+    known = [launch.node for launch in launches]
+    for name in names:
+        if name not in known:
+            raise MedleyInputError(f"--node {printable(name)}: not a node the plan uses (it uses "
+                                   f"{', '.join(map(printable, known))}); give one of them")
+    return [launch for launch in launches if launch.node in names]
+
+
+def start_local(launches: list[NodeLaunch], *, elastic: bool = False) -> None:
     """Run the agents here; exit with their outcome (one line on stderr when it needs one)."""
-    from medley.cli.errors import print_error
+    from medley.cli.errors import one_line, print_error
     from medley.errors import debug_enabled
     from medley.runtime.agents import Stopped, run_agents
 
     try:
-        code, line = run_agents(launches, debug=debug_enabled())
+        code, line = run_agents(launches, debug=debug_enabled(), elastic=elastic)
     except Stopped as stop:
         print_error(f"stopped ({stop}): the agents and ranks were stopped; run again to resume from the "
                     "newest checkpoint")
         raise typer.Exit(code=128 + stop.signum) from None
-    if line is not None:
+    if line is not None and code:
         print_error(line)
+    elif line is not None:  # an elastic run that went on without some nodes
+        typer.echo(one_line(line), err=True)
     if code:
         raise typer.Exit(code=code)

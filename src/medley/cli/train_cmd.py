@@ -7,6 +7,7 @@ CPU, nccl on CUDA) or let it start the ranks itself with ``--local-ranks N``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -68,17 +69,29 @@ def inline_plan(*, cluster: str | None, model: str, pp: int, dp: int, schedule: 
     return Plan(layout=layout, cluster=spec)
 
 
-def run(plan: Plan, config, *, local_ranks: int | None):  # noqa: ANN001, ANN201 - lazy torch import
+def run(plan: Plan, config, *, local_ranks: int | None,  # noqa: ANN001, ANN201 - lazy torch import
+        plan_path: Path | None = None):
     """Records on the rank that reports (rank 0), None on the others."""
     from medley.runtime.launch import InputFailure, rank_main, train_local
 
     if local_ranks is not None:
         return train_local(plan, config, nprocs=local_ranks)
-    if "RANK" not in os.environ:
+    if config.elastic.elastic:
+        if "RANK" not in os.environ or plan_path is None:
+            raise MedleyInputError("--elastic: the ranks of an elastic run are started by torchrun's elastic "
+                                   "agents with a plan file: use medley launch PLAN --elastic")
+        from medley.elastic.rank import run_rank
+
+        def check(new: Plan) -> None:
+            check_fits(new, config, local_ranks=None)
+
+        result = rank_main(plan, config, body=functools.partial(run_rank, plan_path=plan_path, check=check))
+    elif "RANK" not in os.environ:
         raise MedleyInputError(
             f"the plan needs {ranks_needed(plan)}: launch with torchrun --nproc-per-node "
             f"{plan.world_size} or pass --local-ranks {plan.world_size}")
-    result = rank_main(plan, config)
+    else:
+        result = rank_main(plan, config)
     if isinstance(result, InputFailure):
         if int(os.environ["RANK"]) == 0:
             raise MedleyInputError(result.message)
@@ -140,7 +153,8 @@ def check_fits(plan: Plan, config, *, local_ranks: int | None) -> None:  # noqa:
             typer.echo(note, err=True)
 
 
-def run_stopping_cleanly(plan: Plan, config, *, local_ranks: int | None):  # noqa: ANN001, ANN201
+def run_stopping_cleanly(plan: Plan, config, *, local_ranks: int | None,  # noqa: ANN001, ANN201
+                         plan_path: Path | None = None):
     """:func:`run`, with a failed rank (exit 1) and an interrupt (exit 130 for SIGINT, 128 + the
     signal otherwise) as one line, the ranks stopped; tracebacks only with ``--debug``."""
     import signal
@@ -151,7 +165,7 @@ def run_stopping_cleanly(plan: Plan, config, *, local_ranks: int | None):  # noq
     from medley.runtime.launch import RankFailure
 
     try:
-        return run(plan, config, local_ranks=local_ranks)
+        return run(plan, config, local_ranks=local_ranks, plan_path=plan_path)
     except RankFailure as err:
         print_error(str(err))
         raise typer.Exit(code=1) from None
@@ -235,6 +249,17 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Step records and placement as JSON")] = False,
         emulate: Annotated[bool, typer.Option(help="Stretch compute per the plan's device speeds")] = False,
         slowdown: Annotated[str | None, typer.Option(help="Emulated slowdown by device: 0=2,3=1.5")] = None,
+        slowdown_from: Annotated[int, typer.Option(min=0, help=(
+            "The --slowdown factors apply from this step on (a device that slows down mid-run)"))] = 0,
+        elastic: Annotated[bool, typer.Option("--elastic", help=(
+            "A rank of an elastic run: re-plan for the devices present (medley launch --elastic sets "
+            "it)"))] = False,
+        straggler_margin: Annotated[float, typer.Option(help=(
+            "Elastic: a device computing this share slower than planned, relative to the median device, "
+            "is a straggler"))] = 0.5,
+        straggler_steps: Annotated[int, typer.Option(min=0, help=(
+            "Elastic: ... for this many steps in a row: re-planned at its measured speed at the next "
+            "checkpoint (0: off)"))] = 3,
         seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of weights and data order")] = 0,
         optimizer: Annotated[str, typer.Option(help="adamw or sgd")] = "adamw",
         lr: Annotated[float, typer.Option(help="Peak learning rate (0: no updates)")] = 3e-3,
@@ -300,7 +325,9 @@ def register(app: typer.Typer) -> None:
             val_fraction=val_fraction, eval_every=eval_every, eval_batches=eval_batches,
             tensorboard=tensorboard, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, log_jsonl=log_jsonl, emulate=emulate,
-            slowdown=parse_slowdown(slowdown), progress=not as_json, dtype=dtype,
+            slowdown=parse_slowdown(slowdown), slowdown_from=slowdown_from, elastic=elastic,
+            straggler_margin=straggler_margin, straggler_steps=straggler_steps, progress=not as_json,
+            dtype=dtype,
             step_timeout_s=step_timeout or None, gc_every=gc_every, reset_data_order=reset_data_order,
             init_from=init_from, hf_dir=hf_cmd.hf_dir_of(model, init_from), compile=compile_blocks)
         if keep is not None:
@@ -339,9 +366,11 @@ def register(app: typer.Typer) -> None:
         if init_from is not None:
             hf_cmd.check_init_from(the_plan.shared.model, init_from)
         check_fits(the_plan, config, local_ranks=local_ranks)
-        records = run_stopping_cleanly(the_plan, config, local_ranks=local_ranks)
+        records = run_stopping_cleanly(the_plan, config, local_ranks=local_ranks, plan_path=plan)
         if records is None:
             return
+        if getattr(records, "plan", None) is not None:  # an elastic run: the plan it ended under
+            the_plan = records.plan
         if export_hf is not None:
             hf_cmd.export_after_training(config.checkpoint.dir, export_hf, temporary=checkpoint_dir is None)
             typer.echo(f"wrote the Hugging Face model {literal(str(export_hf))}", err=True)

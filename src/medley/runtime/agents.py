@@ -127,21 +127,23 @@ def _stop(agents: list[_Agent]) -> None:
             agent.process.wait()
 
 
-def _wait(agents: list[_Agent]) -> None:
-    """Until every agent ended, or one failed and the others had GRACE_S to end too."""
+def _wait(agents: list[_Agent], *, elastic: bool = False) -> None:
+    """Until every agent ended, or one failed and the others had GRACE_S to end too (elastic:
+    until every agent ended; the others go on without a lost one)."""
     failed_at: float | None = None
     while any(a.process.poll() is None for a in agents):
-        if failed_at is None and any(a.process.poll() not in (None, 0) for a in agents):
+        if not elastic and failed_at is None and any(a.process.poll() not in (None, 0) for a in agents):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
             break
         time.sleep(_POLL_S)
 
 
-def run_agents(launches: list[NodeLaunch], *, debug: bool) -> tuple[int, str | None]:
+def run_agents(launches: list[NodeLaunch], *, debug: bool, elastic: bool = False) -> tuple[int, str | None]:
     """Start every agent, wait for all; (exit status, one line to print or None). Status 0 when all
-    succeeded, 2 when a rank refused its input (its ``error:`` line was shown), else 1. Ctrl-C
-    stops every agent and re-raises; SIGTERM or SIGHUP stops them and raises :class:`Stopped`."""
+    succeeded (elastic: when any did, the run having gone on without the others), 2 when a rank
+    refused its input (its ``error:`` line was shown), else 1. Ctrl-C stops every agent and
+    re-raises; SIGTERM or SIGHUP stops them and raises :class:`Stopped`."""
     output = _Output(debug=debug)
     agents: list[_Agent] = []
     threads: list[threading.Thread] = []
@@ -151,14 +153,24 @@ def run_agents(launches: list[NodeLaunch], *, debug: bool) -> tuple[int, str | N
                 agent, pumps = _start(launch, output)
                 agents.append(agent)
                 threads += pumps
-            _wait(agents)
+            _wait(agents, elastic=elastic)
     except BaseException:
         _stop(agents)
         raise
     _stop(agents)
     for thread in threads:
         thread.join(timeout=STOP_S)
+    if elastic and any(a.process.returncode == 0 for a in agents):
+        lost = [a for a in agents if a.process.returncode != 0]
+        return 0, None if not lost else "; ".join(
+            f"node {a.launch.node}: its agent ended ({_how(a.process.returncode)}); the run went on "
+            "without it"
+            for a in lost)
     return _outcome(agents, shown_error=bool(output.errors))
+
+
+def _how(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
 def _raise_stopped(signum: int, _frame: object) -> None:

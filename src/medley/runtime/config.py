@@ -16,6 +16,7 @@ from medley.errors import MedleyInputError
 from medley.fileio import UnsafePathError, check_output_dir, check_output_file, open_no_follow
 from medley.runtime.checkpoint import KEEP
 from medley.runtime.data import DataOptions, DataSource, load_source
+from medley.runtime.records import StepRecord
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 from medley.spec.limits import MAX_SEED, MAX_STEPS
 
@@ -186,10 +187,33 @@ class EmulationConfig:
     Attributes:
         emulate: stretch each rank's compute by its device's slowdown (see ``medley.runtime.emulate``).
         slowdown: factor per device id, overriding the plan-derived one (implies ``emulate``).
+        slowdown_from: the step from which ``slowdown`` applies (before it, the plan-derived
+            factors): a device that becomes slow mid-run.
     """
 
     emulate: bool = False
     slowdown: dict[int, float] = field(default_factory=dict)
+    slowdown_from: int = 0
+
+
+@dataclass(kw_only=True)
+class ElasticConfig:
+    """An elastic run's own settings ([elastic] of a job file; ``medley launch --elastic`` sets
+    ``elastic``, :mod:`medley.elastic`).
+
+    Attributes:
+        elastic: this rank is one of an elastic run: it re-plans for the devices present.
+        straggler_margin: a device is a straggler when its compute time per step, relative to
+            the plan's prediction for it, exceeds the median device's by more than this share.
+        straggler_steps: for this many steps in a row (then it is re-planned at its measured
+            speed at the next checkpoint); 0: stragglers are not watched.
+        admit_wait_s: how long the ranks wait at a checkpoint for a node that asked to join.
+    """
+
+    elastic: bool = False
+    straggler_margin: float = 0.5
+    straggler_steps: int = 3
+    admit_wait_s: float = 60.0
 
 
 # Flat names (as medley train's flags name the settings) that differ from their section's field.
@@ -212,6 +236,7 @@ class TrainConfig:
         logging: :class:`LoggingConfig`: log file, TensorBoard, evaluation, progress, memory,
             traces, the step watchdog and garbage collection.
         emulation: :class:`EmulationConfig`: emulated device speeds.
+        elastic: :class:`ElasticConfig`: re-planning on lost, returning and slow devices.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -221,6 +246,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     @classmethod
     def of(cls, **settings: object) -> TrainConfig:
@@ -255,7 +281,8 @@ class TrainConfig:
 
 _SECTION_CLASSES: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
                                      "precision": PrecisionConfig, "checkpoint": CheckpointConfig,
-                                     "logging": LoggingConfig, "emulation": EmulationConfig}
+                                     "logging": LoggingConfig, "emulation": EmulationConfig,
+                                     "elastic": ElasticConfig}
 _SECTION_OF = {f.name: name for name, kind in _SECTION_CLASSES.items() for f in dataclasses.fields(kind)}
 
 
@@ -269,10 +296,12 @@ class TrainHooks:
             loss scale or None) right before the step's global gradient check (the CLIP action:
             clipping on, or fp16), after the gradient reductions; tests inject overflows and watch
             every rank with it. Must be picklable (a module-level function or a partial of one).
+        on_record: called on rank 0 with each step's record, before ``on_step``.
     """
 
     on_step: Callable[[int], None] | None = None
     grad_hook: GradHook | None = None
+    on_record: Callable[[StepRecord], None] | None = None
 
 
 def load_data(config: TrainConfig, *, seq_len: int, vocab_size: int, verify: bool = True) -> DataSource:
@@ -323,6 +352,22 @@ def check_config(config: TrainConfig) -> None:
     if config.precision.dtype not in (None, *TORCH_DTYPES):
         raise MedleyInputError(f"--dtype '{config.precision.dtype}' must be fp32, bf16 or fp16")
     _check_loss_scale(config.precision)
+    _check_elastic(config)
+
+
+def _check_elastic(config: TrainConfig) -> None:
+    elastic = config.elastic
+    if config.emulation.slowdown_from < 0:
+        raise MedleyInputError(f"--slowdown-from {config.emulation.slowdown_from} must be >= 0")
+    if elastic.straggler_margin <= 0 or not math.isfinite(elastic.straggler_margin):
+        raise MedleyInputError(f"--straggler-margin {elastic.straggler_margin:g} must be > 0 (0.5: 50% "
+                               "slower than the median device)")
+    if elastic.straggler_steps < 0:
+        raise MedleyInputError(f"--straggler-steps {elastic.straggler_steps} must be >= 0 (0: not watched)")
+    if elastic.elastic and (config.checkpoint.dir is None or config.checkpoint.every < 1):
+        raise MedleyInputError("--elastic needs --checkpoint-dir DIR on a file system every node shares "
+                               "and --checkpoint-every N (a lost node's work is redone from the newest "
+                               "checkpoint)")
 
 
 def _check_appendable(path: Path, *, flag: str) -> None:

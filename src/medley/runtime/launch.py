@@ -25,7 +25,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -37,12 +37,11 @@ from medley.errors import MedleyInputError, debug_enabled
 from medley.plan.plan import Plan
 from medley.runtime import placement
 from medley.runtime.lifecycle import die_with_parent
-from medley.runtime.nodes import LAUNCHER_PID_ENV, ONE_THREAD_ENV
+from medley.runtime.nodes import LAUNCHER_PID_ENV, ONE_THREAD_ENV, SHARED_STORE_ENV
 from medley.runtime.placement import PlacementEntry, ranks_needed
 from medley.runtime.train import StepRecord, TrainConfig, TrainHooks, load_data, train
 
 PROCESS_GROUP_TIMEOUT_S = 120
-_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -67,23 +66,29 @@ def uses_cuda(local_world: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= local_world
 
 
-def init_process_group() -> str:
-    """The default process group from torchrun's environment; nccl only with a GPU per local rank."""
+def init_process_group(*, store: dist.Store | None = None, rank: int = -1, world_size: int = -1) -> str:
+    """The default process group: from torchrun's environment, or over ``store`` as ``rank`` of
+    ``world_size``; nccl only with a GPU per local rank."""
     backend = "nccl" if uses_cuda(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
+                                store=store, rank=rank, world_size=world_size)
     return backend
 
 
 class TrainRun(list):
     """Rank 0's step records (a list, as :func:`~medley.runtime.train.train` returns them) and,
-    as ``placement``, where every rank ran as the ranks measured it (by global rank)."""
+    as ``placement``, where every rank ran as the ranks measured it (by global rank); ``plan``:
+    the plan the records are of when it is not the launched one (an elastic run re-planned)."""
 
     placement: list[PlacementEntry]
+    plan: Plan | None
 
-    def __init__(self, records: list[StepRecord], placement: list[PlacementEntry]) -> None:
+    def __init__(self, records: list[StepRecord], placement: list[PlacementEntry],
+                 plan: Plan | None = None) -> None:
         super().__init__(records)
         self.placement = list(placement)
+        self.plan = plan
 
 
 @dataclass(frozen=True)
@@ -108,10 +113,18 @@ def _exit_quietly(signum: int, _frame: object) -> None:
     os._exit(128 + signum)
 
 
+# An alternative rank body: (records, the plan they are of) on the rank that reports, else None.
+RankBody = Callable[[Plan, TrainConfig, "TrainHooks | None"], "tuple[list[StepRecord], Plan] | None"]
+
+
 @functools.partial(record, error_handler=_ERRORS)
-def rank_main(plan: Plan, config: TrainConfig,
-              hooks: TrainHooks | None = None) -> TrainRun | InputFailure | None:
-    """Body of one launched rank: records and placement on rank 0, None elsewhere."""
+def rank_main(plan: Plan, config: TrainConfig, hooks: TrainHooks | None = None, *,
+              body: RankBody | None = None) -> TrainRun | InputFailure | None:
+    """Body of one launched rank: records and placement on the rank that reports, None elsewhere.
+
+    ``body`` replaces the default (the process group from torchrun's environment, then
+    :func:`~medley.runtime.train.train`; rank 0 reports): it makes its own process group and
+    returns the records and their plan on the rank that reports, None on the others (elastic runs)."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     die_with_parent(int(launcher) if launcher else None)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # Ctrl-C reaches the agent too, which reports it once
@@ -121,9 +134,14 @@ def rank_main(plan: Plan, config: TrainConfig,
     torch.set_num_threads(1 if one_thread else max(1, (os.cpu_count() or 1) // local_world))
     if debug_enabled():
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a rank waits
-    init_process_group()
+    if body is None:
+        init_process_group()
+    ran: Plan | None = None
     try:
-        records = train(plan, config, hooks)
+        if body is None:
+            records: list[StepRecord] | None = train(plan, config, hooks)
+        else:
+            records, ran = body(plan, config, hooks) or (None, None)
     except MedleyInputError as err:
         # Bad input fails on every rank alike (plan, flags, checkpoint), so all return.
         return InputFailure(str(err))
@@ -135,10 +153,11 @@ def rank_main(plan: Plan, config: TrainConfig,
         _ERRORS.record_exception(err)  # the launcher's one line names it
         raise SystemExit(1) from None
     finally:
-        dist.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) != 0:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if records is None or (body is None and int(os.environ.get("RANK", "0")) != 0):
         return None
-    return TrainRun(records, placement.reported())
+    return TrainRun(records, placement.reported(), plan=ran)
 
 
 def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, max_restarts: int = 0,
@@ -170,7 +189,7 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, m
         monitor_interval=0.1, start_method=start_method)
     # Rank 0 hosts each attempt's own store: with the agent's shared store, the ranks of a
     # restarted attempt found the dead attempt's gloo addresses there (connection refused).
-    settings = {_SHARED_STORE_ENV: "1", ONE_THREAD_ENV: "0" if start_method == "spawn" else "1",
+    settings = {SHARED_STORE_ENV: "1", ONE_THREAD_ENV: "0" if start_method == "spawn" else "1",
                 LAUNCHER_PID_ENV: str(os.getpid())}
     with _environment(settings), _agent_quiet(not debug_enabled()):
         try:

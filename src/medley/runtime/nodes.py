@@ -34,6 +34,43 @@ _RDZV_ID = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _ANSI_C = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
 
+SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # "1": rank 0 hosts each attempt's own store
+ELASTIC_FLAG = "--elastic"  # medley train's flag: this rank is one of an elastic run (medley.elastic)
+ELASTIC_DIR_ENV = "MEDLEY_ELASTIC_CHECKPOINT_DIR"  # a joining agent waits for admission there
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticSettings:
+    """How the agents of an elastic run (``medley launch --elastic``) meet and restart.
+
+    Attributes:
+        min_nodes: the fewest nodes the run goes on with (torchrun ``--nnodes MIN:MAX``; MAX is
+            every node the plan uses).
+        max_restarts: how often each agent restarts its ranks after a failure (a lost node);
+            a node that joins restarts them without counting.
+        last_call_s: how long the rendezvous waits for more nodes once ``min_nodes`` are there.
+        keep_alive_s: how often an agent says it is alive; three missed and it is taken as lost.
+        checkpoint_dir: the run's ``--checkpoint-dir`` as the nodes see it (a node that joins a
+            running job waits there to be admitted at the next checkpoint).
+    """
+
+    min_nodes: int = 1
+    max_restarts: int = 3
+    last_call_s: int = 5
+    keep_alive_s: int = 2
+    checkpoint_dir: str | None = None
+
+    def torchrun_args(self, nodes: int) -> tuple[str, ...]:
+        conf = (f"join_timeout=600,last_call_timeout={self.last_call_s},"
+                f"keep_alive_interval={self.keep_alive_s},keep_alive_max_attempt=3")
+        return ("--nnodes", f"{min(self.min_nodes, nodes)}:{nodes}", "--max-restarts", str(self.max_restarts),
+                "--rdzv-conf", conf)
+
+    def env(self) -> dict[str, str]:
+        dirs = {} if self.checkpoint_dir is None else {ELASTIC_DIR_ENV: self.checkpoint_dir}
+        return {SHARED_STORE_ENV: "1", **dirs}
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchSettings:
     """How every node's agent is started.
@@ -49,6 +86,7 @@ class LaunchSettings:
         log_dir: each node's torchrun writes every rank's stdout and stderr under
             ``LOG_DIR/<node>/`` (``--log-dir``, ``--redirects 3``) and still shows them (``--tee 3``);
             None: the ranks' output goes to the agent's terminal only.
+        elastic: the elastic rendezvous and restarts (``--elastic``); None: every node, once.
     """
 
     plan_path: str
@@ -59,6 +97,7 @@ class LaunchSettings:
     program: tuple[str, ...] = MEDLEY
     extra_env: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None
+    elastic: ElasticSettings | None = None
 
 
 def python_settings(python: str) -> dict[str, tuple[str, ...]]:
@@ -167,10 +206,14 @@ def node_launches(plan: Plan, settings: LaunchSettings, *, endpoint: str | None 
         local = tuple(plan.cluster.devices[d].local_rank for d in devices)
         logs = () if settings.log_dir is None else (
             "--log-dir", f"{settings.log_dir.rstrip('/')}/{node.name}", "--redirects", "3", "--tee", "3")
-        argv = (*settings.launcher, "--nnodes", str(len(nodes)), "--nproc-per-node", str(len(devices)),
+        elastic = settings.elastic
+        size = ("--nnodes", str(len(nodes))) if elastic is None else elastic.torchrun_args(len(nodes))
+        argv = (*settings.launcher, *size, "--nproc-per-node", str(len(devices)),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", settings.rdzv_id, *logs,
-                *settings.program, "train", "--plan", settings.plan_path, *settings.train_args)
-        env = {NODE_ENV: node.name, VISIBLE_ENV: ",".join(map(str, local)), **settings.extra_env}
+                *settings.program, "train", "--plan", settings.plan_path,
+                *(() if elastic is None else (ELASTIC_FLAG,)), *settings.train_args)
+        env = {NODE_ENV: node.name, VISIBLE_ENV: ",".join(map(str, local)), **settings.extra_env,
+               **({} if elastic is None else elastic.env())}
         launches.append(NodeLaunch(node=node.name, host=node.host, devices=devices, local_indices=local,
                                    env=env, argv=argv))
     return launches

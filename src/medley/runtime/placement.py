@@ -35,6 +35,9 @@ from medley.spec.cluster import Cluster
 from medley.spec.cluster_schema import printable
 
 NODE_ENV = "MEDLEY_NODE"
+# The plan device a rank is, when its launcher decided it (elastic runs: a re-planned plan may
+# leave some of a node's started ranks out, so LOCAL_RANK no longer counts the plan's devices).
+DEVICE_ENV = "MEDLEY_DEVICE"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +51,8 @@ class RankIdentity:
         local_world: ranks started on its machine (LOCAL_WORLD_SIZE).
         gpu_name: ``torch.cuda.get_device_name()`` of its GPU; None when it computes on a CPU.
         gpu_memory_bytes: its GPU's total memory (0 on a CPU).
+        device: the plan device its launcher gave it (``MEDLEY_DEVICE``); None: its node's
+            LOCAL_RANK-th plan device.
         error: why it could not tell its node (reported by every rank alike); None if it could.
     """
 
@@ -57,6 +62,7 @@ class RankIdentity:
     local_world: int
     gpu_name: str | None = None
     gpu_memory_bytes: int = 0
+    device: int | None = None
     error: str | None = None
 
     @property
@@ -152,6 +158,12 @@ def find_node(cluster: Cluster, *, env: Mapping[str, str], hostname: str, local_
 
 def _device_of(plan: Plan, identity: RankIdentity, by_node: Mapping[str, list[int]]) -> int:
     devices = plan_devices(plan) if identity.node is None else by_node.get(identity.node, [])
+    if identity.device is not None:
+        if identity.device in devices:
+            return identity.device
+        raise MedleyInputError(
+            f"{identity.where} was given plan device {identity.device} ({DEVICE_ENV}), which the plan does "
+            f"not use there (ids {', '.join(map(str, devices[:16])) or 'none'}); unset {DEVICE_ENV}")
     if identity.local_rank < len(devices):
         return devices[identity.local_rank]
     where = "the whole cluster" if identity.node is None else f"node '{identity.node}'"
@@ -241,6 +253,8 @@ def my_identity(cluster: Cluster, *, rank: int, world: int, on_cuda: bool) -> Ra
     LOCAL_RANK (ranks started by hand) every rank is on this machine."""
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    given = os.environ.get(DEVICE_ENV)
+    device = int(given) if given is not None and given.isdigit() else None
     try:
         node = find_node(cluster, env=os.environ, hostname=socket.gethostname(), local_world=local_world,
                          world=world)
@@ -254,7 +268,7 @@ def my_identity(cluster: Cluster, *, rank: int, world: int, on_cuda: bool) -> Ra
         name = torch.cuda.get_device_name(local_rank)
         memory = torch.cuda.get_device_properties(local_rank).total_memory
     return RankIdentity(rank=rank, node=node, local_rank=local_rank, local_world=local_world, gpu_name=name,
-                        gpu_memory_bytes=memory)
+                        gpu_memory_bytes=memory, device=device)
 
 
 def exchange_identities(cluster: Cluster, *, on_cuda: bool) -> list[RankIdentity]:

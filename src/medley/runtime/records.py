@@ -35,6 +35,8 @@ class StepRecord:
             since the rank's step began (``RankExecutor.action_spans``); else empty.
         step_start_by_device: with ``trace_actions``, by device id, when the rank's step began on
             ``time.perf_counter``'s clock (one clock for the processes of one machine on Linux).
+        samples: the indices of the global batch's samples in the training data (its windows or
+            examples, in batch order); empty for byte text and synthetic data, which have none.
     """
 
     step: int
@@ -53,6 +55,7 @@ class StepRecord:
     action_time_by_device: dict[int, dict[str, float]] = field(default_factory=dict)
     action_spans_by_device: dict[int, list[tuple[str, float, float]]] = field(default_factory=dict)
     step_start_by_device: dict[int, float] = field(default_factory=dict)
+    samples: list[int] = field(default_factory=list)
 
     def as_json(self) -> dict:
         """The record as strict JSON: device ids as strings, a skipped step's infinite

@@ -63,7 +63,7 @@ def train(plan: Plan, config: TrainConfig, hooks: TrainHooks | None = None) -> l
     clip_grad = opt.clip_norm is not None or dtype == "fp16"
     setup = build_rank(plan, seed=config.data.seed, optimizer_class=opt_class, optimizer_kwargs=opt_kwargs,
                        compile=config.model.compile,
-                       dtype=dtype, clip_grad=clip_grad, slowdown=_slowdown(plan, config),
+                       dtype=dtype, clip_grad=clip_grad, slowdown=_slowdown(plan, config, late=False),
                        init_from=config.model.init_from)
     scaler = None
     if dtype == "fp16":
@@ -85,10 +85,15 @@ def run_dtype(plan: Plan, config: TrainConfig, *, on_cuda: bool) -> str:
     return choose_dtype(plan, config.precision.dtype, on_cuda=on_cuda)
 
 
-def _slowdown(plan: Plan, config: TrainConfig) -> dict[int, float] | None:
-    if not (config.emulation.emulate or config.emulation.slowdown):
+def _slowdown(plan: Plan, config: TrainConfig, *, late: bool) -> dict[int, float] | None:
+    """Emulated slowdown per plan device: from the start (``late`` False: the ``--slowdown``
+    factors only when they apply from step 0) or from ``--slowdown-from`` on (``late``)."""
+    emulation = config.emulation
+    if not (emulation.emulate or emulation.slowdown):
         return None
-    return slowdown_factors(plan, config.emulation.slowdown)
+    if late and not (emulation.slowdown and emulation.slowdown_from > 0):
+        return None
+    return slowdown_factors(plan, emulation.slowdown if late or emulation.slowdown_from == 0 else None)
 
 
 class _Loop:
@@ -106,6 +111,8 @@ class _Loop:
         self.sequences = sum(plan.micro_batches) * layout.micro_batch_size
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.sq_norm = torch.zeros((), dtype=torch.float64)
+        late = _slowdown(plan, config, late=True)
+        self.late_slowdown = None if late is None else late[setup.device_of_rank[self.rank]]
         self.step_spans: tuple[float, list[tuple[float, float]]] = (0.0, [])  # the last step's
         if not setup.executor.carries_clip:  # clipping off, not fp16, no tied copies
             setup.executor.before_optim = self._count_norm
@@ -182,6 +189,8 @@ class _Loop:
                     watchdog.disarm()
                 if record is not None:
                     records.append(record)
+                    if self.hooks.on_record is not None:
+                        self.hooks.on_record(record)
                     self._log(record)
                     if board is not None:
                         board.write(record)
@@ -256,6 +265,8 @@ class _Loop:
                 set_lr(optimizer, self.step_lr)
         if self.scaler is not None:
             setup.executor.loss_scale = self.scaler.scale
+        if self.late_slowdown is not None and step >= config.emulation.slowdown_from:
+            setup.executor.slowdown = self.late_slowdown
         batch = self._batch(step)
         self.sq_norm.zero_()
         setup.executor.emulated_sleep_s = 0.0
@@ -342,7 +353,9 @@ class _Loop:
             step_time_s=step_time, tokens_per_s=self.plan.tokens_per_step / step_time,
             mfu=None if self.flops_per_peak is None else self.flops_per_peak / step_time,
             peak_memory_bytes=memory, emulated_sleep_s=float(stats[:, 3].max()),
-            loss_scale=None if self.scaler is None else float(stats[0, 5]), skipped_steps=int(stats[0, 6]))
+            loss_scale=None if self.scaler is None else float(stats[0, 5]), skipped_steps=int(stats[0, 6]),
+            samples=self.source.sample_indices(step=step, seed=self.config.data.seed,
+                                               sequences=self.sequences))
 
     def _gather_spans(self) -> list[tuple[float, list[tuple[str, float, float]]]]:
         """Collective with ``trace_actions``: every rank's (program start, [(action, start, end)])

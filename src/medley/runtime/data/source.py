@@ -92,6 +92,15 @@ class DataSource:
     def synthetic(self) -> bool:
         return self.name == SYNTHETIC
 
+    def sample_indices(self, *, step: int, seed: int, sequences: int) -> list[int]:
+        """Which windows or examples the global batch of ``step`` holds, in order; empty for byte
+        text and synthetic data (random offsets, no indices)."""
+        samples = self.examples if self.examples is not None else self.train
+        if samples is None:
+            return []
+        return list(sample_order(count=samples.count, seed=seed, first_sample=step * sequences,
+                                 samples=sequences))
+
     def global_rows(self, *, step: int, seed: int, sequences: int, seq_len: int) -> Rows:
         """The global batch of ``step``: ``sequences`` rows and what each position learns."""
         if self.examples is not None:
