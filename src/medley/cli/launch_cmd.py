@@ -205,6 +205,7 @@ def register(app: typer.Typer) -> None:
                                      max_restarts=max_restarts)
         if local:
             here = local_settings(plan, args, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+            extra = None if extra is None else dataclasses.replace(extra, first_hosts=True)
             settings = dataclasses.replace(here, log_dir=log_dir, elastic=extra)
         else:
             python_parts = python_settings(python or sys.executable)

@@ -181,7 +181,7 @@ class Watch:
     user: TrainHooks
     flagged: dict[int, float] = dataclasses.field(default_factory=dict)
     _runs: dict[int, int] = dataclasses.field(default_factory=dict)
-    _ratios: dict[int, float] = dataclasses.field(default_factory=dict)
+    _first: list[dict[int, float]] = dataclasses.field(default_factory=list)
     _steps: int = 0
     _predicted: dict[int, float] | None = None
 
@@ -249,8 +249,11 @@ class Watch:
         _say(event_line(event))
 
     def _watch_speed(self, record: StepRecord) -> None:
-        """A device whose compute per step, over the plan's prediction for it, is more than the
-        margin above the median device's, ``straggler_steps`` steps in a row, is flagged."""
+        """Each device's compute per step over the plan's prediction for it, relative to the median
+        device's (a change of every device is no straggler), against the same figure over the
+        plan's first judged steps (its baseline: on CPU the prediction is not calibrated per
+        stage). More than the margin above its baseline ``straggler_steps`` steps in a row, and
+        the device is flagged, at the factor it slowed down by."""
         elastic = self.config.elastic
         if elastic.straggler_steps == 0 or self._steps <= _WARMUP_STEPS or self.flagged:
             return
@@ -263,15 +266,19 @@ class Watch:
         if len(ratios) < 2:
             return
         median = statistics.median(ratios.values())
-        for device, ratio in ratios.items():
-            slow = ratio / median
-            self._runs[device] = self._runs.get(device, 0) + 1 if slow > 1 + elastic.straggler_margin else 0
-            self._ratios[device] = slow
+        relative = {d: ratio / median for d, ratio in ratios.items()}
+        if len(self._first) < elastic.straggler_steps:
+            self._first.append(relative)
+            return
+        for device, slow in relative.items():
+            baseline = statistics.median(first.get(device, slow) for first in self._first)
+            factor = slow / baseline
+            self._runs[device] = self._runs.get(device, 0) + 1 if factor > 1 + elastic.straggler_margin else 0
             if self._runs[device] >= elastic.straggler_steps:
-                self.flagged[device] = slow  # on top of what the plan already takes it for
-                _say(f"elastic: device {device} computes {slow:.2f}x slower than planned, relative to the "
-                     f"others, for {self._runs[device]} steps; re-planning at its measured speed at the next "
-                     "checkpoint")
+                self.flagged[device] = factor  # on top of the speed the plan already takes it at
+                _say(f"elastic: device {device} computes {factor:.2f}x slower than at the start of this plan, "
+                     f"relative to the others, for {self._runs[device]} steps; re-planning at its measured "
+                     "speed at the next checkpoint")
 
 
 def event_line(event: dict[str, Any]) -> str:

@@ -52,6 +52,9 @@ class ElasticSettings:
         keep_alive_s: how often an agent says it is alive; three missed and it is taken as lost.
         checkpoint_dir: the run's ``--checkpoint-dir`` as the nodes see it (a node that joins a
             running job waits there to be admitted at the next checkpoint).
+        first_hosts: the first node's agent hosts the rendezvous store and the others never do
+            (``--local``: every agent is on 127.0.0.1 and would race for it); False: the agent on
+            the endpoint's host does, as torchrun decides.
     """
 
     min_nodes: int = 1
@@ -59,10 +62,13 @@ class ElasticSettings:
     last_call_s: int = 5
     keep_alive_s: int = 2
     checkpoint_dir: str | None = None
+    first_hosts: bool = False
 
-    def torchrun_args(self, nodes: int) -> tuple[str, ...]:
+    def torchrun_args(self, nodes: int, *, first: bool) -> tuple[str, ...]:
         conf = (f"join_timeout=600,last_call_timeout={self.last_call_s},"
                 f"keep_alive_interval={self.keep_alive_s},keep_alive_max_attempt=3")
+        if self.first_hosts:
+            conf += f",is_host={int(first)}"
         return ("--nnodes", f"{min(self.min_nodes, nodes)}:{nodes}", "--max-restarts", str(self.max_restarts),
                 "--rdzv-conf", conf)
 
@@ -202,12 +208,12 @@ def node_launches(plan: Plan, settings: LaunchSettings, *, endpoint: str | None 
     if endpoint is None:
         endpoint = rendezvous_endpoint(settings.plan_path, nodes, settings.rdzv_endpoint)
     launches = []
-    for node, devices in nodes:
+    for index, (node, devices) in enumerate(nodes):
         local = tuple(plan.cluster.devices[d].local_rank for d in devices)
         logs = () if settings.log_dir is None else (
             "--log-dir", f"{settings.log_dir.rstrip('/')}/{node.name}", "--redirects", "3", "--tee", "3")
         elastic = settings.elastic
-        size = ("--nnodes", str(len(nodes))) if elastic is None else elastic.torchrun_args(len(nodes))
+        size = ("--nnodes", str(len(nodes))) if elastic is None else elastic.torchrun_args(len(nodes), first=index == 0)
         argv = (*settings.launcher, *size, "--nproc-per-node", str(len(devices)),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", settings.rdzv_id, *logs,
                 *settings.program, "train", "--plan", settings.plan_path,
