@@ -127,7 +127,8 @@ def test_a_device_that_slows_down_mid_run_is_re_planned_once(lab: tuple[Path, Pa
     assert code == 0, err
     (straggler,) = [e for e in events_of(directory) if e["event"] == "straggler"]
     assert straggler["nodes"] == ["c"] and list(straggler["slower"]) == ["2"]
-    assert straggler["slower"]["2"] > 1.5 and straggler["resumed_from"] == 10 and straggler["steps_redone"] == 0
+    assert straggler["slower"]["2"] > 1.5
+    assert straggler["resumed_from"] == 10 and straggler["steps_redone"] == 0
     assert err.count("re-planning at its measured speed") == 1
     records = final_records(directory)
     assert sorted(records) == list(range(STEPS))

@@ -276,9 +276,9 @@ class Watch:
             self._runs[device] = self._runs.get(device, 0) + 1 if factor > 1 + elastic.straggler_margin else 0
             if self._runs[device] >= elastic.straggler_steps:
                 self.flagged[device] = factor  # on top of the speed the plan already takes it at
-                _say(f"elastic: device {device} computes {factor:.2f}x slower than at the start of this plan, "
-                     f"relative to the others, for {self._runs[device]} steps; re-planning at its measured "
-                     "speed at the next checkpoint")
+                _say(f"elastic: device {device} computes {factor:.2f}x slower than at the start of this "
+                     f"plan, relative to the others, for {self._runs[device]} steps; re-planning at its "
+                     "measured speed at the next checkpoint")
 
 
 def event_line(event: dict[str, Any]) -> str:

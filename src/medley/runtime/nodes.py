@@ -213,7 +213,8 @@ def node_launches(plan: Plan, settings: LaunchSettings, *, endpoint: str | None 
         logs = () if settings.log_dir is None else (
             "--log-dir", f"{settings.log_dir.rstrip('/')}/{node.name}", "--redirects", "3", "--tee", "3")
         elastic = settings.elastic
-        size = ("--nnodes", str(len(nodes))) if elastic is None else elastic.torchrun_args(len(nodes), first=index == 0)
+        size = ("--nnodes", str(len(nodes))) if elastic is None else \
+            elastic.torchrun_args(len(nodes), first=index == 0)
         argv = (*settings.launcher, *size, "--nproc-per-node", str(len(devices)),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", settings.rdzv_id, *logs,
                 *settings.program, "train", "--plan", settings.plan_path,
