@@ -68,8 +68,11 @@ class Run:
     def elastic(self) -> Path:
         return self.directory / "ckpt" / "elastic"
 
+    out: str = ""
+
     def finish(self, timeout: float = 240) -> tuple[int, str]:
-        _, err = self.process.communicate(timeout=timeout)
+        """Wait for the launcher: (exit status, its stderr); its stdout is kept as ``out``."""
+        self.out, err = self.process.communicate(timeout=timeout)
         return self.process.returncode, err
 
 

@@ -6,6 +6,10 @@ run that switches plans at the same steps (fp32, 1e-5), the samples by index."""
 from __future__ import annotations
 
 import functools
+import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,7 @@ from elastic_runs import (
     SLOW,
     STEPS,
     TRAIN,
+    agent_of,
     events,
     final_records,
     heartbeat_step,
@@ -25,6 +30,7 @@ from elastic_runs import (
     train_flags,
     wait_for,
 )
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from train_plans import StopTraining
 
 from medley.plan.plan import load_plan
@@ -74,16 +80,22 @@ def lab(tmp_path: Path) -> tuple[Path, Path, Path]:
 def test_a_node_lost_at_step_6_the_run_ends_on_two_nodes_as_a_run_that_switches_plans_at_step_5(
         lab: tuple[Path, Path, Path]) -> None:
     directory, plan, data = lab
-    run = launch(directory, plan, train_flags(directory, data, "--slowdown", SLOW))
+    run = launch(directory, plan, train_flags(directory, data, "--slowdown", SLOW, "--json", "--tensorboard",
+                                              str(directory / "tb")))
     killed_at = kill_node_at(run, "c", 6)
     code, err = run.finish()
     assert code == 0, err
+    out = json.loads(run.out)
     assert "node c: its agent ended (killed by signal 9); the run went on without it" in err
     (lost,) = events(run)
     assert lost["event"] == "node lost" and lost["nodes"] == ["c"] and lost["devices"] == [0, 1]
     assert lost["resumed_from"] == 5 and lost["steps_redone"] == 1 and lost["first_step"] == 5
     assert lost["recovery_s"] > 0 and lost["first_step_at"] > killed_at
     assert "elastic: node lost (c): pp 1 x dp 3 on devices 0,1,2 -> " in err
+    assert out["events"] == [lost] and [r["step"] for r in out["records"]] == list(range(5, STEPS))
+    board = EventAccumulator(str(directory / "tb"))
+    board.Reload()
+    assert [(e.step, e.value) for e in board.Scalars("elastic/steps_redone")] == [(5, 1.0)]
     records = final_records(directory)
     assert sorted(records) == list(range(STEPS))
     assert all(sorted(records[s]["step_time_by_device"]) == ["0", "1"] for s in range(5, STEPS))
@@ -136,9 +148,32 @@ def test_a_device_that_slows_down_mid_run_is_re_planned_once(lab: tuple[Path, Pa
     assert max(abs(records[s]["loss"] - expected[s]) for s in range(STEPS)) <= TOLERANCE
 
 
-def events_of(directory: Path) -> list[dict]:
-    import json
+def test_a_kill_during_a_checkpoint_write_resumes_from_the_complete_one_before(
+        lab: tuple[Path, Path, Path]) -> None:
+    directory, plan, data = lab
+    run = launch(directory, plan, train_flags(directory, data, "--slowdown", SLOW))
+    ckpt = directory / "ckpt"
+    wait_for(lambda: heartbeat_step(run) >= 10, what="step 9", run=run)  # the save of step 10 follows
+    partial, complete = ckpt / ".tmp-step-00000010", ckpt / "step-00000010"
+    deadline = time.monotonic() + 30
+    while not partial.exists() and not complete.exists() and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    assert partial.exists() and not complete.exists(), "the kill was to land during the write of step 10"
+    os.kill(agent_of(run, "c"), signal.SIGKILL)
+    code, err = run.finish()
+    assert code == 0, err
+    (lost,) = events(run)
+    if lost["resumed_from"] == 10:  # every rank had written its shards: the checkpoint was whole
+        pytest.skip("the kill landed after the last shard of step 10 was written; not the case checked")
+    assert lost["resumed_from"] == 5 and lost["steps_redone"] == 5
+    records = final_records(directory)
+    assert sorted(records) == list(range(STEPS))
+    expected = reference_losses(load_plan(plan).layout, config_of(directory / "unused", data), steps=STEPS)
+    assert max(abs(records[s]["loss"] - expected[s]) for s in range(STEPS)) <= TOLERANCE
+    assert not partial.exists()
 
+
+def events_of(directory: Path) -> list[dict]:
     path = directory / "ckpt" / "elastic" / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
 

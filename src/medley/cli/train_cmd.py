@@ -375,6 +375,11 @@ def register(app: typer.Typer) -> None:
             hf_cmd.export_after_training(config.checkpoint.dir, export_hf, temporary=checkpoint_dir is None)
             typer.echo(f"wrote the Hugging Face model {literal(str(export_hf))}", err=True)
         if as_json:
-            typer.echo(json.dumps(run_json(records), indent=1, allow_nan=False))
+            data = run_json(records)
+            if config.elastic.elastic:  # what happened on the way, every attempt's (its records are its last)
+                from medley.runtime.elastic_dir import SUBDIR, events
+
+                data["events"] = events(Path(str(config.checkpoint.dir)) / SUBDIR)
+            typer.echo(json.dumps(data, indent=1, allow_nan=False))
         else:
             print_records(the_plan, records, make_console(), split=split if plan is None else None)

@@ -43,6 +43,7 @@ from medley.plan.predict import simulate_groups
 from medley.runtime import elastic_dir
 from medley.runtime.config import TrainConfig, TrainHooks
 from medley.runtime.launch import PROCESS_GROUP_TIMEOUT_S, init_process_group
+from medley.runtime.metrics import TensorBoardLog
 from medley.runtime.placement import DEVICE_ENV, NODE_ENV
 from medley.runtime.records import StepRecord
 from medley.runtime.train import train
@@ -246,7 +247,13 @@ class Watch:
         elastic_dir.append_event(self.directory, event)
         if self.config.logging.log_jsonl is not None:
             append_text(Path(self.config.logging.log_jsonl), json.dumps({"event": event}) + "\n")
-        _say(event_line(event))
+        line = event_line(event)
+        if self.config.logging.tensorboard is not None:
+            board = TensorBoardLog(Path(self.config.logging.tensorboard))
+            board.write_event(record.step, line, recovery_s=event["recovery_s"],
+                              steps_redone=event["steps_redone"])
+            board.close()
+        _say(line)
 
     def _watch_speed(self, record: StepRecord) -> None:
         """Each device's compute per step over the plan's prediction for it, relative to the median

@@ -2,7 +2,8 @@
 
 Rank 0 writes one point per step under ``train/`` (loss, lr, grad_norm, tokens_per_s, mfu,
 loss_scale, step_time_s and ``step_time_s/device_<id>`` per plan device) and ``eval/loss`` on
-evaluation steps. ``torch.utils.tensorboard`` is imported only when asked for; the
+evaluation steps; an elastic run adds its events under ``elastic/``.
+``torch.utils.tensorboard`` is imported only when asked for; the
 ``tensorboard`` package is an optional extra (``pip install medley[tensorboard]``).
 """
 
@@ -33,6 +34,15 @@ class TensorBoardLog:
             self.writer.add_scalar(f"train/step_time_s/device_{device}", seconds, step)
         if record.eval_loss is not None:
             self.writer.add_scalar("eval/loss", record.eval_loss, step)
+        self.writer.flush()
+
+    def write_event(self, step: int, line: str, *, recovery_s: float | None, steps_redone: int) -> None:
+        """An elastic run's event (:mod:`medley.elastic`) at the first step after it: its line as
+        text under ``elastic/event``, its recovery time and redone steps as scalars."""
+        self.writer.add_text("elastic/event", line, step)
+        if recovery_s is not None:
+            self.writer.add_scalar("elastic/recovery_s", recovery_s, step)
+        self.writer.add_scalar("elastic/steps_redone", steps_redone, step)
         self.writer.flush()
 
     def close(self) -> None:
