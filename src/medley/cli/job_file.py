@@ -34,7 +34,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
              "val_data", "val_fraction", "seed", "reset_data_order"),
     "optimizer": ("steps", "optimizer", "lr", "min_lr", "warmup_steps", "weight_decay", "clip_norm"),
     "precision": ("dtype",),
-    "checkpoint": ("checkpoint_dir", "checkpoint_every", "keep", "export_hf"),
+    "checkpoint": ("checkpoint_dir", "checkpoint_every", "keep", "async_checkpoint", "export_hf"),
     "logging": ("log_jsonl", "tensorboard", "eval_every", "eval_batches", "as_json", "step_timeout",
                 "gc_every"),
     "elastic": ("elastic", "straggler_margin", "straggler_steps"),

@@ -243,6 +243,9 @@ def register(app: typer.Typer) -> None:
         tensorboard: Annotated[Path | None, typer.Option(help="Write TensorBoard scalars here")] = None,
         checkpoint_dir: Annotated[Path | None, typer.Option(help="Save here; resume from the newest")] = None,
         checkpoint_every: Annotated[int, typer.Option(help="Save every K steps (0: at the end)")] = 0,
+        async_checkpoint: Annotated[bool, typer.Option("--async-checkpoint", help=(
+            "Write checkpoints in the background while training goes on (DCP async save); each is "
+            "published when the next starts, the last one at once"))] = False,
         keep: Annotated[int | None, typer.Option(help=(
             "Newest checkpoints kept, older ones deleted (default 2)"))] = None,
         local_ranks: Annotated[int | None, typer.Option(help="Start N ranks on this machine")] = None,
@@ -332,6 +335,7 @@ def register(app: typer.Typer) -> None:
             init_from=init_from, hf_dir=hf_cmd.hf_dir_of(model, init_from), compile=compile_blocks)
         if keep is not None:
             config.checkpoint.keep = keep
+        config.checkpoint.async_save = async_checkpoint
         if compile_blocks:
             from medley.runtime.compile import check_compile_available
 

@@ -40,7 +40,7 @@ from medley.errors import MedleyInputError
 from medley.fileio import append_text
 from medley.plan.plan import Plan, load_plan
 from medley.plan.predict import simulate_groups
-from medley.runtime import elastic_dir
+from medley.runtime import checkpoint, elastic_dir
 from medley.runtime.config import TrainConfig, TrainHooks
 from medley.runtime.launch import PROCESS_GROUP_TIMEOUT_S, init_process_group
 from medley.runtime.metrics import TensorBoardLog
@@ -209,6 +209,8 @@ class Watch:
         if every > 0 and (step + 1) % every == 0 and step + 1 < steps:
             answer = torch.tensor([self._answer() if dist.get_rank() == 0 else 0], dtype=torch.int64)
             dist.broadcast(answer, 0)
+            if int(answer) != _CONTINUE:
+                checkpoint.finish_pending()  # what the restart or the new plan resumes from
             if int(answer) == _ADMIT:
                 self._admit()
             elif int(answer) == _REPLAN:

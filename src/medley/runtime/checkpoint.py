@@ -27,6 +27,7 @@ import os
 import shutil
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -219,15 +220,57 @@ def _publish(directory: Path, tmp: Path, final: Path, meta: dict[str, Any], keep
         remove_path(doomed)
 
 
+@dataclass(kw_only=True)
+class _Pending:
+    """An asynchronous save in flight: DCP writes in a thread; published by :func:`finish_pending`."""
+
+    directory: Path
+    tmp: Path
+    final: Path
+    meta: dict[str, Any]
+    keep: int
+    future: Any
+
+
+_PENDING: list[_Pending] = []
+_SAVE_GROUP: list[dist.ProcessGroup] = []  # DCP's own gloo group for saves in a thread
+
+
+def finish_pending() -> Path | None:
+    """Collective: wait for this process's asynchronous save in flight, if any, and publish it
+    (as :func:`save_checkpoint` does a synchronous one); its path, or None when none was."""
+    if not _PENDING:
+        return None
+    pending = _PENDING.pop()
+    written, hashes, error = None, {}, None
+    try:
+        written = pending.future.result()
+        hashes = _hash_files(pending.tmp, _checkpoint_files(pending.tmp))
+    except (Exception, CheckpointException) as err:
+        error = _write_failure(pending.tmp, err)
+    return _publish_all(pending.directory, pending.tmp, pending.final, pending.meta, pending.keep,
+                        written=written, hashes=hashes, error=error)
+
+
+def drop_pending() -> None:
+    """Forget a save in flight without publishing it (the run failed: it stays a temporary)."""
+    _PENDING.clear()
+    _SAVE_GROUP.clear()
+
+
 def save_checkpoint(directory: Path, *, next_step: int, stages: dict[int, ShardedStage],
                     meta: dict[str, Any], train_state: dict[str, torch.Tensor] | None = None,
-                    keep: int = KEEP) -> Path:
+                    keep: int = KEEP, asynchronous: bool = False) -> Path:
     """Collective: every rank writes its shards; rank 0 publishes the directory atomically and
     keeps the ``keep`` newest checkpoints.
 
     Nothing is written when a tensor is not finite; a failed write (disk full) removes the
     temporary directory, keeps the previous checkpoints and is one :class:`MedleyInputError` on
-    every rank."""
+    every rank. ``asynchronous``: the state is copied to host memory and written by DCP's
+    ``async_save`` in a thread, over a process group of its own, while training goes on; the
+    checkpoint is published by :func:`finish_pending` (the next save calls it), and until then
+    it is a temporary directory that no resume reads."""
+    finish_pending()
     directory = Path(directory)
     final = checkpoint_path(directory, next_step)
     tmp = directory / f".tmp-{final.name}"
@@ -248,16 +291,31 @@ def save_checkpoint(directory: Path, *, next_step: int, stages: dict[int, Sharde
         except OSError as err:
             error = "checkpoint " + os_error_message(tmp, err)
     _raise_if(shared_error(error))
+    full_meta = {**meta, "format": FORMAT, "next_step": next_step}
+    if asynchronous:
+        if not _SAVE_GROUP:
+            _SAVE_GROUP.append(dist.new_group(backend="gloo"))
+        future = dcp.async_save(state, storage_writer=FileSystemWriter(tmp, thread_count=1),
+                                process_group=_SAVE_GROUP[0])
+        _PENDING.append(_Pending(directory=directory, tmp=tmp, final=final, meta=full_meta, keep=keep,
+                                 future=future))
+        return final
+    written, hashes = None, {}
     try:
         written = dcp.save(state, storage_writer=FileSystemWriter(tmp, thread_count=1))
         hashes = _hash_files(tmp, _checkpoint_files(tmp))
     except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure
         error = _write_failure(tmp, err)
+    return _publish_all(directory, tmp, final, full_meta, keep, written=written, hashes=hashes, error=error)
+
+
+def _publish_all(directory: Path, tmp: Path, final: Path, meta: dict[str, Any], keep: int, *,
+                 written: Any, hashes: dict[str, str], error: str | None) -> Path:
+    """Collective, after every rank wrote its shards (or failed to: ``error``): rank 0 publishes."""
     _raise_if(shared_error(error), cleanup=tmp)
     if dist.get_rank() == 0:
         try:
-            _publish(directory, tmp, final, {**meta, "format": FORMAT, "next_step": next_step,
-                                             "entries": manifest_of(written), "files": hashes}, keep)
+            _publish(directory, tmp, final, {**meta, "entries": manifest_of(written), "files": hashes}, keep)
         except OSError as err:
             error = "checkpoint " + os_error_message(tmp, err)
     _raise_if(shared_error(error), cleanup=tmp)

@@ -138,11 +138,14 @@ class CheckpointConfig:
         every: save every this many steps (and after the last step); 0: only at the end.
         keep: the newest checkpoints kept (older ones are deleted after each save);
             ``checkpoint_dir`` must be one directory every node sees (checked at start).
+        async_save: write each checkpoint but the last in the background (DCP's async save)
+            while training goes on; it is published when the next one starts.
     """
 
     dir: Path | None = None
     every: int = 0
     keep: int = KEEP
+    async_save: bool = False
 
 
 @dataclass(kw_only=True)

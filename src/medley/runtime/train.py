@@ -201,6 +201,7 @@ class _Loop:
                     self.hooks.on_step(step)
                 collector.after_step(step)
         finally:
+            checkpoint.drop_pending()  # a save still in flight after a failure is never published
             collector.stop()
             if watchdog is not None:
                 watchdog.close()
@@ -234,10 +235,12 @@ class _Loop:
         every, directory = self.config.checkpoint.every, self.config.checkpoint.dir
         if directory is None:
             return
-        if next_step == self.config.optimizer.steps or (every > 0 and next_step % every == 0):
+        last = next_step == self.config.optimizer.steps
+        if last or (every > 0 and next_step % every == 0):
             checkpoint.save_checkpoint(directory, next_step=next_step, stages=self.setup.stages,
                                        meta=self.meta, train_state=self._train_state(),
-                                       keep=self.config.checkpoint.keep)
+                                       keep=self.config.checkpoint.keep,
+                                       asynchronous=self.config.checkpoint.async_save and not last)
 
     def _train_state(self) -> dict[str, torch.Tensor]:
         """The loop's checkpointed scalars: the skipped steps (they hold back the learning-rate
