@@ -1,8 +1,8 @@
 """``python -m medley.runtime.local_agent TORCHRUN-ARGS``: torchrun (``torch.distributed.run``) as an
 agent of ``medley launch --local`` (tied to the launcher that started it) or of an elastic run.
 
-The agent dies when the launcher does, however it ends (``kill -9`` included): Linux kills it when
-its parent dies (``PR_SET_PDEATHSIG``) and a thread watches the launcher's pid
+Under ``--local`` the agent dies when the launcher does, however it ends (``kill -9``
+included): Linux kills it when its parent dies (``PR_SET_PDEATHSIG``) and a thread watches the launcher's pid
 (``MEDLEY_LAUNCHER_PID``), which also covers a launcher that died before the agent got this far.
 Its ranks die with it the same way (:func:`medley.runtime.lifecycle.die_with_parent`, in every rank).
 
@@ -54,7 +54,8 @@ def _rdzv_id(argv: list[str]) -> str:
 
 def main(argv: list[str]) -> None:
     launcher = os.environ.get(LAUNCHER_PID_ENV)
-    die_with_parent(int(launcher) if launcher else None)
+    if launcher:  # started by medley launch --local; on a real node it lives as torchrun would
+        die_with_parent(int(launcher))
     directory = os.environ.get(ELASTIC_DIR_ENV)
     if directory:
         wait_for_admission(Path(directory), node=os.environ.get(NODE_ENV, "node"), run_id=_rdzv_id(argv))

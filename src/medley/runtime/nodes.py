@@ -6,7 +6,9 @@ user gives) and runs ``medley train --plan PLAN`` plus the user's training flags
 names the node (``MEDLEY_NODE``, how a rank learns which cluster node it is on) and lists the
 node's plan devices, by their index on the node, in ascending device id (``CUDA_VISIBLE_DEVICES``:
 LOCAL_RANK i is the i-th of them). Devices the plan does not use start no rank, and a node without
-plan devices starts no agent. Pure text: nothing here imports torch or starts a process.
+plan devices starts no agent. With ``--elastic`` (:class:`ElasticSettings`) the agents meet at
+torchrun's elastic rendezvous and the ranks re-plan for whoever is there (:mod:`medley.elastic`).
+Pure text: nothing here imports torch or starts a process.
 """
 
 from __future__ import annotations

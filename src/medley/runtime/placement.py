@@ -7,7 +7,8 @@ name. (With every rank here, playing every node gives what a host match would, o
 plan spans other nodes too, the only table that can work.) On
 a node, LOCAL_RANK i is the i-th of the node's plan devices in ascending device id (the
 launcher's ``CUDA_VISIBLE_DEVICES`` lists exactly those, in that order); a machine playing every
-node takes the i-th plan device of the whole cluster.
+node takes the i-th plan device of the whole cluster. An elastic run names each rank's device
+(``MEDLEY_DEVICE``): its re-planned plan may leave some of a node's ranks out.
 
 At start-up every rank says who it is (:class:`RankIdentity`, one ``all_gather_object`` before any
 model is built) and :func:`rank_table` turns the identities into ``table[replica][pipeline rank]``
