@@ -5,7 +5,6 @@ the commands and refusals of ``medley launch --elastic``."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -167,9 +166,10 @@ def test_elastic_agents_meet_at_an_elastic_rendezvous(tmp_path: Path) -> None:
     (["--elastic", "--local", "--node", "z", "--", "--checkpoint-dir", "c", "--checkpoint-every", "2"],
      "--node z: not a node the plan uses"),
 ])
-def test_bad_elastic_launch_flags_are_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+def test_bad_elastic_launch_flags_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                args: list[str], message: str) -> None:
     _, path = launched(tmp_path)
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, ["launch", str(path), *args])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
