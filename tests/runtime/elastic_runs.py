@@ -16,6 +16,7 @@ import numpy as np
 from launch_plans import TIERS
 
 from medley.cli.launch_cmd import free_port
+from medley.runtime import elastic_dir
 
 MEDLEY = (sys.executable, "-m", "medley.cli.main")
 STEPS, EVERY = 20, 5
@@ -131,8 +132,7 @@ def kill_node_at(run: Run, node: str, step: int) -> float:
 
 
 def events(run: Run) -> list[dict]:
-    path = run.elastic / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return elastic_dir.events(run.elastic)
 
 
 def final_records(directory: Path) -> dict[int, dict]:

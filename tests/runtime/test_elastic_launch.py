@@ -34,6 +34,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from train_plans import StopTraining
 
 from medley.plan.plan import load_plan
+from medley.runtime import elastic_dir
 from medley.runtime.checkpoint import latest_checkpoint
 from medley.runtime.config import TrainConfig, TrainHooks
 from medley.runtime.launch import RankFailure, train_local
@@ -137,7 +138,8 @@ def test_a_device_that_slows_down_mid_run_is_re_planned_once(lab: tuple[Path, Pa
     flags = train_flags(directory, data, "--slowdown", "0=20,1=20,2=80", "--slowdown-from", "7")
     code, err = launch(directory, plan, flags).finish()
     assert code == 0, err
-    (straggler,) = [e for e in events_of(directory) if e["event"] == "straggler"]
+    happened = elastic_dir.events(directory / "ckpt" / "elastic")
+    (straggler,) = [e for e in happened if e["event"] == "straggler"]
     assert straggler["nodes"] == ["c"] and list(straggler["slower"]) == ["2"]
     assert straggler["slower"]["2"] > 1.5
     assert straggler["resumed_from"] == 10 and straggler["steps_redone"] == 0
@@ -171,11 +173,6 @@ def test_a_kill_during_a_checkpoint_write_resumes_from_the_complete_one_before(
     expected = reference_losses(load_plan(plan).layout, config_of(directory / "unused", data), steps=STEPS)
     assert max(abs(records[s]["loss"] - expected[s]) for s in range(STEPS)) <= TOLERANCE
     assert not partial.exists()
-
-
-def events_of(directory: Path) -> list[dict]:
-    path = directory / "ckpt" / "elastic" / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_two_failures_leaving_too_few_devices_stop_with_one_line_and_the_checkpoints_intact(

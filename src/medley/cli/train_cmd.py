@@ -373,7 +373,7 @@ def register(app: typer.Typer) -> None:
         records = run_stopping_cleanly(the_plan, config, local_ranks=local_ranks, plan_path=plan)
         if records is None:
             return
-        if getattr(records, "plan", None) is not None:  # an elastic run: the plan it ended under
+        if records.plan is not None:  # an elastic run: the plan it ended under
             the_plan = records.plan
         if export_hf is not None:
             hf_cmd.export_after_training(config.checkpoint.dir, export_hf, temporary=checkpoint_dir is None)

@@ -21,6 +21,7 @@ from typing import Any
 
 from medley.elastic.replan import describe, replan
 from medley.errors import MedleyInputError
+from medley.fileio import remove_path
 from medley.plan.plan import Plan, load_plan, save_plan
 from medley.runtime import checkpoint, elastic_dir
 from medley.runtime.placement import plan_devices_by_node
@@ -143,8 +144,8 @@ def decide(launched: Plan, launched_path: Path, checkpoint_dir: Path, members: S
     used = set(plan.devices)
     trainers = sorted(r for r, d in device.items() if d in used)
     for node in _nodes(launched, present):  # admitted: their requests are answered
-        elastic_dir.clear(elastic_dir.join_file(directory, node))
-        elastic_dir.clear(elastic_dir.admit_file(directory, node))
+        remove_path(elastic_dir.join_file(directory, node))
+        remove_path(elastic_dir.admit_file(directory, node))
     return Decision(plan=str(plan_path.resolve()), device=device, trainers=trainers, event=event)
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from medley.elastic.decide import Decision, Member, decide
 from medley.errors import MedleyInputError
-from medley.fileio import append_text
+from medley.fileio import append_text, remove_path
 from medley.plan.plan import Plan, load_plan
 from medley.plan.predict import simulate_groups
 from medley.runtime import checkpoint, elastic_dir
@@ -116,11 +116,11 @@ def run_rank(launched: Plan, config: TrainConfig, hooks: TrainHooks | None, *, p
 
 def config_for(plan: Plan, config: TrainConfig) -> TrainConfig:
     """``config`` for ``plan``: emulated slowdowns kept for the devices it uses only."""
-    emulation = config.emulation
-    kept = {d: f for d, f in emulation.slowdown.items() if d in set(plan.devices)}
-    return dataclasses.replace(config, emulation=dataclasses.replace(emulation, slowdown=kept,
-                                                                     emulate=emulation.emulate or bool(
-                                                                         emulation.slowdown)))
+    emulation, used = config.emulation, set(plan.devices)
+    kept = {d: f for d, f in emulation.slowdown.items() if d in used}
+    emulate = emulation.emulate or bool(emulation.slowdown)  # --slowdown implies --emulate, kept or not
+    kept_emulation = dataclasses.replace(emulation, slowdown=kept, emulate=emulate)
+    return dataclasses.replace(config, emulation=kept_emulation)
 
 
 def _slower(store: dist.Store, round_: int) -> dict[int, float]:
@@ -167,7 +167,7 @@ def _stop_if_stopped(directory: Path, run_id: str, rank: int) -> None:
     if stopped.get("run_id") == run_id:
         raise SystemExit(2)
     if rank == 0:
-        elastic_dir.clear(directory / elastic_dir.STOPPED)
+        remove_path(directory / elastic_dir.STOPPED)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -192,12 +192,12 @@ class Watch:
     def on_record(self, record: StepRecord) -> None:
         """Rank 0: the heartbeat, the pending event at the first step, the straggler watch."""
         now = time.time()
-        latest = self._steps == 0
+        first = self._steps == 0
         self._steps += 1
         beat = {"time": now, "step": record.step + 1, "run_id": self.run_id,
                 "plan": Path(self.decision.plan).name}
         elastic_dir.write_json(self.directory / elastic_dir.HEARTBEAT, beat)
-        if latest and self.decision.event is not None:
+        if first and self.decision.event is not None:
             self._finish_event(self.decision.event, record, now)
         self._watch_speed(record)
         if self.user.on_record is not None:
@@ -237,8 +237,8 @@ class Watch:
         dist.barrier()
         if dist.get_rank() == 0:
             for node in waiting:
-                elastic_dir.clear(elastic_dir.join_file(self.directory, node))
-                elastic_dir.clear(elastic_dir.admit_file(self.directory, node))
+                remove_path(elastic_dir.join_file(self.directory, node))
+                remove_path(elastic_dir.admit_file(self.directory, node))
             _say(f"elastic: node(s) {', '.join(waiting)} did not join within "
                  f"{self.config.elastic.admit_wait_s:g} s; training goes on without them")
 

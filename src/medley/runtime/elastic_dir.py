@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from medley.errors import MedleyInputError
-from medley.fileio import append_text, open_no_follow, remove_path, write_atomically
+from medley.fileio import append_text, open_no_follow, write_atomically
 
 SUBDIR = "elastic"
 HEARTBEAT = "heartbeat.json"
@@ -86,10 +86,6 @@ def admit_file(directory: Path, node: str) -> Path:
 def join_requests(directory: Path) -> list[str]:
     """The nodes that asked to join, sorted."""
     return sorted(p.name.removeprefix("join-") for p in directory.glob("join-*") if p.is_file())
-
-
-def clear(path: Path) -> None:
-    remove_path(path)
 
 
 def append_event(directory: Path, record: dict[str, Any]) -> None:

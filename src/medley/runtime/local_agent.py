@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from medley.fileio import remove_path
 from medley.runtime import elastic_dir
 from medley.runtime.lifecycle import die_with_parent
 from medley.runtime.nodes import ELASTIC_DIR_ENV, LAUNCHER_PID_ENV
@@ -39,7 +40,7 @@ def wait_for_admission(checkpoint_dir: Path, *, node: str, run_id: str) -> bool:
           file=sys.stderr, flush=True)
     while not elastic_dir.admit_file(directory, node).is_file():
         if elastic_dir.live_heartbeat(directory) is None:  # the run ended or died: start as usual
-            elastic_dir.clear(elastic_dir.join_file(directory, node))
+            remove_path(elastic_dir.join_file(directory, node))
             return False
         time.sleep(_POLL_S)
     return True
