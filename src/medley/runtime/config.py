@@ -192,11 +192,15 @@ class EmulationConfig:
         slowdown: factor per device id, overriding the plan-derived one (implies ``emulate``).
         slowdown_from: the step from which ``slowdown`` applies (before it, the plan-derived
             factors): a device that becomes slow mid-run.
+        device: ``auto``: compute on the plan's devices (CUDA for GPU types, refused before any
+            rank starts where there is none: :mod:`medley.runtime.device_check`); ``cpu``: run any
+            plan on this machine's CPU (gloo), on purpose.
     """
 
     emulate: bool = False
     slowdown: dict[int, float] = field(default_factory=dict)
     slowdown_from: int = 0
+    device: str = "auto"
 
 
 @dataclass(kw_only=True)
@@ -352,6 +356,8 @@ def check_config(config: TrainConfig) -> None:
         raise MedleyInputError(f"--keep {ckpt.keep}: keep at least 1 checkpoint")
     if log.gc_every < 0:
         raise MedleyInputError(f"--gc-every {log.gc_every} must be >= 0 (0: automatic collection)")
+    if config.emulation.device not in ("auto", "cpu"):
+        raise MedleyInputError(f"--device '{config.emulation.device}' must be auto (the plan's devices) or cpu")
     if config.precision.dtype not in (None, *TORCH_DTYPES):
         raise MedleyInputError(f"--dtype '{config.precision.dtype}' must be fp32, bf16 or fp16")
     _check_loss_scale(config.precision)
