@@ -158,7 +158,13 @@ class LoggingConfig:
         eval_every: every this many steps (and after the last), the mean loss over
             ``eval_batches`` fixed validation batches, forward only; 0: never.
         eval_batches: validation batches (each the shape of the global batch) per evaluation.
-        progress: show a progress bar on rank 0.
+        progress: show progress on rank 0: a bar on a terminal, else a line every ``log_every``
+            steps (under nohup or a batch system, where stderr is a file).
+        log_every: the ranks gather their statistics (losses, gradient norm, times) every this
+            many steps, and after the first step, the last and every checkpoint: a host sync
+            there, none on the other steps (their statistics wait on the device). Every step still
+            gets its record (``log_jsonl``, TensorBoard), written at those steps; a diverged run
+            stops at the next of them, before any checkpoint of the diverged state.
         measure_memory: peak memory per rank: CUDA's counter every step; on CPU one untimed probe
             step after the last one, reported in every record.
         trace_actions: every record carries each rank's per-action timings of its step
@@ -166,7 +172,12 @@ class LoggingConfig:
         step_timeout_s: a rank that spends longer than this in one step exits with one line (and
             every thread's stack under ``--debug``), so a hang (a mismatched collective never times
             out on gloo) fails the run (and, under restarts, resumes it) instead of stalling it;
-            None: no watchdog.
+            None: no watchdog. The first step and checkpoint saves have their own limits; the
+            process group's timeout is longer than all three
+            (:func:`medley.runtime.lifecycle.process_group_timeout_s`), so the watchdog names a hang.
+        first_step_timeout_s: the same for the first step of a run (compiling, allocating, the
+            first collectives' connections); None: not watched.
+        checkpoint_timeout_s: the same for each checkpoint save; None: not watched.
         gc_every: Python's cyclic garbage collector is off during training and runs between
             steps every this many steps, on every rank (torchtitan's ``gc_freq``), so that no
             collection pauses one rank mid-step while the others wait; 0: automatic collection.
@@ -180,6 +191,9 @@ class LoggingConfig:
     measure_memory: bool = True
     trace_actions: bool = False
     step_timeout_s: float | None = 600.0
+    first_step_timeout_s: float | None = 1800.0
+    checkpoint_timeout_s: float | None = 1800.0
+    log_every: int = 10
     gc_every: int = 50
 
 
@@ -340,7 +354,9 @@ def check_config(config: TrainConfig) -> None:
     for flag, value, positive in (("--lr", opt.lr, False), ("--min-lr", opt.min_lr, False),
                                   ("--weight-decay", opt.weight_decay, False),
                                   ("--clip-norm", opt.clip_norm, True),
-                                  ("--step-timeout", log.step_timeout_s, True)):
+                                  ("--step-timeout", log.step_timeout_s, True),
+                                  ("--first-step-timeout", log.first_step_timeout_s, True),
+                                  ("--checkpoint-timeout", log.checkpoint_timeout_s, True)):
         _check_number(flag, value, positive=positive)
     if not 0 <= opt.warmup_steps <= MAX_STEPS:
         raise MedleyInputError(f"--warmup-steps {opt.warmup_steps} must be in 0..{MAX_STEPS:,}")
@@ -354,6 +370,8 @@ def check_config(config: TrainConfig) -> None:
         raise MedleyInputError(f"--checkpoint-every {ckpt.every} must be >= 0")
     if ckpt.keep < 1:
         raise MedleyInputError(f"--keep {ckpt.keep}: keep at least 1 checkpoint")
+    if not 1 <= log.log_every <= MAX_STEPS:
+        raise MedleyInputError(f"--log-every {log.log_every}: gather and log every 1..{MAX_STEPS:,} steps")
     if log.gc_every < 0:
         raise MedleyInputError(f"--gc-every {log.gc_every} must be >= 0 (0: automatic collection)")
     if config.emulation.device not in ("auto", "cpu"):
