@@ -1,5 +1,6 @@
-"""What ``medley train`` checks and says before any rank builds a model: what the plan asks of this
-machine's memory, and the step time of the precision the run computes in.
+"""What ``medley train`` checks and says before any rank builds a model: that this machine has the
+plan's devices (:func:`check_devices`), what the plan asks of its memory, and the step time of the
+precision the run computes in.
 
 Both simulate the plan, so they live in the command line, not in :mod:`medley.runtime` (which reads
 plans through :mod:`medley.plan.layout` and never loads the simulator): under torchrun each rank's
@@ -19,6 +20,15 @@ import os
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
 from medley.plan.predict import predict_groups, simulate_groups
+from medley.runtime.device_check import (
+    CPU_CHOICE,
+    NodeDevices,
+    device_problems,
+    gpu_devices,
+    planned_types,
+    probe,
+    where,
+)
 from medley.runtime.placement import my_identity, planned_device
 from medley.runtime.setup import check_plan
 
@@ -91,6 +101,34 @@ def preflight(plan: Plan, *, dtype: str, local_ranks: int, on_cuda: bool) -> Non
     elif "RANK" in os.environ:
         check_cuda_memory(plan, dtype=dtype, rank=int(os.environ["RANK"]),
                           world=int(os.environ.get("WORLD_SIZE", str(plan.world_size))))
+
+
+def check_devices(plan: Plan, *, device: str, emulate: bool, local_ranks: int | None,
+                  found: NodeDevices | None = None) -> str | None:
+    """Refuse, before any rank starts, a plan whose GPU types this machine does not have
+    (:func:`medley.runtime.device_check.device_problems`: with ``local_ranks`` this machine plays
+    every node; under torchrun it is the rank's own node); ``device`` ``cpu`` or ``emulate`` run a
+    GPU plan on the CPU on purpose, and the line returned says so (None for a plan of CPU types or
+    one that runs on its GPUs). ``found``: what this machine has (default: :func:`probe`)."""
+    node: str | None = None
+    if local_ranks is None and "RANK" in os.environ:
+        identity = my_identity(plan.cluster, rank=int(os.environ["RANK"]),
+                               world=int(os.environ.get("WORLD_SIZE", str(plan.world_size))), on_cuda=False)
+        if identity.error is not None:
+            return None  # the placement check names why every rank alike
+        node = identity.node
+    gpus = gpu_devices(plan, node)
+    if not gpus:
+        return None
+    if device == "cpu" or emulate:
+        why = ("--device cpu" if device == "cpu" else
+               "--emulate: compute stretched to the plan's device speeds")
+        return (f"device: {where(node)} runs the plan's {planned_types(plan, gpus)} on the CPU (gloo), "
+                f"on purpose ({why})")
+    problems = device_problems(plan, probe() if found is None else found, node=node)
+    if problems:
+        raise MedleyInputError(f"train: {problems[0]}; {CPU_CHOICE}")
+    return None
 
 
 def precision_note(plan: Plan, dtype: str, *, chosen: bool) -> str | None:

@@ -119,14 +119,19 @@ def step_time_line(records: list) -> str:
     return f"mean step {mean * 1e3:.1f} ms over {len(steady)} steps (the first step excluded)"
 
 
-def inline_dtype(dtype: str | None, *, local_ranks: int | None) -> str | None:
+def inline_dtype(dtype: str | None, *, local_ranks: int | None, device: str = "auto") -> str | None:
     """``--dtype`` when given, else fp32 on CPU (what the run computes in there) and, on CUDA, None
     for the devices' choice."""
-    from medley.runtime.launch import uses_cuda
-
     if dtype is not None:
         return dtype
-    return None if uses_cuda(local_world_size(local_ranks)) else "fp32"
+    return None if runs_on_cuda(local_ranks, device=device) else "fp32"
+
+
+def runs_on_cuda(local_ranks: int | None, *, device: str) -> bool:
+    """Whether this node's ranks compute on CUDA: a GPU per rank, and not ``--device cpu``."""
+    from medley.runtime.launch import uses_cuda
+
+    return device != "cpu" and uses_cuda(local_world_size(local_ranks))
 
 
 def local_world_size(local_ranks: int | None) -> int:
@@ -140,17 +145,34 @@ def check_fits(plan: Plan, config, *, local_ranks: int | None) -> None:  # noqa:
     LOCAL_WORLD_SIZE ranks of this node), and say once when the run computes in another precision
     than the plan's (:func:`medley.cli.preflight.precision_note`)."""
     from medley.cli.preflight import precision_note, preflight
-    from medley.runtime.launch import uses_cuda
     from medley.runtime.train import run_dtype
 
     local_world = local_world_size(local_ranks)
-    on_cuda = uses_cuda(local_world)
+    on_cuda = runs_on_cuda(local_ranks, device=config.emulation.device)
     dtype = run_dtype(plan, config, on_cuda=on_cuda)
     preflight(plan, dtype=dtype, local_ranks=local_world, on_cuda=on_cuda)
     if int(os.environ.get("RANK", "0")) == 0:
         note = precision_note(plan, dtype, chosen=config.precision.dtype is not None)
         if note is not None:
             typer.echo(note, err=True)
+
+
+def device_line(plan: Plan, config, *, local_ranks: int | None) -> None:  # noqa: ANN001 - lazy import
+    """The device check (:func:`medley.cli.preflight.check_devices`) before anything else is said or
+    started: a GPU plan without its GPUs is one line and exit 2 (under torchrun from local rank 0
+    only, the node's other ranks exit 2 quietly); one run on the CPU on purpose says so first."""
+    from medley.cli.preflight import check_devices
+
+    emulation = config.emulation
+    try:
+        note = check_devices(plan, device=emulation.device, local_ranks=local_ranks,
+                             emulate=emulation.emulate or bool(emulation.slowdown))
+    except MedleyInputError:
+        if local_ranks is None and os.environ.get("LOCAL_RANK", "0") != "0":
+            raise typer.Exit(code=2) from None
+        raise
+    if note is not None and int(os.environ.get("RANK", "0")) == 0:
+        typer.echo(note, err=True)
 
 
 def run_stopping_cleanly(plan: Plan, config, *, local_ranks: int | None,  # noqa: ANN001, ANN201
@@ -251,6 +273,9 @@ def register(app: typer.Typer) -> None:
         local_ranks: Annotated[int | None, typer.Option(help="Start N ranks on this machine")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Step records and placement as JSON")] = False,
         emulate: Annotated[bool, typer.Option(help="Stretch compute per the plan's device speeds")] = False,
+        device: Annotated[str, typer.Option(help=(
+            "auto: compute on the plan's devices (a GPU plan where CUDA has no such GPU is refused); cpu: "
+            "run any plan on this CPU (gloo), on purpose"))] = "auto",
         slowdown: Annotated[str | None, typer.Option(help="Emulated slowdown by device: 0=2,3=1.5")] = None,
         slowdown_from: Annotated[int, typer.Option(min=0, help=(
             "The --slowdown factors apply from this step on (a device that slows down mid-run)"))] = 0,
@@ -328,7 +353,7 @@ def register(app: typer.Typer) -> None:
             val_fraction=val_fraction, eval_every=eval_every, eval_batches=eval_batches,
             tensorboard=tensorboard, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, log_jsonl=log_jsonl, emulate=emulate,
-            slowdown=parse_slowdown(slowdown), slowdown_from=slowdown_from, elastic=elastic,
+            slowdown=parse_slowdown(slowdown), slowdown_from=slowdown_from, device=device, elastic=elastic,
             straggler_margin=straggler_margin, straggler_steps=straggler_steps, progress=not as_json,
             dtype=dtype,
             step_timeout_s=step_timeout or None, gc_every=gc_every, reset_data_order=reset_data_order,
@@ -354,12 +379,14 @@ def register(app: typer.Typer) -> None:
                 micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
                 virtual_stages=virtual_stages, split=split, zero=zero, zero_placement=zero_placement,
                 buckets=buckets, gather_windows=gather_windows, clip_grad=bool(clip_norm),
-                assignment=assignment, dtype=inline_dtype(dtype, local_ranks=local_ranks), tp=tp,
-                sequence_parallel=sequence_parallel)
+                assignment=assignment, dtype=inline_dtype(dtype, local_ranks=local_ranks, device=device),
+                tp=tp, sequence_parallel=sequence_parallel)
         if local_ranks is not None and local_ranks != the_plan.world_size:
             raise MedleyInputError(
                 f"--local-ranks {local_ranks}: the plan needs {ranks_needed(the_plan)}; "
                 f"pass --local-ranks {the_plan.world_size}")
+        if plan is not None or cluster is not None:  # the default inline cluster names no GPU on purpose
+            device_line(the_plan, config, local_ranks=local_ranks)
         from medley.runtime.config import load_data
 
         # A bad --data fails once, before launch; a text data set is tokenized here, once.

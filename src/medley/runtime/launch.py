@@ -66,10 +66,13 @@ def uses_cuda(local_world: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= local_world
 
 
-def init_process_group(*, store: dist.Store | None = None, rank: int = -1, world_size: int = -1) -> str:
+def init_process_group(*, store: dist.Store | None = None, rank: int = -1, world_size: int = -1,
+                       cpu: bool = False) -> str:
     """The default process group: from torchrun's environment, or over ``store`` as ``rank`` of
-    ``world_size``; nccl only with a GPU per local rank."""
-    backend = "nccl" if uses_cuda(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) else "gloo"
+    ``world_size``; nccl only with a GPU per local rank, and gloo whatever there is with ``cpu``
+    (``--device cpu``)."""
+    on_cuda = not cpu and uses_cuda(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    backend = "nccl" if on_cuda else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
                                 store=store, rank=rank, world_size=world_size)
@@ -135,7 +138,7 @@ def rank_main(plan: Plan, config: TrainConfig, hooks: TrainHooks | None = None, 
     if debug_enabled():
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a rank waits
     if body is None:
-        init_process_group()
+        init_process_group(cpu=config.emulation.device == "cpu")
     ran: Plan | None = None
     try:
         if body is None:
