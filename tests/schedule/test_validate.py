@@ -83,8 +83,10 @@ def test_deadlocking_order_names_stuck_ranks() -> None:
     with pytest.raises(ScheduleError, match="deadlock") as info:
         validate(bad)
     message = str(info.value)
-    assert "rank 0 at 0RECV_B0" in message and "waits for 1SEND_B0" in message
-    assert "rank 3 at 3RECV_F1" in message
+    # Rank 0's batch (its send of micro-batch 0 and its receive of the gradient) waits for the
+    # gradient's send on rank 1; rank 3 receives micro-batch 1 first, which rank 2 sends second.
+    assert "rank 0 at 0SEND_F0" in message and "rank 1 to reach 1SEND_B0" in message
+    assert "rank 3 at 3RECV_F1" in message and "rank 2 to reach 2SEND_F1" in message
 
 
 def test_compute_only_deadlock_on_one_rank() -> None:

@@ -11,6 +11,7 @@ calls it ``I``), ``W`` the weight-gradient backward and ``BW`` the fused full ba
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -195,30 +196,145 @@ def v_stage_to_rank(num_ranks: int) -> tuple[int, ...]:
 
 
 def add_send_recv(schedule: PipelineSchedule) -> PipelineSchedule:
-    """Lower a compute-only schedule: a SEND after each producing compute action whose consumer
-    stage lives on another rank, and the matching RECV on the consumer's rank, placed right
-    before the consuming compute action.
+    """Lower a compute-only schedule: a SEND right after each producing compute action whose
+    consumer stage lives on another rank, and the matching RECV on the consumer's rank, at or
+    before the consuming compute action, placed so that NCCL can run the program.
 
-    Collectives already present are kept where they are. The result is what the runtime executes
-    and what the simulator times.
+    NCCL ignores tags: it matches the n-th send from rank a to rank b with the n-th receive that b
+    posts from a, and a large send does not end before its receive is posted. So the RECVs follow
+    one global order of the compute actions (:func:`compute_order`, each as late as the
+    dependencies allow): a message is received right before the consumer rank's first compute
+    action that comes after the message's producer in that order, and RECVs placed at one point
+    come in their producers' order. Every rank pair then receives in the order it sends, and the
+    program runs to its end even when every send waits for its receive (the validator,
+    :mod:`medley.schedule.validate`, checks both). A RECV posts the receive; the runtime waits for
+    the data at the consuming action. Where a stage pair has one micro-batch in flight at a time
+    (1F1B and the like) each RECV lands right before its consumer.
+
+    Collectives already present are kept where they are; a schedule whose compute actions cannot
+    all run (the validator names the deadlock) gets each RECV right before its consumer. The
+    result is what the runtime executes and what the simulator times.
     """
-    s2r = schedule.stage_to_rank
-    last = schedule.num_stages - 1
+    order = compute_order(schedule)
+    where = _compute_positions(schedule)
+    # Per consumer rank: position to insert before -> [(producer's key, RECV)].
+    inserts: list[dict[int, list[tuple[tuple[int, int, int], Action]]]] = [{} for _ in schedule.actions]
+    for rank, row in enumerate(schedule.actions):
+        # Keys grow along a row (each action follows the rank's earlier ones).
+        computes = [(order[(rank, p)], p) for p in range(len(row)) if (rank, p) in order]
+        for position, action in enumerate(row):
+            needed = _received_input(schedule, rank, action)
+            if needed is None:
+                continue
+            producer = where.get(_producer_of(needed))
+            at = position
+            if producer is not None and (rank, position) in order:
+                produced = order[producer]
+                at = computes[bisect_right(computes, (produced, len(row)))][1]
+            inserts[rank].setdefault(at, []).append((order.get(producer or (-1, -1), (0, 0, 0)), needed))
     lowered: list[list[Action]] = []
     for rank, row in enumerate(schedule.actions):
         out: list[Action] = []
-        for action in row:
-            if action.kind is Kind.F and action.stage > 0 and s2r[action.stage - 1] != rank:
-                out.append(Action(action.stage, Kind.RECV_F, action.micro_batch))
-            if action.kind in (Kind.B, Kind.BW) and action.stage < last and s2r[action.stage + 1] != rank:
-                out.append(Action(action.stage, Kind.RECV_B, action.micro_batch))
+        for position, action in enumerate(row):
+            out.extend(recv for _, recv in sorted(inserts[rank].get(position, ()), key=lambda item: item[0]))
             out.append(action)
-            if action.kind is Kind.F and action.stage < last and s2r[action.stage + 1] != rank:
-                out.append(Action(action.stage, Kind.SEND_F, action.micro_batch))
-            if action.kind in (Kind.B, Kind.BW) and action.stage > 0 and s2r[action.stage - 1] != rank:
-                out.append(Action(action.stage, Kind.SEND_B, action.micro_batch))
+            sent = _sent_output(schedule, rank, action)
+            if sent is not None:
+                out.append(sent)
         lowered.append(out)
     return schedule.with_actions(lowered)
+
+
+def _received_input(schedule: PipelineSchedule, rank: int, action: Action) -> Action | None:
+    """The RECV a compute action needs (its input or output gradient lives on another rank)."""
+    if action.kind not in (Kind.F, Kind.B, Kind.BW):
+        return None
+    first, last = schedule.stage_span(action.micro_batch or 0)
+    s2r = schedule.stage_to_rank
+    if action.kind is Kind.F and action.stage > first and s2r[action.stage - 1] != rank:
+        return Action(action.stage, Kind.RECV_F, action.micro_batch)
+    if action.kind is not Kind.F and action.stage < last and s2r[action.stage + 1] != rank:
+        return Action(action.stage, Kind.RECV_B, action.micro_batch)
+    return None
+
+
+def _sent_output(schedule: PipelineSchedule, rank: int, action: Action) -> Action | None:
+    """The SEND that follows a compute action whose output goes to another rank."""
+    if action.kind not in (Kind.F, Kind.B, Kind.BW):
+        return None
+    first, last = schedule.stage_span(action.micro_batch or 0)
+    s2r = schedule.stage_to_rank
+    if action.kind is Kind.F and action.stage < last and s2r[action.stage + 1] != rank:
+        return Action(action.stage, Kind.SEND_F, action.micro_batch)
+    if action.kind is not Kind.F and action.stage > first and s2r[action.stage - 1] != rank:
+        return Action(action.stage, Kind.SEND_B, action.micro_batch)
+    return None
+
+
+# A compute action as a dependency: (stage, "F", "B" for B or BW, or "W", micro-batch).
+_Node = tuple[int, str, int]
+
+
+def _node(action: Action) -> _Node:
+    return action.stage, {Kind.F: "F", Kind.W: "W"}.get(action.kind, "B"), action.micro_batch or 0
+
+
+def _producer_of(recv: Action) -> _Node:
+    """The compute action whose output a RECV_F or RECV_B takes."""
+    mb = recv.micro_batch or 0
+    return (recv.stage - 1, "F", mb) if recv.kind is Kind.RECV_F else (recv.stage + 1, "B", mb)
+
+
+def _compute_positions(schedule: PipelineSchedule) -> dict[_Node, tuple[int, int]]:
+    return {_node(a): (rank, position) for rank, row in enumerate(schedule.actions)
+            for position, a in enumerate(row) if a.is_compute}
+
+
+def compute_order(schedule: PipelineSchedule) -> dict[tuple[int, int], tuple[int, int, int]]:
+    """A global order of the compute actions, as ``{(rank, position): key}`` (sort by key): each
+    after what it depends on (its rank's earlier actions, the F of the stage before, the backward
+    of the stage after, its own F or B), each as late as those rules allow (its key leads with
+    minus the longest chain of actions that must follow it). Empty when the compute actions
+    depend on each other in a circle (the schedule deadlocks)."""
+    where = _compute_positions(schedule)
+    successors: dict[tuple[int, int], list[tuple[int, int]]] = {at: [] for at in where.values()}
+    waiting = dict.fromkeys(successors, 0)
+    for rank, row in enumerate(schedule.actions):
+        previous = None
+        for position, action in enumerate(row):
+            if not action.is_compute:
+                continue
+            me = (rank, position)
+            stage, kind, mb = _node(action)
+            first, last = schedule.stage_span(mb)
+            needs = [] if previous is None else [previous]
+            if kind == "F" and stage > first:
+                needs.append(where.get((stage - 1, "F", mb)))
+            elif kind == "B":
+                needs.append(where.get((stage, "F", mb)))
+                if stage < last:
+                    needs.append(where.get((stage + 1, "B", mb)))
+            elif kind == "W":
+                needs.append(where.get((stage, "B", mb)))
+            for need in {n for n in needs if n is not None and n != me}:
+                successors[need].append(me)
+                waiting[me] += 1
+            previous = me
+    ready = [at for at, count in waiting.items() if count == 0]
+    topological: list[tuple[int, int]] = []
+    while ready:
+        at = ready.pop()
+        topological.append(at)
+        for after in successors[at]:
+            waiting[after] -= 1
+            if waiting[after] == 0:
+                ready.append(after)
+    if len(topological) != len(successors):
+        return {}
+    chain: dict[tuple[int, int], int] = {}
+    for at in reversed(topological):
+        chain[at] = 1 + max((chain[after] for after in successors[at]), default=-1)
+    return {at: (-chain[at], at[0], at[1]) for at in topological}
 
 
 # Stage offset from a point-to-point action's stage to its peer's: activations flow to the next

@@ -1,4 +1,5 @@
-"""Schedule validator: placement, completeness, order, send/recv matching, deadlock, memory.
+"""Schedule validator: placement, completeness, order, send/recv matching, the order of each rank
+pair's messages, deadlock as NCCL runs the transfers, memory (:mod:`medley.schedule.messages`).
 
 Every error is a :class:`ScheduleError` whose message names the rank, the action and the rule.
 ZeRO collectives (UNSHARD, RESHARD, REDUCE_GRAD, OPTIM) are skipped here; the ZeRO pass checks
@@ -25,6 +26,7 @@ from medley.schedule.ir import (
     add_send_recv,
     p2p_peer_stage,
 )
+from medley.schedule.messages import pair_order_error, transfer_runs
 from medley.schedule.validate_fast import runs_cleanly
 
 
@@ -65,6 +67,9 @@ def check_rules(schedule: PipelineSchedule) -> None:
     lowered = schedule if has_p2p else add_send_recv(schedule)
     _check_p2p(lowered)
     _execute(lowered)
+    error = pair_order_error(lowered)
+    if error is not None:
+        raise ScheduleError(error)
 
 
 def _check_shape(schedule: PipelineSchedule) -> None:
@@ -211,30 +216,50 @@ def _dependencies(schedule: PipelineSchedule, rank: int, action: Action) -> list
 
 
 def _execute(schedule: PipelineSchedule) -> None:
-    """Run the program with zero durations; sends never block, receives wait for their send."""
+    """Run the program with zero durations as NCCL runs it: each run of consecutive SEND/RECV
+    actions is one batch (:func:`~medley.schedule.messages.transfer_runs`), which ends once every
+    send's producer is done and the peer of each of its messages has reached the batch holding the
+    other end (a large send waits for its receive); compute actions wait for their inputs."""
+    rows = schedule.actions
+    run_of: list[dict[int, tuple[int, int]]] = [
+        {p: run for run in transfer_runs(row) for p in range(*run)} for row in rows]
+    where = {a: (r, p) for r, row in enumerate(rows) for p, a in enumerate(row) if a.kind in P2P_KINDS}
     done: set[Action] = set()
     cursor = [0] * schedule.num_ranks
-    deps = [[_dependencies(schedule, r, a) for a in row] for r, row in enumerate(schedule.actions)]
+    deps = [[_dependencies(schedule, r, a) for a in row] for r, row in enumerate(rows)]
+
+    def blockers(rank: int, i: int) -> list[str]:
+        """What the action (or batch) at position ``i`` of ``rank`` still waits for."""
+        if i not in run_of[rank]:
+            return [" or ".join(map(str, g)) for g in deps[rank][i] if not any(d in done for d in g)]
+        waits = []
+        for p in range(*run_of[rank][i]):
+            action = rows[rank][p]
+            waits += [" or ".join(map(str, g)) for g in deps[rank][p]
+                      if action.kind not in (Kind.RECV_F, Kind.RECV_B) and not any(d in done for d in g)]
+            peer, at = where[_peer(schedule, rank, action, p)]
+            if cursor[peer] < run_of[peer][at][0]:
+                waits.append(f"rank {peer} to reach {rows[peer][at]} (position {at})")
+        return waits
+
     progress = True
     while progress:
         progress = False
-        for rank, row in enumerate(schedule.actions):
+        for rank, row in enumerate(rows):
             i = cursor[rank]
-            while i < len(row) and all(any(d in done for d in group) for group in deps[rank][i]):
-                done.add(row[i])
-                i += 1
+            while i < len(row) and not blockers(rank, i):
+                end = run_of[rank][i][1] if i in run_of[rank] else i + 1
+                done.update(row[i:end])
+                i = end
             progress |= i != cursor[rank]
             cursor[rank] = i
-    stuck = [r for r, row in enumerate(schedule.actions) if cursor[r] < len(row)]
+    stuck = [r for r, row in enumerate(rows) if cursor[r] < len(row)]
     if stuck:
-        parts = []
-        for r in stuck:
-            waits = [" or ".join(map(str, g)) for g in deps[r][cursor[r]] if not any(d in done for d in g)]
-            parts.append(f"rank {r} at {schedule.actions[r][cursor[r]]} (position {cursor[r]}) waits for "
-                         + ", ".join(waits))
+        parts = [f"rank {r} at {rows[r][cursor[r]]} (position {cursor[r]}) waits for "
+                 + ", ".join(blockers(r, cursor[r])) for r in stuck]
         raise ScheduleError(
-            f"rank {stuck[0]}, action {schedule.actions[stuck[0]][cursor[stuck[0]]]}: deadlock, "
-            "no rank can advance with zero durations; " + "; ".join(parts)
+            f"rank {stuck[0]}, action {rows[stuck[0]][cursor[stuck[0]]]}: deadlock, no rank can advance "
+            "with zero durations when each send waits for its receive (NCCL); " + "; ".join(parts)
         )
 
 

@@ -1,8 +1,9 @@
 """Whether the programs of every replica run to their end together, as the runtime runs them.
 
-The runtime executes each rank's actions in order: a send is posted and left (``isend``), a
-receive waits for its send, and a collective waits until every member of its group has reached
-it. Replicas of one shape issue their collectives in one common order
+The runtime executes each rank's actions in order: each run of consecutive transfers is one batch,
+which ends once the other end of each of its messages has been reached (NCCL: a large send waits
+for its receive, :mod:`medley.schedule.messages`), and a collective waits until every member of
+its group has reached it. Replicas of one shape issue their collectives in one common order
 (:func:`medley.schedule.zero.place_collectives`); replicas of their own shape meet in the ZeRO
 groups of sync segments (:mod:`medley.plan.segments`) at unlike positions of unlike pipelines, and
 a rank waiting in one group while a member it needs waits in another would hang the run.
@@ -15,7 +16,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 
-from medley.schedule.ir import P2P_KINDS, Action, Kind, PipelineSchedule, add_send_recv, p2p_peer_stage
+from medley.schedule.ir import P2P_KINDS, Action, PipelineSchedule, add_send_recv
+from medley.schedule.messages import SEND_KINDS, MessageKey, message_key, transfer_runs
 
 Rank = tuple[int, int]
 """(global replica, pipeline rank): a TP group runs one program, so its lead stands for it."""
@@ -34,7 +36,8 @@ class WorldOrderError(ValueError):
 def check_world_order(schedules: Sequence[PipelineSchedule], key: CollectiveKey,
                       kin: Callable[[int], Hashable] | None = None) -> None:
     """Raise :class:`WorldOrderError` unless every replica's program (lowered if compute-only)
-    runs to its end when receives wait for their sends and collectives for all their members.
+    runs to its end when batches of transfers wait for the other ends of their messages and
+    collectives for all their members.
 
     ``kin(replica)``: replicas of one kin that run one program (equal schedules) have
     the same collective keys for every action and meet in every collective either member joins,
@@ -67,8 +70,16 @@ def check_world_order(schedules: Sequence[PipelineSchedule], key: CollectiveKey,
         return keys[memo]
 
     position = dict.fromkeys(programs, 0)
-    posted: set[tuple[int, Kind, int, int]] = set()
-    waiting_for_send: dict[tuple[int, Kind, int, int], Rank] = {}
+    # Each message's ends: (replica, message) -> {SEND or RECV side: (rank, start of its batch)}.
+    batch_start: dict[Rank, dict[int, int]] = {}
+    ends: dict[tuple[int, MessageKey], dict[bool, tuple[Rank, int]]] = {}
+    for me, row in programs.items():
+        starts = batch_start[me] = {}
+        for start, end in transfer_runs(row):
+            for p in range(start, end):
+                starts[p] = start
+                ends.setdefault((me[0], message_key(row[p])), {})[row[p].kind in SEND_KINDS] = (me, start)
+    waiting_on: dict[Rank, set[Rank]] = {}  # a rank -> the ranks whose batch waits for it to move
     seen: dict[tuple[Rank, Hashable], int] = {}
     arrived: dict[Hashable, set[Rank]] = {}
     done: set[Hashable] = set()
@@ -78,36 +89,43 @@ def check_world_order(schedules: Sequence[PipelineSchedule], key: CollectiveKey,
         me = ready.popleft()
         replica = me[0]
         row = programs[me]
+        moved = False
         while position[me] < len(row):
             action = row[position[me]]
-            kind = action.kind
-            if kind in (Kind.RECV_F, Kind.RECV_B):
-                message = (replica, kind, action.stage, action.micro_batch)
-                if message not in posted:
-                    waiting_for_send[message] = me
-                    break
-            elif kind in (Kind.SEND_F, Kind.SEND_B):
-                receive = Kind.RECV_F if kind is Kind.SEND_F else Kind.RECV_B
-                message = (replica, receive, p2p_peer_stage(action), action.micro_batch)
-                posted.add(message)
-                if message in waiting_for_send:
-                    ready.append(waiting_for_send.pop(message))
-            else:
-                found = walked_key(replica, action)
-                if found is not None and len(found[0]) > 1:
-                    members, identity = found
-                    if me not in at:
-                        nth = seen.get((me, identity), 0)
-                        seen[(me, identity)] = nth + 1
-                        at[me] = (identity, nth)
-                        arrived.setdefault(at[me], set()).add(me)
-                        if len(arrived[at[me]]) == len(members):
-                            done.add(at[me])
-                            ready.extend(m for m in members if m != me and m in at and at[m] == at[me])
-                    if at[me] not in done:
+            if action.kind in P2P_KINDS:
+                # A batch of transfers ends once the other end of each message is reached (NCCL).
+                start, late = position[me], None
+                while position[me] < len(row) and batch_start[me].get(position[me]) == start:
+                    here = row[position[me]]
+                    other = ends[(replica, message_key(here))].get(here.kind not in SEND_KINDS)
+                    if other is None or position[other[0]] < other[1]:
+                        late = other
                         break
-                    del at[me]
+                    position[me] += 1
+                if late is not None:
+                    position[me] = start
+                    waiting_on.setdefault(late[0], set()).add(me)
+                    break
+                moved = True
+                continue
+            found = walked_key(replica, action)
+            if found is not None and len(found[0]) > 1:
+                members, identity = found
+                if me not in at:
+                    nth = seen.get((me, identity), 0)
+                    seen[(me, identity)] = nth + 1
+                    at[me] = (identity, nth)
+                    arrived.setdefault(at[me], set()).add(me)
+                    if len(arrived[at[me]]) == len(members):
+                        done.add(at[me])
+                        ready.extend(m for m in members if m != me and m in at and at[m] == at[me])
+                if at[me] not in done:
+                    break
+                del at[me]
             position[me] += 1
+            moved = True
+        if moved:
+            ready.extend(waiting_on.pop(me, ()))
     stuck = [(rank, row[position[rank]]) for rank, row in programs.items() if position[rank] < len(row)]
     if stuck:
         shown = ", ".join(f"replica {r} pipeline rank {k} at {action}" for (r, k), action in stuck[:4])
