@@ -224,7 +224,8 @@ def test_bad_precision_settings_are_one_line(field: str, value: object, message:
 
 
 MEDLEY = str(Path(sys.executable).with_name("medley"))
-RUN = ["train", "--local-ranks", "1", "--steps", "2", "--json"]
+RUN = ["train", "--local-ranks", "1", "--steps", "2", "--json", "--device", "cpu"]  # a V100 plan, on this CPU
+ON_CPU = "device: this machine (playing every node) runs the plan's 1 x V100-32GB (device 0) on the CPU"
 
 
 def v100_plan_file(directory: Path) -> Path:
@@ -240,23 +241,26 @@ def v100_plan_file(directory: Path) -> Path:
 
 @pytest.mark.timeout(300)
 def test_medley_train_says_when_it_changes_the_plans_precision(tmp_path: Path) -> None:
-    """An fp16 plan file (V100) trained on CPU: rank 0 prints one line (fp32 here, the plan fp16, both
-    step times); with --dtype fp16 it trains in fp16 and says nothing; every record has the scale.
-    An inline plan is made in the precision the run computes in, so it never gets the line."""
+    """An fp16 plan file (V100) trained on CPU (--device cpu, said in the first line): rank 0 then
+    prints one line (fp32 here, the plan fp16, both step times); with --dtype fp16 it trains in fp16
+    and says nothing more; every record has the scale. An inline plan is made in the precision the
+    run computes in, so it never gets the line."""
     plan = str(v100_plan_file(tmp_path))
     default = subprocess.run([MEDLEY, *RUN, "--plan", plan], capture_output=True, text=True, timeout=200)
     assert default.returncode == 0, default.stderr
     lines = [line for line in default.stderr.splitlines() if line.strip()]
     note = "precision: the plan trains in fp16 but this run computes in fp32 (the default on CPU"
-    assert len(lines) == 1 and lines[0].startswith(note), default.stderr
+    assert len(lines) == 2 and lines[0].startswith(ON_CPU) and lines[1].startswith(note), default.stderr
     assert all(r["loss_scale"] is None and r["skipped_steps"] == 0 for r in run_records(default.stdout))
     fp16 = subprocess.run([MEDLEY, *RUN, "--plan", plan, "--dtype", "fp16"], capture_output=True, text=True,
                           timeout=200)
-    assert fp16.returncode == 0 and not fp16.stderr.strip(), fp16.stderr
+    assert fp16.returncode == 0 and fp16.stderr.strip().startswith(ON_CPU), fp16.stderr
+    assert len(fp16.stderr.strip().splitlines()) == 1, fp16.stderr
     assert [r["loss_scale"] for r in run_records(fp16.stdout)] == [INIT, INIT]
     inline = subprocess.run([MEDLEY, *RUN, "--cluster", "1xV100-32GB", "--split", "4", "--micro-batches", "2",
                              "--seq-len", "32"], capture_output=True, text=True, timeout=200)
-    assert inline.returncode == 0 and not inline.stderr.strip(), inline.stderr
+    assert inline.returncode == 0 and inline.stderr.strip().startswith(ON_CPU), inline.stderr
+    assert len(inline.stderr.strip().splitlines()) == 1, inline.stderr
     assert all(r["loss_scale"] is None for r in run_records(inline.stdout))
 
 
