@@ -11,6 +11,7 @@ from typer.core import TyperGroup
 from medley.cli import (
     check_cmd,
     demo,
+    doctor_cmd,
     hf_cmd,
     launch_cmd,
     plan_cmd,
@@ -29,12 +30,13 @@ HELP = (
     "see what a model costs on it (model show), search the best plans (plan), re-simulate a plan file "
     "(show) or one described by flags (simulate), build its ranks at full scale on this CPU (check), "
     "train it for real (train; export a checkpoint as a Hugging Face model with export) or write the "
-    "per-node commands that train it on the cluster (launch), measure this machine "
-    "(profile) and check how right the simulator is (fidelity). `medley demo` runs the whole story."
+    "per-node commands that train it on the cluster (launch; doctor checks a node against the plan), "
+    "measure this machine (profile) and check how right the simulator is (fidelity). `medley demo` runs "
+    "the whole story."
 )
 # The commands in the order a user meets them (`medley --help` lists them so).
-ORDER = ("devices", "cluster", "model", "plan", "show", "simulate", "check", "train", "export", "launch",
-         "profile", "fidelity", "demo", "version")
+ORDER = ("devices", "cluster", "model", "plan", "show", "simulate", "check", "train", "export", "doctor",
+         "launch", "profile", "fidelity", "demo", "version")
 
 
 class MedleyGroup(TyperGroup):
@@ -84,6 +86,7 @@ check_cmd.register(app)
 train_cmd.register(app)
 hf_cmd.register(app)
 launch_cmd.register(app)
+doctor_cmd.register(app)
 profile_cmd.register(app)
 demo.register(app)
 
