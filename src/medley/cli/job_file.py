@@ -36,7 +36,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "precision": ("dtype",),
     "checkpoint": ("checkpoint_dir", "checkpoint_every", "keep", "async_checkpoint", "export_hf"),
     "logging": ("log_jsonl", "tensorboard", "eval_every", "eval_batches", "as_json", "step_timeout",
-                "gc_every"),
+                "first_step_timeout", "checkpoint_timeout", "log_every", "gc_every"),
     "elastic": ("elastic", "straggler_margin", "straggler_steps"),
 }
 _MAX_BYTES = 1 << 20

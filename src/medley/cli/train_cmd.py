@@ -299,6 +299,12 @@ def register(app: typer.Typer) -> None:
             help="fp32, bf16 or fp16 (default: the plan's on CUDA, fp32 on CPU)")] = None,
         log_jsonl: Annotated[Path | None, typer.Option(help="Append one JSON line per step here")] = None,
         step_timeout: Annotated[float, typer.Option(help="Seconds until a stuck step fails (0: off)")] = 600,
+        first_step_timeout: Annotated[float, typer.Option(help=(
+            "Seconds until a stuck first step (compiling, allocating) fails (0: off)"))] = 1800,
+        checkpoint_timeout: Annotated[float, typer.Option(help=(
+            "Seconds until a stuck checkpoint save fails (0: off)"))] = 1800,
+        log_every: Annotated[int, typer.Option(help=(
+            "Gather the statistics and log a line every N steps (no host sync on the steps between)"))] = 10,
         gc_every: Annotated[int, typer.Option(help=(
             "Python garbage collection between steps every N steps, off inside steps (0: automatic)"))] = 50,
         cluster: Annotated[str | None, typer.Option(help="Inline plan: cluster (NxA100-80GB)")] = None,
@@ -356,7 +362,9 @@ def register(app: typer.Typer) -> None:
             slowdown=parse_slowdown(slowdown), slowdown_from=slowdown_from, device=device, elastic=elastic,
             straggler_margin=straggler_margin, straggler_steps=straggler_steps, progress=not as_json,
             dtype=dtype,
-            step_timeout_s=step_timeout or None, gc_every=gc_every, reset_data_order=reset_data_order,
+            step_timeout_s=step_timeout or None, first_step_timeout_s=first_step_timeout or None,
+            checkpoint_timeout_s=checkpoint_timeout or None, log_every=log_every, gc_every=gc_every,
+            reset_data_order=reset_data_order,
             init_from=init_from, hf_dir=hf_cmd.hf_dir_of(model, init_from), compile=compile_blocks)
         if keep is not None:
             config.checkpoint.keep = keep
