@@ -5,7 +5,8 @@ dispatch mode that follows every tensor storage the step creates, plus the stora
 it (parameters, gradients, optimizer state, FSDP's gathered buffers), and samples their total
 size after every operator; storages resized in place (FSDP frees and refills its gathered
 weights that way) count at their current size. Tracking slows a step several-fold, so the probe
-is an extra step after the timed ones and no step time includes it. (torch's own ``MemTracker``
+is an extra step after the timed ones and no step time includes it; compiled blocks run
+eagerly in it (dynamo does not trace under a dispatch mode). (torch's own ``MemTracker``
 refuses modules called more than once per step, as pipeline stages are once per micro-batch.)
 """
 
@@ -61,9 +62,13 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 def probe_peak_bytes(run_step: Callable[[], None], *, existing: Iterable[torch.Tensor]) -> int:
-    """Run ``run_step`` once under :class:`LiveTensorBytes`; its peak live bytes."""
+    """Run ``run_step`` once under :class:`LiveTensorBytes`; its peak live bytes.
+
+    Dynamo does not trace under a Python dispatch mode (a ``fullgraph=True`` block then fails:
+    "found no compiled frames"), so blocks compiled with ``--compile`` run eagerly in the probe
+    (``torch.compiler.set_stance("force_eager")``): the probe measures the eager step's memory."""
     mode = LiveTensorBytes(existing)
-    with mode:
+    with torch.compiler.set_stance("force_eager"), mode:
         run_step()
     return mode.peak
 
