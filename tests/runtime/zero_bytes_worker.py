@@ -36,6 +36,7 @@ COUNTED: dict[str, tuple[str, int, str]] = {
 HOP_CALLS: dict[str, tuple[str, int, str]] = {
     "isend": ("send", 0, "tensor"),
     "all_gather_single": ("all_gather", 0, "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),  # its name before torch 2.13
 }
 
 
@@ -48,8 +49,9 @@ def _nbytes(value: Any) -> int:
 @contextlib.contextmanager
 def counting(totals: dict[str, int], calls: dict[str, tuple[str, int, str]] = COUNTED) -> Iterator[None]:
     """Add the bytes of every call of ``calls`` issued inside the block to ``totals`` by kind
-    (group size 1 excluded: nothing moves)."""
-    originals = {name: getattr(dist, name) for name in calls}
+    (group size 1 excluded: nothing moves). A name this torch lacks (the ``*_single`` calls before
+    2.13) is not wrapped: medley then issues the older name (:mod:`medley.runtime.torch_adapter`)."""
+    originals = {name: getattr(dist, name) for name in calls if hasattr(dist, name)}
 
     def wrap(name: str, call: Callable) -> Callable:
         kind, position, keyword = calls[name]

@@ -36,6 +36,7 @@ from scipy.optimize import nnls
 
 from medley.cost.profile_format import AlphaBeta, CommMeasurement, CommProfile
 from medley.profile.memory import quiet_median
+from medley.runtime.torch_adapter import all_gather_single, reduce_scatter_single
 
 OPS = ("send_recv", "all_gather", "reduce_scatter", "all_reduce")
 DEFAULT_SIZES = (4 << 10, 32 << 10, 256 << 10, 2 << 20, 8 << 20)
@@ -97,8 +98,8 @@ def _ops(rank: int, world: int, full: torch.Tensor, shard: torch.Tensor) -> dict
             dist.send(full, peer)
 
     ops: dict[str, Callable[[], object]] = {
-        "all_gather": lambda: dist.all_gather_single(full, shard),  # what FSDP2 issues
-        "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
+        "all_gather": lambda: all_gather_single(full, shard),  # what FSDP2 issues
+        "reduce_scatter": lambda: reduce_scatter_single(shard, full),
         "all_reduce": lambda: dist.all_reduce(full),
     }
     if world == 2:

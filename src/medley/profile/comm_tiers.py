@@ -26,6 +26,7 @@ from medley.errors import MedleyInputError
 from medley.profile.collectives import DEFAULT_SIZES, fit_alpha_beta
 from medley.profile.memory import quiet_median
 from medley.runtime.placement import NODE_ENV
+from medley.runtime.torch_adapter import all_gather_single, reduce_scatter_single
 
 
 def _sync(device: torch.device) -> None:
@@ -63,8 +64,8 @@ def _ops(rank: int, ranks: Sequence[int], group: dist.ProcessGroup, full: torch.
 
     return {
         "send_recv": ping_pong,
-        "all_gather": lambda: dist.all_gather_single(full, shard, group=group),
-        "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full, group=group),
+        "all_gather": lambda: all_gather_single(full, shard, group=group),
+        "reduce_scatter": lambda: reduce_scatter_single(shard, full, group=group),
         "all_reduce": lambda: dist.all_reduce(full, group=group),
     }
 

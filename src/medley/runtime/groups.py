@@ -20,9 +20,10 @@ Each segment a rank holds has a (dp, tp) :class:`DeviceMesh` over its ZeRO and T
 them over its ``dp`` dimension (FSDP2 wants both from one mesh). torch's ``new_group`` sorts a
 group's ranks by default (and ``init_device_mesh`` builds its groups that way), which would make a
 group's order differ from the plan's for a placed table such as ``(((3,), (0,)), ((1,), (2,)))``;
-every group here keeps the table's order (``sort_ranks=False``), so the group rank, the mesh
-coordinate, the TP rank and the ZeRO shard index all equal the plan's position. Pipeline
-transfers go over the world group, to the global ranks the table names.
+every group here keeps the table's order (:func:`~medley.runtime.torch_adapter.ordered_group`:
+torch's ``sort_ranks=False``), so the group rank, the mesh coordinate, the TP rank and the ZeRO
+shard index all equal the plan's position. Pipeline transfers go over the world group, to the
+global ranks the table names.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from medley.plan.segments import SyncSegments
+from medley.runtime.torch_adapter import ordered_group
 
 RankTable = tuple[tuple[tuple[int, ...], ...], ...]
 
@@ -135,8 +137,8 @@ def make_groups(table: RankTable, holders: Sequence[tuple[tuple[int, int], ...]]
     if holders is None:
         holders = [tuple((r, k) for r in range(len(table))) for k in range(len(table[0]))]
     place = place_in(table, dist.get_rank())
-    replicas = [dist.new_group([rank for group in row for rank in group], sort_ranks=False) for row in table]
-    tp_groups = [[dist.new_group(list(group), sort_ranks=False) for group in row] for row in table]
+    replicas = [ordered_group([rank for group in row for rank in group]) for row in table]
+    tp_groups = [[ordered_group(group) for group in row] for row in table]
     columns: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
     for members in holders:
         degrees = {len(table[r][k]) for r, k in members}
@@ -146,7 +148,7 @@ def make_groups(table: RankTable, holders: Sequence[tuple[tuple[int, int], ...]]
         for j in range(degrees.pop()):
             columns.setdefault(tuple(table[r][k][j] for r, k in members), None)
     for column in columns:
-        columns[column] = dist.new_group(list(column), sort_ranks=False)
+        columns[column] = ordered_group(column)
     r, k, j = place.replica, place.pipeline_rank, place.tp_rank
     meshes: dict[int, DeviceMesh] = {}
     made: dict[tuple[int, ...], DeviceMesh] = {}

@@ -35,7 +35,7 @@ from medley.cost.zero_levels import ZeroLevel, fsdp_units, zero_level
 from medley.cost.zero_memory import state_bytes_per_param
 from medley.runtime.model import Decoder, shared_name
 from medley.runtime.tensor_parallel import is_tp_sharded, local_tensor, replicate_partial_grads
-from medley.runtime.torch_adapter import fsdp_reduce_grad, fsdp_unsharded_params
+from medley.runtime.torch_adapter import fsdp_reduce_grad, fsdp_unsharded_params, reduce_scatter_unused_params
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -335,7 +335,7 @@ def shard_stage(
             unit.set_force_sum_reduction_for_comms(True)
             # Every REDUCE_GRAD is a reduce-scatter, gradient or not: a replica with fewer
             # micro-batches pads its rounds, and a skipped collective would hang its DP group.
-            unit.set_reduce_scatter_unused_params(True, recurse=False)
+            reduce_scatter_unused_params(unit)
         root.set_requires_gradient_sync(False)
         root.set_reshard_after_backward(False)
         root.set_is_last_backward(False)

@@ -32,6 +32,7 @@ from medley.runtime.groups import RankGroups, RankTable
 from medley.runtime.model import TIED_WEIGHT
 from medley.runtime.sharding import ShardedStage, shard_rows
 from medley.runtime.tensor_parallel import local_tensor
+from medley.runtime.torch_adapter import ordered_group
 from medley.schedule.ir import PipelineSchedule
 
 
@@ -124,7 +125,7 @@ def build_tied_grads(groups: RankGroups, schedules: list[PipelineSchedule], stag
     it holds neither end (collective: every rank creates every replica's group, in replica order)."""
     table, place = groups.table, groups.place
     pairs = tied_ranks(table, schedules)
-    pair_groups = [dist.new_group(list(pair), sort_ranks=False) if pair[0] != pair[1] else None
+    pair_groups = [ordered_group(pair) if pair[0] != pair[1] else None
                    for pair in pairs]
     last = schedules[place.replica].num_stages - 1
     params = [(stages[s], _tied_param(stages[s])) for s in (0, last) if s in stages]
