@@ -52,6 +52,15 @@ def one_line_error(args: list[str]) -> str:
     return lines[0]
 
 
+def checked(command: str) -> tuple[list[str], list[str]]:
+    """A node's command as its two parts: ``medley doctor`` (the node's check) and, after ``&&``,
+    the torchrun agent it guards."""
+    words = shlex.split(command)
+    assert words.count("&&") == 1, command
+    at = words.index("&&")
+    return words[:at], words[at + 1:]
+
+
 def test_dry_run_json(plan: Path) -> None:
     args = ["launch", "plan.toml", "--dry-run", "--json", "--", "--steps", "3", "--json"]
     result = runner.invoke(app, args)
@@ -59,7 +68,12 @@ def test_dry_run_json(plan: Path) -> None:
     nodes = json.loads(result.stdout)["nodes"]
     assert [(n["node"], n["host"], n["devices"]) for n in nodes] == [("one", "host-a", [0]),
                                                                      ("three", None, [1, 2, 3])]
-    one, three = (shlex.split(n["command"]) for n in nodes)
+    (check_one, one), (check_three, three) = (checked(n["command"]) for n in nodes)
+    # Each node first checks itself against the plan (same environment): a failing node starts nothing.
+    assert check_one == ["MEDLEY_NODE=one", "CUDA_VISIBLE_DEVICES=0", sys.executable, "-m", "medley.cli.main",
+                         "doctor", "--plan", str(plan.resolve()), "--node", "one"]
+    assert check_three[:2] == ["MEDLEY_NODE=three", "CUDA_VISIBLE_DEVICES=0,1,2"]
+    assert check_three[-1] == "three"
     # This Python by its absolute path, torchrun and medley as modules: nothing needs the venv on PATH.
     assert one[:5] == ["MEDLEY_NODE=one", "CUDA_VISIBLE_DEVICES=0", sys.executable, "-m",
                        "torch.distributed.run"]
@@ -77,8 +91,8 @@ def test_python_log_dir_and_absolute_paths(plan: Path) -> None:
                                  "docs.jsonl", "--checkpoint-dir=ckpt", "--data-format", "chat",
                                  "--steps", "3"])
     assert result.exit_code == 0, result.output
-    one, three = (shlex.split(n["command"]) for n in json.loads(result.stdout)["nodes"])
-    assert one[2] == "/opt/py/bin/python"
+    (check, one), (_, three) = (checked(n["command"]) for n in json.loads(result.stdout)["nodes"])
+    assert one[2] == "/opt/py/bin/python" and check[2] == "/opt/py/bin/python"
     assert one[one.index("--log-dir") + 1] == "/shared/logs/one" and "--tee" in one and "--redirects" in one
     assert three[three.index("--log-dir") + 1] == "/shared/logs/three"
     # An existing file and a path flag become absolute; a word that names nothing stays as it is.
@@ -93,6 +107,27 @@ def test_the_commands_for_people(plan: Path) -> None:
     assert "2 nodes, 4 ranks" in result.stdout
     assert "# node three (host not given): devices 1,2,3" in result.stdout
     assert result.stdout.count("--rdzv-endpoint 10.0.0.1:1234") == 2
+    # Each agent's line follows its node's check, which ends in && (the shell reads on).
+    assert f"doctor --plan {plan.resolve()} --node three &&\nMEDLEY_NODE=three " in result.stdout
+
+
+def test_a_run_on_the_cpu_on_purpose_checks_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU plan: its nodes' checks want the GPUs, unless the run computes on the CPU on purpose
+    (--emulate or --device cpu after --), and --local (no GPU visible) refuses it without, one line."""
+    monkeypatch.chdir(tmp_path)
+    made = runner.invoke(app, ["plan", "--cluster", "2xA100-80GB", "--model", "tiny", "--global-batch", "8",
+                               "--seq-len", "64", "--out", "gpu.toml"])
+    assert made.exit_code == 0, made.output
+    for extra, wanted in (([], False), (["--emulate"], True), (["--device", "cpu"], True)):
+        result = runner.invoke(app, ["launch", "gpu.toml", "--rdzv-endpoint", "h", "--dry-run", "--json",
+                                     "--", *extra])
+        assert result.exit_code == 0, result.output
+        (check, _), = (checked(n["command"]) for n in json.loads(result.stdout)["nodes"])
+        assert (check[-2:] == ["--device", "cpu"]) is wanted, check
+    line = one_line_error(["launch", "gpu.toml", "--local", "--", "--steps", "1"])
+    assert line.startswith("error: launch --local (every node's ranks on this CPU): this machine (playing "
+                           "every node): the plan puts 2 x A100-80GB (devices 0,1) here but found "), line
+    assert "MEDLEY_TORCH=cu128 scripts/venv.sh" in line and line.endswith("--emulate or --device cpu")
 
 
 def test_slurm_writes_the_script(plan: Path) -> None:
@@ -107,7 +142,7 @@ def test_local_dry_run_lists_this_machines_agents(plan: Path) -> None:
     result = runner.invoke(app, ["launch", "plan.toml", "--local", "--dry-run", "--json"])
     assert result.exit_code == 0, result.output
     for node in json.loads(result.stdout)["nodes"]:
-        argv = shlex.split(node["command"])
+        _, argv = checked(node["command"])
         assert "CUDA_VISIBLE_DEVICES=" in argv and argv[argv.index("-m") + 1] == "medley.runtime.local_agent"
         assert argv[argv.index("--rdzv-endpoint") + 1].startswith("127.0.0.1:")
         assert argv[argv.index("--plan") + 1] == str(plan.resolve())

@@ -118,15 +118,59 @@ def local_settings(plan_path: Path, train_args: list[str], *, rdzv_endpoint: str
                           extra_env=env)
 
 
-def describe(plan_path: Path, plan: Plan, launches: list[NodeLaunch]) -> str:
-    """The commands for people: a header, then per node its host, devices and command line."""
+def on_cpu_by_choice(params: dict[str, object]) -> bool:
+    """Whether the training flags (as :func:`check_train_args` parsed them) run a GPU plan on the
+    CPU on purpose: ``--device cpu``, ``--emulate`` or ``--slowdown``."""
+    return params.get("device") == "cpu" or bool(params.get("emulate")) or bool(params.get("slowdown"))
+
+
+def checked_command(launch: NodeLaunch, *, plan_path: str, cpu: bool, wrap: bool = False) -> str:
+    """The node's command behind its check: ``ENV PYTHON -m medley.cli.main doctor --plan P --node N
+    && ENV PYTHON -m torch.distributed.run ...``, so that a node without the plan's GPUs (or a CPU
+    build of torch) says why and starts nothing (``--device cpu`` when the run is on the CPU on
+    purpose). ``wrap``: the torchrun command on a line of its own (after ``&&``, the shell reads on)."""
+    doctor = (launch.argv[0], "-m", "medley.cli.main", "doctor", "--plan", plan_path, "--node", launch.node,
+              *(("--device", "cpu") if cpu else ()))
+    assignments = [f"{key}={shell_quote(value)}" for key, value in launch.env.items()]
+    check = " ".join([*assignments, *map(shell_quote, doctor)])
+    return check + (" &&\n" if wrap else " && ") + launch.command
+
+
+def checked_json(launches: list[NodeLaunch], *, plan_path: str,
+                 cpu: bool) -> dict[str, list[dict[str, object]]]:
+    """:func:`medley.runtime.nodes.launches_json` with each ``command`` behind its check
+    (:func:`checked_command`)."""
+    data = launches_json(launches)
+    for entry, launch in zip(data["nodes"], launches, strict=True):
+        entry["command"] = checked_command(launch, plan_path=plan_path, cpu=cpu)
+    return data
+
+
+def check_local_devices(plan: Plan, *, cpu: bool) -> None:
+    """``--local`` runs every node's ranks on this machine's CPU (no GPU visible): a GPU plan
+    needs ``--emulate`` or ``--device cpu`` after ``--``; refused before any agent starts."""
+    from medley.cli.preflight import check_devices
+    from medley.runtime.device_check import NodeDevices, probe
+
+    here = probe()
+    hidden = NodeDevices(torch_version=here.torch_version, cuda_version=here.cuda_version)
+    check_devices(plan, device="cpu" if cpu else "auto", emulate=False,
+                  local_ranks=plan.world_size, found=hidden,
+                  command="launch --local (every node's ranks on this CPU)")
+
+
+def describe(plan_path: Path, plan: Plan, launches: list[NodeLaunch], *, plan_file: str,
+             cpu: bool = False) -> str:
+    """The commands for people: a header, then per node its host, devices and command line (behind
+    the node's ``medley doctor``: :func:`checked_command`)."""
     endpoint = launches[0].argv[launches[0].argv.index("--rdzv-endpoint") + 1]
     lines = [f"{printable(plan_path)}: {len(launches)} nodes, {plan.world_size} ranks "
              f"({world_size_terms(plan)}); rendezvous {endpoint} (c10d). Run on each node, with the plan "
              "file at that path there:"]
     for launch in launches:
         host, devices = printable(launch.host or "host not given"), ",".join(map(str, launch.devices))
-        lines += ["", f"# node {printable(launch.node)} ({host}): devices {devices}", launch.command]
+        lines += ["", f"# node {printable(launch.node)} ({host}): devices {devices}",
+                  checked_command(launch, plan_path=plan_file, cpu=cpu, wrap=True)]
     return "\n".join(lines)
 
 
@@ -199,6 +243,7 @@ def register(app: typer.Typer) -> None:
             check_output_file(slurm, flag="--slurm")
         the_plan = load_plan(plan)
         args = absolute_paths(ctx, list(train_args or []))
+        cpu = on_cpu_by_choice(check_train_args(ctx, list(train_args or [])))
         extra = None
         if elastic:
             extra = elastic_settings(check_train_args(ctx, list(train_args or [])), min_nodes=min_nodes,
@@ -225,12 +270,13 @@ def register(app: typer.Typer) -> None:
         if node:
             launches = only_nodes(launches, node)
         if local and not dry_run:
+            check_local_devices(the_plan, cpu=cpu)
             start_local(launches, elastic=elastic)
             return
         if as_json:
-            typer.echo(json.dumps(launches_json(launches), indent=1))
+            typer.echo(json.dumps(checked_json(launches, plan_path=settings.plan_path, cpu=cpu), indent=1))
         else:
-            typer.echo(describe(plan, the_plan, launches))
+            typer.echo(describe(plan, the_plan, launches, plan_file=settings.plan_path, cpu=cpu))
         if slurm is not None and not as_json:
             typer.echo(f"\nwrote {printable(slurm)}: submit it with sbatch {shell_quote(str(slurm))}")
 

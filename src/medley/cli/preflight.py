@@ -104,12 +104,13 @@ def preflight(plan: Plan, *, dtype: str, local_ranks: int, on_cuda: bool) -> Non
 
 
 def check_devices(plan: Plan, *, device: str, emulate: bool, local_ranks: int | None,
-                  found: NodeDevices | None = None) -> str | None:
+                  found: NodeDevices | None = None, command: str = "train") -> str | None:
     """Refuse, before any rank starts, a plan whose GPU types this machine does not have
     (:func:`medley.runtime.device_check.device_problems`: with ``local_ranks`` this machine plays
     every node; under torchrun it is the rank's own node); ``device`` ``cpu`` or ``emulate`` run a
     GPU plan on the CPU on purpose, and the line returned says so (None for a plan of CPU types or
-    one that runs on its GPUs). ``found``: what this machine has (default: :func:`probe`)."""
+    one that runs on its GPUs). ``found``: what this machine has (default: :func:`probe`);
+    ``command`` starts the error line."""
     node: str | None = None
     if local_ranks is None and "RANK" in os.environ:
         identity = my_identity(plan.cluster, rank=int(os.environ["RANK"]),
@@ -127,7 +128,7 @@ def check_devices(plan: Plan, *, device: str, emulate: bool, local_ranks: int | 
                 f"on purpose ({why})")
     problems = device_problems(plan, probe() if found is None else found, node=node)
     if problems:
-        raise MedleyInputError(f"train: {problems[0]}; {CPU_CHOICE}")
+        raise MedleyInputError(f"{command}: {problems[0]}; {CPU_CHOICE}")
     return None
 
 
