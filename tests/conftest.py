@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from medley.data.bpe import train_bpe
+from medley.schedule.ir import Action, Kind, PipelineSchedule, add_send_recv
 
 _real_fork: Callable[[], int] = os.fork
 
@@ -71,3 +72,27 @@ def bpe_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def large_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tokenizer.json of more than 256 tokens: too many for the tiny model."""
     return train_bpe(tmp_path_factory.mktemp("bpe_large") / "tokenizer.json", 400)
+
+
+def _receive_before_consumer(schedule: PipelineSchedule) -> PipelineSchedule:
+    """``schedule`` lowered as medley lowered it while gloo told messages apart by tag: each RECV
+    right before the compute action that uses it."""
+    lowered = add_send_recv(schedule)
+    rows = []
+    for row in lowered.actions:
+        out = [a for a in row if a.kind not in (Kind.RECV_F, Kind.RECV_B)]
+        for recv in (a for a in row if a.kind in (Kind.RECV_F, Kind.RECV_B)):
+            if recv.kind is Kind.RECV_F:
+                consumer = Action(recv.stage, Kind.F, recv.micro_batch)
+            else:
+                consumer = next(a for a in out if a.stage == recv.stage and a.micro_batch == recv.micro_batch
+                                and a.kind in (Kind.B, Kind.BW))
+            out.insert(out.index(consumer), recv)
+        rows.append(out)
+    return lowered.with_actions(rows)
+
+
+@pytest.fixture
+def former_lowering() -> Callable[[PipelineSchedule], PipelineSchedule]:
+    """The lowering of before NCCL's message order (receives right before their consumers)."""
+    return _receive_before_consumer

@@ -1,7 +1,8 @@
 """The release of pipeline sends: never a wait that could block, and few sends left alive.
 
-The programs of every rank are replayed with the runtime's semantics (sends posted without
-blocking, receives blocking until their message was posted), in every interleaving a round-robin
+The programs of every rank are replayed with the runtime's semantics (sends and receives posted
+without blocking, the compute action that consumes a received message waiting until it was
+sent), in every interleaving a round-robin
 over ready ranks produces; each wait the release rule issues must find its message already
 received, and the last stage must hold at most a couple of sent gradients at any time.
 """
@@ -11,9 +12,10 @@ from __future__ import annotations
 import pytest
 
 from medley.plan.layout import tp_sources
-from medley.runtime.sends import PendingSends, message_key, message_positions, tp_meeting
+from medley.runtime.sends import PendingSends, message_positions, tp_meeting
 from medley.schedule.generators import generate
 from medley.schedule.ir import P2P_KINDS, Action, Kind, PipelineSchedule, add_send_recv, p2p_peer_stage
+from medley.schedule.messages import message_key
 
 
 class _Work:
@@ -40,6 +42,7 @@ def _replay(schedule: PipelineSchedule, *, order: int, tp: tuple[int, ...] | Non
     rows = [schedule.actions[place[rank][0]] for rank in ranks]
     pending = [PendingSends(schedule=schedule, pipeline=pipeline, synced_stages=synced) for _ in ranks]
     position, posted, received = [0] * len(ranks), set(), set()
+    receiving: list[dict[tuple, tuple]] = [{} for _ in ranks]  # posted receives, not yet waited for
     most = [0] * len(ranks)
 
     def peers(rank: int, peer_stage: int, *, sending: bool) -> list[int]:
@@ -62,14 +65,22 @@ def _replay(schedule: PipelineSchedule, *, order: int, tp: tuple[int, ...] | Non
                     posted.add((key, peer))
                     pending[rank].add(_Work(key, peer, received), dst=peer, key=key)
             elif action.kind in (Kind.RECV_F, Kind.RECV_B):
-                if (key, rank) not in posted:
-                    continue  # blocked on the sender
-                received.add((key, rank))
-                pending[rank].received(src=peers(rank, p2p_peer_stage(action), sending=False)[0], key=key)
-            elif action.stage in synced and tp_meeting(action):
-                group = pipeline[place[rank][0]]
-                if any(position[member] < position[rank] for member in group):
-                    continue  # the all-reduce waits for the whole group
+                receiving[rank][(action.stage, action.kind, action.micro_batch)] = (
+                    key, peers(rank, p2p_peer_stage(action), sending=False)[0])
+            else:
+                if action.is_compute and action.kind is not Kind.W:
+                    kind = Kind.RECV_F if action.kind is Kind.F else Kind.RECV_B
+                    waits = receiving[rank].get((action.stage, kind, action.micro_batch))
+                    if waits is not None:
+                        if (waits[0], rank) not in posted:
+                            continue  # waits for the sender
+                        del receiving[rank][(action.stage, kind, action.micro_batch)]
+                        received.add((waits[0], rank))
+                        pending[rank].received(src=waits[1], key=waits[0])
+                if action.stage in synced and tp_meeting(action):
+                    group = pipeline[place[rank][0]]
+                    if any(position[member] < position[rank] for member in group):
+                        continue  # the all-reduce waits for the whole group
             position[rank] += 1
             most[rank] = max(most[rank], len(pending[rank].works))
             moved = True
@@ -98,8 +109,8 @@ def test_positions_pair_each_message_with_both_ends() -> None:
     sends = [a for row in schedule.actions for a in row if a.kind in (Kind.SEND_F, Kind.SEND_B)]
     assert len(positions) == len(sends) == 2 * 2 * 4
     row1 = schedule.actions[1]
-    recv_at, _ = positions[(Kind.SEND_F, 0, 1, 2)]
-    assert row1[recv_at] == Action(1, Kind.RECV_F, 2)
+    wait_at, _ = positions[(Kind.SEND_F, 0, 1, 2)]
+    assert row1[wait_at] == Action(1, Kind.F, 2) and row1[wait_at - 1] == Action(1, Kind.RECV_F, 2)
     _, send_at = positions[(Kind.SEND_B, 1, 0, 2)]
     assert row1[send_at] == Action(1, Kind.SEND_B, 2)
 

@@ -2,8 +2,10 @@
 
 Per action: ``F`` forward (the last stage also applies the loss), ``BW`` full backward, ``B`` the
 input-gradient half and ``W`` the weight-gradient half of a split backward, ``SEND_*``/``RECV_*``
-point-to-point transfers to the global ranks of the peer stage's TP group (tagged, so
-interleaved stages never mix up their messages; between TP groups of unlike degrees receiving TP
+point-to-point transfers to the global ranks of the peer stage's TP group (each run of consecutive
+transfers posted as one ``batch_isend_irecv``, untagged: NCCL matches a rank pair's messages by
+their order, which the lowering keeps, :mod:`medley.schedule.messages`; a RECV posts the receive
+and the consuming compute action waits for it; between TP groups of unlike degrees receiving TP
 rank j takes the tensor from sending TP rank ``tp_sources(...)[j]``, forward and backward alike,
 :func:`medley.plan.layout.tp_sources`; between TP groups of one degree t > 1 rank j sends slice j of
 t and the receiving group all-gathers the slices in the compute action that uses the tensor,
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from medley.plan.layout import tp_scattered, tp_sources
-from medley.runtime.sends import PendingSends, message_key
+from medley.runtime.sends import PendingSends
 from medley.runtime.sharding import ShardedStage
 from medley.runtime.torch_adapter import backward_input, backward_weight
 from medley.schedule.ir import (
@@ -40,6 +42,7 @@ from medley.schedule.ir import (
     add_send_recv,
     p2p_peer_stage,
 )
+from medley.schedule.messages import SEND_KINDS, message_key, transfer_runs
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # What a rank's step time goes to, by the kind of action it was in (``RankExecutor.action_s``).
@@ -162,6 +165,8 @@ class RankExecutor:
         self.loss_scale = 1.0
         self.skip_optim = False
         self.state: dict[int, StageState] = {}
+        # Posted receives not yet waited for: RECV action -> (work, buffer, source rank).
+        self.receiving: dict[Action, tuple[dist.Work, torch.Tensor, int]] = {}
         self.synced_stages = synced_stages
         self.tp_group = tp_group
         self.sequence_edges = sequence_edges
@@ -189,19 +194,37 @@ class RankExecutor:
 
     def _run_program(self, program: list[Action], batch: MicroBatches) -> list[torch.Tensor]:
         self.state = {stage: StageState() for stage in self.stages}
+        self.receiving = {}
         self.skip_optim = False
         self.action_s = dict.fromkeys(ACTION_CATEGORIES, 0.0)
         spans = self.action_spans = []
         if self.pending_sends.schedule is not self.schedule:  # the schedule may be swapped between steps
             self.pending_sends = self._pending_sends()
+        batches = dict(transfer_runs(program))
         origin = self.action_origin = time.perf_counter()
-        for action in program:
-            started = time.perf_counter()
-            self._run(action, batch)
+        until = 0  # the end of the batch being passed over
+        for index, action in enumerate(program):
+            if index < until:  # posted with its batch
+                spans.append((spans[-1][1], spans[-1][1]))
+                continue
+            if index in batches:
+                until = batches[index]
+                started = time.perf_counter()
+                self._post(program[index:until])
+            else:
+                if action.is_compute:
+                    waited = time.perf_counter()
+                    self._take_received(action)
+                    self.action_s["transfer"] += time.perf_counter() - waited
+                started = time.perf_counter()
+                self._run(action, batch)
             ended = time.perf_counter()
             self.action_s[_CATEGORY[action.kind]] += ended - started
             spans.append((started - origin, ended - origin))
         started = time.perf_counter()
+        if self.receiving:
+            raise RuntimeError(f"pipeline rank {self.rank}: {sorted(map(str, self.receiving))} were received "
+                               "but no action of the program used them")
         self.pending_sends.wait_all()
         self.action_s["transfer"] += time.perf_counter() - started
         last = self.schedule.num_stages - 1
@@ -237,10 +260,8 @@ class RankExecutor:
                 pause = (self.slowdown - 1.0) * (time.perf_counter() - started)
                 self.emulated_sleep_s += pause
                 time.sleep(pause)
-        elif kind in (Kind.SEND_F, Kind.SEND_B):
-            self._send(action)
-        elif kind in (Kind.RECV_F, Kind.RECV_B):
-            self._recv(action)
+        elif kind in P2P_KINDS:
+            self._post([action])
         elif kind is Kind.UNSHARD:
             self.stages[stage].unshard(action.bucket)
         elif kind is Kind.RESHARD:
@@ -325,9 +346,6 @@ class RankExecutor:
         if mb in losses:
             losses[mb] = losses[mb].detach()
 
-    def _tag(self, stage: int, mb: int, grad: bool) -> int:
-        return (stage * 2 + int(grad)) * self.schedule.num_micro_batches + mb
-
     def _group(self, stage: int) -> tuple[int, ...]:
         """Global ranks of the TP group holding ``stage`` in this replica."""
         return self.pipeline[self.schedule.stage_to_rank[stage]]
@@ -371,41 +389,72 @@ class RankExecutor:
         dist.all_gather_single(whole.view(-1), tensor, group=self.tp_group)
         return whole
 
-    def _send(self, action: Action) -> None:
+    def _post(self, actions: Sequence[Action]) -> None:
+        """Post a run of consecutive SEND/RECV actions as one batch (NCCL groups them, so a send
+        and a receive between the same two ranks never wait for each other), in program order:
+        per rank pair the order of the messages is the order both ends list them."""
+        ops: list[dist.P2POp] = []
+        sends: list[tuple[int, int, Action]] = []  # (op index, destination, SEND)
+        receives: list[tuple[int, Action, torch.Tensor, int]] = []  # (op index, RECV, buffer, source)
+        for action in actions:
+            if action.kind in SEND_KINDS:
+                tensor = self._outgoing(action)
+                for peer in self._destinations(p2p_peer_stage(action)):
+                    sends.append((len(ops), peer, action))
+                    ops.append(dist.P2POp(dist.isend, tensor, peer))
+            else:
+                buffer, source = self._incoming(action)
+                receives.append((len(ops), action, buffer, source))
+                ops.append(dist.P2POp(dist.irecv, buffer, source))
+        if not ops:  # a send to a TP group none of whose members takes from this rank
+            return
+        works = dist.batch_isend_irecv(ops)
+        # One work per operation (gloo), or one for the whole batch (NCCL's coalesced group).
+        per_op = works if len(works) == len(ops) else [works[-1]] * len(ops)
+        for index, peer, action in sends:
+            self.pending_sends.add(per_op[index], dst=peer, key=message_key(action))
+        for index, action, buffer, source in receives:
+            self.receiving[action] = (per_op[index], buffer, source)
+
+    def _outgoing(self, action: Action) -> torch.Tensor:
+        """The tensor a SEND carries: the stage's output (SEND_F) or its input gradient (SEND_B),
+        in the wire dtype; of a scattered hop this TP rank's slice only."""
         st, mb, peer_stage = self.state[action.stage], action.micro_batch, p2p_peer_stage(action)
-        if action.kind is Kind.SEND_F:
-            tensor, tag = st.outputs[mb].detach(), self._tag(action.stage, mb, grad=False)
-        else:
-            tensor, tag = st.input_grads.pop(mb), self._tag(peer_stage, mb, grad=True)
+        tensor = st.outputs[mb].detach() if action.kind is Kind.SEND_F else st.input_grads.pop(mb)
         tensor = tensor.to(self.dtype).contiguous()
         if self._scattered(peer_stage, action.stage):
             # This rank's slice only (the tensor is whole on every TP rank), copied so that the
             # pending send does not keep the whole tensor alive until it is known delivered.
             n = self._slice_numel()
             tensor = tensor.view(-1).narrow(0, self.tp_rank * n, n).clone()
-        for peer in self._destinations(peer_stage):
-            self.pending_sends.add(dist.isend(tensor, dst=peer, tag=tag), dst=peer, key=message_key(action))
+        return tensor
 
-    def _recv(self, action: Action) -> None:
-        st, mb = self.state[action.stage], action.micro_batch
+    def _incoming(self, action: Action) -> tuple[torch.Tensor, int]:
+        """The buffer a RECV fills and the global rank it comes from."""
         peer_stage = p2p_peer_stage(action)
         shape = (self._slice_numel(),) if self._scattered(peer_stage, action.stage) else self.activation_shape
         if self._sequence_sharded(peer_stage, action.stage):
             batch, seq, hidden = self.activation_shape
             shape = (batch, seq // len(self.pipeline[self.rank]), hidden)
-        buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
-        # Tags name the (sending stage, direction) pair, so both ends compute the same one.
-        if action.kind is Kind.RECV_F:
-            tag = self._tag(peer_stage, mb, grad=False)
+        return torch.empty(shape, dtype=self.dtype, device=self.device), self._source(peer_stage)
+
+    def _take_received(self, action: Action) -> None:
+        """Before a compute action: wait for the message it consumes, if it came from another rank
+        (on NCCL the wait orders the compute stream after the receive; the host goes on)."""
+        if action.kind is Kind.W or action.micro_batch is None:
+            return
+        recv = Action(action.stage, Kind.RECV_F if action.kind is Kind.F else Kind.RECV_B, action.micro_batch)
+        posted = self.receiving.pop(recv, None)
+        if posted is None:
+            return
+        work, buffer, source = posted
+        work.wait()
+        self.pending_sends.received(src=source, key=message_key(recv))
+        st = self.state[action.stage]
+        if recv.kind is Kind.RECV_F:
+            st.inputs[action.micro_batch] = buffer
         else:
-            tag = self._tag(action.stage, mb, grad=True)
-        source = self._source(peer_stage)
-        dist.recv(buffer, src=source, tag=tag)
-        self.pending_sends.received(src=source, key=message_key(action))
-        if action.kind is Kind.RECV_F:
-            st.inputs[mb] = buffer
-        else:
-            st.output_grads[mb] = buffer
+            st.output_grads[action.micro_batch] = buffer
 
 
 def with_default_collectives(schedule: PipelineSchedule) -> PipelineSchedule:

@@ -1,11 +1,12 @@
 """When a pipeline send is known to be done, so its tensor can go before the step ends.
 
-A rank posts its sends with ``isend`` and cannot poll them (gloo's ``is_completed()`` stays
-False until ``wait()``), and waiting on one too early can deadlock against the peer. The
-schedule says when it is safe: a receive is blocking in :mod:`medley.runtime.executor`, so once
-this rank has received a message that the peer sends *after* its receive of one of our
-messages, that message has arrived, and waiting on its send returns at once. Without this,
-every input gradient a stage sends stays alive until the end of the step.
+A rank posts its sends in batches (``batch_isend_irecv``) and cannot poll them (gloo's
+``is_completed()`` stays False until ``wait()``), and waiting on one too early can deadlock
+against the peer. The schedule says when it is safe: in :mod:`medley.runtime.executor` a receive
+is waited for right before the compute action that consumes it, so once this rank has received a
+message that the peer sends *after* the action where it waited for one of our messages, that
+message has arrived, and waiting on its send returns at once. Without this, every input gradient
+a stage sends stays alive until the end of the step.
 
 Between TP groups of unlike degrees a rank may send to a peer that never sends back to it (a tp1
 stage feeding a tp2 one sends each input gradient to both TP ranks and hears from one). Its
@@ -22,37 +23,29 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from medley.schedule.ir import Action, Kind, PipelineSchedule, p2p_peer_stage
-
-# (direction, sending stage, receiving stage, micro-batch): one message of the step.
-MessageKey = tuple[Kind, int, int, int]
-
-
-def message_key(action: Action) -> MessageKey:
-    """The message a SEND_* or RECV_* action sends or takes, the same at both ends."""
-    peer = p2p_peer_stage(action)
-    if action.kind in (Kind.SEND_F, Kind.SEND_B):
-        direction, sender, receiver = action.kind, action.stage, peer
-    else:
-        direction = Kind.SEND_F if action.kind is Kind.RECV_F else Kind.SEND_B
-        sender, receiver = peer, action.stage
-    if action.micro_batch is None:
-        raise ValueError(f"{action}: a transfer names its micro-batch")
-    return direction, sender, receiver, action.micro_batch
+from medley.schedule.ir import Action, Kind, PipelineSchedule
+from medley.schedule.messages import SEND_KINDS, MessageKey, message_key
 
 
 def message_positions(schedule: PipelineSchedule) -> dict[MessageKey, tuple[int, int]]:
-    """For each message: its receive's and its send's position in their ranks' programs, as
-    ``{key: (receive position, send position)}`` (only messages whose both ends are listed)."""
-    received: dict[MessageKey, int] = {}
+    """For each message: where its receiver waits for it (the position of the compute action
+    that consumes it, right before which the executor waits) and its send's position, as
+    ``{key: (wait position, send position)}`` (only messages whose both ends are listed)."""
+    waited: dict[MessageKey, int] = {}
     sent: dict[MessageKey, int] = {}
     for row in schedule.actions:
+        posted: dict[Action, MessageKey] = {}
         for position, action in enumerate(row):
             if action.kind in (Kind.RECV_F, Kind.RECV_B):
-                received[message_key(action)] = position
-            elif action.kind in (Kind.SEND_F, Kind.SEND_B):
+                posted[action] = message_key(action)
+            elif action.kind in SEND_KINDS:
                 sent[message_key(action)] = position
-    return {key: (received[key], sent[key]) for key in received.keys() & sent.keys()}
+            elif action.is_compute and action.kind is not Kind.W and action.micro_batch is not None:
+                kind = Kind.RECV_F if action.kind is Kind.F else Kind.RECV_B
+                key = posted.pop(Action(action.stage, kind, action.micro_batch), None)
+                if key is not None:
+                    waited[key] = position
+    return {key: (waited[key], sent[key]) for key in waited.keys() & sent.keys()}
 
 
 def tp_meeting(action: Action) -> bool:
