@@ -31,7 +31,7 @@ import torch.distributed as dist
 from medley.plan.layout import tp_scattered, tp_sources
 from medley.runtime.sends import PendingSends
 from medley.runtime.sharding import ShardedStage
-from medley.runtime.torch_adapter import backward_input, backward_weight
+from medley.runtime.torch_adapter import all_gather_single, backward_input, backward_weight
 from medley.schedule.ir import (
     COLLECTIVE_KINDS,
     COMPUTE_KINDS,
@@ -386,7 +386,7 @@ class RankExecutor:
             raise RuntimeError(f"pipeline rank {self.rank} received a slice of a scattered hop but was "
                                "given no TP group to gather it on (RankExecutor.tp_group)")
         whole = torch.empty(self.activation_shape, dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_single(whole.view(-1), tensor, group=self.tp_group)
+        all_gather_single(whole.view(-1), tensor, group=self.tp_group)
         return whole
 
     def _post(self, actions: Sequence[Action]) -> None:
