@@ -32,9 +32,10 @@ COUNTED: dict[str, tuple[str, int, str]] = {
     "reduce_scatter": ("reduce_scatter_list", 1, "input_list"),
 }
 
-# Pipeline transfers and the all-gathers of scattered hops (test_scattered_hops): a send's tensor.
+# Pipeline transfers and the all-gathers of scattered hops (test_scattered_hops): the tensors of the
+# sends of each batch the executor posts.
 HOP_CALLS: dict[str, tuple[str, int, str]] = {
-    "isend": ("send", 0, "tensor"),
+    "batch_isend_irecv": ("send", 0, "p2p_op_list"),
     "all_gather_single": ("all_gather", 0, "output_tensor"),
     "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),  # its name before torch 2.13
 }
@@ -43,6 +44,8 @@ HOP_CALLS: dict[str, tuple[str, int, str]] = {
 def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
+    if isinstance(value, dist.P2POp):  # a send of a batch counts, a receive does not
+        return _nbytes(value.tensor) if value.op is dist.isend else 0
     return sum(_nbytes(v) for v in value)  # a list of tensors
 
 
