@@ -202,14 +202,15 @@ def add_send_recv(schedule: PipelineSchedule) -> PipelineSchedule:
 
     NCCL ignores tags: it matches the n-th send from rank a to rank b with the n-th receive that b
     posts from a, and a large send does not end before its receive is posted. So the RECVs follow
-    one global order of the compute actions (:func:`compute_order`, each as late as the
-    dependencies allow): a message is received right before the consumer rank's first compute
-    action that comes after the message's producer in that order, and RECVs placed at one point
-    come in their producers' order. Every rank pair then receives in the order it sends, and the
-    program runs to its end even when every send waits for its receive (the validator,
-    :mod:`medley.schedule.validate`, checks both). A RECV posts the receive; the runtime waits for
-    the data at the consuming action. Where a stage pair has one micro-batch in flight at a time
-    (1F1B and the like) each RECV lands right before its consumer.
+    the levels of :func:`compute_order` (each compute action as late as its dependencies allow;
+    actions of one level never depend on each other): a message is received right before the
+    consumer rank's first compute action of a later level than the message's producer, and RECVs
+    placed at one point come in their producers' order. Every rank pair then receives in the order
+    it sends, and the program runs to its end even when every send waits for its receive: level
+    by level, the compute actions of a level run, then the messages they produced are exchanged
+    (the validator, :mod:`medley.schedule.validate`, checks both rules). A RECV posts the
+    receive; the runtime waits for the data at the consuming action. 1F1B and the like get each
+    RECV right before its consumer, in one batch with the sends of the action before.
 
     Collectives already present are kept where they are; a schedule whose compute actions cannot
     all run (the validator names the deadlock) gets each RECV right before its consumer. The
@@ -220,8 +221,9 @@ def add_send_recv(schedule: PipelineSchedule) -> PipelineSchedule:
     # Per consumer rank: position to insert before -> [(producer's key, RECV)].
     inserts: list[dict[int, list[tuple[tuple[int, int, int], Action]]]] = [{} for _ in schedule.actions]
     for rank, row in enumerate(schedule.actions):
-        # Keys grow along a row (each action follows the rank's earlier ones).
-        computes = [(order[(rank, p)], p) for p in range(len(row)) if (rank, p) in order]
+        # Levels grow along a row (each action follows the rank's earlier ones).
+        computes = [p for p in range(len(row)) if (rank, p) in order]
+        levels = [order[(rank, p)][0] for p in computes]
         for position, action in enumerate(row):
             needed = _received_input(schedule, rank, action)
             if needed is None:
@@ -230,7 +232,7 @@ def add_send_recv(schedule: PipelineSchedule) -> PipelineSchedule:
             at = position
             if producer is not None and (rank, position) in order:
                 produced = order[producer]
-                at = computes[bisect_right(computes, (produced, len(row)))][1]
+                at = computes[bisect_right(levels, produced[0])]
             inserts[rank].setdefault(at, []).append((order.get(producer or (-1, -1), (0, 0, 0)), needed))
     lowered: list[list[Action]] = []
     for rank, row in enumerate(schedule.actions):
@@ -291,11 +293,12 @@ def _compute_positions(schedule: PipelineSchedule) -> dict[_Node, tuple[int, int
 
 
 def compute_order(schedule: PipelineSchedule) -> dict[tuple[int, int], tuple[int, int, int]]:
-    """A global order of the compute actions, as ``{(rank, position): key}`` (sort by key): each
-    after what it depends on (its rank's earlier actions, the F of the stage before, the backward
-    of the stage after, its own F or B), each as late as those rules allow (its key leads with
-    minus the longest chain of actions that must follow it). Empty when the compute actions
-    depend on each other in a circle (the schedule deadlocks)."""
+    """The compute actions' levels, as ``{(rank, position): (level, rank, position)}`` (sorting
+    by it gives one global order): each action's level is minus the longest chain of actions that
+    must follow it (its rank's later actions, the F of the next stage, the backward of the stage
+    before, its own backward or W), so each comes as late as those rules allow, after everything
+    it depends on, and actions of one level never depend on each other. Empty when the compute
+    actions depend on each other in a circle (the schedule deadlocks)."""
     where = _compute_positions(schedule)
     successors: dict[tuple[int, int], list[tuple[int, int]]] = {at: [] for at in where.values()}
     waiting = dict.fromkeys(successors, 0)

@@ -10,13 +10,13 @@ and that hold no SEND/RECV yet (the validator then lowers them with
 :func:`medley.schedule.ir.add_send_recv`). For those, the lowered schedule's point-to-point rules
 hold by construction once the compute rules do: each SEND and RECV is generated once, next to
 the compute action that needs it, and its peer exists because every (stage, micro-batch) runs. The
-lowering follows one global order of the compute actions (:func:`medley.schedule.ir.compute_order`):
-each SEND right after its producer, each RECV before the consumer rank's first action after that
-producer. Every rank's program is then a projection of one sequence of events in which each
-transfer sits, at both ends, right after its producer; so each rank pair receives in the order it
-sends, and the lowered program runs to its end even when each batch of transfers waits for the
-other ends of its messages (NCCL): its zero-duration execution reduces to the compute actions
-alone, where a consumer waits exactly for its producer's compute action, on whichever rank.
+lowering follows the levels of :func:`medley.schedule.ir.compute_order`: each SEND right after its
+producer, each RECV before the consumer rank's first action of a later level than that producer.
+So each rank pair receives in the order it sends, and the lowered program runs to its end even
+when each batch of transfers waits for the other ends of its messages (NCCL): level by level, the
+compute actions of a level run and then the messages they produced are exchanged. Its
+zero-duration execution reduces to the compute actions alone, where a consumer waits exactly for
+its producer's compute action, on whichever rank.
 """
 
 from __future__ import annotations
