@@ -55,6 +55,7 @@ FALLBACKS_ENV = "MEDLEY_TORCH_FALLBACKS"
 INTRODUCED: dict[str, str] = {
     "dist.new_group(sort_ranks=False): a group's ranks in the caller's order": "2.12",
     "stage_backward_input: one gradient per input, None where it needs none": "2.12",
+    "FSDPState._fsdp_param_groups (a list; before it, one _fsdp_param_group)": "2.12",
     "dist.all_gather_single, dist.reduce_scatter_single (the *_tensor names deprecated)": "2.13",
     "FSDPModule.set_reduce_scatter_unused_params": "2.13",
     "stage_backward_weight: one edge per node output, saved gradients clamped": "2.13",
@@ -220,7 +221,11 @@ def _weight_grads(weights: list[torch.nn.Parameter], group: dict[str, list[Any]]
 
 
 def fsdp_param_groups(module: FSDPModule) -> list[Any]:
-    return list(module._get_fsdp_state()._fsdp_param_groups)
+    """The parameter groups of an FSDP unit: a list from torch 2.12, one group (or None) before."""
+    state = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
 
 
 def fsdp_reduce_grad(module: FSDPModule) -> None:
