@@ -20,8 +20,8 @@ Each segment a rank holds has a (dp, tp) :class:`DeviceMesh` over its ZeRO and T
 them over its ``dp`` dimension (FSDP2 wants both from one mesh). torch's ``new_group`` sorts a
 group's ranks by default (and ``init_device_mesh`` builds its groups that way), which would make a
 group's order differ from the plan's for a placed table such as ``(((3,), (0,)), ((1,), (2,)))``;
-every group here keeps the table's order (:func:`~medley.runtime.torch_adapter.ordered_group`:
-torch's ``sort_ranks=False``), so the group rank, the mesh coordinate, the TP rank and the ZeRO
+every group here keeps the table's order (:func:`~medley.runtime.torch_adapter.ordered_group`,
+unsorted), so the group rank, the mesh coordinate, the TP rank and the ZeRO
 shard index all equal the plan's position. Pipeline transfers go over the world group, to the
 global ranks the table names.
 """
