@@ -20,6 +20,7 @@ NOT_RUN = {
     "profile": "measures this machine, or needs CUDA (tests/profile/test_measure.py)",
     "fidelity": "trains for real (tests/profile/test_fidelity_quick.py)",
     "export": "needs a checkpoint of a real run (tests/runtime/test_checkpoint_entries.py)",
+    "doctor": "checks this node against a GPU plan: exit 2 without the GPUs (tests/cli/test_device_check.py)",
 }
 
 
