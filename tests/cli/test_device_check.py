@@ -193,3 +193,31 @@ def test_doctor_on_this_machine(gpu_plan: Path) -> None:
     assert runner.invoke(app, ["doctor", "--plan", str(gpu_plan), "--device", "cpu"]).exit_code == 0
     bad = runner.invoke(app, ["doctor", "--node", "node0"])
     assert bad.exit_code == 2 and "give --plan PLAN too" in bad.stderr
+
+
+def test_under_torchrun_each_rank_checks_its_own_node(
+    gpu_plan: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torchrun rank (RANK set, no --local-ranks) checks the node MEDLEY_NODE names; local rank 0
+    says why in one line, the node's other ranks exit 2 without a word."""
+    plan = load_plan(gpu_plan)
+    for name, value in {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MEDLEY_NODE": "node0",
+    }.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(MedleyInputError, match=r"^train: node 'node0': the plan puts 2 x A100-80GB"):
+        check_devices(plan, device="auto", emulate=False, local_ranks=None, found=CPU_BUILD)
+    quiet = runner.invoke(app, ["train", "--plan", str(gpu_plan), "--steps", "1"])
+    assert quiet.exit_code == 2 and not quiet.output.strip(), quiet.output
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    said = runner.invoke(app, ["train", "--plan", str(gpu_plan), "--steps", "1"], env={"COLUMNS": "400"})
+    assert said.exit_code == 2, said.output
+    (line,) = said.stderr.strip().splitlines()
+    assert line.startswith(
+        "error: train: node 'node0': the plan puts 2 x A100-80GB (devices 0,1) here but found"
+    )
