@@ -16,6 +16,7 @@ from medley.errors import MedleyInputError
 from medley.fileio import UnsafePathError, check_output_dir, check_output_file, open_no_follow
 from medley.runtime.checkpoint import KEEP
 from medley.runtime.data import DataOptions, DataSource, load_source
+from medley.runtime.device_check import DEVICE_CHOICES
 from medley.runtime.records import StepRecord
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 from medley.spec.limits import MAX_SEED, MAX_STEPS
@@ -374,8 +375,9 @@ def check_config(config: TrainConfig) -> None:
         raise MedleyInputError(f"--log-every {log.log_every}: gather and log every 1..{MAX_STEPS:,} steps")
     if log.gc_every < 0:
         raise MedleyInputError(f"--gc-every {log.gc_every} must be >= 0 (0: automatic collection)")
-    if config.emulation.device not in ("auto", "cpu"):
-        raise MedleyInputError(f"--device '{config.emulation.device}' must be auto (the plan's devices) or cpu")
+    if config.emulation.device not in DEVICE_CHOICES:
+        raise MedleyInputError(f"--device '{config.emulation.device}' must be auto (the plan's devices) or "
+                               "cpu")
     if config.precision.dtype not in (None, *TORCH_DTYPES):
         raise MedleyInputError(f"--dtype '{config.precision.dtype}' must be fp32, bf16 or fp16")
     _check_loss_scale(config.precision)
