@@ -68,6 +68,11 @@ def build(venv: Path, torch_version: str) -> Path:
     constraints.write_text("".join(line + "\n" for line in (ROOT / "constraints.txt").read_text().splitlines()
                                    if not line.startswith("torch==")))
     _pip(python, "-c", str(constraints), *PACKAGES)
+    # The `medley` command some tests start, from this checkout's source (PYTHONPATH), as the entry
+    # point of an installed medley would be; nothing is installed from the checkout.
+    launcher = venv / "bin" / "medley"
+    launcher.write_text(f"#!{python}\nfrom medley.cli.main import app\n\napp()\n")
+    launcher.chmod(0o755)
     return python
 
 

@@ -42,7 +42,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
+from torch.utils.checkpoint import _CachedTorchDispatchMode, create_selective_checkpoint_contexts
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -58,6 +58,7 @@ INTRODUCED: dict[str, str] = {
     "FSDPState._fsdp_param_groups (a list; before it, one _fsdp_param_group)": "2.12",
     "dist.all_gather_single, dist.reduce_scatter_single (the *_tensor names deprecated)": "2.13",
     "FSDPModule.set_reduce_scatter_unused_params": "2.13",
+    "selective checkpoint cache: one dict per op by call index (before: a list read by pop(0))": "2.13",
     "stage_backward_weight: one edge per node output, saved gradients clamped": "2.13",
 }
 
@@ -284,11 +285,42 @@ class _KeptAfterRead(dict):
             super().__setitem__(key, value)
 
 
+class _ReplayedPerRerun(list):
+    """Before torch 2.13 the cache holds one list per op, in call order, that a rerun reads with
+    ``pop(0)``: here a read returns the rerun's next entry and keeps it; each rerun starts at the
+    first (:class:`_RerunCached`), wherever the previous one stopped (early stop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = 0
+
+    def pop(self, index: int = -1) -> Any:
+        if index != 0:
+            return super().pop(index)
+        self.read += 1
+        return self[self.read - 1]
+
+
+class _RerunCached(_CachedTorchDispatchMode):
+    """torch's recompute-side mode (before 2.13) whose every entry (each rerun) reads the cache
+    from its first entries again."""
+
+    def __enter__(self) -> Any:
+        for entries in self.storage.values():
+            entries.read = 0
+        return super().__enter__()
+
+
 def rerunnable_selective_contexts(policy: Any) -> tuple[Any, Any]:
     """``torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)`` whose shared cache
-    (the modes' ``storage``, private) keeps its entries after a rerun reads them."""
+    (the modes' ``storage``, private) keeps its entries after a rerun reads them (torch 2.13: one
+    dict per op by call index; before: one list per op, :class:`_ReplayedPerRerun`)."""
     caching, cached = create_selective_checkpoint_contexts(policy)
-    storage: defaultdict[Any, _KeptAfterRead] = defaultdict(_KeptAfterRead)
+    if isinstance(cached.storage.default_factory(), dict):
+        storage: defaultdict[Any, Any] = defaultdict(_KeptAfterRead)
+    else:
+        storage = defaultdict(_ReplayedPerRerun)
+        cached.__class__ = _RerunCached
     caching.storage = cached.storage = storage
     return caching, cached
 
