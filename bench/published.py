@@ -30,6 +30,7 @@ from provenance import provenance
 from medley.cost.estimator import CatalogCostSource
 from medley.plan.inline import inline_layout
 from medley.plan.predict import simulate_layout
+from medley.spec.catalog import catalog_entry, get_device_type
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import cluster_from_dict
 from medley.spec.model import ModelSpec
@@ -62,6 +63,7 @@ class Run:
         zero: ZeRO level of every stage.
         measured_tokens_per_s: the measured throughput of the whole job, tokens/s.
         half: calibration or held_out.
+        vocab_parallel_head: the source's framework splits the head over the vocabulary under TP.
         features: labels the bench groups errors by.
     """
 
@@ -84,6 +86,7 @@ class Run:
     zero: int
     measured_tokens_per_s: float
     half: str
+    vocab_parallel_head: bool
     features: tuple[str, ...]
 
 
@@ -144,18 +147,32 @@ def load_runs(path: Path = DATA) -> tuple[list[Run], dict]:
             micro_batch_size=row["micro_batch_size"], global_batch=row["global_batch"],
             seq_len=row["seq_len"], recompute=row["recompute"], precision=row["precision"],
             zero=row["zero"], measured_tokens_per_s=_measured(row, model), half=row["half"],
+            vocab_parallel_head=data["sources"][row["source"]].get("vocab_parallel_head", False),
             features=_features(row)))
     return runs, data
 
 
-def cluster_for(run: Run, device_types: dict) -> Cluster:
+def base_type(gpu: str, device_types: dict) -> str:
+    """The catalog type a row's GPU is, or is derived from (a data file ``device_types`` entry's
+    ``base``): the type whose calibration it uses."""
+    return device_types[gpu]["base"] if gpu in device_types else get_device_type(gpu).name
+
+
+def cluster_for(run: Run, device_types: dict, overrides: dict | None = None) -> Cluster:
     """The row's cluster: ``gpus / gpus_per_node`` nodes of the row's device (NVLink inside, the
-    catalog's figures) joined by one network tier of the row's per-GPU bandwidth."""
+    catalog's figures) joined by one network tier of the row's per-GPU bandwidth. A GPU the data
+    file defines is its ``base`` catalog entry with the file's fields; ``overrides`` (catalog
+    fields per base type, for the calibration fit) replace the catalog's."""
     nodes = run.gpus // run.gpus_per_node
     raw: dict = {"name": run.id, "nodes": [{"name": "node", "device": run.gpu, "count": run.gpus_per_node,
                                             "repeat": nodes}]}
+    base = base_type(run.gpu, device_types)
+    extra = (overrides or {}).get(base, {})
     if run.gpu in device_types:
-        raw["device_types"] = {run.gpu: device_types[run.gpu]}
+        fields = {k: v for k, v in device_types[run.gpu].items() if k != "base"}
+        raw["device_types"] = {run.gpu: {**catalog_entry(get_device_type(base)), **fields, **extra}}
+    elif extra:
+        raw["device_types"] = {run.gpu: extra}
     if nodes > 1:
         if run.inter_node_gbit_per_gpu is None:
             raise ValueError(f"run {run.id}: several nodes need inter_node_gbit_per_gpu")
@@ -164,10 +181,12 @@ def cluster_for(run: Run, device_types: dict) -> Cluster:
     return cluster_from_dict(raw, source=f"{DATA.name}: run {run.id}")
 
 
-def predict(run: Run, device_types: dict) -> dict:
-    """Simulate the row's configuration as ``medley simulate`` would; its figures and the ratio."""
-    cluster = cluster_for(run, device_types)
-    cost = CatalogCostSource.for_cluster(run.model, cluster, dtype=run.precision)
+def predict(run: Run, device_types: dict, overrides: dict | None = None) -> dict:
+    """Simulate the row's configuration as ``medley simulate`` would; its figures and the ratio
+    (``overrides``: catalog fields per base type, :func:`cluster_for`)."""
+    cluster = cluster_for(run, device_types, overrides)
+    cost = CatalogCostSource.for_cluster(run.model, cluster, dtype=run.precision,
+                                         vocab_parallel=run.vocab_parallel_head)
     micro_batches = run.global_batch // (run.dp * run.micro_batch_size)
     interleaved = run.virtual_stages > 1
     started = time.perf_counter()
@@ -232,6 +251,13 @@ def _stat_line(s: dict) -> str:
             f"{s['geo_mean_ratio']:.3f} | {s['optimistic']} of {s['rows']} |")
 
 
+def _half_line(s: dict) -> str:
+    if not s.get("rows"):
+        return "no rows"
+    return (f"{s['rows']} rows, median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} "
+            f"({s['worst_row']}), geo-mean predicted/measured {s['geo_mean_ratio']:.3f}")
+
+
 def markdown(result: dict) -> str:
     """The Markdown report, every figure from ``result``."""
     summary, rows = result["summary"], result["rows"]
@@ -244,11 +270,7 @@ def markdown(result: dict) -> str:
         f"{len(summary['by_gpu'])} GPU types); catalog calibration: `src/medley/spec/calibration.toml`, "
         "fitted on the calibration half only.",
         "",
-        f"**Held-out half: median |error| {held['median_abs_error']:.1%}, "
-        f"worst {held['worst_abs_error']:.1%} "
-        f"({held['worst_row']}), geo-mean predicted/measured {held['geo_mean_ratio']:.3f}.** "
-        f"Calibration half: median {cal['median_abs_error']:.1%}, worst {cal['worst_abs_error']:.1%}, "
-        f"geo-mean {cal['geo_mean_ratio']:.3f}.",
+        f"**Held-out half: {_half_line(held)}.** Calibration half: {_half_line(cal)}.",
         "",
         "| group | rows | median abs error | worst abs error | geo-mean ratio | optimistic |",
         "|---|---|---|---|---|---|",

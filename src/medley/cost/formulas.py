@@ -131,11 +131,20 @@ def total_params(model: ModelSpec) -> int:
     return sum(layer_params(model, i) for i in range(model.num_layers))
 
 
+def vocab_share(model: ModelSpec, tp: int, vocab_parallel: bool) -> int:
+    """Vocabulary rows of the LM head one of ``tp`` ranks holds: all of them, or under
+    ``vocab_parallel`` (Megatron-LM's vocabulary-parallel head and cross-entropy) its 1/tp slice,
+    rounded up."""
+    return -(-model.vocab_size // tp) if vocab_parallel and tp > 1 else model.vocab_size
+
+
 def layer_gemms(
-    model: ModelSpec, layer_index: int, *, micro_batch_size: int, seq_len: int, tp: int = 1
+    model: ModelSpec, layer_index: int, *, micro_batch_size: int, seq_len: int, tp: int = 1,
+    vocab_parallel: bool = False,
 ) -> list[Gemm]:
     """The layer's weight matmuls (forward shapes), as one of ``tp`` tensor-parallel ranks runs
-    them: column-parallel matrices with 1/tp of the outputs, row-parallel with 1/tp of the inputs."""
+    them: column-parallel matrices with 1/tp of the outputs, row-parallel with 1/tp of the inputs;
+    the head's whole vocabulary, or under ``vocab_parallel`` its 1/tp slice (:func:`vocab_share`)."""
     t, h = micro_batch_size * seq_len, model.hidden_size
     kind = model.layer_kind(layer_index)
     proj = _projection_params(model) > 0
@@ -143,7 +152,8 @@ def layer_gemms(
         return [Gemm(tokens=t, in_features=model.embed_dim, out_features=h)] if proj else []
     if kind == "head":
         gemms = [Gemm(tokens=t, in_features=h, out_features=model.embed_dim)] if proj else []
-        return gemms + [Gemm(tokens=t, in_features=model.embed_dim, out_features=model.vocab_size)]
+        vocab = vocab_share(model, tp, vocab_parallel)
+        return gemms + [Gemm(tokens=t, in_features=model.embed_dim, out_features=vocab)]
     ffn, q = model.ffn_hidden_size // tp, model.q_dim // tp
     up = [Gemm(tokens=t, in_features=h, out_features=ffn)] * (2 if model.mlp == "swiglu" else 1)
     return [
@@ -332,13 +342,15 @@ def layer_elementwise_bytes(
     seq_len: int,
     dtype_bytes: int = 2,
     tp: int = 1,
+    vocab_parallel: bool = False,
 ) -> tuple[float, int]:
     """(bytes read + written, kernel count) of a pass's memory-bound, non-matmul work (per TP
     rank: RoPE and the MLP activation run on split tensors, norms and residual adds whole).
 
     Block F: two norms (read + write), two residual adds (2 reads + 1 write), RoPE on Q and K, the
     MLP activation. B roughly doubles F's traffic; W only reduces the norm weight gradients. Head:
-    final norm and the cross-entropy over the logits (fp32 log-softmax). Embedding: gather / scatter-add.
+    final norm and the cross-entropy over the logits (fp32 log-softmax; under ``vocab_parallel``
+    over the rank's vocabulary slice). Embedding: gather / scatter-add.
     """
     t, h, d = micro_batch_size * seq_len, model.hidden_size, dtype_bytes
     layer_kind = model.layer_kind(layer_index)
@@ -346,7 +358,7 @@ def layer_elementwise_bytes(
         gather = 2.0 * t * model.embed_dim * d + (3.0 * t * h * d if model.position == "learned" else 0.0)
         return {Pass.F: (gather, 2), Pass.B: (0.0, 0), Pass.W: (1.5 * gather, 2)}[kind]
     if layer_kind == "head":
-        loss = t * model.vocab_size * (d + 4.0)
+        loss = t * vocab_share(model, tp, vocab_parallel) * (d + 4.0)
         return {
             Pass.F: (loss + 2.0 * t * h * d, 3),
             Pass.B: (loss + 3.0 * t * h * d, 3),

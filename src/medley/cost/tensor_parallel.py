@@ -2,7 +2,9 @@
 
 One definition, read by the compiler (:mod:`medley.plan.compile`) and the planner's analytic
 tables (:mod:`medley.plan.bounds`), for Megatron-style TP of every transformer block over a group
-of ``tp`` devices on one node (norms, embedding and head replicated; no sequence parallelism):
+of ``tp`` devices on one node (norms, embedding and head replicated, as medley's runtime runs them;
+a catalog source made ``vocab_parallel`` splits the head and its cross-entropy over the vocabulary
+as Megatron-LM does, timed from the split shapes as a block is, its small all-reduces untimed):
 
 * **Compute.** A rank runs the block's matmuls on its 1/tp share (Q/K/V and gate/up split by
   output columns, the attention output and down projections by input rows), attention over
@@ -121,16 +123,19 @@ class TensorParallelCompute:
                                         device_type=device_type, tp=tp)
         return None if found is None else found.seconds
 
-    def scale(self, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int) -> float:
-        """A block's compute time at ``tp`` over its time at 1, for one pass (1 at tp=1)."""
-        if tp == 1:
+    def scale(self, kind: Pass, *, micro_batch_size: int, seq_len: int, device_type: str, tp: int,
+              layer: int = 1) -> float:
+        """A block's compute time at ``tp`` over its time at 1, for one pass (1 at tp=1); with
+        ``layer`` the head's, under a vocabulary-parallel catalog (1 where the head is replicated)."""
+        head = self.model.layer_kind(layer) == "head"
+        if tp == 1 or (head and not self.catalog.vocab_parallel):
             return 1.0
-        key = (Pass(kind), micro_batch_size, seq_len, device_type, tp)
+        key = (Pass(kind), micro_batch_size, seq_len, device_type, tp, head)
         ratio = self._ratios.get(key)
         if ratio is None:
-            block = 1  # every block has the same shapes
+            block = layer if head else 1  # every block has the same shapes
             at = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "device_type": device_type}
-            split = self.measured(block, kind, tp=tp, **at)
+            split = None if head else self.measured(block, kind, tp=tp, **at)
             if split is not None:
                 whole = self.cost.layer_time(block, kind, **at).seconds
                 ratio = self._ratios[key] = split / whole if whole > 0 else 1.0 / tp
@@ -156,7 +161,10 @@ class TensorParallelCompute:
             if split is not None:
                 return split
             return self.cost.layer_time(layer, kind, **at).seconds * self.scale(kind, tp=tp, **at)
-        return self.cost.layer_time(layer, kind, **at).seconds
+        whole = self.cost.layer_time(layer, kind, **at).seconds
+        if self.model.layer_kind(layer) == "head":  # split only under a vocabulary-parallel catalog
+            return whole * self.scale(kind, tp=tp, layer=layer, **at)
+        return whole
 
 
 def tp_activation_bytes(

@@ -23,6 +23,9 @@ from medley.spec.cluster_schema import STRICT, describe_validation_error, printa
 BUILTIN_CATALOG = Path(__file__).with_name("devices.toml")
 CPU_DEVICE_TYPE = "CPU-8GB"  # the catalog's generic CPU core (medley runs one rank per core)
 Confidence = Literal["high", "medium", "low"]
+DEFAULT_MATMUL_EFFICIENCY = 0.75  # large bf16 GEMMs in cuBLAS reach ~75-90% of dense peak; the low end
+DEFAULT_MEMORY_EFFICIENCY = 0.8  # achievable fraction of the memory bandwidth for streaming kernels
+DEFAULT_KERNEL_OVERHEAD_US = 5.0  # a kernel with its eager-mode launch takes at least this long
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +45,13 @@ class DeviceType:
         intra_node_fabric: the fabric's vendor name (NVLink3, xGMI, ...), for display.
         aliases: other accepted names.
         cuda_names: what ``torch.cuda.get_device_name()`` reports for this part.
+        matmul_efficiency: fraction of dense peak a large matmul reaches (the roofline's ceiling,
+            :mod:`medley.cost.estimator`); calibrated per type where published runs allow
+            (``calibration`` names them), else :data:`DEFAULT_MATMUL_EFFICIENCY`.
+        attention_efficiency: the same for the attention kernel's matmuls (flash attention).
+        memory_efficiency: fraction of the memory bandwidth streaming (elementwise) kernels reach.
+        kernel_overhead_us: the least time one kernel takes with its eager-mode launch, µs.
+        calibration: where the four figures above come from (empty: the defaults).
     """
 
     name: str
@@ -56,6 +66,11 @@ class DeviceType:
     intra_node_fabric: str = ""
     aliases: tuple[str, ...] = ()
     cuda_names: tuple[str, ...] = ()
+    matmul_efficiency: float = DEFAULT_MATMUL_EFFICIENCY
+    attention_efficiency: float = DEFAULT_MATMUL_EFFICIENCY
+    memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
+    kernel_overhead_us: float = DEFAULT_KERNEL_OVERHEAD_US
+    calibration: str = ""
 
     @property
     def memory_bytes(self) -> int:
@@ -99,6 +114,11 @@ class _Entry(BaseModel):
     intra_node_bandwidth_gbps: float | None = Field(default=None, gt=0)
     supports_bf16: bool | None = None
     confidence: Confidence | None = None
+    matmul_efficiency: float | None = Field(default=None, gt=0, le=1)
+    attention_efficiency: float | None = Field(default=None, gt=0, le=1)
+    memory_efficiency: float | None = Field(default=None, gt=0, le=1)
+    kernel_overhead_us: float | None = Field(default=None, ge=0, le=1e4)
+    calibration: str | None = None
 
 
 class _CatalogFile(BaseModel):
@@ -107,7 +127,8 @@ class _CatalogFile(BaseModel):
     devices: dict[str, _Entry]
 
 
-_OPTIONAL = ("name", "intra_node_fabric", "aliases", "cuda_names")
+_OPTIONAL = ("name", "intra_node_fabric", "aliases", "cuda_names", "matmul_efficiency",
+             "attention_efficiency", "memory_efficiency", "kernel_overhead_us", "calibration")
 _REQUIRED = [f.name for f in fields(DeviceType) if f.name not in _OPTIONAL]
 
 
