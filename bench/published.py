@@ -9,8 +9,8 @@ its measured throughput. The bench builds that configuration as ``medley simulat
 cluster of the row's nodes and network, :func:`medley.plan.inline.inline_layout`, the catalog cost
 source, :func:`medley.plan.predict.simulate_layout`) and compares the simulated tokens/s with the
 measured. The rows are split in two halves named in the data file (``half``): the catalog's
-calibration (src/medley/spec/calibration.toml) was fitted on the ``calibration`` half only; the
-``held_out`` half is reported apart.
+calibration (per-type fields of src/medley/spec/devices.toml with a ``calibration`` note) was
+fitted on the ``calibration`` half only; the ``held_out`` half is reported apart.
 """
 
 from __future__ import annotations
@@ -267,8 +267,8 @@ def markdown(result: dict) -> str:
         "",
         f"Commit `{result['commit']}`, command `{result['command']}`. Data: `bench/published_runs.toml` "
         f"({summary['all']['rows']} rows, {len(result['sources'])} sources, "
-        f"{len(summary['by_gpu'])} GPU types); catalog calibration: `src/medley/spec/calibration.toml`, "
-        "fitted on the calibration half only.",
+        f"{len(summary['by_gpu'])} GPU types); catalog calibration: per-type fields of "
+        "`src/medley/spec/devices.toml`, fitted on the calibration half only (`bench/published_fit.py`).",
         "",
         f"**Held-out half: {_half_line(held)}.** Calibration half: {_half_line(cal)}.",
         "",
