@@ -29,15 +29,17 @@ def test_mixed_pools_get_a_slowest_first_order_and_single_types_do_not() -> None
 
 
 def test_the_fast_devices_last_win_on_h100_and_a100() -> None:
-    """LLaMA-2-7B on 8 H100 + 8 A100 at 2 sequences per device: the best plan runs the A100s
-    first, and it beats every simulated plan of another order."""
-    result = search(parse_cluster_arg("8xH100-SXM-80GB+8xA100-80GB"), MODEL, global_batch=32, seq_len=4096,
+    """LLaMA-2-7B on 8 H100 + 8 A100 at 2 sequences per device of 2,048 tokens: the best plan runs
+    the A100s first, and it beats every simulated plan of another order. (With the catalog
+    calibrated on published runs, bench/published_fit.py, the H100's lead over the A100 is smaller
+    than its peak says, and so is this gain: 0.95%, where it was over 2%.)"""
+    result = search(parse_cluster_arg("8xH100-SXM-80GB+8xA100-80GB"), MODEL, global_batch=32, seq_len=2048,
                     top=1, baselines=False)
     best = result.best
     assert best.candidate.structure.strategy == "slowest-first"
     others = [p.tokens_per_s for p in result.simulated
               if p.fits and not p.plan.asymmetric and p.candidate.structure.strategy != "slowest-first"]
-    assert others and best.tokens_per_s > 1.02 * max(others)
+    assert others and best.tokens_per_s > 1.005 * max(others)
 
 
 def _estimator(cluster_arg: str, model_name: str, global_batch: int) -> tuple[Estimator, object]:
