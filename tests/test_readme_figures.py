@@ -28,3 +28,13 @@ def test_the_dry_run_cpu_time_is_the_measured_one() -> None:
     said = (f"The 1,024-device 70B plan ({data['world_size']} ranks, {data['ranks_built']} built) took "
             f"{data['wall_s']:.0f} s wall clock, {data['cpu_s']:.0f} s of CPU")
     assert said in one_line(README)
+
+
+def test_the_published_runs_errors_are_the_measured_ones() -> None:
+    halves = json.loads((ROOT / "bench" / "results" / "published.json").read_text())["summary"]["by_half"]
+    held, fit = halves["held_out"], halves["calibration"]
+    said = (f"fitted on the {fit['rows']} rows of the calibration half (`bench/published_fit.py`); on the "
+            f"{held['rows']} held-out rows the median error is {100 * held['median_abs_error']:.1f}% and the "
+            f"worst {100 * held['worst_abs_error']:.1f}% (calibration half: "
+            f"{100 * fit['median_abs_error']:.1f}%, worst {100 * fit['worst_abs_error']:.1f}%;")
+    assert said in one_line(README)
