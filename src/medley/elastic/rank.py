@@ -42,7 +42,8 @@ from medley.plan.plan import Plan, load_plan
 from medley.plan.predict import simulate_groups
 from medley.runtime import checkpoint, elastic_dir
 from medley.runtime.config import TrainConfig, TrainHooks
-from medley.runtime.launch import PROCESS_GROUP_TIMEOUT_S, init_process_group
+from medley.runtime.launch import STORE_TIMEOUT_S, init_process_group
+from medley.runtime.lifecycle import phase_timeouts
 from medley.runtime.metrics import TensorBoardLog
 from medley.runtime.placement import DEVICE_ENV, NODE_ENV
 from medley.runtime.records import StepRecord
@@ -69,7 +70,7 @@ def run_rank(launched: Plan, config: TrainConfig, hooks: TrainHooks | None, *, p
     directory = elastic_dir.elastic_dir(config.checkpoint.dir)
     _stop_if_stopped(directory, run_id, rank)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=rank == 0, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
+                          is_master=rank == 0, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
     store.set(f"member/{rank}", json.dumps({"node": os.environ.get(NODE_ENV, ""),
                                             "local_rank": int(os.environ.get("LOCAL_RANK", "0"))}))
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or _was_running(directory, run_id)
@@ -92,7 +93,8 @@ def run_rank(launched: Plan, config: TrainConfig, hooks: TrainHooks | None, *, p
             return _leave(store, round_, rank, world)
         plan = load_plan(Path(decision.plan))
         os.environ[DEVICE_ENV] = str(decision.device[rank])
-        init_process_group(store=dist.PrefixStore(f"train/{round_}/", store),
+        init_process_group(timeouts=phase_timeouts(config.logging),
+                           store=dist.PrefixStore(f"train/{round_}/", store),
                            rank=decision.trainers.index(rank), world_size=len(decision.trainers))
         watch = Watch(directory=directory, config=config, plan=plan, decision=decision, run_id=run_id,
                       user=hooks or TrainHooks())
@@ -190,13 +192,11 @@ class Watch:
         return dataclasses.replace(self.user, on_step=self.on_step, on_record=self.on_record)
 
     def on_record(self, record: StepRecord) -> None:
-        """Rank 0: the heartbeat, the pending event at the first step, the straggler watch."""
+        """Rank 0, for each step's record (made at the logged step after it: the first step's at
+        once): the pending event at the first step, the straggler watch."""
         now = time.time()
         first = self._steps == 0
         self._steps += 1
-        beat = {"time": now, "step": record.step + 1, "run_id": self.run_id,
-                "plan": Path(self.decision.plan).name}
-        elastic_dir.write_json(self.directory / elastic_dir.HEARTBEAT, beat)
         if first and self.decision.event is not None:
             self._finish_event(self.decision.event, record, now)
         self._watch_speed(record)
@@ -204,7 +204,12 @@ class Watch:
             self.user.on_record(record)
 
     def on_step(self, step: int) -> None:
-        """Every training rank, after each step and its checkpoint: at a checkpoint, the question."""
+        """Every training rank, after each step and its checkpoint: rank 0's heartbeat (every step,
+        records or not); at a checkpoint, the question."""
+        if dist.get_rank() == 0:
+            beat = {"time": time.time(), "step": step + 1, "run_id": self.run_id,
+                    "plan": Path(self.decision.plan).name}
+            elastic_dir.write_json(self.directory / elastic_dir.HEARTBEAT, beat)
         every, steps = self.config.checkpoint.every, self.config.optimizer.steps
         if every > 0 and (step + 1) % every == 0 and step + 1 < steps:
             answer = torch.tensor([self._answer() if dist.get_rank() == 0 else 0], dtype=torch.int64)

@@ -36,12 +36,14 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from medley.errors import MedleyInputError, debug_enabled
 from medley.plan.plan import Plan
 from medley.runtime import placement
-from medley.runtime.lifecycle import die_with_parent
+from medley.runtime.lifecycle import PhaseTimeouts, die_with_parent, phase_timeouts, process_group_timeout_s
 from medley.runtime.nodes import LAUNCHER_PID_ENV, ONE_THREAD_ENV, SHARED_STORE_ENV
 from medley.runtime.placement import PlacementEntry, ranks_needed
 from medley.runtime.train import StepRecord, TrainConfig, TrainHooks, load_data, train
 
-PROCESS_GROUP_TIMEOUT_S = 120
+# The rendezvous store's timeout; the process group's own outlasts the watchdog's limits
+# (medley.runtime.lifecycle.process_group_timeout_s).
+STORE_TIMEOUT_S = 120
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -66,16 +68,17 @@ def uses_cuda(local_world: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= local_world
 
 
-def init_process_group(*, store: dist.Store | None = None, rank: int = -1, world_size: int = -1,
-                       cpu: bool = False) -> str:
+def init_process_group(*, timeouts: PhaseTimeouts, store: dist.Store | None = None, rank: int = -1,
+                       world_size: int = -1, cpu: bool = False) -> str:
     """The default process group: from torchrun's environment, or over ``store`` as ``rank`` of
     ``world_size``; nccl only with a GPU per local rank, and gloo whatever there is with ``cpu``
-    (``--device cpu``)."""
+    (``--device cpu``). Its timeout outlasts every limit of the watchdog (``timeouts``:
+    :func:`~medley.runtime.lifecycle.process_group_timeout_s`), so a hang is named by its line."""
     on_cuda = not cpu and uses_cuda(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     backend = "nccl" if on_cuda else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
-                                store=store, rank=rank, world_size=world_size)
+        timeout = datetime.timedelta(seconds=process_group_timeout_s(timeouts))
+        dist.init_process_group(backend, timeout=timeout, store=store, rank=rank, world_size=world_size)
     return backend
 
 
@@ -138,7 +141,7 @@ def rank_main(plan: Plan, config: TrainConfig, hooks: TrainHooks | None = None, 
     if debug_enabled():
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a rank waits
     if body is None:
-        init_process_group(cpu=config.emulation.device == "cpu")
+        init_process_group(timeouts=phase_timeouts(config.logging), cpu=config.emulation.device == "cpu")
     ran: Plan | None = None
     try:
         if body is None:

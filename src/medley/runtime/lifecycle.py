@@ -7,7 +7,11 @@ elsewhere a thread watches the parent pid) and watches the launcher's pid too, s
 of the launcher does not leave ranks training and waiting forever.
 
 :class:`StepWatchdog` ends a rank whose step outlives ``--step-timeout`` with one line (and, with
-``--debug``, every thread's stack): a mismatched collective never times out on gloo.
+``--debug``, every thread's stack): a mismatched collective never times out on gloo. Each phase
+has its limit (:class:`PhaseTimeouts`: the first step, which compiles and allocates, the steady
+steps, checkpoint saves), and the process group's own timeout is longer than every one of them
+(:func:`process_group_timeout_s`): a hang is named by the watchdog's line, never by NCCL's or
+gloo's timeout first.
 """
 
 from __future__ import annotations
@@ -20,12 +24,16 @@ import signal
 import sys
 import threading
 import time
-from typing import IO
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING
 
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from medley.errors import debug_enabled
 from medley.runtime.lock import pid_alive
+
+if TYPE_CHECKING:
+    from medley.runtime.config import LoggingConfig
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 _PR_SET_PDEATHSIG = 1
@@ -34,6 +42,45 @@ _PARENT_POLL_S = 0.5
 # the GIL in a hang) this long after the timeout.
 _BACKSTOP_S = 10.0
 _DEBUG_DELAY_S = 0.5  # with --debug the stacks follow the one line
+# The process group's timeout is this much longer than the longest watched phase, and this long
+# when no phase is watched (torch's own default for gloo and NCCL).
+PROCESS_GROUP_MARGIN_S = 300.0
+UNWATCHED_PROCESS_GROUP_S = 1800.0
+
+
+@dataclass(kw_only=True, frozen=True)
+class PhaseTimeouts:
+    """The watchdog's limit per phase of a run, each in seconds (None: that phase is not watched).
+
+    Attributes:
+        first_step_s: the first step of a run (or of a resumed run): compiling, allocating, the
+            first collectives' connections (``--first-step-timeout``).
+        step_s: every later step (``--step-timeout``).
+        checkpoint_s: each checkpoint save (``--checkpoint-timeout``).
+    """
+
+    first_step_s: float | None
+    step_s: float | None
+    checkpoint_s: float | None
+
+    def longest_s(self) -> float | None:
+        """The longest limit of a watched phase; None when none is watched."""
+        return max((t for t in (self.first_step_s, self.step_s, self.checkpoint_s) if t is not None),
+                   default=None)
+
+
+def phase_timeouts(logging: LoggingConfig) -> PhaseTimeouts:
+    """The phase limits a run's ``[logging]`` settings give."""
+    return PhaseTimeouts(first_step_s=logging.first_step_timeout_s, step_s=logging.step_timeout_s,
+                         checkpoint_s=logging.checkpoint_timeout_s)
+
+
+def process_group_timeout_s(timeouts: PhaseTimeouts) -> float:
+    """The process group's timeout: :data:`PROCESS_GROUP_MARGIN_S` past the longest watched phase
+    (so the watchdog, with its one line, fires first), :data:`UNWATCHED_PROCESS_GROUP_S` when no
+    phase is watched."""
+    longest = timeouts.longest_s()
+    return UNWATCHED_PROCESS_GROUP_S if longest is None else longest + PROCESS_GROUP_MARGIN_S
 
 
 def die_with_parent(launcher_pid: int | None = None) -> None:
@@ -78,10 +125,12 @@ def _watch_pid(pid: int) -> None:
 
 
 class StepWatchdog:
-    """Ends the process when a step runs longer than ``timeout_s`` (armed per step)."""
+    """Ends the process when a step runs longer than ``timeout_s`` (armed per step; :meth:`arm`
+    may give a phase its own limit and name)."""
 
     def __init__(self, timeout_s: float, *, rank: int) -> None:
         self.timeout_s, self.rank = timeout_s, rank
+        self.limit_s, self.what, self.flag = timeout_s, "", "--step-timeout"
         self.step: int | None = None
         self.deadline: float | None = None
         self.cond = threading.Condition()
@@ -90,12 +139,17 @@ class StepWatchdog:
         self.sink: IO[str] = _stderr_with_fd() if self.debug else open(os.devnull, "w")  # noqa: SIM115
         threading.Thread(target=self._watch, name="medley-step-watchdog", daemon=True).start()
 
-    def arm(self, step: int) -> None:
+    def arm(self, step: int, *, timeout_s: float | None = None, what: str | None = None,
+            flag: str = "--step-timeout") -> None:
+        """Watch ``step`` for ``timeout_s`` (default: the watchdog's); ``what`` names the phase in
+        the line (default ``step <step>``) and ``flag`` the setting that sets its limit."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
         with self.cond:
-            self.step, self.deadline = step, time.monotonic() + self.timeout_s
+            self.step, self.deadline = step, time.monotonic() + limit
+            self.limit_s, self.what, self.flag = limit, what or f"step {step}", flag
             self.cond.notify()
         delay = _DEBUG_DELAY_S if self.debug else _BACKSTOP_S
-        faulthandler.dump_traceback_later(self.timeout_s + delay, exit=True, file=self.sink)
+        faulthandler.dump_traceback_later(limit + delay, exit=True, file=self.sink)
 
     def disarm(self) -> None:
         faulthandler.cancel_dump_traceback_later()
@@ -126,8 +180,8 @@ class StepWatchdog:
                 return
 
     def _fire(self) -> None:
-        message = (f"rank {self.rank}: step {self.step} ran longer than --step-timeout {self.timeout_s:g} s "
-                   "(a rank stopped or waits in another collective)")
+        message = (f"rank {self.rank}: {self.what or f'step {self.step}'} ran longer than {self.flag} "
+                   f"{self.limit_s:g} s (a rank stopped or waits in another collective)")
         if self.debug:  # faulthandler prints every thread's stack and exits
             print(f"error: {message}; the stacks follow", file=sys.stderr, flush=True)
             return

@@ -22,7 +22,6 @@ applied updates. The data still advances (batches are a function of the step ind
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,7 @@ import torch.distributed as dist
 
 from medley.plan.plan import Plan
 from medley.runtime.sharding import ShardedStage
+from medley.runtime.tensor_parallel import local_tensor
 
 # An overflow at this scale (gradients that overflow unscaled) is divergence, not a bad scale.
 MIN_LOSS_SCALE = 1.0
@@ -97,26 +97,44 @@ def unscale_and_clip(stages: dict[int, ShardedStage], *, replica: int, device: t
                      clip_norm: float | None, scaler: LossScaler | None = None) -> torch.Tensor:
     """The ``CLIP`` action: one fp64 all-reduce of the squared gradient norm over the world, then
     every gradient multiplied by ``coef / scale`` with torch ``clip_grad_norm_``'s
-    ``coef = min(1, clip / (norm + 1e-6))`` of the unscaled norm (1 without clipping).
+    ``coef = min(1, clip / (norm + 1e-6))`` of the unscaled norm (1 without clipping), computed
+    on the device as ``clip_grad_norm_`` does: no host sync.
 
     With a ``scaler`` (fp16), a non-finite gradient on any rank (or a non-finite norm) skips the
-    step on every rank: no gradient is touched and the scaler backs off. Returns this rank's
-    share of the unscaled squared norm."""
+    step on every rank: no gradient is touched and the scaler backs off. The count of non-finite
+    gradients is made on the device and goes into the same all-reduce; reading its result is the
+    one host sync of an fp16 step (the executor must know before the OPTIM actions whether they
+    run). Returns this rank's share of the unscaled squared norm (fp64, on ``device``)."""
     scale = 1.0 if scaler is None else scaler.scale
-    local = sum((s.grad_sq_norm(None, replica=replica) for s in stages.values()),
-                torch.zeros((), dtype=torch.float64))
-    bad = 0.0 if scaler is None else float(sum(not s.grads_finite() for s in stages.values()))
-    total = torch.tensor([float(local), bad], dtype=torch.float64, device=device)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    finite = math.isfinite(float(total[0])) and float(total[1]) == 0
-    total = total[0]
-    if scaler is not None:
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for stage in stages.values():
+        local = local + stage.grad_sq_norm(None, replica=replica).to(device)
+    if scaler is None:
+        total = local.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    else:
+        both = torch.stack([local, nonfinite_count(stages, device=device)])
+        dist.all_reduce(both, op=dist.ReduceOp.SUM)
+        total = both[0]
+        finite = bool(torch.isfinite(total) & (both[1] == 0))  # the fp16 step's one host sync
         scaler.update(finite=finite)
         if not finite:
             return local / scale**2
-    coef = 1.0
     if clip_norm is not None:
-        coef = min(1.0, clip_norm / (math.sqrt(float(total)) / scale + 1e-6))
-    for stage in stages.values():
-        stage.scale_grads(coef / scale)
+        coef = torch.clamp(clip_norm / (total.sqrt() / scale + 1e-6), max=1.0)
+        for stage in stages.values():
+            stage.scale_grads(coef / scale)
+    elif scale != 1.0:
+        for stage in stages.values():
+            stage.scale_grads(1.0 / scale)
     return local / scale**2
+
+
+def nonfinite_count(stages: dict[int, ShardedStage], *, device: torch.device) -> torch.Tensor:
+    """How many gradient elements this rank holds that are not finite (fp64, on ``device``; each
+    replica checks its own copy, as :meth:`ShardedStage.grads_finite` does, without a host sync)."""
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    for stage in stages.values():
+        for grad in stage.final_grads():
+            count = count + torch.isfinite(local_tensor(grad)).logical_not().sum().to(device)
+    return count

@@ -196,15 +196,11 @@ class ShardedStage:
         at level 0 every replica holds the whole gradient, so only replica 0 counts it. A
         tied copy (:attr:`copies`) is counted where its original is; a TP-sharded gradient on
         every TP rank (each holds its own slice), any other on TP rank 0 only."""
-        total = torch.zeros((), dtype=torch.float64)
-        if not self.sharded and replica > 0:
-            return total
-        for param, grad in self._final_grads(bucket):
-            if param in self.copies or (self.tp_rank > 0 and not is_tp_sharded(grad)):
-                continue
-            local = local_tensor(grad)
-            total += local.double().square().sum()
-        return total
+        # Summed where the gradients are (a CPU accumulator cannot take CUDA shares in place).
+        shares = [] if not self.sharded and replica > 0 else [
+            local_tensor(grad).double().square().sum() for param, grad in self._final_grads(bucket)
+            if not (param in self.copies or (self.tp_rank > 0 and not is_tp_sharded(grad)))]
+        return torch.stack(shares).sum() if shares else torch.zeros((), dtype=torch.float64)
 
     def grads_finite(self) -> bool:
         """Whether every gradient this rank holds is finite (each replica checks its own copy:
@@ -215,7 +211,7 @@ class ShardedStage:
                 return False
         return True
 
-    def scale_grads(self, factor: float) -> None:
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
         for grad in self.final_grads():
             grad.mul_(factor)
 

@@ -4,7 +4,11 @@ Run :func:`train` on every rank of an initialised process group of ``pp x dp`` r
 finds its plan device and so its replica and pipeline rank, :mod:`medley.runtime.placement`), or
 :func:`medley.runtime.launch.train_local` to start the ranks on this machine. Each step: the
 global batch of the step (the same sequences whatever the plan), this replica's slice of it, the
-rank's program of the plan's schedule, then per-step statistics gathered on rank 0.
+rank's program of the plan's schedule. The statistics of a step (losses, gradient norm, times)
+stay on the device, and the ranks gather them every ``--log-every`` steps, at the first and last
+step and at each checkpoint (:mod:`medley.runtime.step_stats`): no host sync per micro-batch, none
+on the steps in between (fp16 waits once per step, for the skip decision); rank 0 then makes every
+step's record. A diverged run stops at that gather, so before any checkpoint of its state.
 
 Gradient clipping needs the global norm before any optimizer step. With ``clip_norm`` set, the
 schedules are built with ``clip_grad`` (``medley.schedule.zero``): each rank's program ends with
@@ -20,9 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,10 +37,10 @@ from medley.plan.plan import Plan
 from medley.runtime import checkpoint, lock
 from medley.runtime.collector import StepGarbageCollector
 from medley.runtime.config import TrainConfig, TrainHooks, check_config, load_data
-from medley.runtime.data import replica_slice
+from medley.runtime.data import Rows, replica_slice
 from medley.runtime.emulate import slowdown_factors
 from medley.runtime.executor import ACTION_CATEGORIES, MicroBatches
-from medley.runtime.lifecycle import StepWatchdog
+from medley.runtime.lifecycle import StepWatchdog, phase_timeouts
 from medley.runtime.memory import cuda_peak_bytes, probe_peak_bytes, reset_cuda_peak, resident_tensors
 from medley.runtime.metrics import TensorBoardLog
 from medley.runtime.optim import lr_at, optimizer_class, set_lr
@@ -46,6 +48,8 @@ from medley.runtime.precision import LossScaler, choose_dtype, unscale_and_clip
 from medley.runtime.progress import TrainProgress
 from medley.runtime.records import StepRecord
 from medley.runtime.setup import RankSetup, build_rank
+from medley.runtime.step_records import RecordMaker
+from medley.runtime.step_stats import PendingStep, StatsInterval, StepTimer, to_device
 from medley.spec.cluster_schema import printable
 
 __all__ = ["StepRecord", "TrainConfig", "TrainHooks", "check_config", "load_data", "resolve_dtype",
@@ -103,17 +107,19 @@ class _Loop:
                  scaler: LossScaler | None) -> None:
         self.plan, self.config, self.hooks, self.setup, self.scaler = plan, config, hooks, setup, scaler
         self.step_index, self.step_lr = 0, config.optimizer.lr
-        self.skipped_steps = torch.zeros((), dtype=torch.int64)  # checkpointed, whatever the precision
+        self.skipped_steps = 0  # fp16's skipped steps (checkpointed, whatever the precision)
         layout = plan.shared
         # The launching process checked the data and built any token cache: ranks map it.
         self.source = load_data(config, seq_len=layout.seq_len, vocab_size=layout.model.vocab_size,
                                 verify=False)
         self.sequences = sum(plan.micro_batches) * layout.micro_batch_size
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.sq_norm = torch.zeros((), dtype=torch.float64)
+        self.sq_norm = self._zero()
         late = _slowdown(plan, config, late=True)
         self.late_slowdown = None if late is None else late[setup.device_of_rank[self.rank]]
-        self.step_spans: tuple[float, list[tuple[float, float]]] = (0.0, [])  # the last step's
+        self.interval = StatsInterval(world=self.world, device=setup.device,
+                                      trace_actions=config.logging.trace_actions)
+        self.timeouts = phase_timeouts(config.logging)
         if not setup.executor.carries_clip:  # clipping off, not fp16, no tied copies
             setup.executor.before_optim = self._count_norm
         else:
@@ -132,10 +138,18 @@ class _Loop:
                                                  seq_len=layout.seq_len)
         devices = [plan.cluster.devices[d].type for d in plan.devices]
         peak = sum(t.peak_flops(resolve_dtype(plan, config)) for t in devices)
-        self.flops_per_peak = flops / peak if setup.device.type == "cuda" and peak > 0 else None
+        self.maker = RecordMaker(
+            plan=plan, config=config, source=self.source, sequences=self.sequences,
+            device_of_rank=setup.device_of_rank, rank=self.rank,
+            on_cuda=setup.device.type == "cuda", fp16=scaler is not None,
+            flops_per_peak=flops / peak if setup.device.type == "cuda" and peak > 0 else None)
+
+    def _zero(self) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float64, device=self.setup.device)
 
     def _count_norm(self, stage: int, bucket: int | None) -> None:
-        self.sq_norm += self.setup.stages[stage].grad_sq_norm(bucket, replica=self.setup.replica)
+        share = self.setup.stages[stage].grad_sq_norm(bucket, replica=self.setup.replica)
+        self.sq_norm = self.sq_norm + share.to(self.setup.device)
 
     def run(self) -> list[StepRecord]:
         held = self._lock()
@@ -174,29 +188,30 @@ class _Loop:
         board = None
         if self.rank == 0 and self.config.logging.tensorboard is not None:
             board = TensorBoardLog(self.config.logging.tensorboard)
-        timeout = self.config.logging.step_timeout_s
-        watchdog = StepWatchdog(timeout, rank=self.rank) if timeout is not None else None
+        longest = self.timeouts.longest_s()
+        watchdog = StepWatchdog(longest, rank=self.rank) if longest is not None else None
         dist.barrier()
         collector = StepGarbageCollector(self.config.logging.gc_every)
         try:
             collector.start()
             for step in range(start, self.config.optimizer.steps):
-                if watchdog is not None:
-                    watchdog.arm(step)
-                local = torch.cat([self._step(step), self._evaluate(step)])
-                record = self._record(step, local)
+                self._arm(watchdog, step, first=step == start)
+                self.interval.add(self._step(step))
+                if self._gathers_after(step, start=start):
+                    for record in self._records():
+                        records.append(record)
+                        if self.hooks.on_record is not None:
+                            self.hooks.on_record(record)
+                        self._log(record)
+                        if board is not None:
+                            board.write(record)
+                        if progress is not None:
+                            progress.update(record)
+                    if progress is not None and records:
+                        progress.logged(records[-1])
                 if watchdog is not None:
                     watchdog.disarm()
-                if record is not None:
-                    records.append(record)
-                    if self.hooks.on_record is not None:
-                        self.hooks.on_record(record)
-                    self._log(record)
-                    if board is not None:
-                        board.write(record)
-                    if progress is not None:
-                        progress.update(record)
-                self._maybe_save(step + 1)
+                self._maybe_save(step + 1, watchdog)
                 if self.hooks.on_step is not None:
                     self.hooks.on_step(step)
                 collector.after_step(step)
@@ -222,46 +237,78 @@ class _Loop:
         start, changed = checkpoint.load_checkpoint(latest, stages=self.setup.stages, expected=self.meta,
                                                     reset_data_order=self.config.data.reset_data_order,
                                                     train_state=state)
-        self.skipped_steps = state["skipped_steps"]
+        self.skipped_steps = int(state["skipped_steps"])
         if self.scaler is not None:
             self.scaler.load(state)
-            self.scaler.skipped_steps = int(self.skipped_steps)
+            self.scaler.skipped_steps = self.skipped_steps
         if changed and self.rank == 0:
             print(printable(f"resuming {latest} with a new data order (--reset-data-order): "
                             f"{'; '.join(changed)}"), file=sys.stderr, flush=True)
         return start
 
-    def _maybe_save(self, next_step: int) -> None:
-        every, directory = self.config.checkpoint.every, self.config.checkpoint.dir
-        if directory is None:
+    def _arm(self, watchdog: StepWatchdog | None, step: int, *, first: bool) -> None:
+        """Watch the step with its phase's limit (the first step's or the steady one)."""
+        limit = self.timeouts.first_step_s if first else self.timeouts.step_s
+        if watchdog is not None and limit is not None:
+            watchdog.arm(step, timeout_s=limit, flag="--first-step-timeout" if first else "--step-timeout")
+
+    def _gathers_after(self, step: int, *, start: int) -> bool:
+        """Whether the ranks gather the statistics after ``step`` (every rank decides alike): the
+        first step of the run, every ``log_every``-th, the last, one before a checkpoint, and an
+        fp16 step after which no loss scale is left."""
+        return (step == start or (step + 1) % self.config.logging.log_every == 0
+                or step + 1 == self.config.optimizer.steps or self._saves_at(step + 1)
+                or (self.scaler is not None and self.scaler.exhausted))
+
+    def _saves_at(self, next_step: int) -> bool:
+        every = self.config.checkpoint.every
+        return self.config.checkpoint.dir is not None and (
+            next_step == self.config.optimizer.steps or (every > 0 and next_step % every == 0))
+
+    def _maybe_save(self, next_step: int, watchdog: StepWatchdog | None) -> None:
+        """The checkpoint before ``next_step`` when one is due (the statistics up to it were gathered
+        and checked: a diverged state is never saved), watched with the checkpoint's limit."""
+        directory = self.config.checkpoint.dir
+        if directory is None or not self._saves_at(next_step):
             return
+        assert not self.interval, "a checkpoint comes after a gather"
+        if watchdog is not None and self.timeouts.checkpoint_s is not None:
+            watchdog.arm(next_step - 1, timeout_s=self.timeouts.checkpoint_s,
+                         what=f"the checkpoint after step {next_step - 1}", flag="--checkpoint-timeout")
         last = next_step == self.config.optimizer.steps
-        if last or (every > 0 and next_step % every == 0):
-            checkpoint.save_checkpoint(directory, next_step=next_step, stages=self.setup.stages,
-                                       meta=self.meta, train_state=self._train_state(),
-                                       keep=self.config.checkpoint.keep,
-                                       asynchronous=self.config.checkpoint.async_save and not last)
+        checkpoint.save_checkpoint(directory, next_step=next_step, stages=self.setup.stages,
+                                   meta=self.meta, train_state=self._train_state(),
+                                   keep=self.config.checkpoint.keep,
+                                   asynchronous=self.config.checkpoint.async_save and not last)
+        if watchdog is not None:
+            watchdog.disarm()
 
     def _train_state(self) -> dict[str, torch.Tensor]:
         """The loop's checkpointed scalars: the skipped steps (they hold back the learning-rate
         schedule) and, in fp16, the loss scale."""
-        state = {"skipped_steps": self.skipped_steps.clone()}
+        state = {"skipped_steps": torch.tensor(self.skipped_steps, dtype=torch.int64)}
         return state if self.scaler is None else {**state, **self.scaler.state()}
 
     def _batch(self, step: int) -> MicroBatches:
-        layout = self.plan.shared
         rows = self.source.global_rows(step=step, seed=self.config.data.seed, sequences=self.sequences,
-                                       seq_len=layout.seq_len).to(self.setup.device)
-        return replica_slice(rows, micro_batches=self.plan.micro_batches,
-                             micro_batch_size=layout.micro_batch_size, replica=self.setup.replica)
+                                       seq_len=self.plan.shared.seq_len)
+        return self._slice(rows)
 
-    def _step(self, step: int) -> torch.Tensor:
-        """Run one step; this rank's [loss sum, squared grad norm share, seconds, slept, peak bytes,
-        loss scale used, skipped steps so far, seconds in each of ACTION_CATEGORIES]."""
+    def _slice(self, rows: Rows) -> MicroBatches:
+        """This replica's micro-batches of ``rows``, cut and counted on the host (the learned-target
+        count read from a device tensor would wait for the device), then copied to the device."""
+        batch = replica_slice(rows, micro_batches=self.plan.micro_batches,
+                              micro_batch_size=self.plan.shared.micro_batch_size, replica=self.setup.replica)
+        device = self.setup.device
+        return dataclasses.replace(batch, inputs=[to_device(t, device) for t in batch.inputs],
+                                   targets=[to_device(t, device) for t in batch.targets])
+
+    def _step(self, step: int) -> PendingStep:
+        """Run one step (and an evaluation when due); its statistics, left on the device."""
         config, setup = self.config, self.setup
         # The schedule counts applied updates: a skipped fp16 step holds it back (as Megatron-LM).
         self.step_index, self.step_lr = step, lr_at(
-            step - int(self.skipped_steps), lr=config.optimizer.lr, min_lr=config.optimizer.min_lr,
+            step - self.skipped_steps, lr=config.optimizer.lr, min_lr=config.optimizer.min_lr,
             warmup_steps=config.optimizer.warmup_steps, total_steps=config.optimizer.steps)
         for stage in setup.stages.values():
             for optimizer in stage.optimizers:
@@ -271,39 +318,45 @@ class _Loop:
         if self.late_slowdown is not None and step >= config.emulation.slowdown_from:
             setup.executor.slowdown = self.late_slowdown
         batch = self._batch(step)
-        self.sq_norm.zero_()
+        self.sq_norm = self._zero()
         setup.executor.emulated_sleep_s = 0.0
         reset_cuda_peak(setup.device)
-        started = time.perf_counter()
+        timer = StepTimer(setup.device)
+        timer.start()
         losses = setup.executor.run_step(batch)
-        if setup.device.type == "cuda":
-            torch.cuda.synchronize(setup.device)
-        elapsed = time.perf_counter() - started
-        # This step's action timings (an evaluation makes its own).
-        self.step_spans = (setup.executor.action_origin, setup.executor.action_spans)
+        timer.stop()
+        executor = setup.executor
+        spans = None
+        if config.logging.trace_actions:  # this step's action timings (an evaluation makes its own)
+            spans = (executor.action_origin, [(str(a), start, end) for a, (start, end) in
+                                              zip(executor.program, executor.action_spans, strict=True)])
         peak = cuda_peak_bytes(setup.device) if setup.device.type == "cuda" else 0
-        loss_sum = self._own(losses)
-        return torch.tensor([loss_sum, float(self.sq_norm), elapsed, setup.executor.emulated_sleep_s, peak,
-                             setup.executor.loss_scale, float(self.skipped_steps),
-                             *(setup.executor.action_s[c] for c in ACTION_CATEGORIES)], dtype=torch.float64)
+        host = [executor.emulated_sleep_s, peak,
+                executor.loss_scale, self.skipped_steps,
+                float(self.scaler is not None and self.scaler.skipped_now),
+                *(executor.action_s[c] for c in ACTION_CATEGORIES)]
+        loss = self._own(losses)
+        values = torch.stack([loss, self.sq_norm.to(setup.device), self._evaluate(step)])
+        return PendingStep(step=step, lr=self.step_lr, device_values=values, timer=timer, host_values=host,
+                           spans=spans)
 
     def _evaluate(self, step: int) -> torch.Tensor:
         """This rank's share of the validation loss of the model after ``step`` (forward only,
         through the plan's pipeline), summed over the ``eval_batches`` batches; 0 when not due."""
+        total = self._zero()
         if not self.config.eval_due(step):
-            return torch.zeros(1, dtype=torch.float64)
-        layout, total = self.plan.shared, 0.0
+            return total
         for index in range(self.config.logging.eval_batches):
-            rows = self.source.eval_rows(index, sequences=self.sequences).to(self.setup.device)
-            batch = replica_slice(rows, micro_batches=self.plan.micro_batches,
-                                  micro_batch_size=layout.micro_batch_size, replica=self.setup.replica)
-            total += self._own(self.setup.executor.run_forward(batch))
-        return torch.tensor([total], dtype=torch.float64)
+            batch = self._slice(self.source.eval_rows(index, sequences=self.sequences))
+            total = total + self._own(self.setup.executor.run_forward(batch))
+        return total
 
-    def _own(self, losses: list[torch.Tensor]) -> float:
-        """The losses this rank adds to the step's statistics: every TP rank of the last stage
-        computes them alike, so TP rank 0 alone counts them."""
-        return float(sum(loss.item() for loss in losses)) if self.setup.tp_rank == 0 else 0.0
+    def _own(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The losses this rank adds to the step's statistics (their fp64 sum, on the device): every
+        TP rank of the last stage computes them alike, so TP rank 0 alone counts them."""
+        if self.setup.tp_rank != 0 or not losses:
+            return self._zero()
+        return torch.stack([loss.double() for loss in losses]).sum()
 
     def _clip(self) -> None:
         """The CLIP action: global norm by one all-reduce over the world, unscaled and clipped like
@@ -317,79 +370,20 @@ class _Loop:
                                         clip_norm=self.config.optimizer.clip_norm, scaler=self.scaler)
         if self.scaler is not None and self.scaler.skipped_now:
             setup.executor.skip_optim = True
-            self.skipped_steps.fill_(self.scaler.skipped_steps)
+            self.skipped_steps = self.scaler.skipped_steps
 
-    def _record(self, step: int, local: torch.Tensor) -> StepRecord | None:
-        gathered = torch.zeros(self.world * local.numel(), dtype=torch.float64, device=self.setup.device)
-        dist.all_gather_single(gathered, local.to(self.setup.device))
-        stats = gathered.cpu().view(self.world, local.numel())
-        loss, grad_norm = float(stats[:, 0].sum()), math.sqrt(float(stats[:, 1].sum()))
-        skipped = self.scaler is not None and self.scaler.skipped_now
-        if skipped:
-            grad_norm = math.inf  # shares of an overflowed step are inf or NaN: say overflowed
-        # Every rank sees the same: all stop. A skipped fp16 step is no divergence unless no scale helps.
-        if not math.isfinite(loss) or not (math.isfinite(grad_norm) or skipped) or (
-                self.scaler is not None and self.scaler.exhausted):
-            raise self._diverged(step, loss, grad_norm)
-        if not bool((stats[:, 5:7] == stats[0, 5:7]).all()):
-            raise RuntimeError(f"step {step}: the ranks disagree on the loss scale or the skipped steps "
-                               f"{stats[:, 5:7].tolist()}: a bug in medley's fp16 loss scaling")
-        spans = self._gather_spans()
-        if self.rank != 0:
-            return None
-        step_time = float(stats[:, 2].max())
-        memory = {}
-        if self.setup.device.type == "cuda" and self.config.logging.measure_memory:
-            memory = {device: int(peak) for device, peak in self._by_device(stats[:, 4]).items()}
-        eval_loss = None
-        if self.config.eval_due(step):
-            eval_loss = float(stats[:, 7 + len(ACTION_CATEGORIES)].sum()) / self.config.logging.eval_batches
-        return StepRecord(
-            eval_loss=eval_loss, step_time_by_device=self._by_device(stats[:, 2]),
-            action_time_by_device=self._by_device(
-                [dict(zip(ACTION_CATEGORIES, row, strict=True))
-                 for row in stats[:, 7:7 + len(ACTION_CATEGORIES)].tolist()]),
-            action_spans_by_device=self._by_device([s for _, s in spans]) if spans else {},
-            step_start_by_device=self._by_device([origin for origin, _ in spans]) if spans else {},
-            step=step, loss=loss,
-            lr=self.step_lr, grad_norm=grad_norm,
-            step_time_s=step_time, tokens_per_s=self.plan.tokens_per_step / step_time,
-            mfu=None if self.flops_per_peak is None else self.flops_per_peak / step_time,
-            peak_memory_bytes=memory, emulated_sleep_s=float(stats[:, 3].max()),
-            loss_scale=None if self.scaler is None else float(stats[0, 5]), skipped_steps=int(stats[0, 6]),
-            samples=self.source.sample_indices(step=step, seed=self.config.data.seed,
-                                               sequences=self.sequences))
-
-    def _gather_spans(self) -> list[tuple[float, list[tuple[str, float, float]]]]:
-        """Collective with ``trace_actions``: every rank's (program start, [(action, start, end)])
-        of its last step, by global rank; else nothing."""
-        if not self.config.logging.trace_actions:
-            return []
-        origin, spans = self.step_spans
-        mine = (origin, [(str(a), start, end) for a, (start, end) in
-                         zip(self.setup.executor.program, spans, strict=True)])
-        gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, mine)
-        return gathered
-
-    def _by_device(self, values: torch.Tensor | list) -> dict:
-        """One value per global rank (a column of the stats, or a list), keyed by the rank's plan
-        device (ascending)."""
-        values = values.tolist() if isinstance(values, torch.Tensor) else values
-        return dict(sorted(((self.setup.device_of_rank[r], values[r]) for r in range(self.world)),
-                           key=lambda item: item[0]))
-
-    def _diverged(self, step: int, loss: float, grad_norm: float) -> MedleyInputError:
-        kept = (f"; the checkpoints in {self.config.checkpoint.dir} are from before it"
-                if self.config.checkpoint.dir is not None else "")
-        if self.scaler is not None and self.scaler.exhausted and math.isfinite(loss):
-            return MedleyInputError(
-                f"step {step}: fp16 gradients overflow even at loss scale {self.setup.executor.loss_scale:g} "
-                f"({int(self.skipped_steps)} steps skipped): training diverged, so the run stops{kept}; "
-                f"lower --lr (now {self.config.optimizer.lr:g}) or train in bf16 or fp32 (--dtype) and rerun")
-        return MedleyInputError(
-            f"step {step}: loss {loss:g}, gradient norm {grad_norm:g}: training diverged, so the run stops "
-            f"before saving this state{kept}; lower --lr (now {self.config.optimizer.lr:g}) and rerun")
+    def _records(self) -> list[StepRecord]:
+        """Collective: gather the pending steps' statistics; rank 0's records of them (every rank
+        raises alike at the first diverged step, after the records before it)."""
+        gathered = self.interval.gather()
+        exhausted = self.scaler is not None and self.scaler.exhausted
+        records = []
+        for index, step in enumerate(gathered):
+            last = index == len(gathered) - 1
+            record = self.maker.record(step, exhausted=exhausted and last, skipped_steps=self.skipped_steps)
+            if record is not None:
+                records.append(record)
+        return records
 
     def _log(self, record: StepRecord) -> None:
         if self.config.logging.log_jsonl is None:
@@ -412,7 +406,7 @@ class _Loop:
         peak = torch.tensor([probe_peak_bytes(step, existing=existing)], dtype=torch.float64)
         gathered = torch.zeros(self.world, dtype=torch.float64)
         dist.all_gather_single(gathered, peak)
-        memory = dict(sorted((setup.device_of_rank[r], int(gathered[r])) for r in range(self.world)))
+        memory = self.maker.by_device([int(peak) for peak in gathered.tolist()])
         for record in records:
             record.peak_memory_bytes = dict(memory)
         if self.rank == 0 and self.config.logging.log_jsonl is not None:
