@@ -112,7 +112,7 @@ DIFFERING = ("dist.all_gather_single(", "dist.reduce_scatter_single(", "sort_ran
              ".set_reduce_scatter_unused_params(", "_fsdp_param_groups", "stage_backward_input(",
              "stage_backward_weight(")
 # Files whose switch to torch_adapter is pending in another change (each must still need it).
-PENDING = {"runtime/train.py", "runtime/step_stats.py"}
+PENDING: set[str] = set()
 
 
 def test_only_torch_adapter_calls_what_differs_across_torch_versions() -> None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from medley.runtime.torch_adapter import all_gather_single
+
 #: The columns of a gathered row: first those made on the device, then the host's, then the
 #: seconds in each of the executor's ACTION_CATEGORIES (in that order).
 DEVICE_COLUMNS = ("loss", "grad_sq_norm", "eval_loss")
@@ -136,7 +138,7 @@ class StatsInterval:
             host = host.pin_memory().to(self.device, non_blocking=True)
         local = torch.cat([on_device, host], dim=1).contiguous()
         gathered = torch.empty(self.world * local.numel(), dtype=torch.float64, device=self.device)
-        dist.all_gather_single(gathered, local.reshape(-1))
+        all_gather_single(gathered, local.reshape(-1))
         rows = gathered.view(self.world, len(pending), -1).tolist()  # the interval's one host sync
         spans: list[list] = [[] for _ in pending]
         if self.trace_actions:

@@ -50,6 +50,7 @@ from medley.runtime.records import StepRecord
 from medley.runtime.setup import RankSetup, build_rank
 from medley.runtime.step_records import RecordMaker
 from medley.runtime.step_stats import PendingStep, StatsInterval, StepTimer, to_device
+from medley.runtime.torch_adapter import all_gather_single
 from medley.spec.cluster_schema import printable
 
 __all__ = ["StepRecord", "TrainConfig", "TrainHooks", "check_config", "load_data", "resolve_dtype",
@@ -405,7 +406,7 @@ class _Loop:
         existing = resident_tensors(setup.stages.values())
         peak = torch.tensor([probe_peak_bytes(step, existing=existing)], dtype=torch.float64)
         gathered = torch.zeros(self.world, dtype=torch.float64)
-        dist.all_gather_single(gathered, peak)
+        all_gather_single(gathered, peak)
         memory = self.maker.by_device([int(peak) for peak in gathered.tolist()])
         for record in records:
             record.peak_memory_bytes = dict(memory)
