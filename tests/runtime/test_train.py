@@ -69,7 +69,9 @@ def test_killed_rank_resumes_from_the_last_checkpoint(baseline, tmp_path) -> Non
     rank, training resumes at step 4 and ends equal, bit for bit, to the uninterrupted run."""
     _, uninterrupted = baseline
     directory, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    records = train_local(tiny_plan(**PLAN_A), config(checkpoint_dir=directory, log_jsonl=log),
+    # Every step logged (--log-every 1): with the default 10 a step's record is written at the next
+    # gather, and the first try's step 4 died before one.
+    records = train_local(tiny_plan(**PLAN_A), config(checkpoint_dir=directory, log_jsonl=log, log_every=1),
                           hooks=TrainHooks(on_step=crash_rank_one_once), max_restarts=1)
     assert [r.step for r in records] == [4, 5]
     assert [r.loss for r in records] == [r.loss for r in uninterrupted[4:]]
