@@ -189,7 +189,8 @@ class Watch:
     _predicted: dict[int, float] | None = None
 
     def hooks(self) -> TrainHooks:
-        return dataclasses.replace(self.user, on_step=self.on_step, on_record=self.on_record)
+        return dataclasses.replace(self.user, on_step=self.on_step, on_record=self.on_record,
+                                   on_computed=self.beat)
 
     def on_record(self, record: StepRecord) -> None:
         """Rank 0, for each step's record (made at the logged step after it: the first step's at
@@ -203,13 +204,16 @@ class Watch:
         if self.user.on_record is not None:
             self.user.on_record(record)
 
-    def on_step(self, step: int) -> None:
-        """Every training rank, after each step and its checkpoint: rank 0's heartbeat (every step,
-        records or not); at a checkpoint, the question."""
+    def beat(self, step: int) -> None:
+        """Rank 0's heartbeat once a step's compute is done (every step, records or not), before
+        its checkpoint: a node lost during the save leaves the step counted as done."""
         if dist.get_rank() == 0:
             beat = {"time": time.time(), "step": step + 1, "run_id": self.run_id,
                     "plan": Path(self.decision.plan).name}
             elastic_dir.write_json(self.directory / elastic_dir.HEARTBEAT, beat)
+
+    def on_step(self, step: int) -> None:
+        """Every training rank, after each step and its checkpoint: at a checkpoint, the question."""
         every, steps = self.config.checkpoint.every, self.config.optimizer.steps
         if every > 0 and (step + 1) % every == 0 and step + 1 < steps:
             answer = torch.tensor([self._answer() if dist.get_rank() == 0 else 0], dtype=torch.int64)

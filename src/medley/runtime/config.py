@@ -319,11 +319,15 @@ class TrainHooks:
             clipping on, or fp16), after the gradient reductions; tests inject overflows and watch
             every rank with it. Must be picklable (a module-level function or a partial of one).
         on_record: called on rank 0 with each step's record, before ``on_step``.
+        on_computed: called on every rank with the step index once the step's compute is done,
+            before its checkpoint (the elastic heartbeat: a node lost during a save knows the
+            step was done).
     """
 
     on_step: Callable[[int], None] | None = None
     grad_hook: GradHook | None = None
     on_record: Callable[[StepRecord], None] | None = None
+    on_computed: Callable[[int], None] | None = None
 
 
 def load_data(config: TrainConfig, *, seq_len: int, vocab_size: int, verify: bool = True) -> DataSource:

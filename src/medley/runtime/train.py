@@ -212,6 +212,8 @@ class _Loop:
                         progress.logged(records[-1])
                 if watchdog is not None:
                     watchdog.disarm()
+                if self.hooks.on_computed is not None:
+                    self.hooks.on_computed(step)
                 self._maybe_save(step + 1, watchdog)
                 if self.hooks.on_step is not None:
                     self.hooks.on_step(step)
