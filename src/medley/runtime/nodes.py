@@ -269,12 +269,20 @@ def slurm_script(plan: Plan, settings: LaunchSettings, *, job_name: str) -> str:
         lines += [f"# node {printable(launch.node)}: devices {','.join(map(str, launch.devices))}",
                   f"{step} env {launch.command} &",
                   "pids+=($!)"]
-    lines += ['for _ in "${pids[@]}"; do',
-              "  if ! wait -n; then",
-              '    echo "medley: a node failed; stopping the others" >&2',
-              '    kill "${pids[@]}" 2>/dev/null',
-              "    wait",
-              "    exit 1",
-              "  fi",
+    # Each node's status by its pid: `wait -n` may answer 127 (no child) when the steps have already
+    # exited, which read as a failure; `wait PID` keeps an exited child's status.
+    lines += ['while [ "${#pids[@]}" -gt 0 ]; do',
+              '  for i in "${!pids[@]}"; do',
+              '    kill -0 "${pids[$i]}" 2>/dev/null && continue',
+              '    if ! wait "${pids[$i]}"; then',
+              '      unset "pids[$i]"',
+              '      echo "medley: a node failed; stopping the others" >&2',
+              '      kill "${pids[@]}" 2>/dev/null',
+              "      wait",
+              "      exit 1",
+              "    fi",
+              '    unset "pids[$i]"',
+              "  done",
+              '  if [ "${#pids[@]}" -gt 0 ]; then sleep 1; fi',
               "done", ""]
     return "\n".join(lines)
