@@ -57,7 +57,7 @@ def test_the_example_trains_and_flags_win(tmp_path: Path) -> None:
                                         r"\[data\]"),
     ("[optim]\nlr = 1\n", r"unknown section \[optim\]; the sections are \[plan\], \[model\]"),
     ("[optimizer]\nsteps = 0\n", r"\[optimizer\] steps = 0: Invalid value for '--steps'"),
-    ("[optimizer]\nlr = 'fast'\n", r"\[optimizer\] lr = 'fast': Invalid value for '--lr'"),
+    ("[optimizer]\nlr = 'fast'\n", r'\[optimizer\] lr = "fast": not a number; write lr = 0.003'),
     ("[optimizer\n", "not TOML"),
     ("optimizer = 3\n", "'optimizer' must be a \\[optimizer\\] table"),
 ])

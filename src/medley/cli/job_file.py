@@ -8,13 +8,17 @@ such as ``data`` or ``model``, when it names something there), so the file means
 node whatever directory a command runs in. A flag given on the command line wins over the file
 (and a relative path there is relative to the working directory, as always). The file is read as
 the command line is parsed (click's ``default_map``), so ``medley launch PLAN -- --config
-job.toml`` checks it once and passes it to every node. An unknown section or key, or a value the
-flag would refuse, is one line naming the file, the key and the fix. Example:
-``examples/job.toml``.
+job.toml`` checks it once and passes it to every node. Nothing is taken silently: an unknown section
+or key, two spellings of one key, a value of another TOML type than the flag's (:func:`type_error`),
+a ``$NAME`` that is not set (``~`` and variables expand as in a shell), a value the flag would
+refuse, or a plan-making key beside ``plan`` (:func:`refuse_plan_settings`) is one line naming the
+file, the key and the fix. Example: ``examples/job.toml``.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -39,7 +43,13 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                 "first_step_timeout", "checkpoint_timeout", "log_every", "gc_every"),
     "elastic": ("elastic", "straggler_margin", "straggler_steps"),
 }
+# The settings that make medley train's inline plan (the plan file fixes them beside ``plan``): the
+# [plan] section without the run's own settings, and the model.
+PLAN_DEFINING: tuple[str, ...] = tuple(
+    name for name in SECTIONS["plan"]
+    if name not in ("plan", "local_ranks", "emulate", "slowdown", "slowdown_from", "device")) + ("model",)
 _MAX_BYTES = 1 << 20
+_WHERE = "medley.job_keys"  # ctx.meta: parameter name -> "job.toml [section] key" it came from
 
 
 def _keys(command: Any) -> dict[str, Any]:
@@ -69,6 +79,7 @@ def read_job(path: Path, command: Any, ctx: typer.Context) -> dict[str, Any]:
                                    f"{', '.join(f'[{s}]' for s in SECTIONS)}")
         if not isinstance(entries, dict):
             raise MedleyInputError(f"{path}: '{section}' must be a [{section}] table of settings")
+        spelled: dict[str, str] = {}  # parameter name -> the key that set it in this section
         for key, value in entries.items():
             name = key.replace("-", "_")
             param = keys.get(name)
@@ -77,13 +88,81 @@ def read_job(path: Path, command: Any, ctx: typer.Context) -> dict[str, Any]:
                             None)
                 fix = f"it belongs in [{home}]" if home else f"[{section}] takes {', '.join(_names(section))}"
                 raise MedleyInputError(f"{path}: [{section}] {key}: not a setting of [{section}]; {fix}")
+            if param.name in spelled:
+                raise MedleyInputError(f"{path}: [{section}] {spelled[param.name]} and {key} are one "
+                                       "setting; keep one of them")
+            spelled[param.name] = key
+            where = f"{path}: [{section}] {key} = {_toml(value)}"
+            wrong = type_error(param, value)
+            if wrong is not None:
+                raise MedleyInputError(f"{where}: {wrong}")
+            value = _expanded(value, where=where)
             try:
                 converted = param.process_value(ctx, value)
             except typer.BadParameter as err:
-                raise MedleyInputError(f"{path}: [{section}] {key} = {value!r}: "
-                                       f"{err.format_message()}") from None
+                raise MedleyInputError(f"{where}: {err.format_message()}") from None
             defaults[param.name] = _beside(path, value, is_path=isinstance(converted, Path))
+            ctx.meta.setdefault(_WHERE, {})[param.name] = f"{path} [{section}] {key}"
     return defaults
+
+
+def type_error(param: Any, value: object) -> str | None:
+    """Why ``value`` (as TOML read it) is not of the flag's type, or None: TOML's types are taken
+    strictly (a switch is ``true``/``false``, an integer is no float or boolean, a number no text);
+    text settings also take an integer (``micro_batches = 4``), which is the same text."""
+    kind = setting_type(param)
+    if isinstance(value, (list, dict)):
+        got = "an array" if isinstance(value, list) else "a table"
+    elif kind is bool:
+        got = None if isinstance(value, bool) else "not a boolean"
+    elif isinstance(value, bool):
+        got = "a boolean"
+    elif kind is int:
+        got = None if isinstance(value, int) else "not an integer"
+    elif kind is float:
+        got = None if isinstance(value, (int, float)) else "not a number"
+    else:
+        got = None if isinstance(value, (str, int)) else "not text"
+    return None if got is None else f"{got}; write {_example(param, kind)}"
+
+
+def setting_type(param: Any) -> type:
+    """The Python type the flag was declared with (typer's annotation: int, float, bool, str, Path)."""
+    if param.is_flag:
+        return bool
+    annotation = param.type_descriptor.annotation
+    return annotation if annotation in (int, float, bool) else str
+
+
+def _example(param: Any, kind: type) -> str:
+    key = next(opt[2:].replace("-", "_") for opt in param.opts if opt.startswith("--"))
+    if kind is bool:
+        return f"{key} = true or {key} = false"
+    if param.default is not None and not isinstance(param.default, bool):
+        return f"{key} = {_toml(param.default)}"
+    return {int: f"{key} = 2 (an integer)", float: f"{key} = 0.5 (a number)"}.get(
+        kind, f'{key} = "..." (text in quotes)')
+
+
+_VARIABLE = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
+def _expanded(value: object, *, where: str) -> object:
+    """A text value with a leading ``~`` (or ``~user``) and ``$NAME``/``${NAME}`` expanded as a shell
+    would; a variable that is not set, or a ``~user`` that does not exist, is refused."""
+    if not isinstance(value, str):
+        return value
+    if value.startswith("~"):
+        home = os.path.expanduser(value)
+        if home.startswith("~"):
+            raise MedleyInputError(f"{where}: {value.split('/')[0]} names no user's home here; write the "
+                                   "path out")
+        value = home
+    for match in _VARIABLE.finditer(value):
+        name = match.group(1).strip("{}")
+        if name not in os.environ:
+            raise MedleyInputError(f"{where}: ${name} is not set here; set it or write the path out")
+    return os.path.expandvars(value)
 
 
 def _beside(job: Path, value: object, *, is_path: bool) -> object:
@@ -97,11 +176,37 @@ def _beside(job: Path, value: object, *, is_path: bool) -> object:
 def _toml(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    return f'"{value}"' if isinstance(value, str) else str(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    return str(value)
 
 
 def _names(section: str) -> list[str]:
     return [{"as_json": "json", "compile_blocks": "compile"}.get(n, n) for n in SECTIONS[section]]
+
+
+def plan_settings_given(ctx: typer.Context) -> list[str]:
+    """The plan-defining settings (:data:`PLAN_DEFINING`) this command line or its job file gave,
+    each as written there (``--seq-len``, ``job.toml [plan] seq_len``)."""
+    from_job = ctx.meta.get(_WHERE, {})
+    given = []
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name) if param.name in PLAN_DEFINING else None
+        if source is None or source.name == "DEFAULT":
+            continue
+        given.append(from_job[param.name] if source.name == "DEFAULT_MAP" else
+                     next(opt for opt in param.opts if opt.startswith("--")))
+    return given
+
+
+def refuse_plan_settings(ctx: typer.Context, *, plan: object) -> None:
+    """Beside a plan file the settings that would make another plan are refused, not dropped."""
+    given = plan_settings_given(ctx)
+    if given:
+        raise MedleyInputError(
+            f"{', '.join(given)}: {'they set' if len(given) > 1 else 'it sets'} an inline plan, and the plan "
+            f"file {plan} fixes the plan; remove {'them' if len(given) > 1 else 'it'}, or make "
+            "the plan you want (medley plan or medley simulate ... --out) and pass that")
 
 
 def load_job_callback(ctx: typer.Context, value: Path | None) -> Path | None:

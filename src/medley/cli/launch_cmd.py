@@ -21,6 +21,7 @@ from typing import Annotated
 import typer
 
 from medley.cli.errors import MedleyInputError, exit_on_input_error, usage_line
+from medley.cli.job_file import refuse_plan_settings
 from medley.plan.plan import Plan
 from medley.runtime.nodes import (
     ENDPOINT_VAR,
@@ -50,10 +51,15 @@ def check_train_args(ctx: typer.Context, args: list[str]) -> dict[str, object]:
     root = ctx.find_root()
     train = root.command.get_command(root, "train")  # type: ignore[attr-defined]
     try:
-        params = train.make_context("medley train", list(args)).params
+        train_ctx = train.make_context("medley train", list(args))
     except typer.TyperException as err:
         line = usage_line(err) or str(err)
         raise MedleyInputError(f"the training flags after --: {line}") from None
+    params = train_ctx.params
+    try:
+        refuse_plan_settings(train_ctx, plan=ctx.params.get("plan", "of medley launch"))
+    except MedleyInputError as err:
+        raise MedleyInputError(f"the training flags after --: {err}") from None
     for name, flag in _OWN_FLAGS.items():
         if params.get(name) is not None:
             raise MedleyInputError(f"the training flags after --: {flag} is set by medley launch "

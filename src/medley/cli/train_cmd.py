@@ -20,7 +20,7 @@ from rich.table import Table
 from medley.cli import hf_cmd
 from medley.cli.console import literal, make_console
 from medley.cli.errors import MedleyInputError, exit_on_input_error, print_error
-from medley.cli.job_file import load_job_callback
+from medley.cli.job_file import load_job_callback, refuse_plan_settings
 from medley.cli.train_inputs import check_inputs_exist, finished_line
 from medley.plan.plan import Plan
 from medley.runtime.placement import ranks_needed
@@ -238,6 +238,7 @@ def register(app: typer.Typer) -> None:
     @app.command("train")
     @exit_on_input_error
     def train_cmd(
+        ctx: typer.Context,
         job: Annotated[Path | None, typer.Option("--config", callback=load_job_callback, is_eager=True, help=(
             "Job file (TOML): these flags by section; a flag given here wins (docs/job-file.md)"))] = None,
         plan: Annotated[Path | None, typer.Option(help="Plan TOML file (else the inline flags)")] = None,
@@ -342,6 +343,8 @@ def register(app: typer.Typer) -> None:
             "torch.compile each transformer block (the first step includes compiling)"))] = False,
     ) -> None:
         """Train a plan on torch.distributed and report loss, step time and memory per step."""
+        if plan is not None:
+            refuse_plan_settings(ctx, plan=plan)
         check_inputs_exist({"--data": data, "--val-data": val_data, "--tokenizer": tokenizer,  # before torch
                             "--chat-template": chat_template, "--init-from": init_from, "--plan": plan})
         done = None if export_hf is not None else finished_line(checkpoint_dir, steps)  # export still due
