@@ -6,6 +6,7 @@ boolean for a number, no float for an integer, no text for a number); one key pe
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -102,6 +103,22 @@ def test_home_and_variables_in_job_file_paths_expand(tmp_path: Path, monkeypatch
     assert params["checkpoint_dir"] == home / "ckpt"
     assert params["log_jsonl"] == shared / "log.jsonl"
     assert params["tensorboard"] == job.parent.resolve() / "tb"  # relative: the job file's directory
+
+
+def test_home_in_path_flags_expands_where_the_shell_leaves_it(tmp_path: Path, base_plan: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--checkpoint-dir=~/ckpt``: bash expands no ``~`` after ``=``; train and launch do."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    params = TRAIN.make_context("train", ["--checkpoint-dir=~/ckpt", "--data", "~/d.jsonl"]).params
+    assert params["checkpoint_dir"] == tmp_path / "home" / "ckpt"
+    assert params["data"] == str(tmp_path / "home" / "d.jsonl")
+    result = runner.invoke(app, ["launch", str(base_plan), "--rdzv-endpoint", "h:1", "--dry-run", "--json",
+                                 "--", "--checkpoint-dir=~/ckpt"])
+    assert result.exit_code == 0, result.output
+    command = json.loads(result.stdout)["nodes"][0]["command"]
+    assert f"--checkpoint-dir={tmp_path / 'home' / 'ckpt'}" in command
+    line = one_line_refusal(["train", "--checkpoint-dir", "~medley-no-such-user/c"])
+    assert "~medley-no-such-user names no user's home here" in line, line
 
 
 @pytest.mark.parametrize(("value", "message"), [

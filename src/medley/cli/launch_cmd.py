@@ -93,7 +93,9 @@ def absolute_paths(ctx: typer.Context, args: list[str]) -> list[str]:
 
 
 def _absolute(value: str, parsed: object) -> str:
-    return str(Path(value).absolute()) if isinstance(parsed, Path) or os.path.exists(value) else value
+    """The flag's value as train parsed it (``~`` expanded), made absolute when it is a path."""
+    text = str(parsed) if isinstance(parsed, (str, Path)) else value
+    return str(Path(text).absolute()) if isinstance(parsed, Path) or os.path.exists(text) else text
 
 
 def default_rdzv_id(plan_path: Path) -> str:

@@ -21,7 +21,7 @@ from medley.cli import hf_cmd
 from medley.cli.console import literal, make_console
 from medley.cli.errors import MedleyInputError, exit_on_input_error, print_error
 from medley.cli.job_file import load_job_callback, refuse_plan_settings
-from medley.cli.train_inputs import check_inputs_exist, finished_line
+from medley.cli.train_inputs import check_inputs_exist, finished_line, home
 from medley.plan.plan import Plan
 from medley.runtime.placement import ranks_needed
 from medley.spec.limits import MAX_SEED, MAX_STEPS
@@ -241,30 +241,34 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         job: Annotated[Path | None, typer.Option("--config", callback=load_job_callback, is_eager=True, help=(
             "Job file (TOML): these flags by section; a flag given here wins (docs/job-file.md)"))] = None,
-        plan: Annotated[Path | None, typer.Option(help="Plan TOML file (else the inline flags)")] = None,
+        plan: Annotated[Path | None, typer.Option(
+            callback=home, help="Plan TOML file (else the inline flags)")] = None,
         steps: Annotated[int, typer.Option(min=1, max=MAX_STEPS, help="Optimizer steps in total")] = 20,
-        data: Annotated[str | None, typer.Option(help=(
+        data: Annotated[str | None, typer.Option(callback=home, help=(
             "Data: .jsonl, .parquet (file or directory), datasets save_to_disk directory, .bin token file, "
             "text file, or 'synthetic' (default: shipped corpus)"))] = None,
-        tokenizer: Annotated[str | None, typer.Option(help=(
+        tokenizer: Annotated[str | None, typer.Option(callback=home, help=(
             "tokenizer.json (or its directory) for text data (default: the model directory's, else a "
             "text file is read as bytes)"))] = None,
         text_field: Annotated[str, typer.Option(help="JSON field / column holding the text")] = "text",
         data_format: Annotated[str, typer.Option(help=(
             "auto (by the first row's fields), text, chat ('messages' in the chat template, loss on the "
             "assistant's tokens) or completion ('prompt'/'completion', loss on the completion)"))] = "auto",
-        chat_template: Annotated[str | None, typer.Option(help=(
+        chat_template: Annotated[str | None, typer.Option(callback=home, help=(
             "Jinja chat template file for chat data (default: the tokenizer directory's)"))] = None,
         token_dtype: Annotated[str | None, typer.Option(help=(
             ".bin token ids: uint16 or uint32 (default: from the .idx beside it, else uint16)"))] = None,
-        data_cache: Annotated[Path | None, typer.Option(help=(
+        data_cache: Annotated[Path | None, typer.Option(callback=home, help=(
             "Token cache directory (default: ~/.cache/medley/tokens)"))] = None,
-        val_data: Annotated[str | None, typer.Option(help="Validation data (same formats as --data)")] = None,
+        val_data: Annotated[str | None, typer.Option(
+            callback=home, help="Validation data (same formats as --data)")] = None,
         val_fraction: Annotated[float, typer.Option(help="Hold out this share of --data")] = 0.0,
         eval_every: Annotated[int, typer.Option(help="Validation loss every N steps (0: off)")] = 0,
         eval_batches: Annotated[int, typer.Option(help="Validation batches per evaluation")] = 2,
-        tensorboard: Annotated[Path | None, typer.Option(help="Write TensorBoard scalars here")] = None,
-        checkpoint_dir: Annotated[Path | None, typer.Option(help="Save here; resume from the newest")] = None,
+        tensorboard: Annotated[Path | None, typer.Option(
+            callback=home, help="Write TensorBoard scalars here")] = None,
+        checkpoint_dir: Annotated[Path | None, typer.Option(
+            callback=home, help="Save here; resume from the newest")] = None,
         checkpoint_every: Annotated[int, typer.Option(help="Save every K steps (0: at the end)")] = 0,
         async_checkpoint: Annotated[bool, typer.Option("--async-checkpoint", help=(
             "Write checkpoints in the background while training goes on (DCP async save); each is "
@@ -298,7 +302,8 @@ def register(app: typer.Typer) -> None:
         clip_norm: Annotated[float, typer.Option(help="Global gradient-norm clip (0: off)")] = 1.0,
         dtype: Annotated[str | None, typer.Option(
             help="fp32, bf16 or fp16 (default: the plan's on CUDA, fp32 on CPU)")] = None,
-        log_jsonl: Annotated[Path | None, typer.Option(help="Append one JSON line per step here")] = None,
+        log_jsonl: Annotated[Path | None, typer.Option(
+            callback=home, help="Append one JSON line per step here")] = None,
         step_timeout: Annotated[float, typer.Option(help="Seconds until a stuck step fails (0: off)")] = 600,
         first_step_timeout: Annotated[float, typer.Option(help=(
             "Seconds until a stuck first step (compiling, allocating) fails (0: off)"))] = 1800,
@@ -308,8 +313,9 @@ def register(app: typer.Typer) -> None:
             "Gather the statistics and log a line every N steps (no host sync on the steps between)"))] = 10,
         gc_every: Annotated[int, typer.Option(help=(
             "Python garbage collection between steps every N steps, off inside steps (0: automatic)"))] = 50,
-        cluster: Annotated[str | None, typer.Option(help="Inline plan: cluster (NxA100-80GB)")] = None,
-        model: Annotated[str | None, typer.Option(
+        cluster: Annotated[str | None, typer.Option(
+            callback=home, help="Inline plan: cluster (NxA100-80GB)")] = None,
+        model: Annotated[str | None, typer.Option(callback=home,
             help="Inline plan: model preset, config.json or Hugging Face model directory (default: tiny, "
                  "or the --init-from directory)")] = None,
         pp: Annotated[int, typer.Option(help="Inline plan: pipeline ranks per replica")] = 1,
@@ -335,9 +341,9 @@ def register(app: typer.Typer) -> None:
                  "tp")] = False,
         reset_data_order: Annotated[bool, typer.Option(
             help="Resume although the seed, global batch or --data differ from the checkpoint's")] = False,
-        init_from: Annotated[Path | None, typer.Option(
+        init_from: Annotated[Path | None, typer.Option(callback=home,
             help="Start from this Hugging Face model directory's safetensors weights")] = None,
-        export_hf: Annotated[Path | None, typer.Option(
+        export_hf: Annotated[Path | None, typer.Option(callback=home,
             help="After training, write the model here as a Hugging Face model directory")] = None,
         compile_blocks: Annotated[bool, typer.Option("--compile", help=(
             "torch.compile each transformer block (the first step includes compiling)"))] = False,

@@ -6,12 +6,28 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TypeVar
+
+import typer
 
 from medley.errors import MedleyInputError
 from medley.fileio import read_user_json
 
+T = TypeVar("T")
 _SYNTHETIC = "synthetic"
 _STEP_PREFIX = "step-"  # medley.runtime.checkpoint's directory names (importing it imports torch)
+
+
+def home(value: T) -> T:
+    """A path flag's callback: a leading ``~`` (or ``~user``) is that home, as a shell expands it
+    before a word but not after ``--flag=`` (nor in a job file, whose values pass here too)."""
+    if not isinstance(value, (str, Path)) or not str(value).startswith("~"):
+        return value
+    expanded = os.path.expanduser(value)
+    if expanded.startswith("~"):
+        raise typer.BadParameter(f"{value}: {str(value).split('/')[0]} names no user's home here; write "
+                                 "the path out")
+    return type(value)(expanded)
 
 
 def check_inputs_exist(given: dict[str, str | Path | None]) -> None:
