@@ -247,6 +247,8 @@ class _Loop:
         if changed and self.rank == 0:
             print(printable(f"resuming {latest} with a new data order (--reset-data-order): "
                             f"{'; '.join(changed)}"), file=sys.stderr, flush=True)
+        if self.rank == 0:
+            print(printable(f"resumed from step {start} (checkpoint {latest})"), file=sys.stderr, flush=True)
         return start
 
     def _arm(self, watchdog: StepWatchdog | None, step: int, *, first: bool) -> None:
