@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO
 
-from medley.runtime.nodes import LAUNCHER_PID_ENV, NodeLaunch
+from medley.runtime.nodes import ELASTIC_DIR_ENV, LAUNCHER_PID_ENV, NodeLaunch
 
 GRACE_S = 3.0  # how long the other agents may still report after the first one failed
 STOP_S = 10.0  # how long a stopped agent may take before it is killed
@@ -166,7 +166,31 @@ def run_agents(launches: list[NodeLaunch], *, debug: bool, elastic: bool = False
             f"node {a.launch.node}: its agent ended ({_how(a.process.returncode)}); the run went on "
             "without it"
             for a in lost)
+    host = _rendezvous_host(agents) if elastic else None
+    if host is not None and host.process.returncode < 0:  # lost (killed), not failed for its ranks
+        return 1, rendezvous_lost_line(host.launch, host.process.returncode)
     return _outcome(agents, shown_error=bool(output.errors))
+
+
+def _rendezvous_host(agents: list[_Agent]) -> _Agent | None:
+    """The agent that serves torchrun's rendezvous store: the one started with ``is_host=1`` in
+    its ``--rdzv-conf`` (``--local``), else the first."""
+    for agent in agents:
+        argv = list(agent.launch.argv)
+        conf = argv[argv.index("--rdzv-conf") + 1] if "--rdzv-conf" in argv[:-1] else ""
+        if "is_host=1" in conf.split(","):
+            return agent
+    return agents[0] if agents else None
+
+
+def rendezvous_lost_line(launch: NodeLaunch, code: int) -> str:
+    """The line of an elastic run that ended because the node hosting the rendezvous was lost
+    (``code``: its agent's exit status): which node, why the others stopped, how to resume."""
+    directory = launch.env.get(ELASTIC_DIR_ENV)
+    where = f"the last checkpoint ({directory})" if directory else "the last checkpoint"
+    return (f"node {launch.node}: its agent ended ({_how(code)}); it hosted the rendezvous (torchrun's "
+            "store), so the other nodes could not go on and were stopped; run the same medley launch "
+            f"command again to resume from {where}")
 
 
 def _how(code: int) -> str:
