@@ -96,6 +96,8 @@ def cache_key(path: Path, fmt: str, *, tokenizer: TextTokenizer, field: str) -> 
     files = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in input_files(path, fmt)]
     spec = {"version": CACHE_VERSION, "files": files, "tokenizer": tokenizer.digest,
             "field": field if fmt != "text" else None}
+    if fmt in ("parquet", "arrow"):  # their null texts were once dropped: a cache of that is not reused
+        spec["null_texts"] = "refused"
     return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:24]
 
 

@@ -102,7 +102,7 @@ def records(path: Path, fmt: str, *, fields: tuple[str, ...], flag: str) -> Iter
                 stream = pa.ipc.open_stream(pa.memory_map(str(file)))
                 names = [n for n in fields if n in stream.schema.names]
                 batches = iter(stream)
-            number = 0
+            number = 1  # rows counted from 1, as jsonl lines are
             for batch in batches:
                 for row in batch.select(names).to_pylist():
                     yield f"{flag} {file} row {number}", row
@@ -148,6 +148,8 @@ def _jsonl_text(raw: bytes, *, path: Path, number: int, field: str, flag: str) -
     if row is None:
         return None
     text = row.get(field) if isinstance(row, dict) else None
+    if isinstance(row, dict) and field in row and text is None:
+        raise null_text(where, field)
     if not isinstance(text, str):
         what = "has no" if not isinstance(row, dict) or field not in row else "has a non-text"
         raise MedleyInputError(f"{where}: {what} field '{field}'; name the text field with --text-field")
@@ -157,6 +159,12 @@ def _jsonl_text(raw: bytes, *, path: Path, number: int, field: str, flag: str) -
                                f"({ascii(surrogate.group())} at character {surrogate.start()}), which is not "
                                "text; fix the \\u escape there")
     return text
+
+
+def null_text(where: str, field: str) -> MedleyInputError:
+    """The refusal of a row whose text field is null (a JSON ``null``, a parquet or arrow null),
+    alike in every format: the row was once dropped from parquet and arrow data without a word."""
+    return MedleyInputError(f"{where}: field '{field}' is null, not text; give the row a text or remove it")
 
 
 def _column(schema: pa.Schema, file: Path, *, field: str, flag: str) -> None:
@@ -181,10 +189,17 @@ def _parquet(file: Path, *, field: str, flag: str) -> Iterator[str]:
 
 
 def _rows(batches: Iterator[pa.RecordBatch], file: Path, *, field: str, flag: str) -> Iterator[str]:
-    """The non-null texts of ``batches``; damage found while reading them is one line."""
+    """The texts of ``batches``; a null text is refused naming its row (counted from 1 in the
+    file, as jsonl lines are), as a jsonl ``null`` is; damage found while reading them is one line."""
+    number = 1
     try:
         for batch in batches:
-            yield from (text for text in batch.column(field).to_pylist() if text is not None)
+            column = batch.column(field)
+            texts = column.to_pylist()
+            if column.null_count:
+                raise null_text(f"{flag} {file} row {number + texts.index(None)}", field)
+            yield from texts
+            number += len(texts)
     except (OSError, pa.ArrowException, UnicodeDecodeError) as err:
         raise MedleyInputError(f"{flag} {file}: cannot read its rows ({type(err).__name__}: {err}); check "
                                "the file") from None
