@@ -31,6 +31,7 @@ from medley.runtime.device_check import (
 )
 from medley.runtime.placement import my_identity, planned_device
 from medley.runtime.setup import check_plan
+from medley.spec.catalog import check_precision
 
 GIB = 2**30
 # Anonymous memory of a rank before its model exists: torch, gloo and medley imported (measured
@@ -96,6 +97,9 @@ def preflight(plan: Plan, *, dtype: str, local_ranks: int, on_cuda: bool) -> Non
     (:func:`medley.runtime.setup.check_plan`) and memory. Under torchrun on CUDA each rank checks
     its own GPU; ``local_ranks`` is the number of this plan's ranks on this machine."""
     check_plan(plan, plan.world_size)
+    if on_cuda:  # a CPU run emulates the plan's devices and computes bf16 on any of them
+        check_precision(dtype, plan.cluster.device_types(plan.devices).values(), where="--dtype bf16",
+                        fix="give --dtype fp16 or fp32 (or leave --dtype out: the plan's dtype)")
     if not on_cuda:
         check_cpu_memory(plan, dtype=dtype, local_ranks=local_ranks)
     elif "RANK" in os.environ:

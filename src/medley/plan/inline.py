@@ -16,7 +16,7 @@ from medley.plan.layout import TP_DEGREES, PlanLayout, check_tp
 from medley.plan.split_rules import speed_split
 from medley.schedule.generators import generate
 from medley.schedule.zero_settings import Placement, StageZero
-from medley.spec.catalog import half_precision
+from medley.spec.catalog import check_precision, half_precision
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_schema import printable
 from medley.spec.limits import MAX_BLOCKS, MAX_MICRO_BATCHES, MAX_WINDOWS, check_sim_work
@@ -213,6 +213,8 @@ def inline_layout(
     used = {cluster.devices[d].type for row in devices for d in row}
     if dtype is None:
         dtype = half_precision(used)
+    check_precision(dtype, used, where="--dtype bf16",
+                    fix="give --dtype fp16 or fp32, or --assignment devices that have bf16")
     try:
         policy = Placement(placement)
     except ValueError:

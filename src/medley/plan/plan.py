@@ -25,6 +25,7 @@ from medley.plan.layout import PlanLayout, check_tp
 from medley.plan.segments import joined
 from medley.plan.world import build_world, step_actions
 from medley.schedule.zero_settings import Placement, StageZero
+from medley.spec.catalog import check_precision
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import cluster_from_dict
 from medley.spec.cluster_schema import STRICT, describe_validation_error, printable
@@ -275,6 +276,9 @@ def plan_from_dict(raw: dict[str, Any], *, source: str) -> Plan:
     else:
         groups = [_layout_from_spec(spec.layout, spec.layout, model, cluster, source, where="layout")]
     _check_groups(groups, source)
+    check_precision(spec.layout.dtype, cluster.device_types(d for g in groups for d in g.devices).values(),
+                    where=f"{source}: field 'layout.dtype' = \"bf16\"",
+                    fix='set dtype = "fp16" (or "fp32"), or plan for devices that have bf16')
     prediction = None
     if spec.prediction is not None:
         p = spec.prediction.model_dump()

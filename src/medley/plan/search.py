@@ -46,6 +46,7 @@ from medley.plan.shortfall import shortfall_error
 from medley.plan.space import MICRO_BATCH_SIZES, SEARCHED_FAMILIES, Candidate, Constraints, Structure
 from medley.plan.structure_bound import StructureBounds
 from medley.sim.engine import collector_paused
+from medley.spec.catalog import check_precision
 from medley.spec.cluster import Cluster
 from medley.spec.limits import MAX_MICRO_BATCHES, MAX_PLAN_DEVICES
 from medley.spec.model import ModelSpec
@@ -136,13 +137,11 @@ def _check_inputs(
         )
     if constraints.dtype not in (None, "bf16", "fp16", "fp32"):
         raise MedleyInputError(f"--dtype {constraints.dtype}: give bf16, fp16 or fp32 (or leave it out).")
-    if constraints.dtype == "bf16":
-        lacking = sorted({d.type.name for i, d in enumerate(cluster.devices)
-                          if not d.type.supports_bf16 and i not in set(constraints.exclude_devices)})
-        if lacking:
-            raise MedleyInputError(
-                f"--dtype bf16: {', '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} no bf16; "
-                "give --dtype fp16 or fp32, or leave those devices out with --exclude-devices.")
+    excluded = set(constraints.exclude_devices)
+    kept = [d.type for i, d in enumerate(cluster.devices) if i not in excluded]
+    check_precision(constraints.dtype or "", kept,
+                    where="--dtype bf16",
+                    fix="give --dtype fp16 or fp32, or leave those devices out with --exclude-devices.")
     if constraints.max_pp is not None and constraints.max_pp < 1:
         raise MedleyInputError(f"--max-pp {constraints.max_pp}: give at least 1.")
     devices = [d for d in range(cluster.num_devices) if d not in set(constraints.exclude_devices)]

@@ -87,13 +87,34 @@ def half_precision(types: Iterable[DeviceType]) -> str:
     return "bf16" if all(t.supports_bf16 for t in types) else "fp16"
 
 
+def lacking_bf16(types: Iterable[DeviceType]) -> list[str]:
+    """The names of the types among ``types`` that have no bf16, sorted."""
+    return sorted({t.name for t in types if not t.supports_bf16})
+
+
+def _have(names: list[str]) -> str:
+    return f"{', '.join(names)} {'has' if len(names) == 1 else 'have'} no bf16"
+
+
+def check_precision(dtype: str, types: Iterable[DeviceType], *, where: str, fix: str) -> None:
+    """Refuse ``dtype`` bf16 on devices of ``types`` when any lacks it: one line, ``where`` (the
+    file and field, or the flag) first, the types that lack it, then ``fix``. Every plan that is
+    loaded or simulated passes here (plan files, ``simulate``'s inline plan); ``medley plan
+    --dtype bf16`` refuses the same in :mod:`medley.plan.search`."""
+    lacking = lacking_bf16(types) if dtype == "bf16" else []
+    if lacking:
+        raise MedleyInputError(f"{where}: {_have(lacking)}; {fix}")
+
+
 def precision_reason(dtype: str, types: Iterable[DeviceType]) -> str:
-    """Why a plan on devices of ``types`` trains in ``dtype``, in words (plan table, show, explain)."""
-    lacking = sorted({t.name for t in types if not t.supports_bf16})
+    """Why a plan on devices of ``types`` trains in ``dtype``, in words (plan table, show, explain,
+    simulate); it looks at the types, so bf16 on a type without it says so."""
+    lacking = lacking_bf16(types)
     if dtype == "fp16" and lacking:
-        verb = "has" if len(lacking) == 1 else "have"
-        return f"fp16 with loss scaling: {', '.join(lacking)} {verb} no bf16"
+        return f"fp16 with loss scaling: {_have(lacking)}"
     if dtype == "bf16":
+        if lacking:  # refused where plans are loaded (check_precision); said plainly if one gets here
+            return f"bf16, but {_have(lacking)}: use fp16, or devices that have bf16"
         return "bf16: every device of the plan has it"
     return f"{dtype}: as set (plan --dtype or the plan file)"
 

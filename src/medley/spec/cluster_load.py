@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from medley.errors import MedleyInputError
 from medley.fileio import read_toml
-from medley.spec.catalog import DeviceType, load_catalog, with_entries
+from medley.spec.catalog import DeviceType, get_device_type, load_catalog, with_entries
 from medley.spec.cluster import DEFAULT_NETWORK_GBPS, DEFAULT_NETWORK_LATENCY_US, Cluster
 from medley.spec.cluster_build import build_cluster
 from medley.spec.cluster_schema import ClusterFile, describe_validation_error, printable
@@ -30,9 +30,7 @@ def load_cluster(path: Path, catalog: dict[str, DeviceType] | None = None) -> Cl
         catalog = load_catalog(path.parent / spec.catalog)
         spec = spec.model_copy(update={"catalog": str((path.parent / spec.catalog).resolve())})
     catalog = catalog or load_catalog()
-    if spec.device_types:
-        catalog = with_entries(catalog, spec.device_types, source=str(path))
-    return build_cluster(spec, source=str(path), catalog=catalog)
+    return _with_types(spec, source=str(path), catalog=catalog)
 
 
 def cluster_from_dict(raw: dict, *, source: str) -> Cluster:
@@ -44,9 +42,24 @@ def cluster_from_dict(raw: dict, *, source: str) -> Cluster:
     # A plan stores its device types (device_types); an older one names a catalog file instead.
     catalog = load_catalog(Path(spec.catalog)) if spec.catalog is not None and not spec.device_types \
         else load_catalog()
-    if spec.device_types:
-        catalog = with_entries(catalog, spec.device_types, source=source)
-    return build_cluster(spec, source=source, catalog=catalog)
+    return _with_types(spec, source=source, catalog=catalog)
+
+
+def _with_types(spec: ClusterFile, *, source: str, catalog: dict[str, DeviceType]) -> Cluster:
+    """The cluster of ``spec`` with its ``device_types`` over ``catalog``; an entry that no node
+    uses is refused: a renamed entry (a slip while editing a plan) would leave its node on the
+    catalog's type of the old name without a word."""
+    if not spec.device_types:
+        return build_cluster(spec, source=source, catalog=catalog)
+    catalog = with_entries(catalog, spec.device_types, source=source)
+    cluster = build_cluster(spec, source=source, catalog=catalog)
+    types = sorted({get_device_type(node.device, catalog).name for node in spec.nodes})
+    unused = [name for name in spec.device_types if get_device_type(name, catalog).name not in types]
+    if unused:
+        raise MedleyInputError(printable(
+            f"{source}: field 'device_types.{unused[0]}': no node uses this device type (the nodes use "
+            f"{', '.join(types)}); name it in a node's `device`, or remove the entry"))
+    return cluster
 
 
 def _short_count(digits: str) -> int:

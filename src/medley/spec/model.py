@@ -268,6 +268,17 @@ def model_from_dict(raw: Any, *, source: str, doc: str) -> ModelSpec:
     except ValidationError as err:
         raise MedleyInputError(describe_validation_error(err, source, doc=doc)) from None
     try:
-        return ModelSpec(**fields.model_dump())
+        model = ModelSpec(**fields.model_dump())
     except MedleyInputError as err:
         raise MedleyInputError(f"{source}: {err}") from None
+    preset = PRESETS.get(model.name.lower())
+    differ = [] if preset is None else [
+        f"{f.name} = {getattr(model, f.name)!r} (the preset's: {getattr(preset, f.name)!r})"
+        for f in dataclasses.fields(ModelSpec)
+        if f.name != "name" and getattr(model, f.name) != getattr(preset, f.name)]
+    if differ:  # it would be shown and titled as the preset
+        raise MedleyInputError(printable(
+            f"{source}: field 'name' = {model.name!r} is a preset, but {'; '.join(differ[:3])}"
+            f"{f' and {len(differ) - 3} more' if len(differ) > 3 else ''}; give the model a name of "
+            "its own, or leave out the fields that differ to use the preset"))
+    return model
