@@ -10,17 +10,20 @@ step-time difference is reported. Every figure is a simulation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from itertools import islice
 
 from medley.cost.recompute import Recompute, recompute_text
 from medley.errors import MedleyInputError
 from medley.plan.layout import PlanLayout
 from medley.plan.predict import predict_groups
+from medley.plan.ranking import RankedPlan, simulate_all
 from medley.plan.search import SearchResult
 from medley.plan.split_rules import uniform_split
 from medley.schedule.zero_settings import Placement, StageZero
 from medley.sim.result import SimResult
-from medley.spec.catalog import precision_reason
+from medley.spec.catalog import lacking_bf16, precision_reason
 
 GB = 1e9
 # How the explanation names each ZeRO placement policy (the plan file writes the enum value).
@@ -51,6 +54,7 @@ class Explanation:
     versus_baselines: dict[str, float | None]
     aggregate_fraction: float
     precision: str
+    left_out: list[str] = field(default_factory=list)  # devices idle, bf16 forgone: :func:`left_out`
 
     def lines(self) -> list[str]:
         out = [
@@ -60,6 +64,7 @@ class Explanation:
             f"Memory: device {self.tightest_device} ({self.tightest_type}) has the least headroom, "
             f"{self.tightest_headroom_gb:.1f} GB; its stage runs {self.tightest_stage_option}.",
             f"Precision: {self.precision}.",
+            *self.left_out,
         ]
         for k in self.knobs:
             if k.step_time_s is None:
@@ -211,6 +216,66 @@ def _alike_effect(search_result: SearchResult) -> KnobEffect:
                       slowdown=seconds / best.prediction.step_time_s)
 
 
+def _against(other: RankedPlan, best: RankedPlan) -> str:
+    """``other``'s step against the best plan's, and where its time goes that the best's does not."""
+    mine, theirs = best.prediction, other.prediction
+    return (f"takes {theirs.step_time_s:.3f} s ({theirs.step_time_s / mine.step_time_s - 1:+.1%}): bubble "
+            f"{theirs.bubble_fraction:.0%} against {mine.bubble_fraction:.0%}, communication exposed "
+            f"{theirs.exposed_comm_s:.3f} s per device against {mine.exposed_comm_s:.3f} s")
+
+
+# Candidates simulated for a --explain line when no plan simulated by the search answers it.
+EXPLAIN_SIMULATED = 3
+
+
+def _fastest(search_result: SearchResult, wanted: Callable[[set[int], str], bool],
+             what: str) -> tuple[RankedPlan | None, str]:
+    """The fastest fitting plan ``wanted`` among those the search simulated, else among the
+    EXPLAIN_SIMULATED best-estimated such candidates, simulated now; with how it was found (or,
+    when none fits, why: ``what`` names such plans). ``wanted`` sees a plan's devices and dtype."""
+    best = search_result.best
+    found = [p for p in search_result.simulated
+             if p.fits and p is not best and wanted(set(p.plan.devices), p.plan.shared.dtype)]
+    if found:
+        return min(found, key=lambda p: p.prediction.step_time_s), f"the fastest plan simulated {what}"
+    model, seq_len = search_result.model, search_result.seq_len
+    layouts = ((c, c.layout(model, seq_len)) for c in search_result.estimated)
+    picked = list(islice((c for c, layout in layouts if wanted(set(layout.devices), layout.dtype)),
+                         EXPLAIN_SIMULATED))
+    if not picked:
+        return None, (f"the search estimated no plan {what}: its bounds ruled them out (memory, or a step "
+                      "no faster than those it kept)")
+    ranked = [p for p in simulate_all(picked, model, seq_len, search_result.cluster, search_result.cost,
+                                      search_result.constraints) if p.fits]
+    if not ranked:
+        return None, f"none of the {len(picked)} best-estimated plans {what} fits in memory"
+    return (min(ranked, key=lambda p: p.prediction.step_time_s),
+            f"the fastest of the {len(picked)} best-estimated plans {what} (simulated for this line)")
+
+
+def left_out(search_result: SearchResult) -> list[str]:
+    """What the best plan forgoes, each with the fastest plan that does not: the devices it leaves
+    idle (and a plan that uses every device), and bf16 where a device type without it makes the
+    plan fp16 (and the fastest bf16 plan, which leaves that type out)."""
+    best, cluster = search_result.best, search_result.cluster
+    usable = set(range(cluster.num_devices)) - set(search_result.constraints.exclude_devices)
+    out = []
+    idle = sorted(usable - set(best.plan.devices))
+    if idle:
+        names = ", ".join(f"{d} ({cluster.devices[d].type.name})" for d in idle)
+        other, how = _fastest(search_result, lambda devices, _: usable <= devices,
+                              "that uses every device")
+        out.append(f"Idle: device{'s' if len(idle) > 1 else ''} {names} left out by this plan; {how}"
+                   + (f" {_against(other, best)}." if other else "."))
+    lacking = lacking_bf16(cluster.device_types(best.plan.devices).values())
+    if best.plan.shared.dtype == "fp16" and lacking:
+        them = "it" if len(lacking) == 1 else "them"
+        other, how = _fastest(search_result, lambda _, dtype: dtype == "bf16", f"in bf16 (without {them})")
+        out.append(f"bf16: {', '.join(lacking)} made this plan fp16; {how}"
+                   + (f", on {len(other.plan.devices)} devices, {_against(other, best)}." if other else "."))
+    return out
+
+
 def explain(search_result: SearchResult) -> Explanation:
     """Explain ``search_result.best``."""
     best = search_result.best
@@ -266,4 +331,5 @@ def explain(search_result: SearchResult) -> Explanation:
         versus_baselines=versus,
         aggregate_fraction=best.tokens_per_s / search_result.aggregate_tokens_per_s,
         precision=precision_reason(best.plan.shared.dtype, cluster.device_types(best.plan.devices).values()),
+        left_out=left_out(search_result),
     )

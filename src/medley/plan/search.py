@@ -86,6 +86,7 @@ class SearchResult:
     seq_len: int
     constraints: Constraints
     simulated: list[RankedPlan] = field(default_factory=list)
+    estimated: list[Candidate] = field(default_factory=list)  # every candidate estimated, in order
     structures_estimated: int = 0
     candidates_estimated: int = 0
     best_single_type: RankedPlan | None = None
@@ -266,6 +267,7 @@ def search(
         seq_len=seq_len,
         constraints=constraints,
         simulated=ranked,
+        estimated=[c for _, _, c in candidates],
         structures_estimated=len(structures),
         candidates_estimated=len(candidates),
         best_single_type=singles[0] if singles else None,
