@@ -43,7 +43,6 @@ from medley.plan.predict import simulate_groups
 from medley.runtime import checkpoint, elastic_dir
 from medley.runtime.config import TrainConfig, TrainHooks
 from medley.runtime.launch import STORE_TIMEOUT_S, init_process_group
-from medley.runtime.lifecycle import phase_timeouts
 from medley.runtime.metrics import TensorBoardLog
 from medley.runtime.placement import DEVICE_ENV, NODE_ENV
 from medley.runtime.records import StepRecord
@@ -93,8 +92,7 @@ def run_rank(launched: Plan, config: TrainConfig, hooks: TrainHooks | None, *, p
             return _leave(store, round_, rank, world)
         plan = load_plan(Path(decision.plan))
         os.environ[DEVICE_ENV] = str(decision.device[rank])
-        init_process_group(timeouts=phase_timeouts(config.logging),
-                           store=dist.PrefixStore(f"train/{round_}/", store),
+        init_process_group(config, store=dist.PrefixStore(f"train/{round_}/", store),
                            rank=decision.trainers.index(rank), world_size=len(decision.trainers))
         watch = Watch(directory=directory, config=config, plan=plan, decision=decision, run_id=run_id,
                       user=hooks or TrainHooks())

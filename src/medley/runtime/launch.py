@@ -36,7 +36,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from medley.errors import MedleyInputError, debug_enabled
 from medley.plan.plan import Plan
 from medley.runtime import placement
-from medley.runtime.lifecycle import PhaseTimeouts, die_with_parent, phase_timeouts, process_group_timeout_s
+from medley.runtime.lifecycle import die_with_parent, phase_timeouts, process_group_timeout_s
 from medley.runtime.nodes import LAUNCHER_PID_ENV, ONE_THREAD_ENV, SHARED_STORE_ENV
 from medley.runtime.placement import PlacementEntry, ranks_needed
 from medley.runtime.train import StepRecord, TrainConfig, TrainHooks, load_data, train
@@ -68,16 +68,18 @@ def uses_cuda(local_world: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= local_world
 
 
-def init_process_group(*, timeouts: PhaseTimeouts, store: dist.Store | None = None, rank: int = -1,
-                       world_size: int = -1, cpu: bool = False) -> str:
-    """The default process group: from torchrun's environment, or over ``store`` as ``rank`` of
-    ``world_size``; nccl only with a GPU per local rank, and gloo whatever there is with ``cpu``
-    (``--device cpu``). Its timeout outlasts every limit of the watchdog (``timeouts``:
+def init_process_group(config: TrainConfig, *, store: dist.Store | None = None, rank: int = -1,
+                       world_size: int = -1) -> str:
+    """The default process group of a run of ``config``: from torchrun's environment, or over
+    ``store`` as ``rank`` of ``world_size`` (elastic runs); nccl only with a GPU per local rank,
+    and gloo whatever there is with ``config.emulation.device`` ``cpu`` (``--device cpu``). Its
+    timeout outlasts every limit of the watchdog (``config.logging``'s phase timeouts:
     :func:`~medley.runtime.lifecycle.process_group_timeout_s`), so a hang is named by its line."""
+    cpu = config.emulation.device == "cpu"
     on_cuda = not cpu and uses_cuda(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     backend = "nccl" if on_cuda else "gloo"
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=process_group_timeout_s(timeouts))
+        timeout = datetime.timedelta(seconds=process_group_timeout_s(phase_timeouts(config.logging)))
         dist.init_process_group(backend, timeout=timeout, store=store, rank=rank, world_size=world_size)
     return backend
 
@@ -141,7 +143,7 @@ def rank_main(plan: Plan, config: TrainConfig, hooks: TrainHooks | None = None, 
     if debug_enabled():
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a rank waits
     if body is None:
-        init_process_group(timeouts=phase_timeouts(config.logging), cpu=config.emulation.device == "cpu")
+        init_process_group(config)
     ran: Plan | None = None
     try:
         if body is None:
