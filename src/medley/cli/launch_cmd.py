@@ -67,11 +67,10 @@ def check_train_args(ctx: typer.Context, args: list[str]) -> dict[str, object]:
     return params
 
 
-def absolute_paths(ctx: typer.Context, args: list[str]) -> list[str]:
-    """``args`` checked as ``medley train`` would check them (:func:`check_train_args`), with the
-    value of every path flag, and of any flag whose value names an existing file here, made
-    absolute: the nodes' commands do not depend on the directory they start in."""
-    params = check_train_args(ctx, args)
+def absolute_paths(ctx: typer.Context, args: list[str], params: dict[str, object]) -> list[str]:
+    """``args`` (``params``: as :func:`check_train_args` parsed them), with the value of every path
+    flag, and of any flag whose value names an existing file here, made absolute: the nodes'
+    commands do not depend on the directory they start in."""
     root = ctx.find_root()
     train = root.command.get_command(root, "train")  # type: ignore[attr-defined]
     names = {opt: param.name for param in train.params for opt in param.opts if opt.startswith("--")}
@@ -250,12 +249,12 @@ def register(app: typer.Typer) -> None:
         if slurm is not None:
             check_output_file(slurm, flag="--slurm")
         the_plan = load_plan(plan)
-        args = absolute_paths(ctx, list(train_args or []))
-        cpu = on_cpu_by_choice(check_train_args(ctx, list(train_args or [])))
+        params = check_train_args(ctx, list(train_args or []))  # parsed once, as train parses them
+        args = absolute_paths(ctx, list(train_args or []), params)
+        cpu = on_cpu_by_choice(params)
         extra = None
         if elastic:
-            extra = elastic_settings(check_train_args(ctx, list(train_args or [])), min_nodes=min_nodes,
-                                     max_restarts=max_restarts)
+            extra = elastic_settings(params, min_nodes=min_nodes, max_restarts=max_restarts)
         if local:
             here = local_settings(plan, args, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
             extra = None if extra is None else dataclasses.replace(extra, first_hosts=True)
