@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from refusals import one_line_refusal, runner
 from typer.main import get_command
-from typer.testing import CliRunner
 
 from medley.cli.job_file import PLAN_DEFINING, SECTIONS, setting_type
 from medley.cli.main import app
 
-runner = CliRunner()
 TRAIN = get_command(app).get_command(None, "train")  # type: ignore[attr-defined]
 PARAMS = [p for p in TRAIN.params if p.name != "job"]
 
@@ -30,14 +29,6 @@ def key_of(param) -> str:  # noqa: ANN001 - a typer option
 
 def section_of(name: str) -> str:
     return next(section for section, names in SECTIONS.items() if name in names)
-
-
-def one_line_refusal(args: list[str]) -> str:
-    result = runner.invoke(app, args)
-    assert result.exit_code == 2, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.output, result.output
-    return lines[0]
 
 
 def parsed(job: Path) -> dict:

@@ -14,7 +14,7 @@ import pytest
 import tomli_w
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
+from refusals import one_line_refusal, runner
 
 from medley.cli.main import app
 from medley.cli.preflight import preflight
@@ -23,16 +23,7 @@ from medley.fileio import read_toml
 from medley.plan.plan import load_plan
 from medley.spec.cluster_load import load_cluster
 
-runner = CliRunner()
 MIXED = "1xA100-80GB+1xV100-32GB"
-
-
-def one_line_refusal(args: list[str]) -> str:
-    result = runner.invoke(app, args)
-    assert result.exit_code == 2, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.output, result.output
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
