@@ -23,7 +23,6 @@ import dataclasses
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +153,8 @@ def main() -> None:
     args = parser.parse_args()
     import torch.multiprocessing as mp
 
+    from medley.runtime.nodes import free_port
+
     # A fixed mmap threshold: glibc's grows with every large free (up to 32 MB), after which freed
     # tensors stay in the heap and count as resident; the ranks inherit this at start.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
@@ -162,9 +163,7 @@ def main() -> None:
     payload = json.loads(path.read_text()) if path.exists() else {}
     entry = provenance() | {"commit": _medley_commit(), "cases": {}}
     for case in args.cases.split(","):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         rows_file = args.out / f".startup_{case}.json"
         mp.start_processes(rank_main, args=(4, port, case, str(rows_file)), nprocs=4, join=True,
                            start_method="spawn")

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 from launch_plans import TIERS
 
-from medley.cli.launch_cmd import free_port
 from medley.runtime import elastic_dir
+from medley.runtime.nodes import free_port
 
 MEDLEY = (sys.executable, "-m", "medley.cli.main")
 STEPS, EVERY = 20, 5

@@ -22,13 +22,8 @@ from train_plans import config, tiny_plan
 from medley.errors import MedleyInputError
 from medley.runtime import checkpoint, lock
 from medley.runtime.launch import train_local
+from medley.runtime.nodes import free_port
 from medley.runtime.train import check_config
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker(rank: int, port: int, directories: list[str], out: str) -> None:
@@ -48,7 +43,7 @@ def worker(rank: int, port: int, directories: list[str], out: str) -> None:
 def _run(tmp_path: Path, directories: list[Path]) -> list[str]:
     multiprocessing.set_forkserver_preload(["torch"])
     out = str(tmp_path / "result")
-    mp.start_processes(worker, args=(_free_port(), [str(d) for d in directories], out), nprocs=2, join=True,
+    mp.start_processes(worker, args=(free_port(), [str(d) for d in directories], out), nprocs=2, join=True,
                        start_method="forkserver")
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
 

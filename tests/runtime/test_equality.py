@@ -9,23 +9,17 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import socket
 from collections.abc import Callable
 
 import pytest
 import torch.multiprocessing as mp
 from equality_worker import Case, run_case, worker
 
+from medley.runtime.nodes import free_port
 from medley.schedule.generators import generate
 from medley.schedule.ir import B, F, PipelineSchedule, W, loop_stage_to_rank
 
 TOL = 1e-5
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def zb_h1(pp: int, micro_batches: int) -> PipelineSchedule:

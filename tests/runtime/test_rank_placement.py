@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from typer.testing import CliRunner
 
 from medley.cli.main import app
 from medley.errors import MedleyInputError
+from medley.runtime.nodes import free_port
 from medley.runtime.placement import RankIdentity, find_node, rank_table
 
 MEDLEY = str(Path(sys.executable).with_name("medley"))
@@ -179,12 +179,6 @@ def test_pp4_reports_2_0_3_1() -> None:
     assert {e["device"]: (e["replica"], e["pipeline_rank"]) for e in placement} == {
         2: (0, 0), 0: (0, 1), 3: (0, 2), 1: (0, 3)}
     assert all(e["device"] == e["rank"] for e in placement)  # one machine: rank i is device i
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_ranks(plan: Path, ranks: list[tuple[str, int, int]]) -> list[subprocess.CompletedProcess]:

@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import socket
 import sys
 import uuid
 from pathlib import Path
@@ -31,6 +30,7 @@ from medley.runtime.nodes import (
     LaunchSettings,
     NodeLaunch,
     check_rdzv_id,
+    free_port,
     launches_json,
     node_launches,
     python_settings,
@@ -100,12 +100,6 @@ def _absolute(value: str, parsed: object) -> str:
 def default_rdzv_id(plan_path: Path) -> str:
     """The same on every node for the same plan file: ``medley-`` and a hash of its contents."""
     return "medley-" + hashlib.sha256(plan_path.read_bytes()).hexdigest()[:10]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def local_settings(plan_path: Path, train_args: list[str], *, rdzv_endpoint: str | None = None,

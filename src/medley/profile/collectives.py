@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -36,6 +35,7 @@ from scipy.optimize import nnls
 
 from medley.cost.profile_format import AlphaBeta, CommMeasurement, CommProfile
 from medley.profile.memory import quiet_median
+from medley.runtime.nodes import free_port
 from medley.runtime.torch_adapter import all_gather_single, reduce_scatter_single
 
 OPS = ("send_recv", "all_gather", "reduce_scatter", "all_reduce")
@@ -128,12 +128,6 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], runs: int, warmu
             Path(out).write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def measure_collectives(*, ranks: Sequence[int] = (2, 4), sizes: Sequence[int] = DEFAULT_SIZES,

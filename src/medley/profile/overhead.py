@@ -222,7 +222,7 @@ def _handoff_worker(rank: int, port: int, trips: int, rounds: int, out: str) -> 
 
 def measure_handoff(*, trips: int = 50, rounds: int = 9) -> float:
     """Seconds of one transfer of :data:`HANDOFF_BYTES` between two gloo ranks, executor-style."""
-    from medley.profile.collectives import free_port
+    from medley.runtime.nodes import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "handoff.json"

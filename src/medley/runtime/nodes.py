@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import socket
 from dataclasses import dataclass, field
 
 from medley.errors import MedleyInputError
@@ -286,3 +287,10 @@ def slurm_script(plan: Plan, settings: LaunchSettings, *, job_name: str) -> str:
               '  if [ "${#pids[@]}" -gt 0 ]; then sleep 1; fi',
               "done", ""]
     return "\n".join(lines)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the OS picks it), for a local rendezvous or store."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
