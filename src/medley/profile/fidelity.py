@@ -48,6 +48,7 @@ __all__ = [
     "FidelityCase",
     "FidelityResult",
     "build_plan",
+    "NotRanked",
     "case_groups",
     "describe",
     "emulate",
@@ -233,6 +234,11 @@ def emulate(
     return emulated, share
 
 
+class NotRanked(ValueError):
+    """A planner case asks for the k-th plan of a search that ranked fewer (its pruning kept
+    fewer candidates within reach of the best): the case is skipped and the report says so."""
+
+
 def case_groups(case: FidelityCase, emulated: EmulatedCluster) -> tuple[PlanLayout, ...]:
     """The case's plan as replica groups: written out (one group, or ``case.groups``), or the
     planner's (``medley plan``'s search) on ``emulated``."""
@@ -249,7 +255,7 @@ def case_groups(case: FidelityCase, emulated: EmulatedCluster) -> tuple[PlanLayo
             constraints=Constraints(micro_batch_sizes=PLANNER_MICRO_BATCH_SIZES),
         )
         if len(result.plans) < case.from_planner:
-            raise ValueError(f"case {case.name}: the planner ranked only {len(result.plans)} plans")
+            raise NotRanked(f"the planner ranked only {len(result.plans)} plan(s), not {case.from_planner}")
         groups = result.plans[case.from_planner - 1].plan.groups
         return joined([dataclasses.replace(layout, dtype=case.dtype) for layout in groups])
     if case.groups:

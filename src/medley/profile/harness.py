@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from medley.cost.profile_format import Profile, load_profile, save_profile
-from medley.profile.fidelity import FidelityCase, FidelityResult, run_case
+from medley.profile.fidelity import FidelityCase, FidelityResult, NotRanked, run_case
 from medley.profile.fidelity_cases import SMALL, TINY, default_cases, quick_cases
 from medley.profile.overhead import measure_overhead
 from medley.profile.report import machine, write_report
@@ -129,12 +129,15 @@ def run_harness(
         comm_ranks=sorted({2, *(c.world for c in cases if c.world > 1)}),
         provenance={k: v for k, v in (meta or {}).items() if k in ("commit", "command")},
     )
-    results = run_cases(cases, profiles, steps=steps, refresh_layers=refresh_layers, progress=progress)
+    skipped: dict[str, str] = {}
+    results = run_cases(cases, profiles, steps=steps, refresh_layers=refresh_layers, progress=progress,
+                        skipped=skipped)
     report_meta = machine() | {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "profiles": sorted({p for _, p in profiles.values()}),
         "steps": steps,
         "niceness": os.nice(0),
+        "skipped": skipped,
         "overhead": {
             key: p.overhead.model_dump(mode="json") if p.overhead else None
             for key, (p, _) in profiles.items()
@@ -156,8 +159,10 @@ def run_cases(
     steps: int,
     refresh_layers: bool,
     progress: Callable[[str], None] | None = None,
+    skipped: dict[str, str] | None = None,
 ) -> list[FidelityResult]:
-    """Predict and run every case with its profile (its layers re-measured first when asked)."""
+    """Predict and run every case with its profile (its layers re-measured first when asked); a
+    planner case whose k-th plan the search did not rank is left out, its reason in ``skipped``."""
     step = progress or (lambda _description: None)
     results = []
     with tempfile.TemporaryDirectory(prefix="medley-emulated-") as emulated:  # generated device catalogs
@@ -175,14 +180,11 @@ def run_cases(
                 )
                 profile = fresh.model_copy(update={"comm": profile.comm, "overhead": profile.overhead})
             step(f"{case.name}: simulating and training {steps} steps")
-            results.append(
-                run_case(
-                    case,
-                    profile,
-                    profile_name=profile_name,
-                    directory=Path(emulated),
-                    steps=steps,
-                    warmup_steps=min(5, steps // 2),
-                )
-            )
+            try:
+                results.append(run_case(case, profile, profile_name=profile_name, directory=Path(emulated),
+                                        steps=steps, warmup_steps=min(5, steps // 2)))
+            except NotRanked as err:
+                step(f"{case.name}: skipped: {err}")
+                if skipped is not None:
+                    skipped[case.name] = str(err)
     return results

@@ -301,6 +301,7 @@ def markdown_from_payload(payload: dict[str, Any]) -> str:
         f"{meta.get('date', '?')}; {meta.get('steps', '?')} steps per case. Profiles: "
         f"{', '.join(meta.get('profiles', []))}.",
         f"Commit {meta.get('commit', 'not recorded')}; command `{meta.get('command', 'not recorded')}`.",
+        *[f"Skipped {name}: {why}." for name, why in sorted((meta.get("skipped") or {}).items())],
         "",
         *_table(results),
         "",
