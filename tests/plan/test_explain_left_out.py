@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from medley.plan.explain import explain, left_out
-from medley.plan.search import SearchResult, search
+from medley.plan.search import Constraints, SearchResult, search
 from medley.spec.cluster_load import load_cluster, parse_cluster_arg
 from medley.spec.model_arg import get_model
 
@@ -70,3 +70,9 @@ def test_nothing_is_said_where_nothing_is_forgone() -> None:
     result = planned(parse_cluster_arg("2xA100-80GB"))
     assert result.best.plan.shared.dtype == "bf16" and len(result.best.plan.devices) == 2
     assert left_out(result) == []
+
+
+def test_no_bf16_line_when_plan_dtype_chose_the_precision() -> None:
+    result = search(parse_cluster_arg("4xA100-80GB+1xT4-16GB"), SEVEN_B, global_batch=64, seq_len=2048,
+                    baselines=False, constraints=Constraints(dtype="fp16"))
+    assert not [line for line in left_out(result) if line.startswith("bf16")]

@@ -268,7 +268,8 @@ def left_out(search_result: SearchResult) -> list[str]:
         out.append(f"Idle: device{'s' if len(idle) > 1 else ''} {names} left out by this plan; {how}"
                    + (f" {_against(other, best)}." if other else "."))
     lacking = lacking_bf16(cluster.device_types(best.plan.devices).values())
-    if best.plan.shared.dtype == "fp16" and lacking:
+    chosen = search_result.constraints.dtype is not None  # plan --dtype: nothing forgone by the devices
+    if best.plan.shared.dtype == "fp16" and lacking and not chosen:
         them = "it" if len(lacking) == 1 else "them"
         other, how = _fastest(search_result, lambda _, dtype: dtype == "bf16", f"in bf16 (without {them})")
         out.append(f"bf16: {', '.join(lacking)} made this plan fp16; {how}"
