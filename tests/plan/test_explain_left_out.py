@@ -42,6 +42,7 @@ def test_an_idle_device_is_named_with_the_plan_that_uses_it(tmp_path: Path) -> N
     assert line.startswith("Idle: device 2 (T4-16GB) left out by this plan; the fastest plan simulated that "
                            "uses every device takes ")
     assert "communication exposed" in line and seconds(line) > result.best.prediction.step_time_s
+    assert line.endswith("; its devices span tier 'slow' (0.15 GB/s), this plan's stay on one node.")
     assert line in explain(result).lines()
     # the same line when the search had simulated no such plan: one is simulated for it
     alone = dataclasses.replace(result, simulated=[result.best])

@@ -10,7 +10,7 @@ step-time difference is reported. Every figure is a simulation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from itertools import islice
 
@@ -24,6 +24,7 @@ from medley.plan.split_rules import uniform_split
 from medley.schedule.zero_settings import Placement, StageZero
 from medley.sim.result import SimResult
 from medley.spec.catalog import lacking_bf16, precision_reason
+from medley.spec.cluster import Cluster
 
 GB = 1e9
 # How the explanation names each ZeRO placement policy (the plan file writes the enum value).
@@ -216,12 +217,27 @@ def _alike_effect(search_result: SearchResult) -> KnobEffect:
                       slowdown=seconds / best.prediction.step_time_s)
 
 
-def _against(other: RankedPlan, best: RankedPlan) -> str:
-    """``other``'s step against the best plan's, and where its time goes that the best's does not."""
+def _slowest_link(cluster: Cluster, devices: Iterable[int]) -> tuple[float, str] | None:
+    """The slowest link between two nodes that ``devices`` span (GB/s, the tier's name); None on one
+    node."""
+    nodes = sorted({cluster.devices[d].node for d in devices})
+    links = [(cluster.node_pair_link(a, b)[0], cluster.tiers[cluster.meeting_tier(a, b)].name)
+             for i, a in enumerate(nodes) for b in nodes[i + 1:]]
+    return min(links, default=None)
+
+
+def _against(other: RankedPlan, best: RankedPlan, cluster: Cluster) -> str:
+    """``other``'s step against the best plan's, and where its time goes that the best's does not
+    (and the slower link its devices span, where they span one)."""
     mine, theirs = best.prediction, other.prediction
-    return (f"takes {theirs.step_time_s:.3f} s ({theirs.step_time_s / mine.step_time_s - 1:+.1%}): bubble "
+    text = (f"takes {theirs.step_time_s:.3f} s ({theirs.step_time_s / mine.step_time_s - 1:+.1%}): bubble "
             f"{theirs.bubble_fraction:.0%} against {mine.bubble_fraction:.0%}, communication exposed "
             f"{theirs.exposed_comm_s:.3f} s per device against {mine.exposed_comm_s:.3f} s")
+    link, own = _slowest_link(cluster, other.plan.devices), _slowest_link(cluster, best.plan.devices)
+    if link is not None and (own is None or link[0] < own[0]):
+        text += f"; its devices span tier '{link[1]}' ({link[0]:g} GB/s)"
+        text += ", this plan's stay on one node" if own is None else f", this plan's {own[0]:g} GB/s at worst"
+    return text
 
 
 # Candidates simulated for a --explain line when no plan simulated by the search answers it.
@@ -266,14 +282,14 @@ def left_out(search_result: SearchResult) -> list[str]:
         other, how = _fastest(search_result, lambda devices, _: usable <= devices,
                               "that uses every device")
         out.append(f"Idle: device{'s' if len(idle) > 1 else ''} {names} left out by this plan; {how}"
-                   + (f" {_against(other, best)}." if other else "."))
+                   + (f" {_against(other, best, cluster)}." if other else "."))
     lacking = lacking_bf16(cluster.device_types(best.plan.devices).values())
     chosen = search_result.constraints.dtype is not None  # plan --dtype: nothing forgone by the devices
     if best.plan.shared.dtype == "fp16" and lacking and not chosen:
         them = "it" if len(lacking) == 1 else "them"
         other, how = _fastest(search_result, lambda _, dtype: dtype == "bf16", f"in bf16 (without {them})")
-        out.append(f"bf16: {', '.join(lacking)} made this plan fp16; {how}"
-                   + (f", on {len(other.plan.devices)} devices, {_against(other, best)}." if other else "."))
+        where = f", on {len(other.plan.devices)} devices, {_against(other, best, cluster)}" if other else ""
+        out.append(f"bf16: {', '.join(lacking)} made this plan fp16; {how}{where}.")
     return out
 
 
