@@ -88,7 +88,6 @@ class SearchResult:
     simulated: list[RankedPlan] = field(default_factory=list)
     estimated: list[Candidate] = field(default_factory=list)  # every candidate estimated, in order
     structures_estimated: int = 0
-    candidates_estimated: int = 0
     best_single_type: RankedPlan | None = None
 
     @property
@@ -145,7 +144,7 @@ def _check_inputs(
                     fix="give --dtype fp16 or fp32, or leave those devices out with --exclude-devices.")
     if constraints.max_pp is not None and constraints.max_pp < 1:
         raise MedleyInputError(f"--max-pp {constraints.max_pp}: give at least 1.")
-    devices = [d for d in range(cluster.num_devices) if d not in set(constraints.exclude_devices)]
+    devices = [d for d in range(cluster.num_devices) if d not in excluded]
     if not devices:
         raise MedleyInputError("--exclude-devices leaves no device to plan on; exclude fewer.")
     if objective not in ("throughput", "cost"):
@@ -269,7 +268,6 @@ def search(
         simulated=ranked,
         estimated=[c for _, _, c in candidates],
         structures_estimated=len(structures),
-        candidates_estimated=len(candidates),
         best_single_type=singles[0] if singles else None,
     )
     if baselines:
