@@ -70,7 +70,7 @@ def run_case(name, cluster_arg, model_name, pp, dp, schedule, micro_batches, zer
             micro_batch_size=1,
             seq_len=2048,
             zero=zero,
-            placement=placement,
+            zero_placement=placement,
             buckets=4,
             gather_windows=rounds,
             recompute=True,

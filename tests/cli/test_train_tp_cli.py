@@ -12,25 +12,24 @@ from typer.testing import CliRunner
 from medley.cli.main import app
 from medley.cli.train_cmd import inline_plan
 from medley.cost.estimator import CatalogCostSource
-from medley.plan.inline import inline_layout
+from medley.plan.inline import InlineFlags, inline_layout
 
 TOL = 1e-5
 RUN = ["train", "--steps", "2", "--micro-batches", "2", "--seq-len", "32", "--json"]
-FLAGS = dict(model="tiny", schedule="1f1b", micro_batches="2", micro_batch_size=2, seq_len=32,
-             virtual_stages=2, split=None, zero=None, zero_placement="bubble", buckets=1, gather_windows=1,
-             clip_grad=True, dtype="fp32")
+SHAPE = dict(schedule="1f1b", micro_batches="2", micro_batch_size=2, seq_len=32, buckets=1)
+FLAGS = dict(model="tiny", clip_grad=True, dtype="fp32")
 
 
 def test_the_default_cluster_holds_dp_times_the_tp_degrees() -> None:
-    plan = inline_plan(cluster=None, pp=2, dp=2, tp="2,1", **FLAGS)
+    plan = inline_plan(InlineFlags(pp=2, dp=2, tp="2,1", **SHAPE), cluster=None, **FLAGS)
     assert plan.cluster.num_devices == 2 * (2 + 1) and len(plan.cluster.nodes) == 1
     assert plan.layout.tp == (2, 1) and plan.world_size == 6
     assert sorted(d for r in range(2) for k in range(2) for d in plan.layout.group(r, k)) == list(range(6))
-    assert inline_plan(cluster=None, pp=2, dp=1, tp="1", **FLAGS).layout.tp == ()
+    assert inline_plan(InlineFlags(pp=2, dp=1, tp="1", **SHAPE), cluster=None, **FLAGS).layout.tp == ()
 
 
 def test_train_builds_the_layout_simulate_builds() -> None:
-    plan = inline_plan(cluster="8xA100-80GB", pp=2, dp=2, tp="2", **FLAGS)
+    plan = inline_plan(InlineFlags(pp=2, dp=2, tp="2", **SHAPE), cluster="8xA100-80GB", **FLAGS)
     model = plan.layout.model
     simulated = inline_layout(
         cluster=plan.cluster, model=model, cost=CatalogCostSource.for_cluster(model, plan.cluster),

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from medley.cli.main import app
 from medley.cli.train_cmd import inline_plan, print_records
+from medley.plan.inline import InlineFlags
 from medley.runtime.train import StepRecord
 
 MEDLEY = str(Path(sys.executable).with_name("medley"))
@@ -67,9 +68,8 @@ def test_tensorboard_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch
 
 
 def test_the_table_shows_eval_losses_where_measured() -> None:
-    plan = inline_plan(cluster="1xA100-80GB", model="tiny", pp=1, dp=1, schedule="1f1b", micro_batches="2",
-                       micro_batch_size=2, seq_len=32, virtual_stages=1, split=None, zero=None,
-                       zero_placement="bubble", buckets=1, gather_windows=1, clip_grad=True, dtype="fp32")
+    plan = inline_plan(InlineFlags(micro_batches="2", micro_batch_size=2, seq_len=32), cluster="1xA100-80GB",
+                       model="tiny", clip_grad=True, dtype="fp32")
     records = [StepRecord(step=s, loss=5.0, lr=1e-3, grad_norm=1.0, step_time_s=0.1, tokens_per_s=1.0,
                           mfu=None, eval_loss=4.25 if s == 1 else None) for s in range(2)]
     out = io.StringIO()

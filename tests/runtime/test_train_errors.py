@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 
 from medley.cli.main import app
 from medley.cli.train_cmd import inline_plan, print_records, split_label, step_time_line
+from medley.plan.inline import InlineFlags
 from medley.runtime.checkpoint import SafeReader
 from medley.runtime.train import StepRecord
 
@@ -68,13 +69,12 @@ def test_data_files_too_short_are_refused_before_launch(tmp_path: Path, text: st
     data = tmp_path / "data.txt"
     data.write_text(text)
     line = one_line_error(CliRunner().invoke(app, ["train", "--data", str(data), "--local-ranks", "1"]))
-    assert f"--data {data}: {problem} for sequences of 64 tokens" in line
+    assert f"--data {data}: {problem} for sequences of 128 tokens" in line
 
 
 def test_the_split_is_echoed_as_given_and_labelled() -> None:
-    blocks = inline_plan(cluster=None, model="tiny", pp=2, dp=1, schedule="1f1b", micro_batches="4",
-                         micro_batch_size=2, seq_len=64, virtual_stages=2, split="2,2", zero=None,
-                         zero_placement="bubble", buckets=1, gather_windows=1, clip_grad=True)
+    blocks = inline_plan(InlineFlags(pp=2, micro_batches="4", micro_batch_size=2, seq_len=64, split="2,2"),
+                         cluster=None, model="tiny", clip_grad=True)
     assert split_label(blocks, "2,2") == "split 2,2 (blocks per stage)"
     assert split_label(blocks, "3,3") == "split 3,3 (layers per stage)"
     assert split_label(blocks, None) == "split 3,3 (layers per stage)"

@@ -77,7 +77,7 @@ def zero_placement_demo(*, model_name: str, console: Console) -> dict[str, float
     for placement in ("naive", "bubble"):
         layout = inline_layout(
             cluster=cluster, model=model, cost=cost, pp=3, dp=4, schedule="1f1b", micro_batches="16",
-            micro_batch_size=1, seq_len=2048, zero="3,1,3", placement=placement,
+            micro_batch_size=1, seq_len=2048, zero="3,1,3", zero_placement=placement,
         )
         steps[placement] = predict(layout, cluster, cost=cost)[0].step_time_s
     console.rule("ZIPPer: pp=3 (A100 | V100 | T4 stages) x dp=4, 1F1B, ZeRO 3,1,3")

@@ -25,14 +25,14 @@ from typing import Any
 
 import typer
 
+from medley.cli.inline_flags import NAMES as INLINE_NAMES
 from medley.errors import MedleyInputError
 from medley.fileio import read_user_bytes
 
 # Section -> the flags it holds (as click names them: ``--json`` is ``as_json``).
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "plan": ("plan", "cluster", "pp", "dp", "tp", "schedule", "micro_batches", "micro_batch_size", "seq_len",
-             "virtual_stages", "split", "zero", "zero_placement", "buckets", "gather_windows", "assignment",
-             "sequence_parallel", "local_ranks", "emulate", "slowdown", "slowdown_from", "device"),
+    "plan": ("plan", "cluster", *INLINE_NAMES, "local_ranks", "emulate", "slowdown", "slowdown_from",
+             "device"),
     "model": ("model", "init_from", "compile_blocks"),
     "data": ("data", "tokenizer", "text_field", "data_format", "chat_template", "token_dtype", "data_cache",
              "val_data", "val_fraction", "seed", "reset_data_order"),

@@ -13,12 +13,13 @@ from rich.table import Table
 from rich.text import Text
 
 from medley.cli.console import make_console, print_table, styled
+from medley.cli.inline_flags import INLINE_DEFAULTS, inline_options
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
 from medley.cost.user_profiles import PerDeviceCostSource, measured_cost_source
 from medley.errors import MedleyInputError
 from medley.fileio import check_output_file
-from medley.plan.inline import inline_layout
+from medley.plan.inline import InlineFlags, layout_of
 from medley.plan.layout import PlanLayout
 from medley.plan.predict import layer_sources, simulate_layout
 from medley.plan.world import build_world
@@ -303,48 +304,13 @@ def _span(devices: list[int]) -> str:
 
 def register(app: typer.Typer) -> None:
     @app.command("simulate")
+    @inline_options()
     def simulate_cmd(
         cluster: Annotated[
             str, typer.Option(help="Cluster TOML file, or a catalog device with a count: 8xA100-80GB")
         ],
         model: Annotated[str, typer.Option(help="Preset, Hugging Face config.json or model directory")],
-        pp: Annotated[int, typer.Option(min=1, help="Pipeline ranks per replica")] = 1,
-        dp: Annotated[int, typer.Option(min=1, help="Data-parallel replicas")] = 1,
-        schedule: Annotated[
-            str, typer.Option(help="Schedule family (gpipe, 1f1b, interleaved, zb-h1, ...)")
-        ] = "1f1b",
-        micro_batches: Annotated[
-            str, typer.Option(help="Micro-batches per replica: one value, or one per replica")
-        ] = "8",
-        micro_batch_size: Annotated[int, typer.Option(min=1, help="Sequences per micro-batch")] = 1,
-        seq_len: Annotated[int | None, typer.Option(
-            min=1, help="Tokens per sequence (default: 2048, or the model's longest if shorter)")] = None,
-        virtual_stages: Annotated[int, typer.Option(min=1, help="Chunks per rank (interleaved)")] = 2,
-        split: Annotated[str | None, typer.Option(help="Blocks (or layers) per stage, e.g. 6,8,9,9")] = None,
-        zero: Annotated[
-            str | None, typer.Option(help="ZeRO level per stage, e.g. 3,3,1,1 (default 1)")
-        ] = None,
-        zero_placement: Annotated[str, typer.Option(help="naive or bubble")] = "bubble",
-        buckets: Annotated[int, typer.Option(min=1, help="Layer buckets per stage for ZeRO collectives")] = 4,
-        gather_windows: Annotated[
-            int,
-            typer.Option(min=0, help="ZeRO-3 gather rounds per step: 1 keeps weights gathered, 0 streams "
-                         "buckets"),
-        ] = 1,
-        recompute: Annotated[bool, typer.Option(help="Recompute block activations in the backward")] = False,
-        recompute_mode: Annotated[str | None, typer.Option(
-            help="How blocks recompute, one setting or one per stage: none, full, selective, or MODE:K "
-                 "for a stage's first K blocks (full:2); overrides --recompute")] = None,
-        assignment: Annotated[str | None, typer.Option(
-            help="Device id per pipeline rank, replicas separated by ';' (3,0;1,2)")] = None,
-        tp: Annotated[str | None, typer.Option(
-            help="Tensor-parallel degree per pipeline rank (1, 2, 4 or 8; one value for all, e.g. 2 or "
-                 "2,1): rank k runs on tp[k] consecutive devices of one node from its --assignment "
-                 "id")] = None,
-        sequence_parallel: Annotated[bool, typer.Option(
-            help="Sequence parallelism on the stages of tp > 1 (norms on 1/tp of the tokens, "
-                 "all-gather and reduce-scatter instead of all-reduce); seq-len must divide by each "
-                 "tp")] = False,
+        inline: InlineFlags = INLINE_DEFAULTS,  # the inline plan's flags (inline_options)
         no_comm: Annotated[
             bool, typer.Option("--no-comm", help="Transfers and collectives take no time")
         ] = False,
@@ -363,33 +329,12 @@ def register(app: typer.Typer) -> None:
         check_pictures(trace=trace, gantt=gantt)
         spec = with_comm_profile(parse_cluster_arg(cluster), comm_profile)
         model_spec = get_model(model)
-        seq_len = model_spec.default_seq_len() if seq_len is None else seq_len
+        seq_len = model_spec.default_seq_len() if inline.seq_len is None else inline.seq_len
         cost = cost_source(model_spec, spec, profiles=profile or (), profiles_dir=profiles, dtype=dtype,
                            seq_len=seq_len)
         if dtype is None and isinstance(cost, PerDeviceCostSource):
             dtype = cost.profile_dtype
-        layout = inline_layout(
-            cluster=spec,
-            model=model_spec,
-            cost=cost,
-            pp=pp,
-            dp=dp,
-            schedule=schedule,
-            micro_batches=micro_batches,
-            micro_batch_size=micro_batch_size,
-            seq_len=seq_len,
-            virtual_stages=virtual_stages,
-            split=split,
-            zero=zero,
-            placement=zero_placement,
-            buckets=buckets,
-            gather_windows=gather_windows,
-            recompute=recompute if recompute_mode is None else recompute_mode,
-            dtype=dtype,
-            assignment=assignment,
-            tp=tp,
-            sequence_parallel=sequence_parallel,
-        )
+        layout = layout_of(inline, cluster=spec, model=model_spec, cost=cost, dtype=dtype)
         problem, result = simulate_layout(layout, spec, cost=cost, comm=not no_comm, where=SIZE_FLAGS)
         write_pictures(result, trace=trace, gantt=gantt, cluster=spec)
         data = summary(layout, spec, problem, result)

@@ -20,8 +20,10 @@ from rich.table import Table
 from medley.cli import hf_cmd
 from medley.cli.console import literal, make_console
 from medley.cli.errors import MedleyInputError, exit_on_input_error, print_error
+from medley.cli.inline_flags import INLINE_DEFAULTS, inline_options
 from medley.cli.job_file import load_job_callback, refuse_plan_settings
 from medley.cli.train_inputs import check_inputs_exist, finished_line, home
+from medley.plan.inline import InlineFlags
 from medley.plan.plan import Plan
 from medley.runtime.placement import ranks_needed
 from medley.spec.limits import MAX_SEED, MAX_STEPS
@@ -44,28 +46,23 @@ def parse_slowdown(text: str | None) -> dict[int, float]:
     return out
 
 
-def inline_plan(*, cluster: str | None, model: str, pp: int, dp: int, schedule: str, micro_batches: str,
-                micro_batch_size: int, seq_len: int, virtual_stages: int, split: str | None, zero: str | None,
-                zero_placement: str, buckets: int, gather_windows: int, clip_grad: bool,
-                assignment: str | None = None, dtype: str | None = None, tp: str | None = None,
-                sequence_parallel: bool = False) -> Plan:
+def inline_plan(flags: InlineFlags, *, cluster: str | None, model: str, clip_grad: bool,
+                dtype: str | None = None) -> Plan:
     """The plan ``medley train`` runs without ``--plan``; ``dtype`` None lets the devices choose
     (bf16 where all have it, else fp16). Without ``cluster``, one node of dp x sum(tp) default
     devices (so every TP group shares it)."""
     from medley.cost.estimator import CatalogCostSource
-    from medley.plan.inline import devices_needed, inline_layout, parse_tp
+    from medley.plan.inline import devices_needed, layout_of, parse_tp
     from medley.spec.cluster_load import parse_cluster_arg
     from medley.spec.model_arg import get_model
 
-    need = devices_needed(pp=pp, dp=dp, tp=parse_tp(tp, pp=pp)) if cluster is None else 0
-    spec = parse_cluster_arg(cluster or f"{need}x{DEFAULT_DEVICE}")
+    if cluster is None:
+        need = devices_needed(pp=flags.pp, dp=flags.dp, tp=parse_tp(flags.tp, pp=flags.pp))
+        cluster = f"{need}x{DEFAULT_DEVICE}"
+    spec = parse_cluster_arg(cluster)
     model_spec = get_model(model)
-    layout = inline_layout(
-        cluster=spec, model=model_spec, cost=CatalogCostSource.for_cluster(model_spec, spec), pp=pp, dp=dp,
-        schedule=schedule, micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
-        virtual_stages=virtual_stages, split=split, zero=zero, placement=zero_placement, buckets=buckets,
-        gather_windows=gather_windows, clip_grad=clip_grad, assignment=assignment, dtype=dtype, tp=tp,
-        sequence_parallel=sequence_parallel)
+    layout = layout_of(flags, cluster=spec, model=model_spec, dtype=dtype, clip_grad=clip_grad,
+                       cost=CatalogCostSource.for_cluster(model_spec, spec))
     return Plan(layout=layout, cluster=spec)
 
 
@@ -237,6 +234,7 @@ def print_records(plan: Plan, records: list, console: Console, *, split: str | N
 def register(app: typer.Typer) -> None:
     @app.command("train")
     @exit_on_input_error
+    @inline_options(prefix="Inline plan: ")
     def train_cmd(
         ctx: typer.Context,
         job: Annotated[Path | None, typer.Option("--config", callback=load_job_callback, is_eager=True, help=(
@@ -314,31 +312,13 @@ def register(app: typer.Typer) -> None:
         gc_every: Annotated[int, typer.Option(help=(
             "Python garbage collection between steps every N steps, off inside steps (0: automatic)"))] = 50,
         cluster: Annotated[str | None, typer.Option(
-            callback=home, help="Inline plan: cluster (NxA100-80GB)")] = None,
+            callback=home, help=(
+            "Inline plan: Cluster TOML file or NxA100-80GB (default: one node of dp x sum(tp) "
+            "A100-80GB)"))] = None,
         model: Annotated[str | None, typer.Option(callback=home,
-            help="Inline plan: model preset, config.json or Hugging Face model directory (default: tiny, "
+            help="Inline plan: Model preset, config.json or Hugging Face model directory (default: tiny, "
                  "or the --init-from directory)")] = None,
-        pp: Annotated[int, typer.Option(help="Inline plan: pipeline ranks per replica")] = 1,
-        dp: Annotated[int, typer.Option(help="Inline plan: data-parallel replicas")] = 1,
-        schedule: Annotated[str, typer.Option(help="Inline plan: schedule family")] = "1f1b",
-        micro_batches: Annotated[str, typer.Option(help="Inline plan: micro-batches per replica")] = "4",
-        micro_batch_size: Annotated[int, typer.Option(help="Inline plan: sequences per micro-batch")] = 2,
-        seq_len: Annotated[int, typer.Option(help="Inline plan: tokens per sequence")] = 64,
-        virtual_stages: Annotated[int, typer.Option(help="Inline plan: chunks per rank (interleaved)")] = 2,
-        split: Annotated[str | None, typer.Option(help="Inline plan: blocks (or layers) per stage")] = None,
-        zero: Annotated[str | None, typer.Option(help="Inline plan: ZeRO level per stage")] = None,
-        zero_placement: Annotated[str, typer.Option(help="Inline plan: naive or bubble")] = "bubble",
-        buckets: Annotated[int, typer.Option(help="Inline plan: layer buckets per stage")] = 1,
-        gather_windows: Annotated[int, typer.Option(help="Inline plan: ZeRO-3 gather rounds")] = 1,
-        assignment: Annotated[str | None, typer.Option(
-            help="Inline plan: device id per pipeline rank, replicas separated by ';' (3,0;1,2)")] = None,
-        tp: Annotated[str | None, typer.Option(
-            help="Inline plan: tensor-parallel degree per pipeline rank (1, 2, 4 or 8; one value for all, "
-                 "e.g. 2 or 2,1); the default cluster then has dp x sum(tp) devices")] = None,
-        sequence_parallel: Annotated[bool, typer.Option(
-            help="Inline plan: Sequence parallelism on the stages of tp > 1 (norms on 1/tp of the tokens, "
-                 "all-gather and reduce-scatter instead of all-reduce); seq-len must divide by each "
-                 "tp")] = False,
+        inline: InlineFlags = INLINE_DEFAULTS,  # the inline plan's flags (inline_options)
         reset_data_order: Annotated[bool, typer.Option(
             help="Resume although the seed, global batch or --data differ from the checkpoint's")] = False,
         init_from: Annotated[Path | None, typer.Option(callback=home,
@@ -391,13 +371,8 @@ def register(app: typer.Typer) -> None:
             the_plan = load_plan(plan)
         else:  # an inline plan is made in the precision the run computes in: no precision note
             the_plan = inline_plan(
-                cluster=cluster, model=model or (str(init_from) if init_from else "tiny"), pp=pp, dp=dp,
-                schedule=schedule,
-                micro_batches=micro_batches, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                virtual_stages=virtual_stages, split=split, zero=zero, zero_placement=zero_placement,
-                buckets=buckets, gather_windows=gather_windows, clip_grad=bool(clip_norm),
-                assignment=assignment, dtype=inline_dtype(dtype, local_ranks=local_ranks, device=device),
-                tp=tp, sequence_parallel=sequence_parallel)
+                inline, cluster=cluster, model=model or (str(init_from) if init_from else "tiny"),
+                clip_grad=bool(clip_norm), dtype=inline_dtype(dtype, local_ranks=local_ranks, device=device))
         if local_ranks is not None and local_ranks != the_plan.world_size:
             raise MedleyInputError(
                 f"--local-ranks {local_ranks}: the plan needs {ranks_needed(the_plan)}; "
@@ -430,4 +405,4 @@ def register(app: typer.Typer) -> None:
                 data["events"] = events(Path(str(config.checkpoint.dir)) / SUBDIR)
             typer.echo(json.dumps(data, indent=1, allow_nan=False))
         else:
-            print_records(the_plan, records, make_console(), split=split if plan is None else None)
+            print_records(the_plan, records, make_console(), split=inline.split if plan is None else None)

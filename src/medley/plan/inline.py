@@ -7,6 +7,9 @@ crosses the slower links between stages; layers are split in proportion to each 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass
 from medley.cost.recompute import Recompute, parse_recompute
@@ -21,6 +24,46 @@ from medley.spec.cluster import Cluster
 from medley.spec.cluster_schema import printable
 from medley.spec.limits import MAX_BLOCKS, MAX_MICRO_BATCHES, MAX_WINDOWS, check_sim_work
 from medley.spec.model import ModelSpec
+
+
+def _flag(default: object, text: str, *, minimum: int | None = None) -> Any:
+    """A field of :class:`InlineFlags`: its default, its flag's help ``text`` and lowest value."""
+    return field(default=default, metadata={"help": text, "min": minimum})
+
+
+@dataclass(frozen=True, kw_only=True)
+class InlineFlags:
+    """A plan's shape given by flags, as ``medley simulate`` and ``medley train`` (without
+    ``--plan``) take it: each field is the flag of its name (``micro_batch_size`` is
+    ``--micro-batch-size``), with one default for every command; its metadata holds the flag's help
+    and lowest value (medley.cli.inline_flags makes the options from them)."""
+
+    pp: int = _flag(1, "Pipeline ranks per replica", minimum=1)
+    dp: int = _flag(1, "Data-parallel replicas", minimum=1)
+    schedule: str = _flag("1f1b", "Schedule family (gpipe, 1f1b, interleaved, zb-h1, ...)")
+    micro_batches: str = _flag("8", "Micro-batches per replica: one value, or one per replica")
+    micro_batch_size: int = _flag(1, "Sequences per micro-batch", minimum=1)
+    seq_len: int | None = _flag(None, "Tokens per sequence (default: 2048, or the model's longest if "
+                                "shorter)", minimum=1)
+    virtual_stages: int = _flag(2, "Chunks per rank (interleaved)", minimum=1)
+    split: str | None = _flag(None, "Blocks (or layers) per stage, e.g. 6,8,9,9 (default: in proportion to "
+                              "each stage's speed)")
+    zero: str | None = _flag(None, "ZeRO level per stage, e.g. 3,3,1,1 (default 1)")
+    zero_placement: str = _flag("bubble", "Where ZeRO collectives go: naive or bubble")
+    buckets: int = _flag(4, "Layer buckets per stage for ZeRO collectives", minimum=1)
+    gather_windows: int = _flag(1, "ZeRO-3 gather rounds per step: 1 keeps weights gathered, 0 streams "
+                                "buckets", minimum=0)
+    recompute: bool = _flag(False, "Recompute block activations in the backward")
+    recompute_mode: str | None = _flag(None, "How blocks recompute, one setting or one per stage: none, "
+                                       "full, selective, or MODE:K for a stage's first K blocks (full:2); "
+                                       "overrides --recompute")
+    assignment: str | None = _flag(None, "Device id per pipeline rank, replicas separated by ';' (3,0;1,2)")
+    tp: str | None = _flag(None, "Tensor-parallel degree per pipeline rank (1, 2, 4 or 8; one value for "
+                           "all, e.g. 2 or 2,1): rank k runs on tp[k] consecutive devices of one node "
+                           "from its --assignment id")
+    sequence_parallel: bool = _flag(False, "Sequence parallelism on the stages of tp > 1 (norms on 1/tp of "
+                                    "the tokens, all-gather and reduce-scatter instead of all-reduce); "
+                                    "seq-len must divide by each tp")
 
 
 def parse_int_list(
@@ -134,112 +177,95 @@ def _expand_split(model: ModelSpec, split: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def inline_layout(
-    *,
-    cluster: Cluster,
-    model: ModelSpec,
-    cost: CostSource,
-    pp: int,
-    dp: int,
-    schedule: str,
-    micro_batches: str,
-    micro_batch_size: int,
-    seq_len: int,
-    virtual_stages: int = 1,
-    split: str | None = None,
-    zero: str | None = None,
-    placement: str = "bubble",
-    buckets: int = 4,
-    gather_windows: int = 1,
-    recompute: bool | str = False,
-    dtype: str | None = None,
-    clip_grad: bool = False,
-    assignment: str | None = None,
-    tp: str | None = None,
-    sequence_parallel: bool = False,
+    *, cluster: Cluster, model: ModelSpec, cost: CostSource, dtype: str | None = None,
+    clip_grad: bool = False, **flags: object,
 ) -> PlanLayout:
-    """A :class:`PlanLayout` from the flags of ``medley simulate`` (and ``medley train``);
-    ``assignment`` (``--assignment "3,0;1,2"``) puts replica r's pipeline rank k on the k-th id of
-    row r instead of :func:`default_assignment` (the first device of its TP group); ``tp``
-    (``--tp 2`` or ``--tp 2,1``) the tensor-parallel degree of each pipeline rank, with
-    ``sequence_parallel`` (``--sequence-parallel``) sequence parallelism on its TP stages; ``recompute``
-    every stage's recomputation, or text (``--recompute-mode``): one setting for all stages or one
-    per stage (``none,full:2``, see :mod:`medley.cost.recompute`)."""
-    _check_flags(pp=pp, dp=dp, micro_batch_size=micro_batch_size, seq_len=seq_len,
-                 virtual_stages=virtual_stages, buckets=buckets, gather_windows=gather_windows)
+    """A :class:`PlanLayout` from the inline-plan flags: ``flags`` are :class:`InlineFlags`'s fields
+    (the others at their defaults), where ``recompute`` may also be the text of ``recompute_mode``;
+    ``dtype`` None: bf16 where every device used has it, else fp16."""
+    if isinstance(flags.get("recompute"), str):
+        flags["recompute_mode"] = flags.pop("recompute")
+    return layout_of(InlineFlags(**flags), cluster=cluster, model=model, cost=cost, dtype=dtype,  # type: ignore[arg-type]
+                     clip_grad=clip_grad)
+
+
+def layout_of(
+    f: InlineFlags, *, cluster: Cluster, model: ModelSpec, cost: CostSource, dtype: str | None = None,
+    clip_grad: bool = False,
+) -> PlanLayout:
+    """:func:`inline_layout` of the flags ``f``; every flag is checked, naming it."""
+    seq_len = model.default_seq_len() if f.seq_len is None else f.seq_len
+    _check_flags(pp=f.pp, dp=f.dp, micro_batch_size=f.micro_batch_size, seq_len=seq_len,
+                 virtual_stages=f.virtual_stages, buckets=f.buckets, gather_windows=f.gather_windows)
     model.check_seq_len(seq_len)
-    degrees = parse_tp(tp, pp=pp)
-    default_assignment(cluster, pp=pp, dp=dp, tp=degrees)
-    counts = parse_int_list(micro_batches, flag="--micro-batches", count=dp, minimum=1,
+    degrees = parse_tp(f.tp, pp=f.pp)
+    default_assignment(cluster, pp=f.pp, dp=f.dp, tp=degrees)
+    counts = parse_int_list(f.micro_batches, flag="--micro-batches", count=f.dp, minimum=1,
                             maximum=MAX_MICRO_BATCHES)
     assert counts is not None
-    knobs = {"virtual_stages": virtual_stages} if schedule == "interleaved" else {}
-    check_sim_work(stages=pp * (virtual_stages if knobs else 1), micro_batches=counts,
-                   where=f"--pp {pp} --micro-batches {micro_batches}")
+    knobs = {"virtual_stages": f.virtual_stages} if f.schedule == "interleaved" else {}
+    check_sim_work(stages=f.pp * (f.virtual_stages if knobs else 1), micro_batches=counts,
+                   where=f"--pp {f.pp} --micro-batches {f.micro_batches}")
     try:
-        probe = generate(schedule, pp=pp, micro_batches=counts[0], **knobs)
+        probe = generate(f.schedule, pp=f.pp, micro_batches=counts[0], **knobs)
     except ValueError as err:
-        raise MedleyInputError(f"--schedule {schedule}: {err}") from None
+        raise MedleyInputError(f"--schedule {f.schedule}: {err}") from None
     stages = probe.num_stages
     # Two-direction schedules hold the model twice: the up pipeline's k-th stage (global p + k)
     # has the same layers as the down pipeline's k-th, so the split names the down stages only.
-    mirrored = schedule == "bidirectional"
-    chain = pp if mirrored else stages
-    devices = (default_assignment(cluster, pp=pp, dp=dp, tp=degrees) if assignment is None
-               else parse_assignment(assignment, cluster, pp=pp, dp=dp))
-    layers = parse_int_list(split, flag="--split", count=chain, minimum=0)
+    mirrored = f.schedule == "bidirectional"
+    chain = f.pp if mirrored else stages
+    devices = (default_assignment(cluster, pp=f.pp, dp=f.dp, tp=degrees) if f.assignment is None
+               else parse_assignment(f.assignment, cluster, pp=f.pp, dp=f.dp))
+    layers = parse_int_list(f.split, flag="--split", count=chain, minimum=0)
     if layers is None:
-        tensor = TensorParallelCompute(model, cost, catalog=CatalogCostSource.for_cluster(model, cluster))
-        speeds = []
-        for stage in range(chain):
-            rank = probe.stage_to_rank[stage]
-            types = {cluster.devices[devices[r][rank]].type.name for r in range(dp)}
-            block_time = max(
-                sum(
-                    tensor.layer_time(1, p, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=t,
-                                      tp=degrees[rank] if degrees else 1)
-                    for p in Pass
-                )
-                for t in types
-            )
-            speeds.append(1.0 / block_time)
-        layers = speed_split(model, speeds)
+        stage_ranks = probe.stage_to_rank[:chain]
+        layers = _speed_split(cluster, model, cost, devices=devices, stage_ranks=stage_ranks, tp=degrees,
+                              micro_batch_size=f.micro_batch_size, seq_len=seq_len)
     else:
         layers = _expand_split(model, layers)
     if mirrored:
         layers = layers + layers
-    levels = parse_int_list(zero, flag="--zero", count=stages, minimum=0) or (1,) * stages
+    levels = parse_int_list(f.zero, flag="--zero", count=stages, minimum=0) or (1,) * stages
     if any(level > 3 for level in levels):
-        raise MedleyInputError(f"--zero '{zero}': ZeRO levels are 0, 1, 2 or 3")
+        raise MedleyInputError(f"--zero '{f.zero}': ZeRO levels are 0, 1, 2 or 3")
     used = {cluster.devices[d].type for row in devices for d in row}
     if dtype is None:
         dtype = half_precision(used)
     check_precision(dtype, used, where="--dtype bf16",
                     fix="give --dtype fp16 or fp32, or --assignment devices that have bf16")
     try:
-        policy = Placement(placement)
+        policy = Placement(f.zero_placement)
     except ValueError:
-        raise MedleyInputError(f"--zero-placement '{placement}' must be 'naive' or 'bubble'") from None
+        raise MedleyInputError(f"--zero-placement '{f.zero_placement}' must be 'naive' or 'bubble'") from None
     layout = PlanLayout(
-        model=model,
-        pp=pp,
-        dp=dp,
-        assignment=devices,
-        stage_layers=layers,
-        schedule=schedule,
-        micro_batches=counts,
-        micro_batch_size=micro_batch_size,
-        seq_len=seq_len,
-        zero=tuple(StageZero(level=lv, buckets=buckets, gather_windows=gather_windows) for lv in levels),
-        placement=policy,
-        recompute=_recompute(recompute, stages),
-        dtype=dtype,
-        knobs=knobs,
-        clip_grad=clip_grad,
-        tp=degrees,
-        sequence_parallel=sequence_parallel,
+        model=model, pp=f.pp, dp=f.dp, assignment=devices, stage_layers=layers, schedule=f.schedule,
+        micro_batches=counts, micro_batch_size=f.micro_batch_size, seq_len=seq_len,
+        zero=tuple(StageZero(level=lv, buckets=f.buckets, gather_windows=f.gather_windows) for lv in levels),
+        placement=policy, recompute=_recompute(f.recompute if f.recompute_mode is None else f.recompute_mode,
+                                               stages),
+        dtype=dtype, knobs=knobs, clip_grad=clip_grad, tp=degrees, sequence_parallel=f.sequence_parallel,
     )
     check_tp(layout, cluster)
     return layout
+
+
+def _speed_split(
+    cluster: Cluster, model: ModelSpec, cost: CostSource, *, devices: tuple[tuple[int, ...], ...],
+    stage_ranks: tuple[int, ...] | list[int], tp: tuple[int, ...], micro_batch_size: int, seq_len: int,
+) -> tuple[int, ...]:
+    """Layers per stage in proportion to each stage's speed (its slowest replica's device)."""
+    tensor = TensorParallelCompute(model, cost, catalog=CatalogCostSource.for_cluster(model, cluster))
+    speeds = []
+    for rank in stage_ranks:
+        types = {cluster.devices[row[rank]].type.name for row in devices}
+        block_time = max(
+            sum(tensor.layer_time(1, p, micro_batch_size=micro_batch_size, seq_len=seq_len, device_type=t,
+                                  tp=tp[rank] if tp else 1) for p in Pass)
+            for t in types
+        )
+        speeds.append(1.0 / block_time)
+    return speed_split(model, speeds)
 
 
 def _recompute(value: bool | str, stages: int) -> tuple[Recompute, ...]:
