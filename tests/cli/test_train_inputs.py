@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from medley.cli.train_inputs import finished_line
+from medley.runtime.checkpoint_layout import checkpoint_path
 
 # Runs medley's CLI in a fresh interpreter and reports whether torch got imported.
 PROBE = ("import sys\nfrom medley.cli.main import app\nsys.argv = ['medley', *sys.argv[1:]]\n"
@@ -33,7 +34,7 @@ def test_a_missing_input_is_one_line_before_torch(tmp_path: Path, flag: str) -> 
 
 
 def test_a_finished_run_has_nothing_to_do(tmp_path: Path) -> None:
-    step = tmp_path / "ckpt" / "step-00000005"
+    step = checkpoint_path(tmp_path / "ckpt", 5)
     step.mkdir(parents=True)
     (step / "medley.json").write_text(json.dumps({"next_step": 5}))
     verdict, err = _probe("train", "--checkpoint-dir", "ckpt", "--steps", "5", cwd=tmp_path)

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from medley.cli.main import app
-from medley.runtime.checkpoint import latest_checkpoint
+from medley.runtime.checkpoint_layout import latest_checkpoint
 from medley.runtime.hf_export import export_hf, read_model_tensors
 from medley.runtime.hf_weights import tensor_files
 from medley.runtime.launch import train_local

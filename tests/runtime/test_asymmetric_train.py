@@ -14,6 +14,7 @@ from train_plans import asymmetric_plan, config, reference_layout, tiny_plan
 
 from medley.plan.plan import Plan
 from medley.runtime.checkpoint import SafeReader
+from medley.runtime.checkpoint_layout import checkpoint_path
 from medley.runtime.launch import train_local
 from medley.runtime.model import Decoder
 from medley.runtime.reference import reference_train
@@ -27,7 +28,7 @@ def saved_params(directory: Path, plan: Plan) -> dict[str, torch.Tensor]:
     """The whole model's parameters in the run's last checkpoint."""
     model = Decoder(plan.shared.model, seed=0)
     state = {f"model.{name}": param.detach().clone() for name, param in model.named_parameters()}
-    dcp.load(state, storage_reader=SafeReader(directory / f"step-{STEPS:08d}"), no_dist=True)
+    dcp.load(state, storage_reader=SafeReader(checkpoint_path(directory, STEPS)), no_dist=True)
     return {key.removeprefix("model."): value for key, value in state.items()}
 
 
@@ -120,13 +121,13 @@ def test_asymmetric_checkpoints_resume_under_alike_replicas_and_back(tmp_path: P
     assert [r.step for r in resumed] == [4, 5]
     assert [r.loss for r in resumed] == [r.loss for r in whole[4:]]
     shutil.copytree(tmp_path / "whole", tmp_path / "to-symmetric")
-    shutil.rmtree(tmp_path / "to-symmetric" / "step-00000006")
+    shutil.rmtree(checkpoint_path(tmp_path / "to-symmetric", 6))
     continued = run_six(symmetric, tmp_path / "to-symmetric")
     assert [r.step for r in continued] == [4, 5]
     assert max(abs(r.loss - w.loss) for r, w in zip(continued, whole[4:], strict=True)) <= TOL
     symmetric_whole = run_six(symmetric, tmp_path / "symmetric")
     shutil.copytree(tmp_path / "symmetric", tmp_path / "to-asymmetric")
-    shutil.rmtree(tmp_path / "to-asymmetric" / "step-00000006")
+    shutil.rmtree(checkpoint_path(tmp_path / "to-asymmetric", 6))
     back = run_six(asymmetric, tmp_path / "to-asymmetric")
     assert [r.step for r in back] == [4, 5]
     assert max(abs(r.loss - w.loss) for r, w in zip(back, symmetric_whole[4:], strict=True)) <= TOL

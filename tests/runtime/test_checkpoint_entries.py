@@ -26,13 +26,14 @@ from typer.testing import CliRunner
 from medley.cli.main import app
 from medley.errors import MedleyInputError
 from medley.runtime import checkpoint
-from medley.runtime.checkpoint import META_FILE, SafeReader
+from medley.runtime.checkpoint import SafeReader
+from medley.runtime.checkpoint_layout import META_FILE, checkpoint_path
 from medley.runtime.hf_export import export_hf
 from medley.runtime.train import train
 from medley.spec.model_arg import get_model
 
 PLAN = dict(pp=1, dp=1, split="6", zero="0", schedule="1f1b", micro_batches="2")
-STEP2 = "step-00000002"
+STEP2 = checkpoint_path(Path(), 2).name
 
 
 @pytest.fixture(scope="module")

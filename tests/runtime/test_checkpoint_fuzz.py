@@ -32,13 +32,13 @@ from train_plans import config, tiny_plan
 
 from medley.errors import MedleyInputError
 from medley.runtime import checkpoint
-from medley.runtime.checkpoint import META_FILE
+from medley.runtime.checkpoint_layout import META_FILE, checkpoint_path
 from medley.runtime.optim import optimizer_class
 from medley.runtime.setup import build_rank
 from medley.runtime.train import train
 
 PLAN = dict(pp=1, dp=1, split="6", zero="0", schedule="1f1b", micro_batches="2")
-STEP2 = "step-00000002"
+STEP2 = checkpoint_path(Path(), 2).name
 # More than the 12 of the input-file fuzz: a load is cheap (both tests about 9 s on 2 idle cores;
 # MEDLEY_FUZZ_EXAMPLES=500: a longer, randomised hunt).
 EXAMPLES = max(100, int(os.environ.get("MEDLEY_FUZZ_EXAMPLES", "100")))

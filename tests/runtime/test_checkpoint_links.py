@@ -19,11 +19,12 @@ from medley.cli.main import app
 from medley.errors import MedleyInputError
 from medley.fileio import UnsafePathError, append_text, remove_path, write_atomically, write_new_file
 from medley.runtime import checkpoint, hf_export, lock
+from medley.runtime.checkpoint_layout import META_FILE, checkpoint_path
 from medley.runtime.config import check_config
 from medley.runtime.train import train
 
 PLAN = dict(pp=1, dp=1, split="6", zero="0", schedule="1f1b", micro_batches="2")
-STEP2, STEP4 = "step-00000002", "step-00000004"
+STEP2, STEP4 = checkpoint_path(Path(), 2).name, checkpoint_path(Path(), 4).name
 PRECIOUS = "the user's file, which no checkpoint directory may change\n"
 
 
@@ -202,7 +203,7 @@ def test_a_full_disk_while_medley_json_is_written_is_one_line(saved: Path,
     real = checkpoint.open_no_follow
 
     def full(path: Path, flags: int, mode: int = 0o644) -> int:
-        if Path(path).name == checkpoint.META_FILE:
+        if Path(path).name == META_FILE:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(path, flags, mode)
 

@@ -35,7 +35,7 @@ from train_plans import StopTraining
 
 from medley.plan.plan import load_plan
 from medley.runtime import elastic_dir
-from medley.runtime.checkpoint import latest_checkpoint
+from medley.runtime.checkpoint_layout import TEMP_PREFIX, checkpoint_path, latest_checkpoint
 from medley.runtime.config import TrainConfig, TrainHooks
 from medley.runtime.launch import RankFailure, train_local
 from medley.runtime.reference import reference_losses
@@ -156,7 +156,7 @@ def test_a_kill_during_a_checkpoint_write_resumes_from_the_complete_one_before(
     run = launch(directory, plan, train_flags(directory, data, "--slowdown", SLOW))
     ckpt = directory / "ckpt"
     wait_for(lambda: heartbeat_step(run) >= 10, what="step 9", run=run)  # the save of step 10 follows
-    partial, complete = ckpt / ".tmp-step-00000010", ckpt / "step-00000010"
+    partial, complete = ckpt / (TEMP_PREFIX + checkpoint_path(ckpt, 10).name), checkpoint_path(ckpt, 10)
     deadline = time.monotonic() + 30
     while not partial.exists() and not complete.exists() and time.monotonic() < deadline:
         time.sleep(0.0005)

@@ -16,6 +16,7 @@ from train_plans import config, save_tied_copies, tied_tiny, tiny_plan, tp_plan
 from medley.plan.plan import Plan
 from medley.plan.world import build_schedules
 from medley.runtime.checkpoint import SafeReader
+from medley.runtime.checkpoint_layout import checkpoint_path
 from medley.runtime.launch import train_local
 from medley.runtime.model import Decoder, shared_name
 from medley.runtime.reference import reference_losses
@@ -109,7 +110,7 @@ def test_tied_checkpoint_resumes_under_another_plan(saved: str, resumed: str, tm
     directory = tmp_path / "ckpt"
     first = train_local(tiny_plan(model=tied_tiny(), **plans[saved]),
                         config(steps=STEPS, checkpoint_dir=directory, measure_memory=False))
-    step = directory / "step-00000004"
+    step = checkpoint_path(directory, 4)
     keys = SafeReader(step).read_metadata().state_dict_metadata
     assert "model.embed.tok.weight" in keys and not any("head.out" in key for key in keys)
     shutil.rmtree(step)

@@ -20,7 +20,7 @@ from train_plans import config, tied_tiny, tp_plan
 from typer.testing import CliRunner
 
 from medley.cli.main import app
-from medley.runtime.checkpoint import latest_checkpoint
+from medley.runtime.checkpoint_layout import checkpoint_path, latest_checkpoint
 from medley.runtime.hf_export import export_hf
 from medley.runtime.launch import train_local
 from medley.runtime.reference import reference_losses, reference_run
@@ -78,7 +78,7 @@ def test_a_tp2_checkpoint_resumes_under_tp1(tp_run, tmp_path) -> None:
     directory, uninterrupted = tp_run
     resumed_dir = tmp_path / "ckpt"
     shutil.copytree(directory, resumed_dir)
-    shutil.rmtree(resumed_dir / "step-00000004")
+    shutil.rmtree(checkpoint_path(resumed_dir, 4))
     records = train_local(tp_plan(**PLAN_ONE), config(steps=4, checkpoint_dir=resumed_dir,
                                                       measure_memory=False))
     assert [r.step for r in records] == [2, 3]

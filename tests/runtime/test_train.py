@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from train_plans import config, crash_rank_one_once, stop_after_step_3, tiny_plan
 
 from medley.runtime.checkpoint import SafeReader
+from medley.runtime.checkpoint_layout import checkpoint_path
 from medley.runtime.launch import RankFailure, train_local
 from medley.runtime.reference import reference_losses
 from medley.runtime.train import TrainHooks
@@ -39,7 +40,7 @@ def baseline(tmp_path_factory) -> tuple[Path, list]:
 
 def copy_without_last(source: Path, target: Path) -> Path:
     shutil.copytree(source, target)
-    shutil.rmtree(target / "step-00000006")
+    shutil.rmtree(checkpoint_path(target, 6))
     return target
 
 
@@ -79,7 +80,7 @@ def test_killed_rank_resumes_from_the_last_checkpoint(baseline, tmp_path) -> Non
     assert logged == [0, 1, 2, 3, 4, 4, 5]  # step 4 ran twice, its first update died with the ranks
     state = {"train.next_step": __import__("torch").zeros((), dtype=__import__("torch").int64),
              "optim.blocks.0.attn.wq.weight.step": __import__("torch").zeros(())}
-    dcp.load(state, storage_reader=SafeReader(directory / "step-00000006"), no_dist=True)
+    dcp.load(state, storage_reader=SafeReader(checkpoint_path(directory, 6)), no_dist=True)
     assert int(state["train.next_step"]) == 6
     assert float(state["optim.blocks.0.attn.wq.weight.step"]) == 6.0  # no lost, no repeated update
 

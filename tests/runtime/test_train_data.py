@@ -12,6 +12,7 @@ import pytest
 from data_sets import DOCS, write_jsonl
 from train_plans import config, tiny_plan
 
+from medley.runtime.checkpoint_layout import checkpoint_path
 from medley.runtime.launch import train_local
 from medley.runtime.reference import reference_run
 
@@ -58,7 +59,7 @@ def test_a_resumed_run_continues_at_the_next_sample(jsonl_run, tmp_path) -> None
     are the same samples: a different sample would change the loss)."""
     root, settings = jsonl_run["root"], jsonl_run["settings"]
     shutil.copytree(root / "ckpt", tmp_path / "ckpt")
-    shutil.rmtree(tmp_path / "ckpt" / "step-00000006")
+    shutil.rmtree(checkpoint_path(tmp_path / "ckpt", 6))
     records = train_local(tiny_plan(**PLAN), config(**settings, checkpoint_dir=tmp_path / "ckpt"))
     assert [r.step for r in records] == [3, 4, 5]
     assert [r.loss for r in records] == [r.loss for r in jsonl_run["records"][3:]]

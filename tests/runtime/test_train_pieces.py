@@ -18,6 +18,7 @@ from medley.cli.main import app
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
 from medley.runtime.checkpoint import SafeReader
+from medley.runtime.checkpoint_layout import META_FILE, checkpoint_path
 from medley.runtime.data import Rows, decode, encode, load_source, replica_slice
 from medley.runtime.model import Decoder
 from medley.runtime.optim import lr_at
@@ -114,11 +115,11 @@ def test_one_rank_run_and_checkpoint_errors(one_rank_group, tmp_path: Path) -> N
     other_seq = Plan(layout=dataclasses.replace(plan.layout, seq_len=16), cluster=plan.cluster)
     with pytest.raises(MedleyInputError, match="seq_len.*--seq-len"):
         train(other_seq, config(steps=3, checkpoint_dir=directory))
-    data_file = next((directory / "step-00000002").glob("*.distcp"))
+    data_file = next(checkpoint_path(directory, 2).glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:100])
     with pytest.raises(MedleyInputError, match=f"{data_file.name}: its content changed.*sha256"):
         train(plan, config(steps=3, checkpoint_dir=directory))
-    (directory / "step-00000002" / "medley.json").write_text("{not json")
+    (checkpoint_path(directory, 2) / META_FILE).write_text("{not json")
     with pytest.raises(MedleyInputError, match="medley.json"):
         train(plan, config(steps=3, checkpoint_dir=directory))
 

@@ -66,7 +66,7 @@ def hf_dir_of(model: str | None, init_from: Path | None) -> Path | None:
 def export_after_training(checkpoint_dir: Path, out: Path, *, temporary: bool) -> Path:
     """Export the newest checkpoint of the finished run; drop the checkpoints if only the export
     needed them."""
-    from medley.runtime.checkpoint import latest_checkpoint
+    from medley.runtime.checkpoint_layout import latest_checkpoint
     from medley.runtime.hf_export import export_hf
 
     latest = latest_checkpoint(checkpoint_dir)

@@ -12,10 +12,10 @@ import typer
 
 from medley.errors import MedleyInputError
 from medley.fileio import read_user_json
+from medley.runtime.checkpoint_layout import META_FILE, step_directories
 
 T = TypeVar("T")
 _SYNTHETIC = "synthetic"
-_STEP_PREFIX = "step-"  # medley.runtime.checkpoint's directory names (importing it imports torch)
 
 
 def home(value: T) -> T:
@@ -45,11 +45,11 @@ def finished_line(checkpoint_dir: Path | None, steps: int) -> str | None:
     directory needs the full check that resuming does."""
     if checkpoint_dir is None or not Path(checkpoint_dir).is_dir():
         return None
-    found = sorted(p for p in Path(checkpoint_dir).glob(f"{_STEP_PREFIX}*") if not p.is_symlink())
+    found = [p for p in step_directories(checkpoint_dir) if not p.is_symlink()]
     if not found:
         return None
     try:
-        meta = read_user_json(found[-1] / "medley.json", what="checkpoint metadata", fix="resume checks it")
+        meta = read_user_json(found[-1] / META_FILE, what="checkpoint metadata", fix="resume checks it")
     except MedleyInputError:
         return None
     done = meta.get("next_step") if isinstance(meta, dict) else None

@@ -23,7 +23,8 @@ from medley.elastic.replan import describe, replan
 from medley.errors import MedleyInputError
 from medley.fileio import remove_path
 from medley.plan.plan import Plan, load_plan, save_plan
-from medley.runtime import checkpoint, elastic_dir
+from medley.runtime import elastic_dir
+from medley.runtime.checkpoint_layout import latest_checkpoint, step_of
 from medley.runtime.placement import plan_devices_by_node
 
 _PLAN_NAME = re.compile(r"plan-\d{4}\.toml")
@@ -153,8 +154,8 @@ def _event(kind: str, nodes: list[str], directory: Path, checkpoint_dir: Path, c
            present: list[int], slower: Mapping[int, float] | None) -> dict[str, Any]:
     """The event as known at the decision: the heartbeat says how far the last attempt came."""
     beat = elastic_dir.read_json(directory / elastic_dir.HEARTBEAT) or {}
-    latest = checkpoint.latest_checkpoint(checkpoint_dir)
-    resumed = 0 if latest is None else int(latest.name.removeprefix(checkpoint.PREFIX))
+    latest = latest_checkpoint(checkpoint_dir)
+    resumed = 0 if latest is None else step_of(latest)
     reached = beat.get("step") if isinstance(beat.get("step"), int) else resumed
     when = beat.get("time")
     if not isinstance(when, (int, float)) or kind == "straggler":

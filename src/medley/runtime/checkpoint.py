@@ -40,9 +40,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from medley.errors import MedleyInputError
 from medley.fileio import open_no_follow, os_error_message, remove_path
 from medley.runtime import lock
+from medley.runtime.checkpoint_layout import (
+    META_FILE,
+    TEMP_PREFIX,
+    checkpoint_path,
+    step_directories,
+)
 from medley.runtime.checkpoint_verify import (
     FORMAT,
-    META_FILE,
     SafeReader,
     TensorsOnlyPlanner,
     check_entries,
@@ -58,7 +63,6 @@ from medley.runtime.checkpoint_verify import (
 from medley.runtime.optim import ensure_state
 from medley.runtime.sharding import ShardedStage
 
-PREFIX = "step-"
 KEEP = 2  # default of ``--keep``: newest checkpoints kept; older ones are deleted after each save
 _SHARED_WAIT_S = 10.0  # how long a rank looks for rank 0's token (a shared file system's caches)
 
@@ -92,34 +96,6 @@ def checkpoint_state(stages: dict[int, ShardedStage], *, for_load: bool,
     state["train.next_step"] = torch.zeros((), dtype=torch.int64)
     state["train.rng"] = torch.get_rng_state()
     return state
-
-
-def checkpoint_path(directory: Path, next_step: int) -> Path:
-    return Path(directory) / f"{PREFIX}{next_step:08d}"
-
-
-def latest_checkpoint(directory: Path | None) -> Path | None:
-    """The checkpoint with the highest step under ``directory`` (None if there is none). A step
-    directory with files but no ``medley.json`` is an error: checkpoints only appear (by rename)
-    once complete, so it was damaged, and resuming from an older one would overwrite it. A
-    ``step-N`` that is a symbolic link is refused: it would make medley read and rotate a
-    directory outside the one given."""
-    if directory is None or not Path(directory).is_dir():
-        return None
-    found = sorted(Path(directory).glob(f"{PREFIX}*"), key=lambda p: p.name)
-    link = next((p for p in found if p.is_symlink()), None)
-    if link is not None:
-        raise MedleyInputError(
-            f"checkpoint {link}: is a symbolic link; medley reads and writes checkpoints only inside "
-            "--checkpoint-dir: replace it by the step directory itself, or delete the link")
-    steps = [p for p in found if p.is_dir()]
-    for path in steps:
-        if not (path / META_FILE).is_file() and any(path.iterdir()):
-            raise MedleyInputError(
-                f"checkpoint {path}: {META_FILE} is missing; restore it, or delete {path} to resume from "
-                "the checkpoint before it")
-    done = [p for p in steps if (p / META_FILE).is_file()]
-    return done[-1] if done else None
 
 
 def shared_error(error: str | None) -> str | None:
@@ -213,7 +189,7 @@ def _publish(directory: Path, tmp: Path, final: Path, meta: dict[str, Any], keep
         os.rename(final, old)
     os.rename(tmp, final)
     remove_path(old)
-    for previous in sorted(directory.glob(f"{PREFIX}*"), key=lambda p: p.name)[:-keep]:
+    for previous in step_directories(directory)[:-keep]:
         doomed = directory / f".old-{previous.name}"
         remove_path(doomed)
         os.rename(previous, doomed)  # out of sight at once: a half-deleted step-N would look damaged
@@ -273,7 +249,7 @@ def save_checkpoint(directory: Path, *, next_step: int, stages: dict[int, Sharde
     finish_pending()
     directory = Path(directory)
     final = checkpoint_path(directory, next_step)
-    tmp = directory / f".tmp-{final.name}"
+    tmp = directory / f"{TEMP_PREFIX}{final.name}"
     state = checkpoint_state(stages, for_load=False)
     state["train.next_step"].fill_(next_step)
     state.update({f"train.{name}": value for name, value in (train_state or {}).items()})

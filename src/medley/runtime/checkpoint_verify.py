@@ -46,8 +46,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import ReadItem
 
 from medley.errors import MedleyInputError
+from medley.runtime.checkpoint_layout import META_FILE
 
-META_FILE = "medley.json"
 METADATA_FILE = ".metadata"
 # 3: medley.json lists every entry (key, kind, dtype, shape); 2: a sha256 per file only.
 FORMAT = 3

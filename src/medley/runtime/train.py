@@ -34,7 +34,7 @@ from medley.cost import formulas
 from medley.errors import MedleyInputError
 from medley.fileio import append_text
 from medley.plan.plan import Plan
-from medley.runtime import checkpoint, lock
+from medley.runtime import checkpoint, checkpoint_layout, lock
 from medley.runtime.collector import StepGarbageCollector
 from medley.runtime.config import TrainConfig, TrainHooks, check_config, load_data
 from medley.runtime.data import Rows, replica_slice
@@ -233,7 +233,7 @@ class _Loop:
         return records
 
     def _resume(self) -> int:
-        latest = checkpoint.latest_checkpoint(self.config.checkpoint.dir)
+        latest = checkpoint_layout.latest_checkpoint(self.config.checkpoint.dir)
         if latest is None:
             return 0
         state = self._train_state()
