@@ -25,23 +25,18 @@ from typing import Any
 
 import typer
 
-from medley.cli.inline_flags import NAMES as INLINE_NAMES
+from medley.cli.options import INLINE_NAMES, SETTING_SECTIONS
 from medley.errors import MedleyInputError
 from medley.fileio import read_user_bytes
 
-# Section -> the flags it holds (as click names them: ``--json`` is ``as_json``).
+# Section -> the flags it holds (as click names them: ``--json`` is ``as_json``): the command's own
+# flags, then the run's settings of that section (their fields name it: medley.runtime.settings).
+_OWN: dict[str, tuple[str, ...]] = {
+    "plan": ("plan", "cluster", *INLINE_NAMES, "local_ranks"), "model": ("model",),
+    "checkpoint": ("export_hf",), "logging": ("as_json",)}
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "plan": ("plan", "cluster", *INLINE_NAMES, "local_ranks", "emulate", "slowdown", "slowdown_from",
-             "device"),
-    "model": ("model", "init_from", "compile_blocks"),
-    "data": ("data", "tokenizer", "text_field", "data_format", "chat_template", "token_dtype", "data_cache",
-             "val_data", "val_fraction", "seed", "reset_data_order"),
-    "optimizer": ("steps", "optimizer", "lr", "min_lr", "warmup_steps", "weight_decay", "clip_norm"),
-    "precision": ("dtype",),
-    "checkpoint": ("checkpoint_dir", "checkpoint_every", "keep", "async_checkpoint", "export_hf"),
-    "logging": ("log_jsonl", "tensorboard", "eval_every", "eval_batches", "as_json", "step_timeout",
-                "first_step_timeout", "checkpoint_timeout", "log_every", "gc_every"),
-    "elastic": ("elastic", "straggler_margin", "straggler_steps"),
+    section: _OWN.get(section, ()) + tuple(n for n, s in SETTING_SECTIONS.items() if s == section)
+    for section in ("plan", "model", "data", "optimizer", "precision", "checkpoint", "logging", "elastic")
 }
 # The settings that make medley train's inline plan (the plan file fixes them beside ``plan``): the
 # [plan] section without the run's own settings, and the model.
@@ -182,7 +177,7 @@ def _toml(value: object) -> str:
 
 
 def _names(section: str) -> list[str]:
-    return [{"as_json": "json", "compile_blocks": "compile"}.get(n, n) for n in SECTIONS[section]]
+    return [{"as_json": "json"}.get(n, n) for n in SECTIONS[section]]
 
 
 def plan_settings_given(ctx: typer.Context) -> list[str]:

@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from medley.cli.console import make_console, print_table, styled
-from medley.cli.inline_flags import INLINE_DEFAULTS, inline_options
+from medley.cli.options import INLINE_DEFAULTS, inline_options
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
 from medley.cost.user_profiles import PerDeviceCostSource, measured_cost_source

@@ -20,30 +20,15 @@ from rich.table import Table
 from medley.cli import hf_cmd
 from medley.cli.console import literal, make_console
 from medley.cli.errors import MedleyInputError, exit_on_input_error, print_error
-from medley.cli.inline_flags import INLINE_DEFAULTS, inline_options
 from medley.cli.job_file import load_job_callback, refuse_plan_settings
+from medley.cli.options import INLINE_DEFAULTS, SETTINGS_DEFAULTS, inline_options, settings_options
 from medley.cli.train_inputs import check_inputs_exist, finished_line, home
 from medley.plan.inline import InlineFlags
 from medley.plan.plan import Plan
 from medley.runtime.placement import ranks_needed
-from medley.spec.limits import MAX_SEED, MAX_STEPS
+from medley.runtime.settings import TrainConfig
 
 DEFAULT_DEVICE = "A100-80GB"
-
-
-def parse_slowdown(text: str | None) -> dict[int, float]:
-    """``"0=2,3=1.5"`` as {device id: factor}."""
-    if not text:
-        return {}
-    out = {}
-    for item in text.split(","):
-        device, _, factor = item.partition("=")
-        try:
-            out[int(device)] = float(factor)
-        except ValueError:
-            raise MedleyInputError(
-                f"--slowdown '{text}' must look like '0=2.0,3=1.5' (device id=factor)") from None
-    return out
 
 
 def inline_plan(flags: InlineFlags, *, cluster: str | None, model: str, clip_grad: bool,
@@ -235,82 +220,15 @@ def register(app: typer.Typer) -> None:
     @app.command("train")
     @exit_on_input_error
     @inline_options(prefix="Inline plan: ")
+    @settings_options()
     def train_cmd(
         ctx: typer.Context,
         job: Annotated[Path | None, typer.Option("--config", callback=load_job_callback, is_eager=True, help=(
             "Job file (TOML): these flags by section; a flag given here wins (docs/job-file.md)"))] = None,
         plan: Annotated[Path | None, typer.Option(
             callback=home, help="Plan TOML file (else the inline flags)")] = None,
-        steps: Annotated[int, typer.Option(min=1, max=MAX_STEPS, help="Optimizer steps in total")] = 20,
-        data: Annotated[str | None, typer.Option(callback=home, help=(
-            "Data: .jsonl, .parquet (file or directory), datasets save_to_disk directory, .bin token file, "
-            "text file, or 'synthetic' (default: shipped corpus)"))] = None,
-        tokenizer: Annotated[str | None, typer.Option(callback=home, help=(
-            "tokenizer.json (or its directory) for text data (default: the model directory's, else a "
-            "text file is read as bytes)"))] = None,
-        text_field: Annotated[str, typer.Option(help="JSON field / column holding the text")] = "text",
-        data_format: Annotated[str, typer.Option(help=(
-            "auto (by the first row's fields), text, chat ('messages' in the chat template, loss on the "
-            "assistant's tokens) or completion ('prompt'/'completion', loss on the completion)"))] = "auto",
-        chat_template: Annotated[str | None, typer.Option(callback=home, help=(
-            "Jinja chat template file for chat data (default: the tokenizer directory's)"))] = None,
-        token_dtype: Annotated[str | None, typer.Option(help=(
-            ".bin token ids: uint16 or uint32 (default: from the .idx beside it, else uint16)"))] = None,
-        data_cache: Annotated[Path | None, typer.Option(callback=home, help=(
-            "Token cache directory (default: ~/.cache/medley/tokens)"))] = None,
-        val_data: Annotated[str | None, typer.Option(
-            callback=home, help="Validation data (same formats as --data)")] = None,
-        val_fraction: Annotated[float, typer.Option(help="Hold out this share of --data")] = 0.0,
-        eval_every: Annotated[int, typer.Option(help="Validation loss every N steps (0: off)")] = 0,
-        eval_batches: Annotated[int, typer.Option(help="Validation batches per evaluation")] = 2,
-        tensorboard: Annotated[Path | None, typer.Option(
-            callback=home, help="Write TensorBoard scalars here")] = None,
-        checkpoint_dir: Annotated[Path | None, typer.Option(
-            callback=home, help="Save here; resume from the newest")] = None,
-        checkpoint_every: Annotated[int, typer.Option(help="Save every K steps (0: at the end)")] = 0,
-        async_checkpoint: Annotated[bool, typer.Option("--async-checkpoint", help=(
-            "Write checkpoints in the background while training goes on (DCP async save); each is "
-            "published when the next starts, the last one at once"))] = False,
-        keep: Annotated[int | None, typer.Option(help=(
-            "Newest checkpoints kept, older ones deleted (default 2)"))] = None,
         local_ranks: Annotated[int | None, typer.Option(help="Start N ranks on this machine")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Step records and placement as JSON")] = False,
-        emulate: Annotated[bool, typer.Option(help="Stretch compute per the plan's device speeds")] = False,
-        device: Annotated[str, typer.Option(help=(
-            "auto: compute on the plan's devices (a GPU plan where CUDA has no such GPU is refused); cpu: "
-            "run any plan on this CPU (gloo), on purpose"))] = "auto",
-        slowdown: Annotated[str | None, typer.Option(help="Emulated slowdown by device: 0=2,3=1.5")] = None,
-        slowdown_from: Annotated[int, typer.Option(min=0, help=(
-            "The --slowdown factors apply from this step on (a device that slows down mid-run)"))] = 0,
-        elastic: Annotated[bool, typer.Option("--elastic", help=(
-            "A rank of an elastic run: re-plan for the devices present (medley launch --elastic sets "
-            "it)"))] = False,
-        straggler_margin: Annotated[float, typer.Option(help=(
-            "Elastic: a device computing this share slower than planned, relative to the median device, "
-            "is a straggler"))] = 0.5,
-        straggler_steps: Annotated[int, typer.Option(min=0, help=(
-            "Elastic: ... for this many steps in a row: re-planned at its measured speed at the next "
-            "checkpoint (0: off)"))] = 3,
-        seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of weights and data order")] = 0,
-        optimizer: Annotated[str, typer.Option(help="adamw or sgd")] = "adamw",
-        lr: Annotated[float, typer.Option(help="Peak learning rate (0: no updates)")] = 3e-3,
-        min_lr: Annotated[float, typer.Option(help="Learning rate at the end of the cosine decay")] = 3e-4,
-        warmup_steps: Annotated[int, typer.Option(min=0, max=MAX_STEPS, help="Linear warm-up steps")] = 5,
-        weight_decay: Annotated[float, typer.Option(help="Weight decay")] = 0.1,
-        clip_norm: Annotated[float, typer.Option(help="Global gradient-norm clip (0: off)")] = 1.0,
-        dtype: Annotated[str | None, typer.Option(
-            help="fp32, bf16 or fp16 (default: the plan's on CUDA, fp32 on CPU)")] = None,
-        log_jsonl: Annotated[Path | None, typer.Option(
-            callback=home, help="Append one JSON line per step here")] = None,
-        step_timeout: Annotated[float, typer.Option(help="Seconds until a stuck step fails (0: off)")] = 600,
-        first_step_timeout: Annotated[float, typer.Option(help=(
-            "Seconds until a stuck first step (compiling, allocating) fails (0: off)"))] = 1800,
-        checkpoint_timeout: Annotated[float, typer.Option(help=(
-            "Seconds until a stuck checkpoint save fails (0: off)"))] = 1800,
-        log_every: Annotated[int, typer.Option(help=(
-            "Gather the statistics and log a line every N steps (no host sync on the steps between)"))] = 10,
-        gc_every: Annotated[int, typer.Option(help=(
-            "Python garbage collection between steps every N steps, off inside steps (0: automatic)"))] = 50,
         cluster: Annotated[str | None, typer.Option(
             callback=home, help=(
             "Inline plan: Cluster TOML file or NxA100-80GB (default: one node of dp x sum(tp) "
@@ -319,60 +237,45 @@ def register(app: typer.Typer) -> None:
             help="Inline plan: Model preset, config.json or Hugging Face model directory (default: tiny, "
                  "or the --init-from directory)")] = None,
         inline: InlineFlags = INLINE_DEFAULTS,  # the inline plan's flags (inline_options)
-        reset_data_order: Annotated[bool, typer.Option(
-            help="Resume although the seed, global batch or --data differ from the checkpoint's")] = False,
-        init_from: Annotated[Path | None, typer.Option(callback=home,
-            help="Start from this Hugging Face model directory's safetensors weights")] = None,
         export_hf: Annotated[Path | None, typer.Option(callback=home,
             help="After training, write the model here as a Hugging Face model directory")] = None,
-        compile_blocks: Annotated[bool, typer.Option("--compile", help=(
-            "torch.compile each transformer block (the first step includes compiling)"))] = False,
+        config: TrainConfig = SETTINGS_DEFAULTS,  # the run's settings (settings_options)
     ) -> None:
         """Train a plan on torch.distributed and report loss, step time and memory per step."""
         if plan is not None:
             refuse_plan_settings(ctx, plan=plan)
-        check_inputs_exist({"--data": data, "--val-data": val_data, "--tokenizer": tokenizer,  # before torch
-                            "--chat-template": chat_template, "--init-from": init_from, "--plan": plan})
-        done = None if export_hf is not None else finished_line(checkpoint_dir, steps)  # export still due
-        if done is not None:
+        data, ckpt = config.data, config.checkpoint
+        ckpt_given = ckpt.dir
+        init_from = config.model.init_from
+        check_inputs_exist({"--data": data.path, "--val-data": data.val_data, "--tokenizer": data.tokenizer,
+                            "--chat-template": data.chat_template, "--init-from": init_from, "--plan": plan})
+        steps = config.optimizer.steps
+        done = None if export_hf is not None else finished_line(ckpt.dir, steps)  # export still due
+        if done is not None:  # (before torch is imported)
             typer.echo(literal(done), err=True)
             return
         from medley.plan.plan import load_plan
-        from medley.runtime.train import TrainConfig, check_config
+        from medley.runtime.train import check_config
 
-        config = TrainConfig.of(
-            steps=steps, seed=seed, optimizer=optimizer, lr=lr, warmup_steps=warmup_steps, min_lr=min_lr,
-            weight_decay=weight_decay, clip_norm=clip_norm or None, data=data, tokenizer=tokenizer,
-            text_field=text_field, data_format=data_format, chat_template=chat_template,
-            token_dtype=token_dtype, data_cache=data_cache, val_data=val_data,
-            val_fraction=val_fraction, eval_every=eval_every, eval_batches=eval_batches,
-            tensorboard=tensorboard, checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every, log_jsonl=log_jsonl, emulate=emulate,
-            slowdown=parse_slowdown(slowdown), slowdown_from=slowdown_from, device=device, elastic=elastic,
-            straggler_margin=straggler_margin, straggler_steps=straggler_steps, progress=not as_json,
-            dtype=dtype,
-            step_timeout_s=step_timeout or None, first_step_timeout_s=first_step_timeout or None,
-            checkpoint_timeout_s=checkpoint_timeout or None, log_every=log_every, gc_every=gc_every,
-            reset_data_order=reset_data_order,
-            init_from=init_from, hf_dir=hf_cmd.hf_dir_of(model, init_from), compile=compile_blocks)
-        if keep is not None:
-            config.checkpoint.keep = keep
-        config.checkpoint.async_save = async_checkpoint
-        if compile_blocks:
+        config.logging.progress = not as_json
+        config.model.hf_dir = hf_cmd.hf_dir_of(model, init_from)
+        if config.model.compile:
             from medley.runtime.compile import check_compile_available
 
             check_compile_available()
         if export_hf is not None:
             hf_cmd.check_export_target(export_hf, flag="--export-hf")
-            if checkpoint_dir is None:
-                config.checkpoint.dir = hf_cmd.export_checkpoints(export_hf)
+            if ckpt.dir is None:
+                ckpt.dir = hf_cmd.export_checkpoints(export_hf)
         check_config(config)  # output paths and numbers, before any work
+        device = config.emulation.device
         if plan is not None:
             the_plan = load_plan(plan)
         else:  # an inline plan is made in the precision the run computes in: no precision note
             the_plan = inline_plan(
                 inline, cluster=cluster, model=model or (str(init_from) if init_from else "tiny"),
-                clip_grad=bool(clip_norm), dtype=inline_dtype(dtype, local_ranks=local_ranks, device=device))
+                clip_grad=config.optimizer.clip_norm is not None,
+                dtype=inline_dtype(config.precision.dtype, local_ranks=local_ranks, device=device))
         if local_ranks is not None and local_ranks != the_plan.world_size:
             raise MedleyInputError(
                 f"--local-ranks {local_ranks}: the plan needs {ranks_needed(the_plan)}; "
@@ -395,14 +298,14 @@ def register(app: typer.Typer) -> None:
         if records.plan is not None:  # an elastic run: the plan it ended under
             the_plan = records.plan
         if export_hf is not None:
-            hf_cmd.export_after_training(config.checkpoint.dir, export_hf, temporary=checkpoint_dir is None)
+            hf_cmd.export_after_training(ckpt.dir, export_hf, temporary=ckpt_given is None)
             typer.echo(f"wrote the Hugging Face model {literal(str(export_hf))}", err=True)
         if as_json:
-            data = run_json(records)
+            out = run_json(records)
             if config.elastic.elastic:  # what happened on the way, every attempt's (its records are its last)
                 from medley.runtime.elastic_dir import SUBDIR, events
 
-                data["events"] = events(Path(str(config.checkpoint.dir)) / SUBDIR)
-            typer.echo(json.dumps(data, indent=1, allow_nan=False))
+                out["events"] = events(Path(str(ckpt.dir)) / SUBDIR)
+            typer.echo(json.dumps(out, indent=1, allow_nan=False))
         else:
             print_records(the_plan, records, make_console(), split=inline.split if plan is None else None)

@@ -7,14 +7,14 @@ crosses the slower links between stages; layers are split in proportion to each 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass
 from medley.cost.recompute import Recompute, parse_recompute
 from medley.cost.tensor_parallel import TensorParallelCompute
 from medley.errors import MedleyInputError
+from medley.flags import setting
 from medley.plan.layout import TP_DEGREES, PlanLayout, check_tp
 from medley.plan.split_rules import speed_split
 from medley.schedule.generators import generate
@@ -26,44 +26,39 @@ from medley.spec.limits import MAX_BLOCKS, MAX_MICRO_BATCHES, MAX_WINDOWS, check
 from medley.spec.model import ModelSpec
 
 
-def _flag(default: object, text: str, *, minimum: int | None = None) -> Any:
-    """A field of :class:`InlineFlags`: its default, its flag's help ``text`` and lowest value."""
-    return field(default=default, metadata={"help": text, "min": minimum})
-
-
 @dataclass(frozen=True, kw_only=True)
 class InlineFlags:
     """A plan's shape given by flags, as ``medley simulate`` and ``medley train`` (without
     ``--plan``) take it: each field is the flag of its name (``micro_batch_size`` is
     ``--micro-batch-size``), with one default for every command; its metadata holds the flag's help
-    and lowest value (medley.cli.inline_flags makes the options from them)."""
+    and lowest value (:func:`medley.flags.setting`; medley.cli.options makes the options)."""
 
-    pp: int = _flag(1, "Pipeline ranks per replica", minimum=1)
-    dp: int = _flag(1, "Data-parallel replicas", minimum=1)
-    schedule: str = _flag("1f1b", "Schedule family (gpipe, 1f1b, interleaved, zb-h1, ...)")
-    micro_batches: str = _flag("8", "Micro-batches per replica: one value, or one per replica")
-    micro_batch_size: int = _flag(1, "Sequences per micro-batch", minimum=1)
-    seq_len: int | None = _flag(None, "Tokens per sequence (default: 2048, or the model's longest if "
-                                "shorter)", minimum=1)
-    virtual_stages: int = _flag(2, "Chunks per rank (interleaved)", minimum=1)
-    split: str | None = _flag(None, "Blocks (or layers) per stage, e.g. 6,8,9,9 (default: in proportion to "
-                              "each stage's speed)")
-    zero: str | None = _flag(None, "ZeRO level per stage, e.g. 3,3,1,1 (default 1)")
-    zero_placement: str = _flag("bubble", "Where ZeRO collectives go: naive or bubble")
-    buckets: int = _flag(4, "Layer buckets per stage for ZeRO collectives", minimum=1)
-    gather_windows: int = _flag(1, "ZeRO-3 gather rounds per step: 1 keeps weights gathered, 0 streams "
-                                "buckets", minimum=0)
-    recompute: bool = _flag(False, "Recompute block activations in the backward")
-    recompute_mode: str | None = _flag(None, "How blocks recompute, one setting or one per stage: none, "
-                                       "full, selective, or MODE:K for a stage's first K blocks (full:2); "
-                                       "overrides --recompute")
-    assignment: str | None = _flag(None, "Device id per pipeline rank, replicas separated by ';' (3,0;1,2)")
-    tp: str | None = _flag(None, "Tensor-parallel degree per pipeline rank (1, 2, 4 or 8; one value for "
-                           "all, e.g. 2 or 2,1): rank k runs on tp[k] consecutive devices of one node "
-                           "from its --assignment id")
-    sequence_parallel: bool = _flag(False, "Sequence parallelism on the stages of tp > 1 (norms on 1/tp of "
-                                    "the tokens, all-gather and reduce-scatter instead of all-reduce); "
-                                    "seq-len must divide by each tp")
+    pp: int = setting(1, "Pipeline ranks per replica", minimum=1)
+    dp: int = setting(1, "Data-parallel replicas", minimum=1)
+    schedule: str = setting("1f1b", "Schedule family (gpipe, 1f1b, interleaved, zb-h1, ...)")
+    micro_batches: str = setting("8", "Micro-batches per replica: one value, or one per replica")
+    micro_batch_size: int = setting(1, "Sequences per micro-batch", minimum=1)
+    seq_len: int | None = setting(None, "Tokens per sequence (default: 2048, or the model's longest if "
+                                  "shorter)", minimum=1)
+    virtual_stages: int = setting(2, "Chunks per rank (interleaved)", minimum=1)
+    split: str | None = setting(None, "Blocks (or layers) per stage, e.g. 6,8,9,9 (default: in proportion to "
+                                "each stage's speed)")
+    zero: str | None = setting(None, "ZeRO level per stage, e.g. 3,3,1,1 (default 1)")
+    zero_placement: str = setting("bubble", "Where ZeRO collectives go: naive or bubble")
+    buckets: int = setting(4, "Layer buckets per stage for ZeRO collectives", minimum=1)
+    gather_windows: int = setting(1, "ZeRO-3 gather rounds per step: 1 keeps weights gathered, 0 streams "
+                                  "buckets", minimum=0)
+    recompute: bool = setting(False, "Recompute block activations in the backward")
+    recompute_mode: str | None = setting(None, "How blocks recompute, one setting or one per stage: none, "
+                                         "full, selective, or MODE:K for a stage's first K blocks (full:2); "
+                                         "overrides --recompute")
+    assignment: str | None = setting(None, "Device id per pipeline rank, replicas separated by ';' (3,0;1,2)")
+    tp: str | None = setting(None, "Tensor-parallel degree per pipeline rank (1, 2, 4 or 8; one value for "
+                             "all, e.g. 2 or 2,1): rank k runs on tp[k] consecutive devices of one node "
+                             "from its --assignment id")
+    sequence_parallel: bool = setting(False, "Sequence parallelism on the stages of tp > 1 (norms on 1/tp of "
+                                      "the tokens, all-gather and reduce-scatter instead of all-reduce); "
+                                      "seq-len must divide by each tp")
 
 
 def parse_int_list(

@@ -41,6 +41,7 @@ from medley.errors import MedleyInputError
 from medley.fileio import open_no_follow, os_error_message, remove_path
 from medley.runtime import lock
 from medley.runtime.checkpoint_layout import (
+    KEEP,
     META_FILE,
     TEMP_PREFIX,
     checkpoint_path,
@@ -63,7 +64,6 @@ from medley.runtime.checkpoint_verify import (
 from medley.runtime.optim import ensure_state
 from medley.runtime.sharding import ShardedStage
 
-KEEP = 2  # default of ``--keep``: newest checkpoints kept; older ones are deleted after each save
 _SHARED_WAIT_S = 10.0  # how long a rank looks for rank 0's token (a shared file system's caches)
 
 

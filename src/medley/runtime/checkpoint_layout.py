@@ -15,6 +15,7 @@ from medley.errors import MedleyInputError
 PREFIX = "step-"  # a step directory's name: PREFIX + the next step, 8 digits
 META_FILE = "medley.json"  # the manifest in each step directory (medley.runtime.checkpoint_verify)
 TEMP_PREFIX = ".tmp-"  # a save under way: TEMP_PREFIX + its step directory's name
+KEEP = 2  # default of ``--keep``: newest checkpoints kept; older ones are deleted after each save
 
 
 def checkpoint_path(directory: Path, next_step: int) -> Path:

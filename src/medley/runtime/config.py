@@ -1,311 +1,40 @@
-"""How to train a plan: :class:`TrainConfig` in the sections of a job file, checked by
-:func:`check_config` before any work, and :class:`TrainHooks` for tests and tools (what rank 0
-reports per step is :class:`medley.runtime.records.StepRecord`)."""
+"""How to train a plan: :class:`TrainConfig` (its sections and their flags are
+:mod:`medley.runtime.settings`), checked by :func:`check_config` before any work, and
+:class:`TrainHooks` for tests and tools (what rank 0 reports per step is
+:class:`medley.runtime.records.StepRecord`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from medley.errors import MedleyInputError
 from medley.fileio import UnsafePathError, check_output_dir, check_output_file, open_no_follow
-from medley.runtime.checkpoint import KEEP
 from medley.runtime.data import DataOptions, DataSource, load_source
 from medley.runtime.device_check import DEVICE_CHOICES
 from medley.runtime.records import StepRecord
+from medley.runtime.settings import (
+    CheckpointConfig,
+    DataConfig,
+    ElasticConfig,
+    EmulationConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    TrainConfig,
+)
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 from medley.spec.limits import MAX_SEED, MAX_STEPS
 
+__all__ = ["CheckpointConfig", "DataConfig", "ElasticConfig", "EmulationConfig", "LoggingConfig",
+           "ModelConfig", "OptimizerConfig", "PrecisionConfig", "TrainConfig", "TrainHooks", "check_config",
+           "load_data"]
 GradHook = Callable[[int, dict[int, ShardedStage], float | None], None]
-
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    """What the model starts from and how its blocks run ([model] of a job file).
-
-    Attributes:
-        init_from: a Hugging Face model directory whose safetensors weights the model starts from
-            (each rank reads its own stages' tensors); None: the seeded initialisation.
-        hf_dir: the Hugging Face model directory the model came from (``--model DIR`` or
-            ``init_from``), recorded in checkpoints so that an export copies its tokenizer files.
-        compile: ``torch.compile`` each transformer block (:mod:`medley.runtime.compile`); the
-            first step then includes the compilation.
-    """
-
-    init_from: Path | None = None
-    hf_dir: Path | None = None
-    compile: bool = False
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    """What is trained on and in which order ([data]).
-
-    Attributes:
-        path: a data set (``.jsonl``, ``.parquet`` or a directory of them, a ``datasets``
-            ``save_to_disk`` directory, a ``.bin`` token file, a text file), None for the shipped
-            corpus, or ``"synthetic"`` (:mod:`medley.runtime.data`).
-        tokenizer: a tokenizers ``tokenizer.json`` (or its directory) for text data; None: plain
-            text is read as bytes.
-        text_field: the JSON field or column holding the text.
-        data_format: ``auto``, ``text``, ``chat`` (``messages`` rendered by the chat template, the
-            loss on the assistant's tokens) or ``completion`` (``prompt``/``completion`` pairs, the
-            loss on the completion); auto tells them by the first row's fields
-            (:mod:`medley.runtime.data.examples`).
-        chat_template: a Jinja chat template file for ``chat`` data; None: the tokenizer
-            directory's (:mod:`medley.runtime.data.chat`).
-        token_dtype: ids of ``.bin`` token files: ``uint16`` or ``uint32`` (None: the Megatron
-            ``.idx`` beside it, else uint16 as nanoGPT).
-        data_cache: where tokenized text is cached (None: ``~/.cache/medley/tokens``).
-        val_data: a validation data set (same formats), all of its windows used in order.
-        val_fraction: hold out this share of ``data``'s windows (the last ones) for validation.
-        seed: seed of the model initialisation and of the data order.
-        reset_data_order: resume from a checkpoint written with another seed, global batch or
-            data source (each difference is printed); without it such a resume is refused.
-    """
-
-    path: str | None = None
-    tokenizer: str | None = None
-    text_field: str = "text"
-    data_format: str = "auto"
-    chat_template: str | None = None
-    token_dtype: str | None = None
-    data_cache: Path | None = None
-    val_data: str | None = None
-    val_fraction: float = 0.0
-    seed: int = 0
-    reset_data_order: bool = False
-
-
-@dataclass(kw_only=True)
-class OptimizerConfig:
-    """How many steps, and the update ([optimizer]).
-
-    Attributes:
-        steps: steps in total, skipped fp16 steps included (a resumed run continues up to this step).
-        name: ``adamw`` or ``sgd``.
-        lr: peak learning rate, reached after ``warmup_steps`` linear warm-up steps, then cosine
-            decay to ``min_lr`` at step ``steps``; 0 updates nothing (min_lr is capped at lr).
-        warmup_steps: linear warm-up steps.
-        min_lr: learning rate at the end of the cosine decay.
-        weight_decay: decoupled weight decay (AdamW) or L2 (SGD).
-        clip_norm: clip gradients to this global L2 norm (across stages and shards); None: off.
-    """
-
-    steps: int = 20
-    name: str = "adamw"
-    lr: float = 3e-3
-    warmup_steps: int = 5
-    min_lr: float = 3e-4
-    weight_decay: float = 0.1
-    clip_norm: float | None = 1.0
-
-
-@dataclass(kw_only=True)
-class PrecisionConfig:
-    """The compute precision and fp16's loss scaling ([precision]).
-
-    Attributes:
-        dtype: ``fp32``, ``bf16`` or ``fp16`` (half-precision compute under autocast on fp32
-            master weights and optimizer; weights gathered and gradients reduced in the dtypes of
-            ``medley.cost.zero_memory``; fp16 with dynamic loss scaling); None: the
-            plan's precision on CUDA, fp32 on CPU. Rank 0 says so when it is not the plan's.
-        loss_scale_init: fp16: the loss scale of the first step (torch GradScaler's 2**16).
-        loss_scale_backoff: fp16: the scale is multiplied by this after a step whose gradients
-            overflowed somewhere in the world (that step is skipped on every rank).
-        loss_scale_growth: fp16: the scale is multiplied by this after
-            ``loss_scale_growth_interval`` steps in a row without overflow.
-        loss_scale_growth_interval: see ``loss_scale_growth``.
-    """
-
-    dtype: str | None = None
-    loss_scale_init: float = 2.0**16
-    loss_scale_backoff: float = 0.5
-    loss_scale_growth: float = 2.0
-    loss_scale_growth_interval: int = 2000
-
-
-@dataclass(kw_only=True)
-class CheckpointConfig:
-    """Where and how often the run saves, and how many it keeps ([checkpoint]).
-
-    Attributes:
-        dir: where checkpoints go; a run resumes from the newest one found there.
-        every: save every this many steps (and after the last step); 0: only at the end.
-        keep: the newest checkpoints kept (older ones are deleted after each save);
-            ``checkpoint_dir`` must be one directory every node sees (checked at start).
-        async_save: write each checkpoint but the last in the background (DCP's async save)
-            while training goes on; it is published when the next one starts.
-    """
-
-    dir: Path | None = None
-    every: int = 0
-    keep: int = KEEP
-    async_save: bool = False
-
-
-@dataclass(kw_only=True)
-class LoggingConfig:
-    """What the run reports, evaluates and watches ([logging]).
-
-    Attributes:
-        log_jsonl: rank 0 appends one JSON line per step here.
-        tensorboard: rank 0 writes TensorBoard scalars here (needs the tensorboard package).
-        eval_every: every this many steps (and after the last), the mean loss over
-            ``eval_batches`` fixed validation batches, forward only; 0: never.
-        eval_batches: validation batches (each the shape of the global batch) per evaluation.
-        progress: show progress on rank 0: a bar on a terminal, else a line every ``log_every``
-            steps (under nohup or a batch system, where stderr is a file).
-        log_every: the ranks gather their statistics (losses, gradient norm, times) every this
-            many steps, and after the first step, the last and every checkpoint: a host sync
-            there, none on the other steps (their statistics wait on the device). Every step still
-            gets its record (``log_jsonl``, TensorBoard), written at those steps; a diverged run
-            stops at the next of them, before any checkpoint of the diverged state.
-        measure_memory: peak memory per rank: CUDA's counter every step; on CPU one untimed probe
-            step after the last one, reported in every record.
-        trace_actions: every record carries each rank's per-action timings of its step
-            (``StepRecord.action_spans_by_device``; one more gather per step, outside its timed part).
-        step_timeout_s: a rank that spends longer than this in one step exits with one line (and
-            every thread's stack under ``--debug``), so a hang (a mismatched collective never times
-            out on gloo) fails the run (and, under restarts, resumes it) instead of stalling it;
-            None: no watchdog. The first step and checkpoint saves have their own limits; the
-            process group's timeout is longer than all three
-            (:func:`medley.runtime.lifecycle.process_group_timeout_s`), so the watchdog names a hang.
-        first_step_timeout_s: the same for the first step of a run (compiling, allocating, the
-            first collectives' connections); None: not watched.
-        checkpoint_timeout_s: the same for each checkpoint save; None: not watched.
-        gc_every: Python's cyclic garbage collector is off during training and runs between
-            steps every this many steps, on every rank (torchtitan's ``gc_freq``), so that no
-            collection pauses one rank mid-step while the others wait; 0: automatic collection.
-    """
-
-    log_jsonl: Path | None = None
-    tensorboard: Path | None = None
-    eval_every: int = 0
-    eval_batches: int = 2
-    progress: bool = False
-    measure_memory: bool = True
-    trace_actions: bool = False
-    step_timeout_s: float | None = 600.0
-    first_step_timeout_s: float | None = 1800.0
-    checkpoint_timeout_s: float | None = 1800.0
-    log_every: int = 10
-    gc_every: int = 50
-
-
-@dataclass(kw_only=True)
-class EmulationConfig:
-    """Emulated device speeds on CPU ([plan] of a job file: they follow the plan's devices).
-
-    Attributes:
-        emulate: stretch each rank's compute by its device's slowdown (see ``medley.runtime.emulate``).
-        slowdown: factor per device id, overriding the plan-derived one (implies ``emulate``).
-        slowdown_from: the step from which ``slowdown`` applies (before it, the plan-derived
-            factors): a device that becomes slow mid-run.
-        device: ``auto``: compute on the plan's devices (CUDA for GPU types, refused before any
-            rank starts where there is none: :mod:`medley.runtime.device_check`); ``cpu``: run any
-            plan on this machine's CPU (gloo), on purpose.
-    """
-
-    emulate: bool = False
-    slowdown: dict[int, float] = field(default_factory=dict)
-    slowdown_from: int = 0
-    device: str = "auto"
-
-
-@dataclass(kw_only=True)
-class ElasticConfig:
-    """An elastic run's own settings ([elastic] of a job file; ``medley launch --elastic`` sets
-    ``elastic``, :mod:`medley.elastic`).
-
-    Attributes:
-        elastic: this rank is one of an elastic run: it re-plans for the devices present.
-        straggler_margin: a device is a straggler when its compute time per step, relative to
-            the plan's prediction for it, exceeds the median device's by more than this share.
-        straggler_steps: for this many steps in a row (then it is re-planned at its measured
-            speed at the next checkpoint); 0: stragglers are not watched.
-        admit_wait_s: how long the ranks wait at a checkpoint for a node that asked to join.
-    """
-
-    elastic: bool = False
-    straggler_margin: float = 0.5
-    straggler_steps: int = 3
-    admit_wait_s: float = 60.0
-
-
-# Flat names (as medley train's flags name the settings) that differ from their section's field.
-_RENAMED = {"data": ("data", "path"), "optimizer": ("optimizer", "name"),
-            "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
-            "checkpoint_keep": ("checkpoint", "keep")}
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """How to train a plan, in the sections of a job file (docs/job-file.md; hooks for tests are
-    :class:`TrainHooks`, apart).
-
-    Attributes:
-        model: :class:`ModelConfig`: Hugging Face weights, compilation.
-        data: :class:`DataConfig`: the data, its tokenizer and format, validation, seed.
-        optimizer: :class:`OptimizerConfig`: steps, optimizer, learning-rate schedule, clipping.
-        precision: :class:`PrecisionConfig`: dtype and fp16's loss scaling.
-        checkpoint: :class:`CheckpointConfig`: directory, interval, how many kept.
-        logging: :class:`LoggingConfig`: log file, TensorBoard, evaluation, progress, memory,
-            traces, the step watchdog and garbage collection.
-        emulation: :class:`EmulationConfig`: emulated device speeds.
-        elastic: :class:`ElasticConfig`: re-planning on lost, returning and slow devices.
-    """
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    emulation: EmulationConfig = field(default_factory=EmulationConfig)
-    elastic: ElasticConfig = field(default_factory=ElasticConfig)
-
-    @classmethod
-    def of(cls, **settings: object) -> TrainConfig:
-        """A config from flat settings named as ``medley train``'s flags name them (``lr``,
-        ``data``, ``checkpoint_dir``, ``dtype``, ...), each put in its section: how the CLI and
-        the tests build one. An unknown name is a TypeError, as for a dataclass."""
-        parts: dict[str, dict[str, object]] = {name: {} for name in _SECTION_CLASSES}
-        for name, value in settings.items():
-            section, key = _RENAMED.get(name) or (_SECTION_OF.get(name), name)
-            if section is None:
-                raise TypeError(f"TrainConfig.of() got an unexpected setting {name!r}")
-            parts[section][key] = value
-        return cls(**{name: _SECTION_CLASSES[name](**values) for name, values in parts.items()})
-
-    def data_options(self) -> DataOptions:
-        """How to read the data: text is tokenized with ``tokenizer``, else with the model
-        directory's ``tokenizer.json`` (``hf_dir``, else ``init_from``) when it has one, else read
-        as bytes."""
-        data = self.data
-        tokenizer, model_dir = data.tokenizer, self.model.hf_dir or self.model.init_from
-        if tokenizer is None and model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
-            tokenizer = str(model_dir)
-        return DataOptions(tokenizer=tokenizer, text_field=data.text_field, token_dtype=data.token_dtype,
-                           cache_dir=data.data_cache, val_fraction=data.val_fraction, kind=data.data_format,
-                           chat_template=data.chat_template)
-
-    def eval_due(self, step: int) -> bool:
-        """Whether the model after ``step`` is evaluated: every ``eval_every`` steps and after the last."""
-        every = self.logging.eval_every
-        return every > 0 and ((step + 1) % every == 0 or step + 1 == self.optimizer.steps)
-
-
-_SECTION_CLASSES: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
-                                     "precision": PrecisionConfig, "checkpoint": CheckpointConfig,
-                                     "logging": LoggingConfig, "emulation": EmulationConfig,
-                                     "elastic": ElasticConfig}
-_SECTION_OF = {f.name: name for name, kind in _SECTION_CLASSES.items() for f in dataclasses.fields(kind)}
 
 
 @dataclass(kw_only=True)
@@ -333,8 +62,20 @@ class TrainHooks:
 def load_data(config: TrainConfig, *, seq_len: int, vocab_size: int, verify: bool = True) -> DataSource:
     """The run's data source; ``verify`` (the launching process) checks token ids and builds
     the token cache, the ranks (``verify=False``) only map it."""
-    return load_source(config.data.path, seq_len=seq_len, options=config.data_options(),
+    return load_source(config.data.path, seq_len=seq_len, options=data_options(config),
                        vocab_size=vocab_size, val_data=config.data.val_data, verify=verify)
+
+
+def data_options(config: TrainConfig) -> DataOptions:
+    """How to read the data: text is tokenized with ``tokenizer``, else with the model directory's
+    ``tokenizer.json`` (``hf_dir``, else ``init_from``) when it has one, else read as bytes."""
+    data = config.data
+    tokenizer, model_dir = data.tokenizer, config.model.hf_dir or config.model.init_from
+    if tokenizer is None and model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+        tokenizer = str(model_dir)
+    return DataOptions(tokenizer=tokenizer, text_field=data.text_field, token_dtype=data.token_dtype,
+                       cache_dir=data.data_cache, val_fraction=data.val_fraction, kind=data.data_format,
+                       chat_template=data.chat_template)
 
 
 def _check_number(flag: str, value: float | None, *, positive: bool) -> None:
