@@ -67,9 +67,9 @@ def test_a_node_local_directory_is_one_line_on_every_rank(tmp_path: Path) -> Non
 @pytest.mark.timeout(300)
 def test_keep_n_keeps_the_newest_n(tmp_path: Path) -> None:
     with pytest.raises(MedleyInputError, match="--keep 0: keep at least 1 checkpoint"):
-        check_config(config(checkpoint_dir=tmp_path / "x", checkpoint_keep=0))
+        check_config(config(checkpoint_dir=tmp_path / "x", keep=0))
     plan = tiny_plan(pp=2, dp=1, split="3,3", zero="0,0", schedule="1f1b", micro_batches="2")
-    train_local(plan, config(steps=5, checkpoint_every=1, checkpoint_keep=3,
+    train_local(plan, config(steps=5, checkpoint_every=1, keep=3,
                              checkpoint_dir=tmp_path / "ckpt"))
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == \
         ["step-00000003", "step-00000004", "step-00000005"]
