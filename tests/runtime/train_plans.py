@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -113,3 +114,13 @@ def reference_layout(plan: Plan):  # noqa: ANN201 - a PlanLayout: what the refer
     replicas = len(plan.micro_batches)
     return dataclasses.replace(plan.shared, dp=replicas, micro_batches=plan.micro_batches, sync_dp=0,
                                assignment=tuple((r,) * plan.shared.pp for r in range(replicas)))
+
+
+def save_shards(directory: str, step: int, stages: dict, scale: float | None) -> None:
+    """grad_hook: at step 0, this rank's parameters as it built them (:func:`medley.runtime.dry_run.
+    shards`: name, global and local shape, dtype, placements) as ``<directory>/rank<rank>.json``."""
+    from medley.runtime.dry_run import shards
+
+    if step == 0:
+        found = [dataclasses.asdict(shard) for shard in shards(stages)]
+        Path(directory, f"rank{os.environ['RANK']}.json").write_text(json.dumps(found))

@@ -120,7 +120,10 @@ def report_table(result: DryRun) -> Table:
     table = Table(title="GiB per rank built (off the memory model's prediction where it is), one "
                         "micro-batch's activations traced / by the formulas",
                   caption="static: parameters + optimizer state, held all step; gradient: unsharded, after "
-                          "a backward; grad shard: after the reduce-scatter; gathered: ZeRO-3's for compute")
+                          "a backward; grad shard: after the reduce-scatter; gathered: ZeRO-3's for compute; "
+                          "activations traced: what autograd saves on this CPU's kernels (not a GPU's; a "
+                          "selective block's kept outputs, held inside checkpoint, are not seen), shown, not "
+                          "checked")
     for header in ("rank", "alike", "stages (layers)", "tp", "ZeRO", "dp", "static", "predicted",
                    "parameters", "optimizer", "gradient", "grad shard", "gathered", "activations"):
         table.add_column(header, justify="left" if header.startswith("stages") else "right")

@@ -33,7 +33,7 @@ E_MAX = DEFAULT_MATMUL_EFFICIENCY  # the ceiling of a type the catalog has not c
 MN_HALF = 128 * 128 * 8  # output elements at which the size factor is one half (8 tiles of 128x128)
 K_HALF = 64  # reduction length at which the k factor is one half
 BLOCK = 128  # the query/key tile of flash attention: a causal mask skips the tiles above the diagonal
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DTYPE_BYTES = formulas.DTYPE_BYTES
 ATTENTION_MATMULS = {Pass.F: 2, Pass.B: 5, Pass.W: 0}
 """(seq x seq x head_dim) matmuls flash attention runs per pass (FlashAttention-2, Dao 2023: the
 backward recomputes the scores, then computes dV, dP, dQ and dK)."""

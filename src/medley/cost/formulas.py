@@ -24,6 +24,9 @@ from functools import lru_cache
 from medley.cost.interfaces import Pass
 from medley.spec.model import ModelSpec
 
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes per element of each compute dtype (activations, gathered weights, messages)."""
+
 RecomputeMode = bool | str  # a mode of medley.cost.recompute.MODES; True is "full", False "none"
 
 

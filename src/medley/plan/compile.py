@@ -37,7 +37,8 @@ from medley.cost.tensor_parallel import (
     tp_comm_time,
 )
 from medley.cost.zero_levels import fsdp_units
-from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
+from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
+from medley.plan.activations import autocast_copies, layer_bytes, stage_modes
 from medley.plan.collectives import CollectiveTable
 from medley.plan.layout import PlanLayout, sequence_sharded_edges
 from medley.plan.tp_links import scale_hops
@@ -134,9 +135,7 @@ def _stage_cost(
         shape = {"micro_batch_size": mbs, "seq_len": seq}
         held = tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, sequence_parallel=sp,
                                    **shape) if found else None
-        layer_act = held[0] if held else formulas.layer_activation_bytes(
-            model, layer, dtype_bytes=dtype_bytes, recompute=mode, tp=tp, sequence_parallel=sp, **shape
-        )
+        layer_act = held[0] if held else layer_bytes(layout, layer, mode=mode, tp=tp)
         layer_after_b = held[1] if held else formulas.layer_activation_bytes_after_b(
             model, layer, dtype_bytes=dtype_bytes, tp=tp, **shape
         )
@@ -162,10 +161,7 @@ def _stage_cost(
     # Autocast's copies of the fp32 weights, which each forward keeps for its backward (half
     # precision without FSDP2; a recomputing block keeps none). The matmuls' autograd nodes hold
     # them until they are released, so a split backward frees them at W, not at B.
-    per_param = state_bytes_per_param(layout.dtype)
-    copies = autocast_copy_bytes(level=level, dp=layout.zero_dp, per_param=per_param)
-    copies *= sum(formulas.layer_autocast_params(model, i, tp=tp, recompute=modes[i])
-                  for i in layout.layer_range(stage))
+    copies = autocast_copies(layout, stage, modes, tp=tp)
     act, after_b = act + copies, after_b + copies
     if fused and fused_known and times[Pass.B] + times[Pass.W] > 0:
         scale = fused_s / (times[Pass.B] + times[Pass.W])  # one autograd call costs less than two
@@ -191,7 +187,7 @@ def _stage_cost(
         times[Pass.W] += overhead
     # The stage's whole unsharded gradient, made by its backward (not kept between steps).
     gradient = stage_state_bytes(_stage_params(layout, stage), level=level, dp=layout.zero_dp,
-                                 per_param=per_param).gradient
+                                 per_param=state_bytes_per_param(layout.dtype)).gradient
     return StageCost(
         forward_s=times[Pass.F],
         backward_input_s=times[Pass.B],
@@ -261,13 +257,6 @@ def backward_workspace(
         most = max(most, more)
         gone += freed.get(layer, 0.0)
     return most
-
-
-def stage_modes(layout: PlanLayout, stage: int) -> dict[int, str]:
-    """Each layer of ``stage``'s recomputation mode (:meth:`medley.cost.recompute.Recompute.layer_modes`)."""
-    layers = layout.layer_range(stage)
-    kinds = [layout.model.layer_kind(i) for i in layers]
-    return dict(zip(layers, layout.stage_recompute(stage).layer_modes(kinds), strict=True))
 
 
 def recompute_workspace(

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan
 from medley.plan.world import World, build_world
+from medley.runtime import placement
 from medley.runtime.dry_run_bytes import (
     FIGURES,
     TOLERANCE,
@@ -39,11 +39,10 @@ from medley.runtime.dry_run_bytes import (
     predicted,
     predicted_activations,
 )
-from medley.runtime.executor import with_default_collectives
-from medley.runtime.groups import RankGroups, RankTable, make_groups, row_major_table, segment_holders
+from medley.runtime.groups import RankGroups, RankTable
 from medley.runtime.optim import optimizer_class
+from medley.runtime.setup import build_parts
 from medley.runtime.sharding import ShardedStage
-from medley.runtime.stages import build_local_stages
 from medley.runtime.tensor_parallel import local_tensor
 from medley.runtime.torch_adapter import fake_store, fake_tensor_mode
 
@@ -109,8 +108,11 @@ class RankReport:
         shards: every parameter it holds.
         built / predicted: its model-state bytes, counted and by the memory model.
         activations / predicted_activations: bytes one micro-batch's forward keeps for its backward
-            (the tensors autograd saved, input and output included, parameters not), and the
-            formulas' figure (:func:`medley.cost.formulas.layer_activation_bytes`).
+            (the tensors autograd saved on this CPU's kernels, input and output included,
+            parameters not; a selective block's kept outputs live inside checkpoint's cache and are
+            not seen), and the figure the compiler books for the simulator
+            (:func:`medley.plan.activations.stage_activation_bytes`). Shown, not checked: the
+            formulas model a GPU's kernels.
     """
 
     case: RankCase
@@ -137,16 +139,9 @@ class RankReport:
 
 
 def rank_table(plan: Plan) -> RankTable:
-    """Global ranks in the plan's device order (:attr:`Plan.devices`): group by group, replica by
-    replica, pipeline rank by rank, TP rank by rank (the table :mod:`medley.runtime.placement`
-    gives ranks started in that order)."""
-    rows: list[tuple[tuple[int, ...], ...]] = []
-    offset = 0
-    for layout in plan.groups:
-        table = row_major_table(layout.pp, layout.dp, layout.tp)
-        rows += [tuple(tuple(offset + r for r in ranks) for ranks in row) for row in table]
-        offset += layout.world_size
-    return tuple(rows)
+    """The plan's rank table for the ranks as ``medley launch`` numbers them
+    (:func:`medley.runtime.placement.started_identities`), the table a run of them builds."""
+    return placement.rank_table(plan, placement.started_identities(plan))
 
 
 def rank_cases(plan: Plan, world: World | None = None) -> list[RankCase]:
@@ -208,7 +203,7 @@ def _groups_of(groups: RankGroups) -> dict[str, list[list[int]] | list[int]]:
     return out
 
 
-def _shards(stages: dict[int, ShardedStage]) -> list[ParamShard]:
+def shards(stages: dict[int, ShardedStage]) -> list[ParamShard]:
     out = []
     for stage in stages.values():
         for name, param in stage.named_parameters_local():
@@ -221,23 +216,24 @@ def _shards(stages: dict[int, ShardedStage]) -> list[ParamShard]:
 
 def build_rank(plan: Plan, rank: int, *, world: World | None = None, case: RankCase | None = None,
                measure: bool = True) -> RankReport:
-    """Build ``rank`` of ``plan`` alone in a fake world (collectives do nothing) and count what it
-    holds; the process group is gone again when this returns (the stages stay, on fake storage)."""
+    """Build ``rank`` of ``plan`` alone in a fake world (collectives do nothing) as a run builds it
+    (:func:`medley.runtime.setup.build_parts`, on the meta device; compile changes no module or
+    shard and is left out) and count what it holds; the process group is gone again when this
+    returns (the stages stay, on fake storage)."""
     world = world or build_world(plan.groups)
     if case is None:
         case = next(c for c in rank_cases(plan, world) if rank in c.ranks)
     cls, kwargs = optimizer_class("adamw", lr=1e-4, weight_decay=0.0)
     table = rank_table(plan)
     with fake_world(plan.world_size, rank):
-        groups = make_groups(table, segment_holders(world.segments))
-        group, _ = world.segments.where(groups.place.replica)
-        layout = world.groups[group]
-        schedule = with_default_collectives(world.schedules[groups.place.replica])
+        parts = build_parts(world, table, device=torch.device("cpu"), seed=0, optimizer_class=cls,
+                            optimizer_kwargs=kwargs, materialize=False)
+        layout, groups = parts.layout, parts.groups
         mode = fake_tensor_mode()
-        stages = _build_stages(layout, schedule, groups, world, group, cls, kwargs, mode)
+        stages = _on_fake_storage(parts.stages, mode)
         with mode:
             built, activations = count_bytes(layout, stages) if measure else (ZERO_FIGURES, 0)
-        report = RankReport(case=case, rank=rank, groups=_groups_of(groups), shards=_shards(stages),
+        report = RankReport(case=case, rank=rank, groups=_groups_of(groups), shards=shards(stages),
                             built=built,
                             predicted=predicted(layout, case.stages), activations=float(activations),
                             predicted_activations=predicted_activations(layout, case.stages), stages=stages,
@@ -245,15 +241,9 @@ def build_rank(plan: Plan, rank: int, *, world: World | None = None, case: RankC
     return report
 
 
-def _build_stages(layout: PlanLayout, schedule: object, groups: RankGroups, world: World, group: int,
-                  cls: type[torch.optim.Optimizer], kwargs: dict,
-                  mode: FakeTensorMode) -> dict[int, ShardedStage]:
-    """The rank's stages on the meta device (``build_local_stages(materialize=False)``: TP and FSDP2
-    applied, nothing allocated), then on fake storage, levels 1-2 gathered as after a build."""
-    stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers,
-                                zero=[z.level for z in layout.zero], groups=groups, seed=0,
-                                optimizer_class=cls, optimizer_kwargs=kwargs, recompute=layout.recompute,
-                                precision=layout.dtype, units=world.segments.units[group], materialize=False)
+def _on_fake_storage(stages: dict[int, ShardedStage], mode: FakeTensorMode) -> dict[int, ShardedStage]:
+    """The rank's meta stages (TP and FSDP2 applied, nothing allocated) on fake storage, levels 1-2
+    gathered as after a build."""
     with mode:
         for stage in stages.values():
             before = dict(stage.module.named_parameters())

@@ -20,8 +20,9 @@ import torch
 
 from medley.cost import formulas
 from medley.cost.zero_levels import fsdp_units
-from medley.cost.zero_memory import FP32_BYTES, autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
-from medley.plan.layout import PlanLayout
+from medley.cost.zero_memory import FP32_BYTES, stage_state_bytes, state_bytes_per_param
+from medley.plan.activations import stage_activation_bytes
+from medley.plan.layout import PlanLayout, sequence_sharded_edges
 from medley.runtime.model import token_loss_sum
 from medley.runtime.optim import ensure_state
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
@@ -87,20 +88,10 @@ def predicted(layout: PlanLayout, stages: Sequence[int]) -> StateFigures:
 
 
 def predicted_activations(layout: PlanLayout, stages: Sequence[int]) -> float:
-    """The formulas' activation bytes of one micro-batch on ``stages`` (one TP rank), with
-    autocast's compute-dtype copies of the fp32 weights each forward keeps (half precision without
-    FSDP2), as the compiler books them for the simulator."""
-    shape = {"micro_batch_size": layout.micro_batch_size, "seq_len": layout.seq_len,
-             "dtype_bytes": TORCH_DTYPES[layout.dtype].itemsize}
-    per_param = state_bytes_per_param(layout.dtype)
-    total = 0.0
-    for s in stages:
-        recompute, tp = bool(layout.recompute and layout.recompute[s]), layout.stage_tp(s)
-        copies = autocast_copy_bytes(level=layout.zero[s].level, dp=layout.zero_dp, per_param=per_param)
-        for i in layout.layer_range(s):
-            total += formulas.layer_activation_bytes(layout.model, i, tp=tp, recompute=recompute, **shape)
-            total += copies * formulas.layer_autocast_params(layout.model, i, tp=tp, recompute=recompute)
-    return total
+    """The formulas' activation bytes of one micro-batch on ``stages`` (one TP rank), the figure
+    the compiler books for the simulator (:func:`medley.plan.activations.stage_activation_bytes`:
+    each layer's recomputation mode, sequence parallelism, autocast's weight copies)."""
+    return sum(stage_activation_bytes(layout, s) for s in stages)
 
 
 class Storages:
@@ -127,20 +118,24 @@ def storage_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
     return counted.bytes
 
 
-def _stage_input(layout: PlanLayout, stage: ShardedStage) -> torch.Tensor:
+def _stage_input(layout: PlanLayout, index: int, stage: ShardedStage) -> torch.Tensor:
+    """Stage ``index``'s input as it receives it: tokens, hidden states, or under sequence
+    parallelism across a sharded edge its TP rank's sequence shard."""
     batch, seq = layout.micro_batch_size, layout.seq_len
     if stage.module.first_layer == 0:
         return torch.zeros(batch, seq, dtype=torch.long)
+    if index - 1 in sequence_sharded_edges(layout):
+        seq //= layout.stage_tp(index)
     return torch.zeros(batch, seq, layout.model.hidden_size, dtype=TORCH_DTYPES[layout.dtype],
                        requires_grad=True)
 
 
-def _run_micro_batch(layout: PlanLayout, stage: ShardedStage, parameters: set[int]) -> int:
+def _run_micro_batch(layout: PlanLayout, index: int, stage: ShardedStage, parameters: set[int]) -> int:
     """One forward and backward of ``stage`` (fake tensors); returns the bytes autograd saved for
     the backward (the stage's output and its input included, parameters not)."""
     saved = Storages()
     saved.seen |= parameters
-    x = _stage_input(layout, stage)
+    x = _stage_input(layout, index, stage)
     autocast = (torch.autocast("cpu", dtype=TORCH_DTYPES[layout.dtype]) if layout.dtype != "fp32"
                 else contextlib.nullcontext())
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.add(t), t)[1], lambda t: t), autocast:
@@ -160,7 +155,7 @@ def _run_micro_batch(layout: PlanLayout, stage: ShardedStage, parameters: set[in
 def count_bytes(layout: PlanLayout, stages: dict[int, ShardedStage]) -> tuple[StateFigures, int]:
     """Built figures and one micro-batch's activation bytes of every stage (fake storage)."""
     total, activations = ZERO_FIGURES, 0
-    for stage in stages.values():
+    for index, stage in stages.items():
         stepped = [p for bucket in stage.buckets for p in bucket]  # FSDP2's (padded) shards at levels 1-3
         held = Storages()
         for param in stepped:
@@ -180,7 +175,7 @@ def count_bytes(layout: PlanLayout, stages: dict[int, ShardedStage]) -> tuple[St
         weights = Storages()
         for param in [*stepped, *stage.weights()]:
             weights.add(param)
-        activations += _run_micro_batch(layout, stage, weights.seen)
+        activations += _run_micro_batch(layout, index, stage, weights.seen)
         gradient = storage_bytes([g for unit in stage.fsdp_units for g in fsdp_unsharded_grads(unit)]
                                   if stage.sharded else [p.grad for p in stage.weights()])
         grad_shard = 0

@@ -249,6 +249,18 @@ def device_table(plan: Plan, identities: Sequence[RankIdentity]) -> list[int]:
     return [_device_of(plan, i, by_node) for i in sorted(identities, key=lambda i: i.rank)]
 
 
+def started_identities(plan: Plan) -> list[RankIdentity]:
+    """The ranks ``medley launch`` starts for ``plan`` when its node agents join in cluster order:
+    node by node, each node's LOCAL_RANK i on its i-th plan device (ascending id), global ranks
+    counting on. The numbering a dry run (``medley check --ranks``) builds by."""
+    out: list[RankIdentity] = []
+    for node, devices in plan_devices_by_node(plan).items():
+        start = len(out)
+        out += [RankIdentity(rank=start + i, node=node, local_rank=i, local_world=len(devices))
+                for i in range(len(devices))]
+    return out
+
+
 def my_identity(cluster: Cluster, *, rank: int, world: int, on_cuda: bool) -> RankIdentity:
     """This process's identity from the launcher's environment (and its GPU under nccl); without
     LOCAL_RANK (ranks started by hand) every rank is on this machine."""

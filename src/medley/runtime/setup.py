@@ -15,7 +15,7 @@ import torch.distributed as dist
 from medley.errors import MedleyInputError
 from medley.plan.layout import PlanLayout, sequence_sharded_edges
 from medley.plan.plan import Plan
-from medley.plan.world import build_world
+from medley.plan.world import World, build_world
 from medley.runtime import placement
 from medley.runtime.executor import RankExecutor, with_default_collectives
 from medley.runtime.groups import RankGroups, RankPlace, RankTable, make_groups, segment_holders
@@ -25,6 +25,7 @@ from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 from medley.runtime.stages import build_local_stages
 from medley.runtime.tensor_parallel import tp_synced_stages
 from medley.runtime.tied import build_tied_grads
+from medley.schedule.ir import PipelineSchedule
 from medley.schedule.zero_checks import CollectiveMismatchError, check_zero_placement
 
 
@@ -107,6 +108,55 @@ def _report(plan: Plan, place: RankPlace, *, device_id: int, stages: list[int]) 
     return entries
 
 
+@dataclass(kw_only=True)
+class RankParts:
+    """What every build of a rank makes, whether it then runs (:func:`build_rank`) or is counted
+    (:func:`medley.runtime.dry_run.build_rank`).
+
+    Attributes:
+        groups: its process groups over the rank table; group: its replica group;
+        layout: that group's layout; schedule: its replica's schedule (default collectives placed);
+        stages: its stages by global stage index.
+    """
+
+    groups: RankGroups
+    group: int
+    layout: PlanLayout
+    schedule: PipelineSchedule
+    stages: dict[int, ShardedStage]
+
+
+def build_parts(world: World, table: RankTable, *, device: torch.device, seed: int,
+                optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
+                dtype: str | None = None, init_from: Path | None = None, compile: bool = False,
+                materialize: bool = True) -> RankParts:
+    """This rank's groups, schedule and stages of ``world`` (collective: every rank of ``table``
+    calls it), the one build a run and a dry run share: the ZeRO placement checked, TP with the
+    layout's sequence parallelism, ZeRO sharding on its segments' meshes. ``dtype``: the run's
+    precision (None: the layout's); ``materialize`` False leaves the stages on the meta device
+    (:func:`medley.runtime.stages.build_local_stages`). Under CUDA the default device becomes
+    ``device`` once the groups exist."""
+    groups = make_groups(table, segment_holders(world.segments), device.type)
+    group, _ = world.segments.where(groups.place.replica)
+    layout = world.groups[group]
+    schedule = with_default_collectives(world.schedules[groups.place.replica])
+    try:
+        check_zero_placement(schedule, layout.zero)
+    except CollectiveMismatchError as err:
+        raise MedleyInputError(f"layout.zero / layout.placement give an unrunnable schedule: {err}") from None
+    if device.type == "cuda":
+        torch.set_default_device(device)
+    stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers,
+                                zero=[z.level for z in layout.zero], groups=groups, seed=seed,
+                                optimizer_class=optimizer_class, optimizer_kwargs=optimizer_kwargs,
+                                recompute=layout.recompute, init_from=init_from,
+                                precision=layout.dtype if dtype is None else dtype,
+                                units=world.segments.units[group], materialize=materialize,
+                                sequence_parallel=layout.sequence_parallel,
+                                sequence_edges=sequence_sharded_edges(layout), compile=compile)
+    return RankParts(groups=groups, group=group, layout=layout, schedule=schedule, stages=stages)
+
+
 def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optimizer],
                optimizer_kwargs: dict[str, Any], dtype: str = "fp32",
                clip_grad: bool = False, slowdown: Mapping[int, float] | None = None,
@@ -128,28 +178,15 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
     table, devices = _placement(plan, device)
     check_plan(plan, dist.get_world_size())
     world = build_world([dataclasses.replace(layout, clip_grad=clip_grad) for layout in plan.groups])
-    groups = make_groups(table, segment_holders(world.segments), device.type)
+    parts = build_parts(world, table, device=device, seed=seed, optimizer_class=optimizer_class,
+                        optimizer_kwargs=optimizer_kwargs, dtype=dtype, init_from=init_from, compile=compile)
+    groups, layout, stages = parts.groups, parts.layout, parts.stages
     place = groups.place
-    group, _ = world.segments.where(place.replica)
-    layout = world.groups[group]
-    schedule = with_default_collectives(world.schedules[place.replica])
     levels = [z.level for z in layout.zero]
-    try:
-        check_zero_placement(schedule, layout.zero)
-    except CollectiveMismatchError as err:
-        raise MedleyInputError(f"layout.zero / layout.placement give an unrunnable schedule: {err}") from None
-    if device.type == "cuda":
-        torch.set_default_device(device)
-    stages = build_local_stages(layout.model, schedule=schedule, split=layout.stage_layers, zero=levels,
-                                groups=groups, seed=seed, optimizer_class=optimizer_class,
-                                optimizer_kwargs=optimizer_kwargs, recompute=layout.recompute,
-                                init_from=init_from, precision=dtype, units=world.segments.units[group],
-                                sequence_parallel=layout.sequence_parallel,
-                                sequence_edges=sequence_sharded_edges(layout), compile=compile)
     me = devices[dist.get_rank()]
     factor = 1.0 if slowdown is None else slowdown[me]
     executor = RankExecutor(
-        schedule=schedule, pipeline_rank=place.pipeline_rank, stages=stages, pipeline=groups.pipeline,
+        schedule=parts.schedule, pipeline_rank=place.pipeline_rank, stages=stages, pipeline=groups.pipeline,
         tp_rank=place.tp_rank,
         activation_shape=(layout.micro_batch_size, layout.seq_len, layout.model.hidden_size),
         loss_fn=token_loss_sum,
@@ -161,5 +198,5 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
         executor.before_clip = None if tied_grads is None else tied_grads.sum_grads
     entries = _report(plan, place, device_id=me, stages=sorted(stages))
     return RankSetup(replica=place.replica, pipeline_rank=place.pipeline_rank, tp_rank=place.tp_rank,
-                     group=group, layout=layout, device=device, device_of_rank=devices, groups=groups,
+                     group=parts.group, layout=layout, device=device, device_of_rank=devices, groups=groups,
                      stages=stages, executor=executor, placement=entries)
