@@ -195,7 +195,7 @@ def predict(run: Run, device_types: dict, overrides: dict | None = None) -> dict
         schedule="interleaved" if interleaved else "1f1b", micro_batches=str(micro_batches),
         micro_batch_size=run.micro_batch_size, seq_len=run.seq_len, virtual_stages=run.virtual_stages,
         zero=str(run.zero), buckets=max(1, run.model.num_blocks // (run.pp * run.virtual_stages)),
-        gather_windows=0 if run.zero == 3 else 1, recompute=run.recompute, dtype=run.precision,
+        gather_windows=0 if run.zero == 3 else 1, recompute_mode=run.recompute, dtype=run.precision,
         tp=str(run.tp), sequence_parallel=False)
     _, result = simulate_layout(layout, cluster, cost=cost)
     ratio = result.tokens_per_s / run.measured_tokens_per_s

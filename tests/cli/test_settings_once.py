@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from medley.cli.job_file import PLAN_DEFINING, SECTIONS
 from medley.cli.main import app
-from medley.cli.options import SETTINGS_DEFAULTS, settings_options
+from medley.cli.options import settings_options
 from medley.cli.train_cmd import inline_plan
 from medley.flags import flag_name, flag_of
 from medley.plan.inline import InlineFlags
@@ -103,7 +103,7 @@ def test_the_config_train_builds_is_the_fields_own() -> None:
 
     @probe.command()
     @settings_options()
-    def run(config: TrainConfig = SETTINGS_DEFAULTS) -> None:
+    def run(*, config: TrainConfig) -> None:
         built.append(config)
 
     assert CliRunner().invoke(probe, []).exit_code == 0

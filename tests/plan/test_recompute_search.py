@@ -30,25 +30,25 @@ TABLE = layer_table(MODEL, CatalogCostSource(MODEL), device_type="A100-80GB", mi
                     seq_len=4096, dtype="bf16")
 
 
-def _plan(recompute: str | bool) -> Plan:
+def _plan(**recompute: object) -> Plan:
     cluster = parse_cluster_arg("4xA100-80GB")
     model = get_model("tiny")
     cost = CatalogCostSource.for_cluster(model, cluster)
     layout = inline_layout(cluster=cluster, model=model, cost=cost, pp=2, dp=2, schedule="1f1b",
                            micro_batches="4,4", micro_batch_size=2, seq_len=16, split="3,3", zero="1,1",
-                           recompute=recompute)
+                           **recompute)
     return Plan(layout=layout, cluster=cluster)
 
 
 def test_the_plan_file_keeps_each_stages_mode_and_reads_the_old_booleans(tmp_path: Path) -> None:
-    plan = _plan("selective,full:1")
+    plan = _plan(recompute_mode="selective,full:1")
     save_plan(plan, tmp_path / "plan.toml")
     raw = tomllib.loads((tmp_path / "plan.toml").read_text())
     assert raw["layout"]["recompute"] == [True, True]  # what an older reader understands
     assert raw["layout"]["recompute_mode"] == ["selective", "full:1"]
     assert load_plan(tmp_path / "plan.toml").layout.recompute == (SELECTIVE, Recompute("full", 1))
     # The old form: booleans only, true is full recomputation; such plans are written that way.
-    save_plan(_plan(True), tmp_path / "old.toml")
+    save_plan(_plan(recompute=True), tmp_path / "old.toml")
     raw = tomllib.loads((tmp_path / "old.toml").read_text())
     assert "recompute_mode" not in raw["layout"] and raw["layout"]["recompute"] == [True, True]
     raw["layout"]["recompute"] = [True, False]
@@ -111,7 +111,7 @@ def test_selective_reruns_the_catalogs_memory_bound_share_of_the_forward() -> No
     def backward(recompute: str) -> float:
         layout = inline_layout(cluster=cluster, model=MODEL, cost=cost, pp=2, dp=1, schedule="1f1b",
                                micro_batches="2", micro_batch_size=1, seq_len=4096, zero="0,0", split="17,17",
-                               recompute=recompute)
+                               recompute_mode=recompute)
         return compile_problem(layout, cluster, cost).stage_costs[0][1].backward_input_s
 
     shape = {"micro_batch_size": 1, "seq_len": 4096, "device_type": "A100-80GB"}

@@ -60,7 +60,7 @@ def predicted(split: str, recompute: str, *, tp: int = 1) -> list[float]:
     cluster = cluster_from_dict({"name": "cpus", "nodes": nodes}, source="test")
     layout = inline_layout(cluster=cluster, model=TINY, cost=cost, pp=2, dp=1, schedule="1f1b",
                            micro_batches="2", micro_batch_size=MBS, seq_len=SEQ, zero="0,0", split=split,
-                           dtype="fp32", recompute=recompute, tp=None if tp == 1 else f"{tp},{tp}",
+                           dtype="fp32", recompute_mode=recompute, tp=None if tp == 1 else f"{tp},{tp}",
                            sequence_parallel=tp > 1)
     return [c.activation_bytes for c in compile_problem(layout, cluster, cost).stage_costs[0]]
 

@@ -5,11 +5,11 @@ taken by ``simulate`` and ``train``) and the run's settings (the sections of
 default, help and bounds are written once, on its field; this module only turns fields into typer
 options and the parsed values back into the dataclass.
 
-A command asks for them with one parameter and a decorator::
+A command asks for them with one keyword-only parameter and a decorator::
 
     @app.command("simulate")
     @inline_options()
-    def simulate_cmd(cluster: ..., inline: InlineFlags = INLINE_DEFAULTS) -> None: ...
+    def simulate_cmd(cluster: ..., *, inline: InlineFlags) -> None: ...
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ from medley.plan.inline import InlineFlags
 from medley.runtime.settings import TrainConfig
 
 Command = TypeVar("Command", bound=Callable[..., Any])
-INLINE_DEFAULTS = InlineFlags()  # the ``inline`` parameter's placeholder default (the options replace it)
-SETTINGS_DEFAULTS = TrainConfig()  # the same for a ``config`` parameter
 
 
 def _fields(kind: type) -> list[tuple[dataclasses.Field, Any]]:

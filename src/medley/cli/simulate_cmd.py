@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from medley.cli.console import make_console, print_table, styled
-from medley.cli.options import INLINE_DEFAULTS, inline_options
+from medley.cli.options import inline_options
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
 from medley.cost.user_profiles import PerDeviceCostSource, measured_cost_source
@@ -310,7 +310,6 @@ def register(app: typer.Typer) -> None:
             str, typer.Option(help="Cluster TOML file, or a catalog device with a count: 8xA100-80GB")
         ],
         model: Annotated[str, typer.Option(help="Preset, Hugging Face config.json or model directory")],
-        inline: InlineFlags = INLINE_DEFAULTS,  # the inline plan's flags (inline_options)
         no_comm: Annotated[
             bool, typer.Option("--no-comm", help="Transfers and collectives take no time")
         ] = False,
@@ -324,12 +323,14 @@ def register(app: typer.Typer) -> None:
             str | None,
             typer.Option(help="bf16, fp16 or fp32 (default: the profiles', else bf16 where supported)"),
         ] = None,
+        *,
+        inline: InlineFlags,  # the inline plan's flags (inline_options)
     ) -> None:
         """Simulate one training step of a plan and report time, bubbles and memory per device."""
         check_pictures(trace=trace, gantt=gantt)
         spec = with_comm_profile(parse_cluster_arg(cluster), comm_profile)
         model_spec = get_model(model)
-        seq_len = model_spec.default_seq_len() if inline.seq_len is None else inline.seq_len
+        seq_len = inline.sequence_length(model_spec)
         cost = cost_source(model_spec, spec, profiles=profile or (), profiles_dir=profiles, dtype=dtype,
                            seq_len=seq_len)
         if dtype is None and isinstance(cost, PerDeviceCostSource):

@@ -21,7 +21,7 @@ from medley.cli import hf_cmd
 from medley.cli.console import literal, make_console
 from medley.cli.errors import MedleyInputError, exit_on_input_error, print_error
 from medley.cli.job_file import load_job_callback, refuse_plan_settings
-from medley.cli.options import INLINE_DEFAULTS, SETTINGS_DEFAULTS, inline_options, settings_options
+from medley.cli.options import inline_options, settings_options
 from medley.cli.train_inputs import check_inputs_exist, finished_line, home
 from medley.plan.inline import InlineFlags
 from medley.plan.plan import Plan
@@ -236,10 +236,11 @@ def register(app: typer.Typer) -> None:
         model: Annotated[str | None, typer.Option(callback=home,
             help="Inline plan: Model preset, config.json or Hugging Face model directory (default: tiny, "
                  "or the --init-from directory)")] = None,
-        inline: InlineFlags = INLINE_DEFAULTS,  # the inline plan's flags (inline_options)
         export_hf: Annotated[Path | None, typer.Option(callback=home,
             help="After training, write the model here as a Hugging Face model directory")] = None,
-        config: TrainConfig = SETTINGS_DEFAULTS,  # the run's settings (settings_options)
+        *,
+        inline: InlineFlags,  # the inline plan's flags (inline_options)
+        config: TrainConfig,  # the run's settings (settings_options)
     ) -> None:
         """Train a plan on torch.distributed and report loss, step time and memory per step."""
         if plan is not None:

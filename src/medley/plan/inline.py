@@ -60,6 +60,15 @@ class InlineFlags:
                                       "the tokens, all-gather and reduce-scatter instead of all-reduce); "
                                       "seq-len must divide by each tp")
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.recompute, bool):
+            raise TypeError(f"recompute={self.recompute!r}: a bool (full or none); give a mode as "
+                            "recompute_mode")
+
+    def sequence_length(self, model: ModelSpec) -> int:
+        """``seq_len``, or the model's default (:meth:`ModelSpec.default_seq_len`) where it is None."""
+        return model.default_seq_len() if self.seq_len is None else self.seq_len
+
 
 def parse_int_list(
     text: str | None, *, flag: str, count: int, minimum: int = 0, maximum: int | None = None
@@ -176,10 +185,7 @@ def inline_layout(
     clip_grad: bool = False, **flags: object,
 ) -> PlanLayout:
     """A :class:`PlanLayout` from the inline-plan flags: ``flags`` are :class:`InlineFlags`'s fields
-    (the others at their defaults), where ``recompute`` may also be the text of ``recompute_mode``;
-    ``dtype`` None: bf16 where every device used has it, else fp16."""
-    if isinstance(flags.get("recompute"), str):
-        flags["recompute_mode"] = flags.pop("recompute")
+    (the others at their defaults); ``dtype`` None: bf16 where every device used has it, else fp16."""
     return layout_of(InlineFlags(**flags), cluster=cluster, model=model, cost=cost, dtype=dtype,  # type: ignore[arg-type]
                      clip_grad=clip_grad)
 
@@ -189,7 +195,7 @@ def layout_of(
     clip_grad: bool = False,
 ) -> PlanLayout:
     """:func:`inline_layout` of the flags ``f``; every flag is checked, naming it."""
-    seq_len = model.default_seq_len() if f.seq_len is None else f.seq_len
+    seq_len = f.sequence_length(model)
     _check_flags(pp=f.pp, dp=f.dp, micro_batch_size=f.micro_batch_size, seq_len=seq_len,
                  virtual_stages=f.virtual_stages, buckets=f.buckets, gather_windows=f.gather_windows)
     model.check_seq_len(seq_len)

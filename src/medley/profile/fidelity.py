@@ -78,8 +78,8 @@ class FidelityCase:
         micro_batch_size, seq_len: the shape of a micro-batch.
         slowdowns: emulated slowdown of each device (device ``k*dp + r`` runs replica r's rank k).
         buckets: ZeRO layer buckets per stage; gather_windows: ZeRO-3 gather rounds (0 streams).
-        recompute: blocks recompute their forward before the backward (True: full), or the text of
-            ``--recompute-mode`` (``selective``, ``full:1``, one per stage).
+        recompute: blocks recompute their forward before the backward (full); recompute_mode:
+            the text of ``--recompute-mode`` (``selective``, ``full:1``, one per stage), which wins.
         clip_grad: clip gradients by their global norm (the runtime clips at norm 1.0).
         dtype: ``fp32``, or ``bf16`` (the runtime computes under CPU autocast; the simulator
             reads a bf16 profile and the bf16 memory model).
@@ -109,7 +109,8 @@ class FidelityCase:
     warmup: tuple[int, ...] = ()
     buckets: int = 1
     gather_windows: int = 1
-    recompute: bool | str = False
+    recompute: bool = False
+    recompute_mode: str | None = None
     clip_grad: bool = False
     dtype: str = "fp32"
     from_planner: int = 0
@@ -288,6 +289,7 @@ def _inline(case: FidelityCase, emulated: EmulatedCluster) -> PlanLayout:
         buckets=case.buckets,
         gather_windows=case.gather_windows,
         recompute=case.recompute,
+        recompute_mode=case.recompute_mode,
         dtype=case.dtype,
         clip_grad=case.clip_grad,
         tp=case.tp,

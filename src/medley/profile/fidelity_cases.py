@@ -126,11 +126,12 @@ def _planner_regime() -> list[FidelityCase]:
             name="tiny-pp2-recompute", model=tiny, pp=2, dp=1, split="2,2", zero="0,0", recompute=True
         ),
         FidelityCase(
-            name="tiny-pp2-selective", model=tiny, pp=2, dp=1, split="2,2", zero="0,0", recompute="selective"
+            name="tiny-pp2-selective", model=tiny, pp=2, dp=1, split="2,2", zero="0,0",
+            recompute_mode="selective",
         ),
         FidelityCase(
             name="tiny-pp2-full1-selective1", model=tiny, pp=2, dp=1, split="2,2", zero="0,0",
-            recompute="full:1,selective:1",
+            recompute_mode="full:1,selective:1",
         ),
         FidelityCase(
             name="small-dp2-zero3-stream-b4-recompute-clip",
