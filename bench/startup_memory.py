@@ -71,10 +71,11 @@ def rank_main(rank: int, world: int, port: int, case: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-    from medley.runtime.executor import MicroBatches, RankExecutor, with_default_collectives
+    from medley.runtime.executor import MicroBatches, RankExecutor
     from medley.runtime.groups import make_groups
     from medley.runtime.model import Decoder, token_loss_sum
     from medley.runtime.stages import build_local_stages
+    from medley.schedule.ir import with_default_collectives
 
     spec, layout, problem = _layout(case)
     groups = make_groups(tuple(tuple(layout.group(r, k) for k in range(layout.pp)) for r in range(layout.dp)))

@@ -18,12 +18,12 @@ from torch.distributed.tensor import DTensor
 
 from medley.cost.recompute import parse_recompute
 from medley.plan.layout import sharded_edges
-from medley.runtime.executor import MicroBatches, RankExecutor, with_default_collectives
+from medley.runtime.executor import MicroBatches, RankExecutor
 from medley.runtime.groups import RankTable, make_groups, row_major_table
 from medley.runtime.model import Block, Decoder, token_loss_sum
 from medley.runtime.stages import build_local_stages, layer_ranges
 from medley.runtime.tensor_parallel import is_tp_sharded
-from medley.schedule.ir import Kind, PipelineSchedule
+from medley.schedule.ir import Kind, PipelineSchedule, with_default_collectives
 from medley.spec.model_arg import get_model
 
 SEQ, MBS, SEED, LR = 16, 2, 7, 0.1

@@ -10,11 +10,11 @@ import dataclasses
 import torch
 from equality_worker import Case
 
-from medley.runtime.executor import with_default_collectives
 from medley.runtime.groups import make_groups, row_major_table
 from medley.runtime.memory import LiveTensorBytes
 from medley.runtime.model import Decoder
 from medley.runtime.stages import build_local_stages
+from medley.schedule.ir import with_default_collectives
 from medley.spec.model_arg import get_model
 
 # Many small blocks: a whole stage is several times one layer, so building it whole is unambiguous.

@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 from train_plans import asymmetric_plan, config, reference_layout, tiny_plan
 
 from medley.plan.plan import Plan
-from medley.runtime.checkpoint import SafeReader
 from medley.runtime.checkpoint_layout import checkpoint_path
+from medley.runtime.checkpoint_verify import SafeReader
 from medley.runtime.launch import train_local
 from medley.runtime.model import Decoder
 from medley.runtime.reference import reference_train

@@ -26,8 +26,8 @@ from typer.testing import CliRunner
 from medley.cli.main import app
 from medley.errors import MedleyInputError
 from medley.runtime import checkpoint
-from medley.runtime.checkpoint import SafeReader
 from medley.runtime.checkpoint_layout import META_FILE, checkpoint_path
+from medley.runtime.checkpoint_verify import SafeReader
 from medley.runtime.hf_export import export_hf
 from medley.runtime.train import train
 from medley.spec.model_arg import get_model

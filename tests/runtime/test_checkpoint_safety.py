@@ -18,8 +18,8 @@ from train_plans import config, tiny_plan
 
 from medley.errors import MedleyInputError
 from medley.runtime import checkpoint, lock
-from medley.runtime.checkpoint import SafeReader
 from medley.runtime.checkpoint_layout import META_FILE, checkpoint_path
+from medley.runtime.checkpoint_verify import SafeReader
 from medley.runtime.train import train
 
 PLAN = dict(pp=1, dp=1, split="6", zero="0", schedule="1f1b", micro_batches="2")

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from medley.cli.main import app
 from medley.cli.train_cmd import inline_plan, print_records, split_label, step_time_line
 from medley.plan.inline import InlineFlags
-from medley.runtime.checkpoint import SafeReader
+from medley.runtime.checkpoint_verify import SafeReader
 from medley.runtime.train import StepRecord
 
 MEDLEY = str(Path(sys.executable).with_name("medley"))

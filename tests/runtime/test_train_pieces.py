@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from medley.cli.main import app
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
-from medley.runtime.checkpoint import SafeReader
 from medley.runtime.checkpoint_layout import META_FILE, checkpoint_path
+from medley.runtime.checkpoint_verify import SafeReader
 from medley.runtime.data import Rows, decode, encode, load_source, replica_slice
 from medley.runtime.model import Decoder
 from medley.runtime.optim import lr_at

@@ -192,8 +192,9 @@ def register(app: typer.Typer) -> None:
     def check_cmd(
         plan_file: Annotated[Path, typer.Argument(help="A plan TOML written by `medley plan --out`")],
         ranks: Annotated[str | None, typer.Option(
-            help="Ranks to build, e.g. 0,5,17 (default: each set of alike ranks at both ends of its ZeRO "
-                 "groups)")] = None,
+            help="Ranks to build, e.g. 0,5,17, numbered as medley launch starts them (node by node, each "
+                 "node's plan devices in ascending id; default: each set of alike ranks at both ends of its "
+                 "ZeRO groups)")] = None,
         load_under: Annotated[Path | None, typer.Option(
             help="Check a checkpoint of the plan loads under this plan (default: the model on one "
                  "rank, every tensor whole)")] = None,

@@ -49,17 +49,15 @@ from medley.runtime.checkpoint_layout import (
 )
 from medley.runtime.checkpoint_verify import (
     FORMAT,
-    SafeReader,
-    TensorsOnlyPlanner,
     check_entries,
-    check_hashes,
-    checked_metadata,
     entry_of,
-    listed_files,
+    failures_of,
+    load_tensors,
     manifest_of,
     read_meta,
     resume_fix,
     sha256_of,
+    verified_metadata,
 )
 from medley.runtime.optim import ensure_state
 from medley.runtime.sharding import ShardedStage
@@ -153,17 +151,10 @@ def _non_finite(state: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
-def _failures(err: BaseException) -> list[BaseException]:
-    """The exceptions behind ``err``: each rank's for DCP's gathered CheckpointException."""
-    if isinstance(err, CheckpointException):
-        return [exc for exc, _ in err.failures.values()]
-    return [err]
-
-
 def _write_failure(tmp: Path, err: BaseException) -> str:
     """One line for a failed save: the OSError (disk full names the free space) or, for a writer
     that failed without one (torch's zip writer says "unexpected pos"), its reason and the free space."""
-    failures = _failures(err)
+    failures = failures_of(err)
     os_error = next((e for e in failures if isinstance(e, OSError)), None)
     if os_error is not None:
         return "checkpoint " + os_error_message(tmp, os_error)
@@ -352,8 +343,7 @@ def load_checkpoint(path: Path, *, stages: dict[int, ShardedStage], expected: di
     fix = resume_fix(path)
     saved = read_meta(path, fix=fix)
     changed = check_meta(path, saved, expected, reset_data_order=reset_data_order)
-    check_hashes(path, saved, _hash_files(Path(path), listed_files(path, saved, fix=fix)), fix=fix)
-    metadata = checked_metadata(path, saved, fix=fix)
+    metadata = verified_metadata(Path(path), saved, fix=fix, hashes=_hash_files)
     tied = any(stage.module.spec.tied_embeddings for stage in stages.values())  # the same on every rank
     state = checkpoint_state(stages, for_load=True)
     copies = checkpoint_state(stages, for_load=True, copies=True) if tied else {}
@@ -361,15 +351,8 @@ def load_checkpoint(path: Path, *, stages: dict[int, ShardedStage], expected: di
     check_entries(path, saved["entries"], _expected_entries({**state, **copies, **extra}),
                   optional=set(extra), what="this run", fix=fix)
     state.update({key: value for key, value in extra.items() if key in saved["entries"]})
-    try:
-        for part in [state, copies] if tied else [state]:  # every rank loads both: collective
-            dcp.load(part, storage_reader=SafeReader(path, metadata=metadata), planner=TensorsOnlyPlanner())
-    except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure (a BaseException)
-        failures = _failures(err)
-        reason = f"{type(failures[0]).__name__}: {failures[0]}" if failures else type(err).__name__
-        raise MedleyInputError(
-            f"checkpoint {path} is corrupt or does not match this model ({reason.splitlines()[0][:300]}); "
-            f"{fix}") from None
+    # Every rank loads both parts: collective.
+    load_tensors([state, copies] if tied else [state], Path(path), metadata, what="this model", fix=fix)
     for stage in stages.values():
         stage.refresh_gathered()
     torch.set_rng_state(state["train.rng"])

@@ -29,12 +29,15 @@ import os
 import pickle
 import re
 import stat
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -47,6 +50,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from medley.errors import MedleyInputError
 from medley.runtime.checkpoint_layout import META_FILE
+from medley.spec.cluster_schema import printable
 
 METADATA_FILE = ".metadata"
 # 3: medley.json lists every entry (key, kind, dtype, shape); 2: a sha256 per file only.
@@ -368,3 +372,47 @@ def check_entries(path: Path, entries: dict[str, dict[str, Any]], expected: dict
         if not (key.startswith("train.") and entries[key]["shape"] == []):
             raise MedleyInputError(f"checkpoint {path}: has an entry {key!r} that {what} does not have (a "
                                    f"checkpoint of another model or optimizer); {fix}")
+
+
+Hashes = Callable[[Path, list[str]], dict[str, str]]
+"""sha256 of the named files of a directory (a resume shares the hashing out over its ranks)."""
+
+
+def local_hashes(directory: Path, names: list[str]) -> dict[str, str]:
+    """:data:`Hashes` computed by this process alone."""
+    return {name: sha256_of(directory / name) for name in names}
+
+
+def verified_metadata(path: Path, meta: dict[str, Any], *, fix: str,
+                      hashes: Hashes = local_hashes) -> Metadata:
+    """The ``.metadata`` of the checkpoint at ``path`` once its files match the hashes of its
+    ``medley.json`` (``meta``, :func:`read_meta`) and its entries the entries listed there; no
+    tensor is read. Each refusal is one :class:`MedleyInputError` ending in ``fix``."""
+    check_hashes(path, meta, hashes(path, listed_files(path, meta, fix=fix)), fix=fix)
+    return checked_metadata(path, meta, fix=fix)
+
+
+def failures_of(err: BaseException) -> list[BaseException]:
+    """The exceptions behind ``err``: each rank's for DCP's gathered CheckpointException."""
+    if isinstance(err, CheckpointException):
+        return [exc for exc, _ in err.failures.values()]
+    return [err]
+
+
+def load_tensors(states: list[dict[str, torch.Tensor]], path: Path, metadata: Metadata, *, what: str,
+                 fix: str, no_dist: bool = False) -> None:
+    """Fill each of ``states`` in place from the checkpoint at ``path`` (its :func:`verified_metadata`),
+    tensors only; collective unless ``no_dist``. A failure is one :class:`MedleyInputError` saying
+    the checkpoint is corrupt or does not match ``what``."""
+    try:
+        with warnings.catch_warnings():
+            if no_dist:  # "torch.distributed is ... uninitialized": it is meant to be
+                warnings.simplefilter("ignore", UserWarning)
+            for state in states:
+                dcp.load(state, storage_reader=SafeReader(path, metadata=metadata),
+                         planner=TensorsOnlyPlanner(), no_dist=no_dist)
+    except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure (a BaseException)
+        failures = failures_of(err)
+        reason = f"{type(failures[0]).__name__}: {failures[0]}" if failures else type(err).__name__
+        raise MedleyInputError(printable(f"checkpoint {path} is corrupt or does not match {what} "
+                                         f"({reason.strip().splitlines()[0][:300]}); {fix}")) from None

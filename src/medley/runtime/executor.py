@@ -23,12 +23,11 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from math import prod
 
 import torch
 import torch.distributed as dist
 
-from medley.plan.layout import tp_scattered, tp_sources
+from medley.runtime.hops import Hops
 from medley.runtime.sends import PendingSends
 from medley.runtime.sharding import ShardedStage
 from medley.runtime.torch_adapter import all_gather_single, backward_input, backward_weight
@@ -39,7 +38,6 @@ from medley.schedule.ir import (
     Action,
     Kind,
     PipelineSchedule,
-    add_send_recv,
     p2p_peer_stage,
 )
 from medley.schedule.messages import SEND_KINDS, message_key, transfer_runs
@@ -169,7 +167,9 @@ class RankExecutor:
         self.receiving: dict[Action, tuple[dist.Work, torch.Tensor, int]] = {}
         self.synced_stages = synced_stages
         self.tp_group = tp_group
-        self.sequence_edges = sequence_edges
+        self.hops = Hops(pipeline=self.pipeline, stage_to_rank=schedule.stage_to_rank, rank=pipeline_rank,
+                         tp_rank=tp_rank, local_stages=frozenset(stages), sequence_edges=sequence_edges,
+                         activation_shape=self.activation_shape)
         self.pending_sends = self._pending_sends()
 
     @property
@@ -346,41 +346,10 @@ class RankExecutor:
         if mb in losses:
             losses[mb] = losses[mb].detach()
 
-    def _group(self, stage: int) -> tuple[int, ...]:
-        """Global ranks of the TP group holding ``stage`` in this replica."""
-        return self.pipeline[self.schedule.stage_to_rank[stage]]
-
-    def _destinations(self, peer_stage: int) -> list[int]:
-        """The ranks of ``peer_stage`` this rank sends to: those whose source it is."""
-        theirs = self._group(peer_stage)
-        sources = tp_sources(senders=len(self.pipeline[self.rank]), receivers=len(theirs))
-        return [rank for rank, source in zip(theirs, sources, strict=True) if source == self.tp_rank]
-
-    def _source(self, peer_stage: int) -> int:
-        theirs = self._group(peer_stage)
-        return theirs[tp_sources(senders=len(theirs), receivers=len(self.pipeline[self.rank]))[self.tp_rank]]
-
-    def _sequence_sharded(self, peer_stage: int, stage: int) -> bool:
-        """Whether tensors between ``stage`` (this rank's) and ``peer_stage`` are sequence shards."""
-        return min(peer_stage, stage) in self.sequence_edges
-
-    def _scattered(self, peer_stage: int, stage: int) -> bool:
-        """Whether transfers between ``stage`` and ``peer_stage`` carry slices of a whole tensor
-        (:func:`tp_scattered`); a stage on this rank hands its tensors over in memory, and a
-        sequence shard crosses as it is."""
-        if peer_stage in self.stages or self._sequence_sharded(peer_stage, stage):
-            return False
-        return tp_scattered(senders=len(self._group(peer_stage)), receivers=len(self.pipeline[self.rank]))
-
-    def _slice_numel(self) -> int:
-        """Elements of one TP rank's slice of a scattered tensor (the degree divides the hidden
-        size: :func:`medley.plan.layout.tp_undivided`)."""
-        return prod(self.activation_shape) // len(self.pipeline[self.rank])
-
     def _whole(self, tensor: torch.Tensor, peer_stage: int, stage: int) -> torch.Tensor:
         """An activation or gradient from ``peer_stage`` for ``stage``, all-gathered over the TP
         group first when the hop is scattered (it came as this rank's slice)."""
-        if not self._scattered(peer_stage, stage):
+        if not self.hops.scattered(peer_stage, stage):
             return tensor
         if self.tp_group is None:
             raise RuntimeError(f"pipeline rank {self.rank} received a slice of a scattered hop but was "
@@ -399,7 +368,7 @@ class RankExecutor:
         for action in actions:
             if action.kind in SEND_KINDS:
                 tensor = self._outgoing(action)
-                for peer in self._destinations(p2p_peer_stage(action)):
+                for peer in self.hops.destinations(p2p_peer_stage(action)):
                     sends.append((len(ops), peer, action))
                     ops.append(dist.P2POp(dist.isend, tensor, peer))
             else:
@@ -422,21 +391,18 @@ class RankExecutor:
         st, mb, peer_stage = self.state[action.stage], action.micro_batch, p2p_peer_stage(action)
         tensor = st.outputs[mb].detach() if action.kind is Kind.SEND_F else st.input_grads.pop(mb)
         tensor = tensor.to(self.dtype).contiguous()
-        if self._scattered(peer_stage, action.stage):
+        if self.hops.scattered(peer_stage, action.stage):
             # This rank's slice only (the tensor is whole on every TP rank), copied so that the
             # pending send does not keep the whole tensor alive until it is known delivered.
-            n = self._slice_numel()
+            n = self.hops.slice_numel()
             tensor = tensor.view(-1).narrow(0, self.tp_rank * n, n).clone()
         return tensor
 
     def _incoming(self, action: Action) -> tuple[torch.Tensor, int]:
         """The buffer a RECV fills and the global rank it comes from."""
         peer_stage = p2p_peer_stage(action)
-        shape = (self._slice_numel(),) if self._scattered(peer_stage, action.stage) else self.activation_shape
-        if self._sequence_sharded(peer_stage, action.stage):
-            batch, seq, hidden = self.activation_shape
-            shape = (batch, seq // len(self.pipeline[self.rank]), hidden)
-        return torch.empty(shape, dtype=self.dtype, device=self.device), self._source(peer_stage)
+        shape = self.hops.received_shape(peer_stage, action.stage)
+        return torch.empty(shape, dtype=self.dtype, device=self.device), self.hops.source(peer_stage)
 
     def _take_received(self, action: Action) -> None:
         """Before a compute action: wait for the message it consumes, if it came from another rank
@@ -455,27 +421,3 @@ class RankExecutor:
             st.inputs[action.micro_batch] = buffer
         else:
             st.output_grads[action.micro_batch] = buffer
-
-
-def with_default_collectives(schedule: PipelineSchedule) -> PipelineSchedule:
-    """Make a bare schedule executable: P2P transfers if it has none, and, if it has no ZeRO
-    collectives, the obvious ones per stage: UNSHARD before anything else, REDUCE_GRAD right
-    after the stage's last backward, then RESHARD and OPTIM at the end of the rank's program.
-    Schedules from ``medley.schedule.zero`` already carry their own and pass through unchanged."""
-    rows = schedule.actions
-    if not any(a.kind in COLLECTIVE_KINDS for row in rows for a in row):
-        placed: list[list[Action]] = []
-        for rank, row in enumerate(rows):
-            stages = schedule.stages_of_rank(rank)
-            out = [Action(s, Kind.UNSHARD) for s in stages]
-            last_backward = {a.stage: i for i, a in enumerate(row) if a.kind in (Kind.W, Kind.BW)}
-            for index, action in enumerate(row):
-                out.append(action)
-                if last_backward.get(action.stage) == index:
-                    out.append(Action(action.stage, Kind.REDUCE_GRAD))
-            out += [Action(s, Kind.RESHARD) for s in stages] + [Action(s, Kind.OPTIM) for s in stages]
-            placed.append(out)
-        schedule = schedule.with_actions(placed)
-    if not any(a.kind in P2P_KINDS for row in schedule.actions for a in row):
-        schedule = add_send_recv(schedule)
-    return schedule

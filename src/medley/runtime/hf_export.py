@@ -16,28 +16,21 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save
-from torch.distributed.checkpoint.api import CheckpointException
 
 from medley.errors import MedleyInputError
 from medley.fileio import os_error_message, read_user_bytes, remove_path, write_new_file
 from medley.runtime.checkpoint_verify import (
     EXPORT_FIX,
-    SafeReader,
-    TensorsOnlyPlanner,
     check_entries,
-    check_hashes,
-    checked_metadata,
     entry_of,
-    listed_files,
+    load_tensors,
     read_meta,
-    sha256_of,
+    verified_metadata,
 )
 from medley.runtime.hf_names import check_hf_family, hf_name
 from medley.runtime.hf_weights import INDEX_FILE, SINGLE_FILE
@@ -68,9 +61,7 @@ def read_model_tensors(step_dir: Path) -> tuple[ModelSpec, dict[str, torch.Tenso
     step_dir = Path(step_dir)
     meta = read_meta(step_dir, fix=EXPORT_FIX)
     spec = _checkpoint_model(step_dir, meta)
-    names = listed_files(step_dir, meta, fix=EXPORT_FIX)
-    check_hashes(step_dir, meta, {name: sha256_of(step_dir / name) for name in names}, fix=EXPORT_FIX)
-    metadata = checked_metadata(step_dir, meta, fix=EXPORT_FIX)
+    metadata = verified_metadata(step_dir, meta, fix=EXPORT_FIX)
     with torch.device("meta"):
         params = dict(Decoder(spec, init=False).named_parameters())
     expected = {f"model.{name}": entry_of(param) for name, param in params.items()}
@@ -78,15 +69,8 @@ def read_model_tensors(step_dir: Path) -> tuple[ModelSpec, dict[str, torch.Tenso
     check_entries(step_dir, model_entries, expected, optional=set(),
                   what=f"the model medley.json names ({spec.num_blocks} blocks)", fix=EXPORT_FIX)
     state = {f"model.{name}": torch.empty(param.shape, dtype=param.dtype) for name, param in params.items()}
-    try:
-        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": it is meant to be
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=SafeReader(step_dir, metadata=metadata),
-                     planner=TensorsOnlyPlanner(), no_dist=True)
-    except (Exception, CheckpointException) as err:
-        reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        raise MedleyInputError(printable(f"checkpoint {step_dir} is corrupt ({reason}); "
-                                         f"{EXPORT_FIX}")) from None
+    load_tensors([state], step_dir, metadata, what="the model medley.json names", fix=EXPORT_FIX,
+                 no_dist=True)
     return spec, {name: state[f"model.{name}"] for name in params}, meta
 
 

@@ -17,7 +17,7 @@ from medley.plan.layout import PlanLayout, sequence_sharded_edges
 from medley.plan.plan import Plan
 from medley.plan.world import World, build_world
 from medley.runtime import placement
-from medley.runtime.executor import RankExecutor, with_default_collectives
+from medley.runtime.executor import RankExecutor
 from medley.runtime.groups import RankGroups, RankPlace, RankTable, make_groups, segment_holders
 from medley.runtime.model import token_loss_sum
 from medley.runtime.placement import PlacementEntry, ranks_needed
@@ -25,7 +25,7 @@ from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 from medley.runtime.stages import build_local_stages
 from medley.runtime.tensor_parallel import tp_synced_stages
 from medley.runtime.tied import build_tied_grads
-from medley.schedule.ir import PipelineSchedule
+from medley.schedule.ir import PipelineSchedule, with_default_collectives
 from medley.schedule.zero_checks import CollectiveMismatchError, check_zero_placement
 
 

@@ -353,3 +353,27 @@ def p2p_peer_stage(action: Action) -> int:
 def parse_rows(rows: Sequence[str]) -> list[list[Action]]:
     """Parse medley text rows (as written by :meth:`PipelineSchedule.to_text`)."""
     return [[Action.parse(cell) for cell in row.split(",") if cell.strip()] for row in rows]
+
+
+def with_default_collectives(schedule: PipelineSchedule) -> PipelineSchedule:
+    """Make a bare schedule executable: P2P transfers if it has none, and, if it has no ZeRO
+    collectives, the obvious ones per stage: UNSHARD before anything else, REDUCE_GRAD right
+    after the stage's last backward, then RESHARD and OPTIM at the end of the rank's program.
+    Schedules from ``medley.schedule.zero`` already carry their own and pass through unchanged."""
+    rows = schedule.actions
+    if not any(a.kind in COLLECTIVE_KINDS for row in rows for a in row):
+        placed: list[list[Action]] = []
+        for rank, row in enumerate(rows):
+            stages = schedule.stages_of_rank(rank)
+            out = [Action(s, Kind.UNSHARD) for s in stages]
+            last_backward = {a.stage: i for i, a in enumerate(row) if a.kind in (Kind.W, Kind.BW)}
+            for index, action in enumerate(row):
+                out.append(action)
+                if last_backward.get(action.stage) == index:
+                    out.append(Action(action.stage, Kind.REDUCE_GRAD))
+            out += [Action(s, Kind.RESHARD) for s in stages] + [Action(s, Kind.OPTIM) for s in stages]
+            placed.append(out)
+        schedule = schedule.with_actions(placed)
+    if not any(a.kind in P2P_KINDS for row in schedule.actions for a in row):
+        schedule = add_send_recv(schedule)
+    return schedule
