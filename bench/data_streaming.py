@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from provenance import provenance
 
-from medley.data.bpe import train_bpe
+from medley.data.bpe import chatml_tokenizer, train_bpe
 
 OUT = Path(__file__).parent / "results"
 MEDLEY = str(Path(sys.executable).with_name("medley"))
@@ -103,25 +103,6 @@ def text_file(path: Path, megabytes: int) -> Path:
     return path
 
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-          "{% endif %}")
-
-
-def chat_tokenizer(directory: Path) -> Path:
-    """The corpus BPE with ChatML's markers as special tokens and the template beside it."""
-    from tokenizers import Tokenizer
-
-    directory.mkdir()
-    train_bpe(directory / "tokenizer.json", 250)
-    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
-                                                                  "chat_template": CHATML}))
-    return directory
-
-
 def chat_file(path: Path, megabytes: int) -> tuple[Path, int]:
     """Conversations of corpus lines: a question, an answer, a follow-up and its answer."""
     lines = resources.files("medley.data").joinpath("corpus.txt").read_text(encoding="utf-8").splitlines()
@@ -160,9 +141,10 @@ def main() -> None:
         meta = next((root / "cache").glob("*.json"))
         results["jsonl_tokens"] = json.loads(meta.read_text())["tokens"]
         chats, count = chat_file(root / "chats.jsonl", args.chat_mb)
+        chatml = chatml_tokenizer(root / "chatml")
         results["chat_tokenize"] = watch([*train, "--steps", "1", "--seq-len", "128", "--data", str(chats),
-                                          "--tokenizer", str(chat_tokenizer(root / "chatml")), "--data-cache",
-                                          str(root / "chat-cache")])
+                                          "--tokenizer", str(chatml),
+                                          "--data-cache", str(root / "chat-cache")])
         meta = json.loads(next((root / "chat-cache").glob("*.examples.json")).read_text())
         results["chat_conversations"], results["chat_tokens"] = count, meta["tokens"]
     for run in ("bin_large", "bin_1mb", "jsonl_tokenize", "chat_tokenize"):

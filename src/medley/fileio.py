@@ -35,6 +35,15 @@ def read_toml(path: Path, *, what: str) -> dict[str, Any]:
         raise MedleyInputError(f"{path}: TOML nested too deeply; fix the file.") from None
 
 
+def anchored(value: str, base: Path, *, is_path: bool) -> str:
+    """A relative ``value`` taken from ``base`` (absolute) when it is a path (``is_path``) or names
+    something that exists there; else ``value`` as it is (text that only looks like a path)."""
+    if not value or Path(value).is_absolute():
+        return value
+    there = base / value
+    return str(there) if is_path or there.exists() else value
+
+
 def _existing_ancestor(path: Path) -> Path:
     for parent in path.absolute().parents:
         if parent.exists():

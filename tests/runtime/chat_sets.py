@@ -7,28 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from medley.data.bpe import CHATML, chatml_tokenizer
 
-from medley.data.bpe import EOS, train_bpe
+__all__ = ["CHATML", "chatml_tokenizer", "conversation", "write_chats", "write_pairs"]
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-          "{% endif %}")
 TURNS = ["Bread is flour, water, salt and time.", "A starter is flour and water, alive.",
          "Knead the dough until it is smooth.", "Bake it hot, then let it cool."]
-
-
-def chatml_tokenizer(directory: Path) -> Path:
-    """A tokenizer directory of 252 tokens (it fits the tiny model) with a ChatML template."""
-    directory.mkdir(parents=True, exist_ok=True)
-    train_bpe(directory / "tokenizer.json", 250)
-    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tokenizer.save(str(directory / "tokenizer.json"))
-    config = {"eos_token": EOS, "unk_token": "<unk>", "chat_template": CHATML,
-              "tokenizer_class": "PreTrainedTokenizerFast"}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
 
 
 def conversation(i: int) -> list[dict[str, str]]:

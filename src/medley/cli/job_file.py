@@ -27,7 +27,7 @@ import typer
 
 from medley.cli.options import INLINE_NAMES, SETTING_SECTIONS
 from medley.errors import MedleyInputError
-from medley.fileio import read_user_bytes
+from medley.fileio import anchored, read_user_bytes
 
 # Section -> the flags it holds (as click names them: ``--json`` is ``as_json``): the command's own
 # flags, then the run's settings of that section (their fields name it: medley.runtime.settings).
@@ -162,10 +162,7 @@ def _expanded(value: object, *, where: str) -> object:
 
 def _beside(job: Path, value: object, *, is_path: bool) -> object:
     """A relative path value taken from the job file's directory (see the module docstring)."""
-    if not isinstance(value, str) or not value or Path(value).is_absolute():
-        return value
-    there = Path(job).resolve().parent / value
-    return str(there) if is_path or there.exists() else value
+    return anchored(value, Path(job).resolve().parent, is_path=is_path) if isinstance(value, str) else value
 
 
 def _toml(value: object) -> str:

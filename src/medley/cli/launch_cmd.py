@@ -21,6 +21,7 @@ import typer
 
 from medley.cli.errors import MedleyInputError, exit_on_input_error, usage_line
 from medley.cli.job_file import refuse_plan_settings
+from medley.fileio import anchored
 from medley.plan.plan import Plan
 from medley.runtime.nodes import (
     ENDPOINT_VAR,
@@ -94,7 +95,7 @@ def absolute_paths(ctx: typer.Context, args: list[str], params: dict[str, object
 def _absolute(value: str, parsed: object) -> str:
     """The flag's value as train parsed it (``~`` expanded), made absolute when it is a path."""
     text = str(parsed) if isinstance(parsed, (str, Path)) else value
-    return str(Path(text).absolute()) if isinstance(parsed, Path) or os.path.exists(text) else text
+    return anchored(text, Path.cwd(), is_path=isinstance(parsed, Path))
 
 
 def default_rdzv_id(plan_path: Path) -> str:

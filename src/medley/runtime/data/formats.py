@@ -12,7 +12,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -63,12 +63,11 @@ def documents(path: Path, fmt: str, *, field: str, flag: str) -> Iterator[str]:
     """The texts of the data set, in order (plain text in pieces of whole lines)."""
     if fmt == "jsonl":
         yield from _jsonl(path, field=field, flag=flag)
-    elif fmt == "parquet":
-        for file in input_files(path, fmt):
-            yield from _parquet(file, field=field, flag=flag)
-    elif fmt == "arrow":
-        for file in _arrow_files(path, flag=flag):
-            yield from _arrow(file, field=field, flag=flag)
+    elif fmt in ("parquet", "arrow"):
+        for file in _table_files(path, fmt, flag=flag):
+            schema, batches = _open(file, fmt, flag=flag)
+            _column(schema, file, field=field, flag=flag)
+            yield from _rows(batches([field]), file, field=field, flag=flag)
     else:
         yield from _text(path, flag=flag)
 
@@ -90,26 +89,41 @@ def records(path: Path, fmt: str, *, fields: tuple[str, ...], flag: str) -> Iter
     if fmt not in ("parquet", "arrow"):
         raise MedleyInputError(f"{flag} {path}: instruction data is read from .jsonl, .parquet or a datasets "
                                "save_to_disk directory; convert it to one of those")
-    files = input_files(path, fmt) if fmt == "parquet" else _arrow_files(path, flag=flag)
-    for file in files:
-        check_regular_file(file, what="data file")
+    for file in _table_files(path, fmt, flag=flag):
+        schema, batches = _open(file, fmt, flag=flag)
+        names = [n for n in fields if n in schema.names]
+        number = 1  # rows counted from 1, as jsonl lines are
         try:
-            if fmt == "parquet":
-                reader = pq.ParquetFile(file)
-                names = [n for n in fields if n in reader.schema_arrow.names]
-                batches = reader.iter_batches(batch_size=_ROWS, columns=names)
-            else:
-                stream = pa.ipc.open_stream(pa.memory_map(str(file)))
-                names = [n for n in fields if n in stream.schema.names]
-                batches = iter(stream)
-            number = 1  # rows counted from 1, as jsonl lines are
-            for batch in batches:
-                for row in batch.select(names).to_pylist():
+            for batch in batches(names):
+                for row in batch.to_pylist():
                     yield f"{flag} {file} row {number}", row
                     number += 1
         except (OSError, pa.ArrowException) as err:
             raise MedleyInputError(f"{flag} {file}: cannot read its rows ({type(err).__name__}: {err}); "
                                    "check the file") from None
+
+
+def _table_files(path: Path, fmt: str, *, flag: str) -> list[Path]:
+    """The files of a parquet data set (one file or a directory's) or of a save_to_disk directory."""
+    return input_files(path, fmt) if fmt == "parquet" else _arrow_files(path, flag=flag)
+
+
+Batches = Callable[[list[str]], Iterator[pa.RecordBatch]]
+
+
+def _open(file: Path, fmt: str, *, flag: str) -> tuple[pa.Schema, Batches]:
+    """A parquet file or a save_to_disk arrow stream, opened: its schema, and its record batches
+    of the columns named (read as they are iterated)."""
+    check_regular_file(file, what="data file")
+    try:
+        if fmt == "parquet":
+            reader = pq.ParquetFile(file)
+            return reader.schema_arrow, lambda names: reader.iter_batches(batch_size=_ROWS, columns=names)
+        stream = pa.ipc.open_stream(pa.memory_map(str(file)))
+        return stream.schema, lambda names: (batch.select(names) for batch in stream)
+    except (OSError, pa.ArrowException) as err:
+        what = "a readable parquet file" if fmt == "parquet" else "an arrow stream file"
+        raise MedleyInputError(f"{flag} {file}: not {what} ({err}); check the file") from None
 
 
 def _jsonl(path: Path, *, field: str, flag: str) -> Iterator[str]:
@@ -177,17 +191,6 @@ def _column(schema: pa.Schema, file: Path, *, field: str, flag: str) -> None:
                                "name the text column with --text-field")
 
 
-def _parquet(file: Path, *, field: str, flag: str) -> Iterator[str]:
-    check_regular_file(file, what="data file")
-    try:
-        reader = pq.ParquetFile(file)
-    except (OSError, pa.ArrowException) as err:
-        raise MedleyInputError(f"{flag} {file}: not a readable parquet file ({err}); check the file") \
-            from None
-    _column(reader.schema_arrow, file, field=field, flag=flag)
-    yield from _rows(reader.iter_batches(batch_size=_ROWS, columns=[field]), file, field=field, flag=flag)
-
-
 def _rows(batches: Iterator[pa.RecordBatch], file: Path, *, field: str, flag: str) -> Iterator[str]:
     """The texts of ``batches``; a null text is refused naming its row (counted from 1 in the
     file, as jsonl lines are), as a jsonl ``null`` is; damage found while reading them is one line."""
@@ -213,18 +216,6 @@ def _arrow_files(directory: Path, *, flag: str) -> list[Path]:
     except (KeyError, TypeError):
         raise MedleyInputError(f"{flag} {directory}/state.json: not a datasets save_to_disk state (no "
                                f"_data_files list); {fix}") from None
-
-
-def _arrow(file: Path, *, field: str, flag: str) -> Iterator[str]:
-    check_regular_file(file, what="data file")
-    try:
-        source = pa.memory_map(str(file))
-        reader = pa.ipc.open_stream(source)
-    except (OSError, pa.ArrowException) as err:
-        raise MedleyInputError(f"{flag} {file}: not an arrow stream file ({err}); check the directory") \
-            from None
-    _column(reader.schema, file, field=field, flag=flag)
-    yield from _rows(iter(reader), file, field=field, flag=flag)
 
 
 def _text(path: Path, *, flag: str) -> Iterator[str]:
