@@ -11,8 +11,9 @@ import pytest
 from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
-from medley.plan.bounds import layer_table, memory_option, stage_memory
+from medley.plan.bounds import memory_option, stage_memory
 from medley.plan.compile import backward_workspace, compile_problem, recompute_workspace
+from medley.plan.layer_table import layer_table
 from medley.plan.layout import PlanLayout
 from medley.schedule.zero_settings import StageZero
 from medley.spec.cluster_load import parse_cluster_arg

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from medley.cost.estimator import DTYPE_BYTES, CatalogCostSource
+from medley.cost.estimator import CatalogCostSource
+from medley.cost.formulas import DTYPE_BYTES
 from medley.cost.interfaces import Collective
 from medley.cost.tensor_parallel import tp_all_reduce_bytes
 from medley.errors import MedleyInputError

@@ -13,7 +13,8 @@ from test_equality import launch
 from zero_bytes_worker import count_hops
 
 from medley.cost import formulas
-from medley.cost.estimator import DTYPE_BYTES, CatalogCostSource
+from medley.cost.estimator import CatalogCostSource
+from medley.cost.formulas import DTYPE_BYTES
 from medley.plan.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.spec.cluster_load import parse_cluster_arg

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from medley.cost import formulas
+from medley.cost.formulas import DTYPE_BYTES
 from medley.cost.interfaces import MeasuresNothing, Pass, TimeEstimate
 from medley.errors import MedleyInputError
 from medley.spec.catalog import DEFAULT_MATMUL_EFFICIENCY, DeviceType, get_device_type, load_catalog
@@ -33,7 +34,6 @@ E_MAX = DEFAULT_MATMUL_EFFICIENCY  # the ceiling of a type the catalog has not c
 MN_HALF = 128 * 128 * 8  # output elements at which the size factor is one half (8 tiles of 128x128)
 K_HALF = 64  # reduction length at which the k factor is one half
 BLOCK = 128  # the query/key tile of flash attention: a causal mask skips the tiles above the diagonal
-DTYPE_BYTES = formulas.DTYPE_BYTES
 ATTENTION_MATMULS = {Pass.F: 2, Pass.B: 5, Pass.W: 0}
 """(seq x seq x head_dim) matmuls flash attention runs per pass (FlashAttention-2, Dao 2023: the
 backward recomputes the scores, then computes dV, dP, dQ and dK)."""

@@ -39,7 +39,8 @@ as Megatron-LM does, timed from the split shapes as a block is, its small all-re
 from __future__ import annotations
 
 from medley.cost import formulas
-from medley.cost.estimator import DTYPE_BYTES, CatalogCostSource
+from medley.cost.estimator import CatalogCostSource
+from medley.cost.formulas import DTYPE_BYTES
 from medley.cost.interfaces import Collective, CommModel, CostSource, Pass
 from medley.errors import MedleyInputError
 from medley.spec.model import ModelSpec

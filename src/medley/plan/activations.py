@@ -27,6 +27,21 @@ def layer_bytes(layout: PlanLayout, layer: int, *, mode: str, tp: int) -> float:
         sequence_parallel=layout.sequence_parallel and tp > 1)
 
 
+def layer_bytes_after_b(layout: PlanLayout, layer: int, *, tp: int) -> float:
+    """What ``layer`` still holds of one micro-batch between its B and its W on one TP rank of
+    degree ``tp`` (:func:`medley.cost.formulas.layer_activation_bytes_after_b`; the same under every
+    recomputation mode)."""
+    return formulas.layer_activation_bytes_after_b(
+        layout.model, layer, micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len,
+        dtype_bytes=formulas.DTYPE_BYTES[layout.dtype], tp=tp)
+
+
+def boundary_bytes(layout: PlanLayout) -> float:
+    """Bytes of one micro-batch's hidden states crossing a stage boundary, whole (each way)."""
+    return formulas.boundary_bytes(layout.model, micro_batch_size=layout.micro_batch_size,
+                                   seq_len=layout.seq_len, dtype_bytes=formulas.DTYPE_BYTES[layout.dtype])
+
+
 def autocast_copies(layout: PlanLayout, stage: int, modes: dict[int, str], *, tp: int) -> float:
     """Autocast's compute-dtype copies of the fp32 weights each forward of ``stage`` keeps for its
     backward (half precision without FSDP2; a recomputing block keeps none)."""

@@ -25,7 +25,8 @@ from dataclasses import replace
 
 from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
-from medley.cost.estimator import DTYPE_BYTES, CatalogCostSource
+from medley.cost.estimator import CatalogCostSource
+from medley.cost.formulas import DTYPE_BYTES
 from medley.cost.interfaces import Collective, CommModel, CostSource, Pass
 from medley.cost.recompute import rerun_share
 from medley.cost.tensor_parallel import (
@@ -38,7 +39,13 @@ from medley.cost.tensor_parallel import (
 )
 from medley.cost.zero_levels import fsdp_units
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
-from medley.plan.activations import autocast_copies, layer_bytes, stage_modes
+from medley.plan.activations import (
+    autocast_copies,
+    boundary_bytes,
+    layer_bytes,
+    layer_bytes_after_b,
+    stage_modes,
+)
 from medley.plan.collectives import CollectiveTable
 from medley.plan.layout import PlanLayout, sequence_sharded_edges
 from medley.plan.tp_links import scale_hops
@@ -83,7 +90,6 @@ def _stage_cost(
     fused_known = measured_act = True
     freed: dict[int, float] = {}  # layer -> what its backward frees of one micro-batch's activations
     measured_layers: list[bool] = []  # per layer: whether its activation bytes were measured
-    dtype_bytes = DTYPE_BYTES[layout.dtype]
     full_time = cost.backward_full_time
     fsdp_time = cost.fsdp_extra_time if fsdp_units(level, layout.zero_dp) else None
     fsdp = {kind: 0.0 for kind in Pass}
@@ -136,12 +142,10 @@ def _stage_cost(
         held = tp_activation_bytes(model, layer, found, dtype=layout.dtype, tp=tp, sequence_parallel=sp,
                                    **shape) if found else None
         layer_act = held[0] if held else layer_bytes(layout, layer, mode=mode, tp=tp)
-        layer_after_b = held[1] if held else formulas.layer_activation_bytes_after_b(
-            model, layer, dtype_bytes=dtype_bytes, tp=tp, **shape
-        )
+        layer_after_b = held[1] if held else layer_bytes_after_b(layout, layer, tp=tp)
         act, after_b = act + layer_act, after_b + layer_after_b
         freed[layer] = layer_act if fused else max(0.0, layer_act - layer_after_b)
-    boundary = formulas.boundary_bytes(model, micro_batch_size=mbs, seq_len=seq, dtype_bytes=dtype_bytes)
+    boundary = boundary_bytes(layout)
     first = layout.layer_range(stage).start == 0
     # Measured layers count what their forward adds (their output, not their input), the formulas a
     # layer's input (not its output): where a measured layer starts a stage past the first or

@@ -1,5 +1,5 @@
 """What every planner step reads: one cluster, model and cost source, with the per device type
-layer tables (:class:`~medley.plan.bounds.LayerTable`) and memory prefixes cached.
+layer tables (:class:`~medley.plan.layer_table.LayerTable`) and memory prefixes cached.
 
 :class:`PlanContext` is the lowest module of the planner core: the step estimate, the candidate
 builder and the structure enumeration (:class:`~medley.plan.candidates.Estimator`) all take it.
@@ -18,7 +18,8 @@ from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
 from medley.cost.tensor_parallel import TensorParallelCompute
-from medley.plan.bounds import Flight, LayerTable, MemoryOption, layer_table, memory_prefix
+from medley.plan.bounds import Flight, MemoryOption, memory_prefix
+from medley.plan.layer_table import LayerTable, layer_table
 from medley.plan.space import Structure, distribute
 from medley.plan.tp_links import hop_bytes_factor
 from medley.spec.cluster import Cluster

@@ -14,6 +14,7 @@ from medley.cost.recompute import FULL, SELECTIVE, Recompute
 from medley.plan.bounds import MemoryOption, stage_memory
 from medley.plan.builder import MemoryRule, Setting, StagePlan
 from medley.schedule.generators import generate
+from medley.schedule.generators.classic import one_f_one_b_depth
 from medley.schedule.validate import in_flight_by_stage
 
 
@@ -173,7 +174,7 @@ def chunk_in_flight(pp: int, micro_batches: int, virtual_stages: int) -> tuple[n
 
 def _one_f_one_b_flight(setting: Setting, stage: int) -> int:
     """1F1B's in-flight micro-batches at ``stage`` with the most micro-batches of any replica."""
-    return min(setting.structure.pp - stage, max(setting.micro_batches))
+    return one_f_one_b_depth(setting.structure.pp, stage, max(setting.micro_batches))
 
 
 def first_uniform_fit(choices: Sequence[MemoryOption], *, device_type: str, capacity: float) -> MemoryRule:

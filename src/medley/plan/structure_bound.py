@@ -31,8 +31,9 @@ from heapq import heapify, heappop, heappush
 import numpy as np
 
 from medley.cost.zero_memory import state_bytes_per_param
-from medley.plan.bounds import Flight, LayerTable, memory_options, memory_prefix
+from medley.plan.bounds import Flight, memory_options, memory_prefix
 from medley.plan.context import PlanContext
+from medley.plan.layer_table import LayerTable
 from medley.plan.space import Structure
 from medley.schedule.generators.classic import one_f_one_b_depth
 

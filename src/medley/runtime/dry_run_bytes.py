@@ -118,24 +118,25 @@ def storage_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
     return counted.bytes
 
 
-def _stage_input(layout: PlanLayout, index: int, stage: ShardedStage) -> torch.Tensor:
-    """Stage ``index``'s input as it receives it: tokens, hidden states, or under sequence
-    parallelism across a sharded edge its TP rank's sequence shard."""
+def _stage_input(layout: PlanLayout, index: int, stage: ShardedStage, *, sharded: bool) -> torch.Tensor:
+    """Stage ``index``'s input as it receives it: tokens, hidden states, or (``sharded``: it crossed
+    a sequence-sharded edge) its TP rank's sequence shard."""
     batch, seq = layout.micro_batch_size, layout.seq_len
     if stage.module.first_layer == 0:
         return torch.zeros(batch, seq, dtype=torch.long)
-    if index - 1 in sequence_sharded_edges(layout):
+    if sharded:
         seq //= layout.stage_tp(index)
     return torch.zeros(batch, seq, layout.model.hidden_size, dtype=TORCH_DTYPES[layout.dtype],
                        requires_grad=True)
 
 
-def _run_micro_batch(layout: PlanLayout, index: int, stage: ShardedStage, parameters: set[int]) -> int:
+def _run_micro_batch(layout: PlanLayout, index: int, stage: ShardedStage, parameters: set[int], *,
+                     sharded_input: bool) -> int:
     """One forward and backward of ``stage`` (fake tensors); returns the bytes autograd saved for
     the backward (the stage's output and its input included, parameters not)."""
     saved = Storages()
     saved.seen |= parameters
-    x = _stage_input(layout, index, stage)
+    x = _stage_input(layout, index, stage, sharded=sharded_input)
     autocast = (torch.autocast("cpu", dtype=TORCH_DTYPES[layout.dtype]) if layout.dtype != "fp32"
                 else contextlib.nullcontext())
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.add(t), t)[1], lambda t: t), autocast:
@@ -155,6 +156,7 @@ def _run_micro_batch(layout: PlanLayout, index: int, stage: ShardedStage, parame
 def count_bytes(layout: PlanLayout, stages: dict[int, ShardedStage]) -> tuple[StateFigures, int]:
     """Built figures and one micro-batch's activation bytes of every stage (fake storage)."""
     total, activations = ZERO_FIGURES, 0
+    edges = sequence_sharded_edges(layout)
     for index, stage in stages.items():
         stepped = [p for bucket in stage.buckets for p in bucket]  # FSDP2's (padded) shards at levels 1-3
         held = Storages()
@@ -175,7 +177,7 @@ def count_bytes(layout: PlanLayout, stages: dict[int, ShardedStage]) -> tuple[St
         weights = Storages()
         for param in [*stepped, *stage.weights()]:
             weights.add(param)
-        activations += _run_micro_batch(layout, index, stage, weights.seen)
+        activations += _run_micro_batch(layout, index, stage, weights.seen, sharded_input=index - 1 in edges)
         gradient = storage_bytes([g for unit in stage.fsdp_units for g in fsdp_unsharded_grads(unit)]
                                   if stage.sharded else [p.grad for p in stage.weights()])
         grad_shard = 0
