@@ -187,7 +187,7 @@ def test_a_non_finite_state_is_never_saved(saved: Path) -> None:
                        clip_grad=False, slowdown=None)
     next(iter(setup.stages.values())).module.get_parameter("head.out.weight").data[0, 0] = float("nan")
     with pytest.raises(MedleyInputError, match="model.head.out.weight holds non-finite values"):
-        checkpoint.save_checkpoint(saved, next_step=4, stages=setup.stages, meta={})
+        checkpoint.CheckpointStore(directory=saved).save(next_step=4, stages=setup.stages, meta={})
     assert sorted(p.name for p in saved.iterdir() if not p.name.startswith(".medley")) == [STEP2]
 
 

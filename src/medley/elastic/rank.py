@@ -40,7 +40,8 @@ from medley.errors import MedleyInputError
 from medley.fileio import append_text, remove_path
 from medley.plan.plan import Plan, load_plan
 from medley.plan.predict import simulate_groups
-from medley.runtime import checkpoint, elastic_dir
+from medley.runtime import elastic_dir
+from medley.runtime.checkpoint import CheckpointStore
 from medley.runtime.config import TrainConfig, TrainHooks
 from medley.runtime.launch import STORE_TIMEOUT_S, init_process_group
 from medley.runtime.metrics import TensorBoardLog
@@ -94,10 +95,11 @@ def run_rank(launched: Plan, config: TrainConfig, hooks: TrainHooks | None, *, p
         os.environ[DEVICE_ENV] = str(decision.device[rank])
         init_process_group(config, store=dist.PrefixStore(f"train/{round_}/", store),
                            rank=decision.trainers.index(rank), world_size=len(decision.trainers))
+        checkpoints = CheckpointStore(directory=Path(config.checkpoint.dir), keep=config.checkpoint.keep)
         watch = Watch(directory=directory, config=config, plan=plan, decision=decision, run_id=run_id,
-                      user=hooks or TrainHooks())
+                      user=hooks or TrainHooks(), checkpoints=checkpoints)
         try:
-            records = train(plan, config_for(plan, config), watch.hooks())
+            records = train(plan, config_for(plan, config), watch.hooks(), checkpoints=checkpoints)
         except Replan:
             if dist.get_rank() == 0:
                 store.set(f"slower/{round_}", json.dumps({str(d): f for d, f in watch.flagged.items()}))
@@ -180,6 +182,7 @@ class Watch:
     decision: Decision
     run_id: str
     user: TrainHooks
+    checkpoints: CheckpointStore  # the round's, which the loop saves into
     flagged: dict[int, float] = dataclasses.field(default_factory=dict)
     _runs: dict[int, int] = dataclasses.field(default_factory=dict)
     _first: list[dict[int, float]] = dataclasses.field(default_factory=list)
@@ -217,7 +220,7 @@ class Watch:
             answer = torch.tensor([self._answer() if dist.get_rank() == 0 else 0], dtype=torch.int64)
             dist.broadcast(answer, 0)
             if int(answer) != _CONTINUE:
-                checkpoint.finish_pending()  # what the restart or the new plan resumes from
+                self.checkpoints.finish()  # what the restart or the new plan resumes from
             if int(answer) == _ADMIT:
                 self._admit()
             elif int(answer) == _REPLAN:

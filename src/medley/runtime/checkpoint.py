@@ -27,7 +27,7 @@ import os
 import shutil
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -189,91 +189,98 @@ def _publish(directory: Path, tmp: Path, final: Path, meta: dict[str, Any], keep
 
 @dataclass(kw_only=True)
 class _Pending:
-    """An asynchronous save in flight: DCP writes in a thread; published by :func:`finish_pending`."""
+    """An asynchronous save in flight: DCP writes in a thread; published by :meth:`CheckpointStore.finish`."""
 
-    directory: Path
     tmp: Path
     final: Path
     meta: dict[str, Any]
-    keep: int
     future: Any
 
 
-_PENDING: list[_Pending] = []
-_SAVE_GROUP: list[dist.ProcessGroup] = []  # DCP's own gloo group for saves in a thread
+@dataclass(kw_only=True)
+class CheckpointStore:
+    """One run's checkpoints in ``directory``: collective saves, and the asynchronous one in flight
+    until it is published. One store per process group (its asynchronous saves run over a gloo
+    group of its own, made at the first of them).
 
+    Attributes:
+        directory: the checkpoint directory (``--checkpoint-dir``).
+        keep: how many of the newest checkpoints a save keeps (``--keep-checkpoints``).
+    """
 
-def finish_pending() -> Path | None:
-    """Collective: wait for this process's asynchronous save in flight, if any, and publish it
-    (as :func:`save_checkpoint` does a synchronous one); its path, or None when none was."""
-    if not _PENDING:
-        return None
-    pending = _PENDING.pop()
-    written, hashes, error = None, {}, None
-    try:
-        written = pending.future.result()
-        hashes = _hash_files(pending.tmp, _checkpoint_files(pending.tmp))
-    except (Exception, CheckpointException) as err:
-        error = _write_failure(pending.tmp, err)
-    return _publish_all(pending.directory, pending.tmp, pending.final, pending.meta, pending.keep,
-                        written=written, hashes=hashes, error=error)
+    directory: Path
+    keep: int = KEEP
+    _pending: _Pending | None = field(default=None, init=False, repr=False)
+    _group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
 
-
-def drop_pending() -> None:
-    """Forget a save in flight without publishing it (the run failed: it stays a temporary)."""
-    _PENDING.clear()
-    _SAVE_GROUP.clear()
-
-
-def save_checkpoint(directory: Path, *, next_step: int, stages: dict[int, ShardedStage],
-                    meta: dict[str, Any], train_state: dict[str, torch.Tensor] | None = None,
-                    keep: int = KEEP, asynchronous: bool = False) -> Path:
-    """Collective: every rank writes its shards; rank 0 publishes the directory atomically and
-    keeps the ``keep`` newest checkpoints.
-
-    Nothing is written when a tensor is not finite; a failed write (disk full) removes the
-    temporary directory, keeps the previous checkpoints and is one :class:`MedleyInputError` on
-    every rank. ``asynchronous``: the state is copied to host memory and written by DCP's
-    ``async_save`` in a thread, over a process group of its own, while training goes on; the
-    checkpoint is published by :func:`finish_pending` (the next save calls it), and until then
-    it is a temporary directory that no resume reads."""
-    finish_pending()
-    directory = Path(directory)
-    final = checkpoint_path(directory, next_step)
-    tmp = directory / f"{TEMP_PREFIX}{final.name}"
-    state = checkpoint_state(stages, for_load=False)
-    state["train.next_step"].fill_(next_step)
-    state.update({f"train.{name}": value for name, value in (train_state or {}).items()})
-    bad = shared_error(_non_finite(state))
-    if bad is not None:
-        raise MedleyInputError(
-            f"step {next_step - 1}: {bad} holds non-finite values, so no checkpoint is written (the newest "
-            f"good one in {directory} is kept); lower --lr or --clip-norm and resume")
-    error = None
-    if dist.get_rank() == 0:
+    def finish(self) -> Path | None:
+        """Collective: wait for the asynchronous save in flight, if any, and publish it (as
+        :meth:`save` does a synchronous one); its path, or None when none was."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        written, hashes, error = None, {}, None
         try:
-            for leftover in [tmp, *directory.glob(".old-*")]:  # a save or rotation cut short earlier
-                remove_path(leftover)
-            tmp.mkdir(parents=True)
-        except OSError as err:
-            error = "checkpoint " + os_error_message(tmp, err)
-    _raise_if(shared_error(error))
-    full_meta = {**meta, "format": FORMAT, "next_step": next_step}
-    if asynchronous:
-        if not _SAVE_GROUP:
-            _SAVE_GROUP.append(dist.new_group(backend="gloo"))
-        future = dcp.async_save(state, storage_writer=FileSystemWriter(tmp, thread_count=1),
-                                process_group=_SAVE_GROUP[0])
-        _PENDING.append(_Pending(directory=directory, tmp=tmp, final=final, meta=full_meta, keep=keep,
-                                 future=future))
-        return final
-    written, hashes = None, {}
-    try:
-        written = dcp.save(state, storage_writer=FileSystemWriter(tmp, thread_count=1))
-        hashes = _hash_files(tmp, _checkpoint_files(tmp))
-    except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure
-        error = _write_failure(tmp, err)
-    return _publish_all(directory, tmp, final, full_meta, keep, written=written, hashes=hashes, error=error)
+            written = pending.future.result()
+            hashes = _hash_files(pending.tmp, _checkpoint_files(pending.tmp))
+        except (Exception, CheckpointException) as err:
+            error = _write_failure(pending.tmp, err)
+        return _publish_all(self.directory, pending.tmp, pending.final, pending.meta, self.keep,
+                            written=written, hashes=hashes, error=error)
+
+    def drop(self) -> None:
+        """Forget a save in flight without publishing it (the run failed: it stays a temporary),
+        and the saves' process group (the run's is about to go)."""
+        self._pending, self._group = None, None
+
+    def save(self, *, next_step: int, stages: dict[int, ShardedStage], meta: dict[str, Any],
+             train_state: dict[str, torch.Tensor] | None = None, asynchronous: bool = False) -> Path:
+        """Collective: every rank writes its shards; rank 0 publishes the directory atomically and
+        keeps the ``keep`` newest checkpoints.
+
+        Nothing is written when a tensor is not finite; a failed write (disk full) removes the
+        temporary directory, keeps the previous checkpoints and is one :class:`MedleyInputError` on
+        every rank. ``asynchronous``: the state is copied to host memory and written by DCP's
+        ``async_save`` in a thread, over the store's process group, while training goes on; the
+        checkpoint is published by :meth:`finish` (the next save calls it), and until then it is a
+        temporary directory that no resume reads."""
+        self.finish()
+        directory = Path(self.directory)
+        final = checkpoint_path(directory, next_step)
+        tmp = directory / f"{TEMP_PREFIX}{final.name}"
+        state = checkpoint_state(stages, for_load=False)
+        state["train.next_step"].fill_(next_step)
+        state.update({f"train.{name}": value for name, value in (train_state or {}).items()})
+        bad = shared_error(_non_finite(state))
+        if bad is not None:
+            raise MedleyInputError(
+                f"step {next_step - 1}: {bad} holds non-finite values, so no checkpoint is written (the "
+                f"newest good one in {directory} is kept); lower --lr or --clip-norm and resume")
+        error = None
+        if dist.get_rank() == 0:
+            try:
+                for leftover in [tmp, *directory.glob(".old-*")]:  # a save or rotation cut short earlier
+                    remove_path(leftover)
+                tmp.mkdir(parents=True)
+            except OSError as err:
+                error = "checkpoint " + os_error_message(tmp, err)
+        _raise_if(shared_error(error))
+        full_meta = {**meta, "format": FORMAT, "next_step": next_step}
+        if asynchronous:
+            if self._group is None:
+                self._group = dist.new_group(backend="gloo")
+            future = dcp.async_save(state, storage_writer=FileSystemWriter(tmp, thread_count=1),
+                                    process_group=self._group)
+            self._pending = _Pending(tmp=tmp, final=final, meta=full_meta, future=future)
+            return final
+        written, hashes = None, {}
+        try:
+            written = dcp.save(state, storage_writer=FileSystemWriter(tmp, thread_count=1))
+            hashes = _hash_files(tmp, _checkpoint_files(tmp))
+        except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure
+            error = _write_failure(tmp, err)
+        return _publish_all(directory, tmp, final, full_meta, self.keep, written=written, hashes=hashes,
+                            error=error)
 
 
 def _publish_all(directory: Path, tmp: Path, final: Path, meta: dict[str, Any], keep: int, *,

@@ -1,6 +1,6 @@
 """Whether a checkpoint of one plan loads under another, from DCP metadata alone (nothing written).
 
-A save (:func:`medley.runtime.checkpoint.save_checkpoint`) has every rank hand DCP its tensors
+A save (:meth:`medley.runtime.checkpoint.CheckpointStore.save`) has every rank hand DCP its tensors
 (:func:`~medley.runtime.checkpoint.checkpoint_state`); DCP's default planner turns each rank's into
 write items (a DTensor: its chunk, the offsets and sizes of the rank's shard; a whole tensor: one
 chunk) and keeps one writer of each chunk that several ranks hold (replicated tensors, TP ranks'

@@ -57,8 +57,11 @@ __all__ = ["StepRecord", "TrainConfig", "TrainHooks", "check_config", "load_data
            "run_dtype", "train"]
 
 
-def train(plan: Plan, config: TrainConfig, hooks: TrainHooks | None = None) -> list[StepRecord]:
-    """Train ``plan`` on this rank; rank 0 returns the records of the steps it ran."""
+def train(plan: Plan, config: TrainConfig, hooks: TrainHooks | None = None, *,
+          checkpoints: checkpoint.CheckpointStore | None = None) -> list[StepRecord]:
+    """Train ``plan`` on this rank; rank 0 returns the records of the steps it ran. ``checkpoints``:
+    the store of ``config.checkpoint.dir`` when the caller publishes its saves itself (the elastic
+    rank, before a restart); by default the loop makes its own."""
     check_config(config)
     opt = config.optimizer
     opt_class, opt_kwargs = optimizer_class(opt.name, lr=opt.lr, weight_decay=opt.weight_decay,
@@ -76,7 +79,10 @@ def train(plan: Plan, config: TrainConfig, hooks: TrainHooks | None = None) -> l
         scaler = LossScaler(scale=precision.loss_scale_init, backoff=precision.loss_scale_backoff,
                             growth=precision.loss_scale_growth,
                             growth_interval=precision.loss_scale_growth_interval)
-    return _Loop(plan, config, hooks or TrainHooks(), setup, scaler).run()
+    if checkpoints is None and config.checkpoint.dir is not None:
+        checkpoints = checkpoint.CheckpointStore(directory=Path(config.checkpoint.dir),
+                                                 keep=config.checkpoint.keep)
+    return _Loop(plan, config, hooks or TrainHooks(), setup, scaler, checkpoints).run()
 
 
 def resolve_dtype(plan: Plan, config: TrainConfig) -> str:
@@ -105,8 +111,9 @@ class _Loop:
     """One rank's training run: steps, statistics, checkpoints."""
 
     def __init__(self, plan: Plan, config: TrainConfig, hooks: TrainHooks, setup: RankSetup,
-                 scaler: LossScaler | None) -> None:
+                 scaler: LossScaler | None, checkpoints: checkpoint.CheckpointStore | None) -> None:
         self.plan, self.config, self.hooks, self.setup, self.scaler = plan, config, hooks, setup, scaler
+        self.checkpoints = checkpoints
         self.step_index, self.step_lr = 0, config.optimizer.lr
         self.skipped_steps = 0  # fp16's skipped steps (checkpointed, whatever the precision)
         layout = plan.shared
@@ -219,7 +226,8 @@ class _Loop:
                     self.hooks.on_step(step)
                 collector.after_step(step)
         finally:
-            checkpoint.drop_pending()  # a save still in flight after a failure is never published
+            if self.checkpoints is not None:
+                self.checkpoints.drop()  # a save still in flight after a failure is never published
             collector.stop()
             if watchdog is not None:
                 watchdog.close()
@@ -273,18 +281,16 @@ class _Loop:
     def _maybe_save(self, next_step: int, watchdog: StepWatchdog | None) -> None:
         """The checkpoint before ``next_step`` when one is due (the statistics up to it were gathered
         and checked: a diverged state is never saved), watched with the checkpoint's limit."""
-        directory = self.config.checkpoint.dir
-        if directory is None or not self._saves_at(next_step):
+        if self.checkpoints is None or not self._saves_at(next_step):
             return
         assert not self.interval, "a checkpoint comes after a gather"
         if watchdog is not None and self.timeouts.checkpoint_s is not None:
             watchdog.arm(next_step - 1, timeout_s=self.timeouts.checkpoint_s,
                          what=f"the checkpoint after step {next_step - 1}", flag="--checkpoint-timeout")
         last = next_step == self.config.optimizer.steps
-        checkpoint.save_checkpoint(directory, next_step=next_step, stages=self.setup.stages,
-                                   meta=self.meta, train_state=self._train_state(),
-                                   keep=self.config.checkpoint.keep,
-                                   asynchronous=self.config.checkpoint.async_save and not last)
+        self.checkpoints.save(next_step=next_step, stages=self.setup.stages, meta=self.meta,
+                              train_state=self._train_state(),
+                              asynchronous=self.config.checkpoint.async_save and not last)
         if watchdog is not None:
             watchdog.disarm()
 
