@@ -73,48 +73,65 @@ def fit_alpha_beta(measurements: Sequence[CommMeasurement]) -> AlphaBeta:
     return fit.model_copy(update={"median_rel_error": float(statistics.median(errors))})
 
 
-def _timed(fn: Callable[[], object], runs: int, warmup: int) -> float:
-    """Median over runs of the slowest rank's time of ``fn`` (after a barrier)."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], *, runs: int, warmup: int, group: dist.ProcessGroup | None,
+           device: torch.device) -> float:
+    """Median of the faster half over ``runs`` of the slowest rank's time of ``fn`` (after a
+    barrier of ``group``; on CUDA from an idle device to an idle device)."""
     samples = []
     for i in range(warmup + runs):
-        dist.barrier()
+        dist.barrier(group=group)
+        _sync(device)
         t0 = time.perf_counter()
         fn()
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        _sync(device)
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
         if i >= warmup:
             samples.append(float(elapsed.item()))
     return quiet_median(samples)
 
 
-def _ops(rank: int, world: int, full: torch.Tensor, shard: torch.Tensor) -> dict[str, Callable[[], object]]:
-    def ping_pong() -> None:  # half of it is one send/recv
-        peer = 1 - rank
-        if rank == 0:
-            dist.send(full, peer)
-            dist.recv(full, peer)
-        else:
-            dist.recv(full, peer)
-            dist.send(full, peer)
+def _ops(rank: int, ranks: Sequence[int], group: dist.ProcessGroup | None, full: torch.Tensor,
+         shard: torch.Tensor, *, pair: bool) -> dict[str, Callable[[], object]]:
+    first, second = ranks[0], ranks[1]
 
-    ops: dict[str, Callable[[], object]] = {
-        "all_gather": lambda: all_gather_single(full, shard),  # what FSDP2 issues
-        "reduce_scatter": lambda: reduce_scatter_single(shard, full),
-        "all_reduce": lambda: dist.all_reduce(full),
+    def ping_pong() -> None:  # half of it is one send/recv; the group's other ranks wait
+        if rank == first:
+            dist.send(full, second)
+            dist.recv(full, second)
+        elif rank == second:
+            dist.recv(full, first)
+            dist.send(full, first)
+
+    ops: dict[str, Callable[[], object]] = {"send_recv": ping_pong} if pair else {}
+    return {
+        **ops,
+        "all_gather": lambda: all_gather_single(full, shard, group=group),  # what FSDP2 issues
+        "reduce_scatter": lambda: reduce_scatter_single(shard, full, group=group),
+        "all_reduce": lambda: dist.all_reduce(full, group=group),
     }
-    if world == 2:
-        ops["send_recv"] = ping_pong
-    return ops
 
 
-def _measure_rank(rank: int, world: int, sizes: Sequence[int], runs: int, warmup: int) -> list[dict]:
-    out = []
+def measure_group(rank: int, ranks: Sequence[int], *, group: dist.ProcessGroup | None, sizes: Sequence[int],
+                  runs: int, warmup: int, device: torch.device, pair: bool = True) -> list[dict]:
+    """Collective, on the members of ``group`` (global ``ranks``; None: the world): every op of
+    :data:`OPS` at every size (``pair``: with the send/recv ping-pong between its first two ranks),
+    as rows of :class:`~medley.cost.profile_format.CommMeasurement`'s fields."""
+    size, out = len(ranks), []
     for nbytes in sizes:
-        elements = max(world, nbytes // 4 // world * world)
-        full, shard = torch.ones(elements), torch.ones(elements // world)
-        for op, fn in _ops(rank, world, full, shard).items():
-            seconds = _timed(fn, runs, warmup) / (2 if op == "send_recv" else 1)
-            out.append(dict(op=op, ranks=world, nbytes=float(elements * 4), seconds=seconds))
+        elements = max(size, nbytes // 4 // size * size)
+        full = torch.ones(elements, device=device)
+        shard = torch.ones(elements // size, device=device)
+        for op, fn in _ops(rank, ranks, group, full, shard, pair=pair).items():
+            seconds = _timed(fn, runs=runs, warmup=warmup, group=group, device=device)
+            seconds /= 2 if op == "send_recv" else 1
+            out.append(dict(op=op, ranks=size if op != "send_recv" else 2, nbytes=float(elements * 4),
+                            seconds=seconds))
     return out
 
 
@@ -123,7 +140,8 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], runs: int, warmu
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        rows = _measure_rank(rank, world, sizes, runs, warmup)
+        rows = measure_group(rank, range(world), group=None, sizes=sizes, runs=runs, warmup=warmup,
+                             device=torch.device("cpu"), pair=world == 2)
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
     finally:

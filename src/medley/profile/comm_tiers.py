@@ -14,8 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,66 +22,8 @@ import torch.distributed as dist
 from medley.cost.comm_profile import COMM_PROFILE_FORMAT, COMM_PROFILE_VERSION, CommTierProfile, TierLink
 from medley.cost.profile_format import CommMeasurement
 from medley.errors import MedleyInputError
-from medley.profile.collectives import DEFAULT_SIZES, fit_alpha_beta
-from medley.profile.memory import quiet_median
+from medley.profile.collectives import DEFAULT_SIZES, fit_alpha_beta, measure_group
 from medley.runtime.placement import NODE_ENV
-from medley.runtime.torch_adapter import all_gather_single, reduce_scatter_single
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], object], *, runs: int, warmup: int, group: dist.ProcessGroup,
-           device: torch.device) -> float:
-    samples = []
-    for i in range(warmup + runs):
-        dist.barrier(group=group)
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-        if i >= warmup:
-            samples.append(float(elapsed.item()))
-    return quiet_median(samples)
-
-
-def _ops(rank: int, ranks: Sequence[int], group: dist.ProcessGroup, full: torch.Tensor,
-         shard: torch.Tensor) -> dict[str, Callable[[], object]]:
-    first, second = ranks[0], ranks[1]
-
-    def ping_pong() -> None:  # half of it is one send/recv; the group's other ranks wait
-        if rank == first:
-            dist.send(full, second)
-            dist.recv(full, second)
-        elif rank == second:
-            dist.recv(full, first)
-            dist.send(full, first)
-
-    return {
-        "send_recv": ping_pong,
-        "all_gather": lambda: all_gather_single(full, shard, group=group),
-        "reduce_scatter": lambda: reduce_scatter_single(shard, full, group=group),
-        "all_reduce": lambda: dist.all_reduce(full, group=group),
-    }
-
-
-def _measure_group(rank: int, ranks: Sequence[int], group: dist.ProcessGroup, *, sizes: Sequence[int],
-                   runs: int, warmup: int, device: torch.device) -> list[dict]:
-    size, out = len(ranks), []
-    for nbytes in sizes:
-        elements = max(size, nbytes // 4 // size * size)
-        full = torch.ones(elements, device=device)
-        shard = torch.ones(elements // size, device=device)
-        for op, fn in _ops(rank, ranks, group, full, shard).items():
-            seconds = _timed(fn, runs=runs, warmup=warmup, group=group, device=device)
-            seconds /= 2 if op == "send_recv" else 1
-            out.append(dict(op=op, ranks=size if op != "send_recv" else 2, nbytes=float(elements * 4),
-                            seconds=seconds))
-    return out
 
 
 def _tier_groups(names: Sequence[str]) -> list[tuple[str, list[str], list[int]]]:
@@ -115,8 +56,8 @@ def measure_tiers(
         links = []
         for tier, nodes, ranks in _tier_groups(names):
             group = dist.new_group(ranks)
-            rows = (_measure_group(rank, ranks, group, sizes=sizes, runs=runs, warmup=warmup, device=device)
-                    if rank in ranks else [])
+            rows = (measure_group(rank, ranks, group=group, sizes=sizes, runs=runs, warmup=warmup,
+                                  device=device) if rank in ranks else [])
             gathered: list[list[dict]] = [[] for _ in range(world)]
             dist.all_gather_object(gathered, rows)
             measured = [CommMeasurement(**row) for row in gathered[ranks[0]]]
