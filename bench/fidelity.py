@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     name = args.name or ("fidelity-quick" if args.quick else "fidelity")
     if args.render_only:
-        from medley.profile.report import markdown_from_payload
+        from medley.profile.fidelity_report import markdown_from_payload
 
         payload = json.loads((args.out / f"{name}.json").read_text())
         (args.out / f"{name}.md").write_text(markdown_from_payload(payload))

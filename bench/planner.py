@@ -26,7 +26,7 @@ Sections:
    planner's headline goal): the best plan's fraction of the aggregate bound, its shape, and the
    search's CPU time as in ``search``.
 3. ``pruning``: on instances of up to 16 devices, the planner's best against the reference search
-   (:mod:`medley.plan.reference`, ``--reference-budget`` seconds each). The reference is not
+   (:mod:`medley.plan.reference_search`, ``--reference-budget`` seconds each). The reference is not
    exhaustive over tp (nor, beyond its small seeds, over splits x memory options), hence "loss from
    pruning", not "optimality gap".
 4. ``bound``: fraction of the aggregate bound against samples per device (LLaMA-2-7B, 2,048
@@ -54,7 +54,7 @@ from medley.plan.ablation import ablate
 from medley.plan.baselines import run_baselines
 from medley.plan.bounds import aggregate_bound
 from medley.plan.candidates import Estimator
-from medley.plan.reference import reference_search
+from medley.plan.reference_search import reference_search
 from medley.plan.search import search
 from medley.plan.space import MICRO_BATCH_SIZES, Constraints
 from medley.spec.cluster import Cluster

@@ -288,9 +288,9 @@ def _pruning_table(data: dict) -> list[str]:
     lines = [
         "## Loss from pruning against the reference search",
         "",
-        "Not an optimality gap: the reference (medley.plan.reference) searches every structure, family, "
-        "split rule, micro-batch rule and ZeRO ladder, enumerates all splits x memory options per stage of "
-        "its small seeds and searches locally around the others; tp: every uniform degree and the "
+        "Not an optimality gap: the reference (medley.plan.reference_search) searches every structure, "
+        "family, split rule, micro-batch rule and ZeRO ladder, enumerates all splits x memory options per "
+        "stage of its small seeds and searches locally around the others; tp: every uniform degree and the "
         "per-type degrees (which the planner leaves out), and one-rank tp changes in the local search, "
         "not every per-rank combination.",
         "",

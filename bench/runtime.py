@@ -146,8 +146,8 @@ def main() -> None:
     except OSError:
         pass
     from medley.profile.fidelity import FidelityCase, run_case
+    from medley.profile.fidelity_report import machine, result_row
     from medley.profile.harness import TINY, profiles_for
-    from medley.profile.report import machine, result_row
 
     args.out.mkdir(parents=True, exist_ok=True)
     emulated = Path(tempfile.mkdtemp(prefix="medley-emulated-"))  # generated device catalogs

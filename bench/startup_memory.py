@@ -73,8 +73,8 @@ def rank_main(rank: int, world: int, port: int, case: str, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     from medley.runtime.executor import MicroBatches, RankExecutor
     from medley.runtime.groups import make_groups
-    from medley.runtime.model import Decoder, token_loss_sum
     from medley.runtime.stages import build_local_stages
+    from medley.runtime.transformer import Decoder, token_loss_sum
     from medley.schedule.ir import with_default_collectives
 
     spec, layout, problem = _layout(case)

@@ -162,3 +162,12 @@ def test_no_module_uses_another_modules_private_names() -> None:
                 if owners and module not in owners:
                     wrong.append(f"{module}:{node.lineno} uses .{node.attr} of {sorted(owners)}")
     assert sorted(set(wrong)) == []
+
+
+def test_no_two_modules_share_a_name() -> None:
+    # A name says one thing: `compile.py` in two packages sent readers to the wrong one.
+    names: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        if path.name != "__init__.py":
+            names.setdefault(path.stem, []).append(module)
+    assert {name: found for name, found in names.items() if len(found) > 1} == {}

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from medley.cli.demo_hf import HF_VOCAB, NEW_TOKENS, PROMPT, generate, write_model_dir
 from medley.runtime.hf_weights import load_hf_weights
-from medley.runtime.model import Decoder
+from medley.runtime.transformer import Decoder
 from medley.spec.model_arg import get_model
 
 

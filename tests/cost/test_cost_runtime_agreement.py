@@ -25,7 +25,7 @@ SMALL_GPT = ModelSpec(
 
 @pytest.mark.parametrize("model", [get_model("tiny"), SMALL_GPT], ids=lambda m: m.name)
 def test_layer_params_match_runtime_modules(model: ModelSpec):
-    from medley.runtime.model import Decoder
+    from medley.runtime.transformer import Decoder
 
     decoder = Decoder(model)
     for index, module in decoder.layer_modules().items():
@@ -40,7 +40,7 @@ def test_autocast_keeps_copies_of_exactly_the_counted_weights(model: ModelSpec):
     micro-batch in flight beyond the pure-bf16 activations)."""
     import torch
 
-    from medley.runtime.model import Decoder
+    from medley.runtime.transformer import Decoder
 
     decoder = Decoder(model)
     x = torch.randint(0, model.vocab_size, (2, 8))

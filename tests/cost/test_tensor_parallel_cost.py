@@ -11,7 +11,7 @@ from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Pass
-from medley.cost.tensor_parallel import (
+from medley.cost.tp_cost import (
     TP_ALL_REDUCES,
     TensorParallelCompute,
     activation_scale,

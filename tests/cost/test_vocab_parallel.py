@@ -9,7 +9,7 @@ import pytest
 from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Pass
-from medley.cost.tensor_parallel import TensorParallelCompute
+from medley.cost.tp_cost import TensorParallelCompute
 from medley.spec.model_arg import get_model
 
 MODEL = get_model("llama-2-7b")

@@ -16,7 +16,7 @@ from hf_models import hf_logits
 
 from medley.errors import MedleyInputError
 from medley.runtime.hf_weights import load_hf_weights
-from medley.runtime.model import Decoder
+from medley.runtime.transformer import Decoder
 from medley.spec.model_arg import get_model
 
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}

@@ -9,7 +9,7 @@ from hf_models import hf_logits
 
 from medley.cost.formulas import total_params
 from medley.runtime.hf_weights import load_hf_weights
-from medley.runtime.model import Decoder
+from medley.runtime.transformer import Decoder
 from medley.spec.model_arg import get_model
 
 FAMILIES = ("llama", "llama31", "qwen2", "mistral")

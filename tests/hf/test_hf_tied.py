@@ -17,9 +17,9 @@ from medley.cli.main import app
 from medley.runtime.checkpoint_layout import latest_checkpoint
 from medley.runtime.hf_export import read_model_tensors
 from medley.runtime.hf_weights import tensor_files
-from medley.runtime.model import Decoder
 from medley.runtime.reference import reference_train
 from medley.runtime.train import TrainConfig, load_data
+from medley.runtime.transformer import Decoder
 
 
 @pytest.mark.timeout(300)

@@ -19,9 +19,9 @@ from medley.runtime.checkpoint_layout import latest_checkpoint
 from medley.runtime.hf_export import export_hf, read_model_tensors
 from medley.runtime.hf_weights import tensor_files
 from medley.runtime.launch import train_local
-from medley.runtime.model import Decoder
 from medley.runtime.reference import reference_losses, reference_train
 from medley.runtime.train import TrainConfig, load_data
+from medley.runtime.transformer import Decoder
 from medley.spec.model_arg import get_model
 
 TOL = 1e-5
@@ -85,7 +85,7 @@ def test_lr_zero_export_reproduces_the_weights_bit_for_bit(hf_models, tmp_path: 
 
 def test_a_stage_reads_only_the_files_of_its_own_tensors(hf_models, monkeypatch: pytest.MonkeyPatch) -> None:
     from medley.runtime import hf_weights
-    from medley.runtime.model import Decoder
+    from medley.runtime.transformer import Decoder
 
     directory = hf_models["llama"]  # saved in many shards
     spec = get_model(str(directory))

@@ -17,10 +17,10 @@ from typer.testing import CliRunner
 from medley.cli.main import app
 from medley.runtime.hf_weights import load_hf_weights
 from medley.runtime.launch import train_local
-from medley.runtime.model import Attention, Decoder
 from medley.runtime.reference import reference_losses
 from medley.runtime.setup import check_plan
 from medley.runtime.train import TrainConfig, load_data
+from medley.runtime.transformer import Attention, Decoder
 from medley.spec.model import ModelSpec
 from medley.spec.model_arg import get_model
 

@@ -10,7 +10,7 @@ import pytest
 
 from medley.errors import MedleyInputError
 from medley.plan.bounds import memory_options
-from medley.plan.reference import MAX_DEVICES, reference_search
+from medley.plan.reference_search import MAX_DEVICES, reference_search
 from medley.plan.search import search
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
@@ -63,7 +63,7 @@ def test_reference_refuses_large_instances_and_stops_at_its_budget() -> None:
 
 def test_tp_moves_change_one_rank_onto_free_devices_of_its_node() -> None:
     from medley.plan.candidates import Estimator
-    from medley.plan.reference import tp_moves
+    from medley.plan.reference_search import tp_moves
     from medley.plan.space import Constraints, Structure
 
     spec = parse_cluster_arg("4xA100-80GB")  # one node of 4

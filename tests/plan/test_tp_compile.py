@@ -13,7 +13,7 @@ from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Collective, Pass
-from medley.cost.tensor_parallel import TensorParallelCompute, tp_comm_time
+from medley.cost.tp_cost import TensorParallelCompute, tp_comm_time
 from medley.cost.zero_memory import state_bytes_per_param
 from medley.plan.compile import compile_problem, static_memory
 from medley.plan.inline import inline_layout

@@ -15,7 +15,7 @@ import tomli_w
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.formulas import DTYPE_BYTES
 from medley.cost.interfaces import Collective
-from medley.cost.tensor_parallel import tp_all_reduce_bytes
+from medley.cost.tp_cost import tp_all_reduce_bytes
 from medley.errors import MedleyInputError
 from medley.plan.compile import compile_problem
 from medley.plan.inline import inline_layout

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from medley.cost.comm import TopologyCommModel
 from medley.cost.interfaces import Collective
 from medley.cost.profile_format import AlphaBeta, CommMeasurement
-from medley.profile.collectives import OPS, fit_alpha_beta, model_time
+from medley.profile.comm_bench import OPS, fit_alpha_beta, model_time
 from medley.spec.cluster_load import parse_cluster_arg
 
 SIZES = (4e3, 3.2e4, 2.6e5, 2e6, 8e6)

@@ -18,7 +18,7 @@ from medley.profile.fidelity import (
     timing_failure,
 )
 from medley.profile.fidelity_cases import TINY, planned_cases
-from medley.profile.report import markdown_from_payload, payload_of
+from medley.profile.fidelity_report import markdown_from_payload, payload_of
 
 
 def _result(

@@ -55,7 +55,7 @@ def test_bytes_per_parameter_by_dtype() -> None:
 def test_without_fsdp2_the_gradient_is_the_fp32_masters(dtype: torch.dtype) -> None:
     """What the level-0 booking rests on: autocast computes in half precision from the fp32
     weights, and autograd hands the fp32 weights an fp32 gradient."""
-    from medley.runtime.model import Block
+    from medley.runtime.transformer import Block
 
     block = Block(TINY)
     with torch.autocast("cpu", dtype=dtype):

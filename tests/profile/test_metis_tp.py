@@ -15,7 +15,7 @@ from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Collective, Pass
 from medley.cost.metis import MetisCostSource
-from medley.cost.tensor_parallel import TensorParallelCompute, tp_comm_time
+from medley.cost.tp_cost import TensorParallelCompute, tp_comm_time
 from medley.cost.user_profiles import measured_cost_source
 from medley.errors import MedleyInputError
 from medley.plan.compile import compile_problem

@@ -20,9 +20,9 @@ from medley.cost.recompute import parse_recompute
 from medley.plan.layout import sharded_edges
 from medley.runtime.executor import MicroBatches, RankExecutor
 from medley.runtime.groups import RankTable, make_groups, row_major_table
-from medley.runtime.model import Block, Decoder, token_loss_sum
 from medley.runtime.stages import build_local_stages, layer_ranges
 from medley.runtime.tensor_parallel import is_tp_sharded
+from medley.runtime.transformer import Block, Decoder, token_loss_sum
 from medley.schedule.ir import Kind, PipelineSchedule, with_default_collectives
 from medley.spec.model_arg import get_model
 

@@ -12,8 +12,8 @@ from equality_worker import Case
 
 from medley.runtime.groups import make_groups, row_major_table
 from medley.runtime.memory import LiveTensorBytes
-from medley.runtime.model import Decoder
 from medley.runtime.stages import build_local_stages
+from medley.runtime.transformer import Decoder
 from medley.schedule.ir import with_default_collectives
 from medley.spec.model_arg import get_model
 

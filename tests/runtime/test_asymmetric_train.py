@@ -16,9 +16,9 @@ from medley.plan.plan import Plan
 from medley.runtime.checkpoint_layout import checkpoint_path
 from medley.runtime.checkpoint_verify import SafeReader
 from medley.runtime.launch import train_local
-from medley.runtime.model import Decoder
 from medley.runtime.reference import reference_train
 from medley.runtime.train import TrainHooks
+from medley.runtime.transformer import Decoder
 
 TOL = 1e-5
 STEPS = 3

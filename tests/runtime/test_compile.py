@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from train_plans import config, tiny_plan, tp_plan
 
-from medley.runtime.compile import apply_compile, splits_backward
 from medley.runtime.launch import train_local
-from medley.runtime.model import Decoder
 from medley.runtime.reference import reference_losses
+from medley.runtime.torch_compile import apply_compile, splits_backward
+from medley.runtime.transformer import Decoder
 from medley.schedule.generators import generate
 from medley.spec.model_arg import get_model
 
@@ -68,7 +68,7 @@ def test_compiled_sequence_parallel_with_selective_recompute_matches_the_referen
 
 @pytest.mark.timeout(400)
 def test_compiled_zero_bubble_pp2_matches_the_reference() -> None:
-    """B and W each run the block's compiled backward graph (medley.runtime.compile.compile_block):
+    """B and W each run the block's compiled backward graph (medley.runtime.torch_compile.compile_block):
     with inductor's in-place buffer reuse this drifted by 1.7e-3 at step 1."""
     check_compiled_run(tiny_plan(pp=2, dp=1, split="3,3", zero="0,0", schedule="zb-h1", micro_batches="4"))
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from medley.runtime.model import Decoder
 from medley.runtime.sharding import bucket_layer_groups
 from medley.runtime.stages import layer_ranges
+from medley.runtime.transformer import Decoder
 from medley.schedule.generators import generate
 from medley.schedule.ir import Kind, with_default_collectives
 from medley.spec.model_arg import get_model

@@ -19,7 +19,7 @@ from medley.cost.recompute import Recompute, parse_recompute
 from medley.plan.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.runtime.memory import LiveTensorBytes
-from medley.runtime.model import Decoder, token_loss_sum
+from medley.runtime.transformer import Decoder, token_loss_sum
 from medley.spec.catalog import CPU_DEVICE_TYPE
 from medley.spec.cluster_load import cluster_from_dict
 from medley.spec.model_arg import get_model

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from medley.runtime.model import Block, Decoder
 from medley.runtime.torch_adapter import backward_input, backward_weight
+from medley.runtime.transformer import Block, Decoder
 from medley.spec.model_arg import get_model
 
 SPEC = get_model("tiny")

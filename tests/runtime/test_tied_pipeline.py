@@ -18,9 +18,9 @@ from medley.plan.world import build_schedules
 from medley.runtime.checkpoint_layout import checkpoint_path
 from medley.runtime.checkpoint_verify import SafeReader
 from medley.runtime.launch import train_local
-from medley.runtime.model import Decoder, shared_name
 from medley.runtime.reference import reference_losses
 from medley.runtime.train import TrainHooks
+from medley.runtime.transformer import Decoder, shared_name
 from medley.schedule.ir import Kind
 
 TOL = 1e-5

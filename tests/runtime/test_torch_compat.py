@@ -21,8 +21,8 @@ from compat_worker import worker as compat_rank
 from test_equality import check, free_port, launch, two_rank_cases
 from torch.distributed.fsdp import FSDPModule
 
-from medley.runtime.model import Block, Decoder
 from medley.runtime.torch_adapter import FALLBACKS_ENV, INTRODUCED, backward_input, backward_weight
+from medley.runtime.transformer import Block, Decoder
 from medley.spec.model_arg import get_model
 
 

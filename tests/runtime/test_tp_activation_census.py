@@ -3,7 +3,7 @@ model's activation bytes): the tensors tensor parallelism splits (Q, K and V as 
 them, the attention output twice, the MLP's inner tensors, the log-sum-exp) are exactly the
 formulas' split part, and the hidden-size tensors every TP rank holds whole are at least the
 formulas' four. A profile's measured block bytes (taken at tp 1) lose at tp only the split
-tensors' share (:func:`medley.cost.tensor_parallel.tp_activation_bytes`)."""
+tensors' share (:func:`medley.cost.tp_cost.tp_activation_bytes`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from medley.cost import formulas
-from medley.cost.tensor_parallel import tp_activation_bytes
-from medley.runtime.model import Block
+from medley.cost.tp_cost import tp_activation_bytes
+from medley.runtime.transformer import Block
 from medley.spec.model import ModelSpec
 from medley.spec.model_arg import get_model
 

@@ -1,6 +1,6 @@
 """The runtime's TP communication against what the simulator times: per block of a tp2 stage,
 Megatron's two all-reduces of the micro-batch's hidden states in the forward and two in the
-backward (:data:`medley.cost.tensor_parallel.TP_ALL_REDUCES`, :func:`tp_all_reduce_bytes`),
+backward (:data:`medley.cost.tp_cost.TP_ALL_REDUCES`, :func:`tp_all_reduce_bytes`),
 counted on each of two gloo ranks as the functional collectives ``parallelize_module``'s DTensors
 call (the ZeRO bytes test cannot see these: they bypass the ``torch.distributed`` calls it wraps).
 
@@ -9,7 +9,7 @@ layers (:func:`medley.runtime.tensor_parallel.block_plan`); before, each of q, k
 all-reduced its own input gradient, five per SwiGLU block in the backward.
 
 Under sequence parallelism the same stage issues per block two all-gathers and two
-reduce-scatters of the hidden states each way (:data:`medley.cost.tensor_parallel.SP_COLLECTIVES`),
+reduce-scatters of the hidden states each way (:data:`medley.cost.tp_cost.SP_COLLECTIVES`),
 no all-reduce, and at its edges the all-gathers :func:`sequence_edge_collectives` books: one in F
 (the whole output) and one in B (the whole input's gradient) when the edges carry whole tensors,
 none when they carry sequence shards.
@@ -23,7 +23,7 @@ from test_equality import launch
 from tp_bytes_worker import count_tp_bytes, count_tp_bytes_sharded
 
 from medley.cost.interfaces import Collective, Pass
-from medley.cost.tensor_parallel import (
+from medley.cost.tp_cost import (
     TP_ALL_REDUCES,
     sequence_edge_collectives,
     tp_all_reduce_bytes,

@@ -15,9 +15,9 @@ from train_plans import SEED, config, tiny_plan
 
 from medley.runtime.data.examples import IGNORE
 from medley.runtime.launch import train_local
-from medley.runtime.model import Decoder
 from medley.runtime.reference import reference_run
 from medley.runtime.train import load_data
+from medley.runtime.transformer import Decoder
 
 TOL = 1e-5
 SEQ = 128

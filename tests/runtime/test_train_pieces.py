@@ -20,12 +20,12 @@ from medley.plan.plan import Plan
 from medley.runtime.checkpoint_layout import META_FILE, checkpoint_path
 from medley.runtime.checkpoint_verify import SafeReader
 from medley.runtime.data import Rows, decode, encode, load_source, replica_slice
-from medley.runtime.model import Decoder
 from medley.runtime.optim import lr_at
 from medley.runtime.reference import reference_losses
 from medley.runtime.setup import check_plan
 from medley.runtime.sharding import ShardedStage
 from medley.runtime.train import train
+from medley.runtime.transformer import Decoder
 from medley.spec.model_arg import get_model
 
 
@@ -139,7 +139,7 @@ def test_one_rank_bf16_and_emulated_slowdown(one_rank_group) -> None:
 
 
 def test_default_slowdown_follows_peak_flops() -> None:
-    from medley.runtime.emulate import slowdown_factors
+    from medley.runtime.emulated_devices import slowdown_factors
     from medley.spec.cluster_load import parse_cluster_arg
 
     plan = tiny_plan(pp=2, dp=1, split="3,3", zero="0", schedule="1f1b", micro_batches="2")

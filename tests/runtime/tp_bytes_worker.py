@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from medley.cost.interfaces import Collective
-from medley.runtime.model import Decoder
 from medley.runtime.tensor_parallel import TP_DIM, apply_sequence_edges, parallelize_blocks
+from medley.runtime.transformer import Decoder
 from medley.spec.model_arg import get_model
 
 FIRST_BLOCK = 1  # layer index of the first block (0 is the embedding)
@@ -154,7 +154,7 @@ def count_sp_recompute_bytes(case: Case) -> dict[str, Any]:
     from medley.cost.recompute import parse_recompute
     from medley.plan.layout import sharded_edges
     from medley.runtime.memory import LiveTensorBytes
-    from medley.runtime.model import token_loss_sum
+    from medley.runtime.transformer import token_loss_sum
 
     spec = get_model("tiny")
     world = dist.get_world_size()

@@ -14,8 +14,8 @@ from medley.plan.inline import inline_layout
 from medley.plan.layout import check_tp
 from medley.plan.plan import Plan
 from medley.runtime.groups import row_major_table
-from medley.runtime.model import TIED_WEIGHT
 from medley.runtime.train import TrainConfig
+from medley.runtime.transformer import TIED_WEIGHT
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model import ModelSpec
 from medley.spec.model_arg import get_model

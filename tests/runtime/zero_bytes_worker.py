@@ -14,9 +14,9 @@ from equality_worker import LR, MBS, SEED, SEQ, Case, global_batch, replica_batc
 from medley.plan.world import build_world
 from medley.runtime.executor import RankExecutor
 from medley.runtime.groups import make_groups, segment_holders
-from medley.runtime.model import token_loss_sum
 from medley.runtime.sharding import TORCH_DTYPES
 from medley.runtime.stages import build_local_stages
+from medley.runtime.transformer import token_loss_sum
 from medley.schedule.ir import with_default_collectives
 from medley.spec.model_arg import get_model
 

@@ -96,8 +96,8 @@ def test_one_replica_runs_every_level_as_level_0(level: int) -> None:
     which over one rank held the weights twice), the state the memory model books there."""
     import torch
 
-    from medley.runtime.model import Decoder
     from medley.runtime.sharding import shard_stage
+    from medley.runtime.transformer import Decoder
     from medley.spec.model_arg import get_model
 
     tiny = get_model("tiny")

@@ -7,7 +7,7 @@
 3. ZIPPer's point on one hand-made plan: the same ZeRO levels with collectives placed naively and
    in the pipeline bubbles.
 4. A real run: a 4-rank emulated mixed cluster on this machine's CPU (two ranks at full speed, two
-   stretched 2x, see medley.runtime.emulate), a CPU profile of the tiny model, a plan for it from
+   stretched 2x, see medley.runtime.emulated_devices), a CPU profile of the tiny model, a plan for it from
    the planner, a few dozen training steps with torch.distributed, and the predicted step time
    next to the measured one.
 5. A Hugging Face model made here (tiny LLaMA, BPE tokenizer of the shipped corpus), fine-tuned

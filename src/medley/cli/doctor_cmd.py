@@ -20,7 +20,7 @@ from typing import Annotated
 
 import typer
 
-from medley.cli.errors import MedleyInputError, exit_on_input_error, print_error
+from medley.cli.error_exit import MedleyInputError, exit_on_input_error, print_error
 from medley.plan.plan import Plan
 from medley.runtime.device_check import NodeDevices, device_problems, planned_here
 from medley.spec.catalog import device_type_for_cuda

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from medley.cli.console import literal
-from medley.cli.errors import MedleyInputError, exit_on_input_error
+from medley.cli.error_exit import MedleyInputError, exit_on_input_error
 from medley.fileio import check_output_dir, remove_path
 
 

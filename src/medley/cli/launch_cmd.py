@@ -19,7 +19,7 @@ from typing import Annotated
 
 import typer
 
-from medley.cli.errors import MedleyInputError, exit_on_input_error, usage_line
+from medley.cli.error_exit import MedleyInputError, exit_on_input_error, usage_line
 from medley.cli.job_file import refuse_plan_settings
 from medley.fileio import anchored
 from medley.plan.plan import Plan
@@ -295,7 +295,7 @@ def only_nodes(launches: list[NodeLaunch], names: list[str]) -> list[NodeLaunch]
 
 def start_local(launches: list[NodeLaunch], *, elastic: bool = False) -> None:
     """Run the agents here; exit with their outcome (one line on stderr when it needs one)."""
-    from medley.cli.errors import one_line, print_error
+    from medley.cli.error_exit import one_line, print_error
     from medley.errors import debug_enabled
     from medley.runtime.agents import Stopped, run_agents
 

@@ -20,7 +20,7 @@ from medley.cli import (
     spec_cmds,
     train_cmd,
 )
-from medley.cli.errors import guarded
+from medley.cli.error_exit import guarded
 from medley.errors import DEBUG_ENV
 
 HELP = (
@@ -41,7 +41,7 @@ ORDER = ("devices", "cluster", "model", "plan", "show", "simulate", "check", "tr
 
 class MedleyGroup(TyperGroup):
     """The top-level group: commands listed in the order of use, every command run under
-    :func:`medley.cli.errors.guarded` (one line and an exit status instead of a traceback)."""
+    :func:`medley.cli.error_exit.guarded` (one line and an exit status instead of a traceback)."""
 
     def list_commands(self, ctx: Any) -> list[str]:  # noqa: ANN401 - typer's click context
         names = super().list_commands(ctx)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from medley.cli.console import make_console
-from medley.cli.errors import MedleyInputError
+from medley.cli.error_exit import MedleyInputError
 from medley.cli.plan_report import BASELINE_DEVICES, ablation_data, print_result, result_data
 from medley.cli.progress import PhaseBar
 from medley.cli.simulate_cmd import (

@@ -123,7 +123,7 @@ def register(app: typer.Typer) -> None:
 
         ranks = () if comm_ranks.strip() == "0" else _ints(comm_ranks, "--comm-ranks")
         if compiled:
-            from medley.runtime.compile import check_compile_available
+            from medley.runtime.torch_compile import check_compile_available
 
             check_compile_available()
         spec = get_model(model)

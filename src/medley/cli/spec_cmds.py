@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from medley.cli.console import make_console, print_table
-from medley.cli.errors import MedleyInputError
+from medley.cli.error_exit import MedleyInputError
 from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Pass

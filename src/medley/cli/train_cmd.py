@@ -19,7 +19,7 @@ from rich.table import Table
 
 from medley.cli import hf_cmd
 from medley.cli.console import literal, make_console
-from medley.cli.errors import MedleyInputError, exit_on_input_error, print_error
+from medley.cli.error_exit import MedleyInputError, exit_on_input_error, print_error
 from medley.cli.job_file import load_job_callback, refuse_plan_settings
 from medley.cli.options import inline_options, settings_options
 from medley.cli.train_inputs import check_inputs_exist, finished_line, home
@@ -261,7 +261,7 @@ def register(app: typer.Typer) -> None:
         config.logging.progress = not as_json
         config.model.hf_dir = hf_cmd.hf_dir_of(model, init_from)
         if config.model.compile:
-            from medley.runtime.compile import check_compile_available
+            from medley.runtime.torch_compile import check_compile_available
 
             check_compile_available()
         if export_hf is not None:

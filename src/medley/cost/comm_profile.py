@@ -4,7 +4,7 @@ whose nominal links they replace (``--comm-profile FILE`` of plan, show and simu
 The file (JSON, ``format = "medley-comm-profile"``, ``version = 1``) holds, per measured link, the
 tier (``intra-node`` for ranks of one node, ``inter-node`` for one rank per node), the nodes it
 covered (as the ranks named them: ``MEDLEY_NODE``, else the host name), the raw timings and their
-α-β fit (:mod:`medley.profile.collectives` has the model). :func:`apply_comm_profile` puts the fits
+α-β fit (:mod:`medley.profile.comm_bench` has the model). :func:`apply_comm_profile` puts the fits
 into a cluster: an intra-node fit becomes the link of each node it covered, an inter-node fit the
 bandwidth and latency of the innermost tier joining its nodes. Links it did not measure keep the
 cluster file's figures. A node it names that the cluster lacks (by name or ``host``) is an error.

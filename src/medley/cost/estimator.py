@@ -102,7 +102,7 @@ class CatalogCostSource(MeasuresNothing):
     ) -> TimeEstimate:
         """Compute time of one pass of ``layer``; with ``tp`` > 1 that of one tensor-parallel rank
         running its share of a block (:func:`medley.cost.formulas.layer_gemms`), without the TP
-        all-reduces (:mod:`medley.cost.tensor_parallel` adds those)."""
+        all-reduces (:mod:`medley.cost.tp_cost` adds those)."""
         key = (self.model.layer_kind(layer), Pass(kind), micro_batch_size, seq_len, device_type, tp)
         cached = self._cache.get(key)
         if cached is None:

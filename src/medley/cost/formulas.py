@@ -196,7 +196,7 @@ def megatron_flops_per_step(model: ModelSpec, *, batch_size: int, seq_len: int) 
 
 
 def _block_activation_elements(model: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:
-    """Elements per token a block of medley's runtime (:mod:`medley.runtime.model`) saves for
+    """Elements per token a block of medley's runtime (:mod:`medley.runtime.transformer`) saves for
     backward (flash-style attention, no dropout), per tensor-parallel rank.
 
     Saved: block input, attention-norm output, MLP-norm input and output (whole on every TP rank);

@@ -56,7 +56,7 @@ from medley.cost.metis_files import (
     MetisProfile,
     load_metis_profile,
 )
-from medley.cost.tensor_parallel import TP_ALL_REDUCES
+from medley.cost.tp_cost import TP_ALL_REDUCES
 from medley.errors import MedleyInputError
 from medley.spec.catalog import load_catalog
 from medley.spec.cluster_load import parse_cluster_arg

@@ -33,7 +33,7 @@ from medley.errors import MedleyInputError
 MODES = ("none", "full", "selective")
 
 # The ops (aten overload names) whose outputs a selective block saves; the runtime maps them to
-# torch's OpOverloads (medley.runtime.model), the formulas count their outputs.
+# torch's OpOverloads (medley.runtime.transformer), the formulas count their outputs.
 SAVED_OPS = (
     "aten.mm.default",
     "aten.addmm.default",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
 from medley.cost.interfaces import Collective, CostSource
-from medley.cost.tied import tied_sum_seconds
+from medley.cost.tied_cost import tied_sum_seconds
 from medley.cost.zero_levels import Payload, fsdp_units, zero_level
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
 from medley.plan.layout import PlanLayout

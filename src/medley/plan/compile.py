@@ -8,13 +8,13 @@ Tensor parallelism (``layout.tp``): a pipeline rank's TP group runs one timeline
 its first device (the lead; the members run the same actions at the same times and hold the same
 bytes, so the simulator reports them as copies, :attr:`SimProblem.tp_members`). Its compute
 actions take one TP rank's compute plus the blocks' TP all-reduces over the group
-(:mod:`medley.cost.tensor_parallel`); its memory is one TP rank's (split matrices and split
+(:mod:`medley.cost.tp_cost`); its memory is one TP rank's (split matrices and split
 activations, replicated norms, embedding and head). Its ZeRO collectives run once per TP rank,
 each over that rank's DP group (the same TP rank of the other replicas) on 1/tp of the split
 parameters; the simulator times the lead's group. How the tp groups share links, and how
 pipeline transfers between groups of different tp are timed: :mod:`medley.plan.tp_links`. Under
 sequence parallelism (``layout.sequence_parallel``) the blocks' collectives are all-gathers and
-reduce-scatters, a stage's edges add the all-gathers :func:`~medley.cost.tensor_parallel.sequence_edge_time`
+reduce-scatters, a stage's edges add the all-gathers :func:`~medley.cost.tp_cost.sequence_edge_time`
 names, and the activations the sequence cuts are held 1/tp.
 """
 
@@ -29,7 +29,7 @@ from medley.cost.estimator import CatalogCostSource
 from medley.cost.formulas import DTYPE_BYTES
 from medley.cost.interfaces import Collective, CommModel, CostSource, Pass
 from medley.cost.recompute import rerun_share
-from medley.cost.tensor_parallel import (
+from medley.cost.tp_cost import (
     TensorParallelCompute,
     activation_scale,
     sequence_edge_time,

@@ -17,7 +17,7 @@ from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
-from medley.cost.tensor_parallel import TensorParallelCompute
+from medley.cost.tp_cost import TensorParallelCompute
 from medley.plan.bounds import Flight, MemoryOption, memory_prefix
 from medley.plan.layer_table import LayerTable, layer_table
 from medley.plan.space import Structure, distribute

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass
 from medley.cost.recompute import Recompute, parse_recompute
-from medley.cost.tensor_parallel import TensorParallelCompute
+from medley.cost.tp_cost import TensorParallelCompute
 from medley.errors import MedleyInputError
 from medley.flags import setting
 from medley.plan.layout import TP_DEGREES, PlanLayout, check_tp

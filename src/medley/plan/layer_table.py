@@ -19,7 +19,7 @@ from medley.cost.estimator import CatalogCostSource
 from medley.cost.formulas import DTYPE_BYTES
 from medley.cost.interfaces import CommModel, CostSource, Pass
 from medley.cost.recompute import Recompute, parse_recompute
-from medley.cost.tensor_parallel import TensorParallelCompute, tp_comm_time
+from medley.cost.tp_cost import TensorParallelCompute, tp_comm_time
 from medley.plan.layout import planned_sequence_parallel
 from medley.spec.model import ModelSpec
 

@@ -3,7 +3,7 @@
 Every rank names its node (``MEDLEY_NODE``, else the host name, as the launcher's ranks do). Then,
 over the backend of the machine (NCCL on GPUs, gloo on CPU): inside each node with two or more
 ranks (tier ``intra-node``), and across the first rank of every node (tier ``inter-node``), the
-same operations and sizes as :mod:`medley.profile.collectives` (a send/recv ping-pong between the
+same operations and sizes as :mod:`medley.profile.comm_bench` (a send/recv ping-pong between the
 group's first two ranks, all-gather, reduce-scatter, all-reduce), each timed as the slowest rank's
 median after a barrier, and fitted to the α-β ring model. Rank 0 returns the
 :class:`~medley.cost.comm_profile.CommTierProfile`; the others return None.
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from medley.cost.comm_profile import COMM_PROFILE_FORMAT, COMM_PROFILE_VERSION, CommTierProfile, TierLink
 from medley.cost.profile_format import CommMeasurement
 from medley.errors import MedleyInputError
-from medley.profile.collectives import DEFAULT_SIZES, fit_alpha_beta, measure_group
+from medley.profile.comm_bench import DEFAULT_SIZES, fit_alpha_beta, measure_group
 from medley.runtime.placement import NODE_ENV
 
 

@@ -2,7 +2,7 @@
 block under ``parallelize_module`` with the runtime's plan
 (:func:`medley.runtime.tensor_parallel.block_plan`), on a one-rank TP mesh so that no
 communication is timed, only DTensor's dispatch around every operator (the all-reduces are the
-cost model's, :mod:`medley.cost.tensor_parallel`). The shapes stay whole: the overhead is per
+cost model's, :mod:`medley.cost.tp_cost`). The shapes stay whole: the overhead is per
 operator, not per byte. On small CPU blocks it costs more than the math (measured: a tiny block's
 F 1.2 ms plain, 3.1 ms under DTensor)."""
 

@@ -2,7 +2,7 @@
 
 medley's runtime emulates unlike devices on like ones (``TrainConfig.of(emulate=True)``): each rank
 sleeps ``(factor - 1) x`` the measured time of every compute action, where ``factor`` is the
-plan's fastest device peak over the rank's own (:mod:`medley.runtime.emulate`). This module makes
+plan's fastest device peak over the rank's own (:mod:`medley.runtime.emulated_devices`). This module makes
 the matching plan inputs from a CPU profile:
 
 * a :class:`Cluster` of N CPU ranks whose device types (``CPU-x1``, ``CPU-x2``, ...) have the

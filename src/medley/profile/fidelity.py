@@ -26,6 +26,7 @@ from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan
 from medley.plan.predict import predict_groups
 from medley.plan.segments import joined
+from medley.profile.cpu_load import cpu_meter
 from medley.profile.emulate import EmulatedCluster, core_share, emulated_cluster
 from medley.profile.fidelity_replay import MeasuredStep, replay_steps
 from medley.profile.fidelity_result import (
@@ -35,7 +36,6 @@ from medley.profile.fidelity_result import (
     summarize,
     timing_failure,
 )
-from medley.profile.load import cpu_meter
 from medley.schedule.ir import Kind
 from medley.sim.problem import SimProblem
 from medley.sim.result import SimResult

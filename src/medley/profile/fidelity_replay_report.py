@@ -1,4 +1,4 @@
-"""The replay and core-share sections of the fidelity report (:mod:`medley.profile.report`),
+"""The replay and core-share sections of the fidelity report (:mod:`medley.profile.fidelity_report`),
 rendered from the results alone, with the goals they are held to."""
 
 from __future__ import annotations

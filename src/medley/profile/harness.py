@@ -17,8 +17,8 @@ from typing import Any
 from medley.cost.profile_format import Profile, load_profile, save_profile
 from medley.profile.fidelity import FidelityCase, FidelityResult, NotRanked, run_case
 from medley.profile.fidelity_cases import SMALL, TINY, default_cases, quick_cases
+from medley.profile.fidelity_report import machine, write_report
 from medley.profile.overhead import measure_overhead
-from medley.profile.report import machine, write_report
 from medley.profile.run import run_profile
 
 PROFILE_RUNS = 9  # timed runs per layer and shape (medians of the faster half)

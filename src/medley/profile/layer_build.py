@@ -1,5 +1,5 @@
 """The layers ``medley profile`` times, built as the runtime builds them
-(:mod:`medley.runtime.model`), with random inputs and a clock that waits for the device;
+(:mod:`medley.runtime.transformer`), with random inputs and a clock that waits for the device;
 shared by the plain measurement (:mod:`medley.profile.layers`) and the wrapped ones (FSDP2,
 :mod:`medley.profile.fsdp`; tensor parallelism, :mod:`medley.profile.dtensor`)."""
 
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from medley.profile.memory import quiet_median
-from medley.runtime.compile import compile_block
-from medley.runtime.model import Block, Embedding, Head, init_layer, token_loss_sum
+from medley.profile.heap_bytes import quiet_median
+from medley.runtime.torch_compile import compile_block
+from medley.runtime.transformer import Block, Embedding, Head, init_layer, token_loss_sum
 from medley.spec.model import ModelSpec
 
 
@@ -34,7 +34,7 @@ def build_layer(model: ModelSpec, kind: str, dtype: torch.dtype, device: torch.d
     """The layer in ``dtype``, its forward run as the runtime runs it: a half-precision one under
     ``torch.autocast`` (:class:`medley.runtime.executor.RankExecutor`), whose norms compute (and
     keep for their backward) an fp32 copy of their input. ``compiled``: a block is compiled as
-    ``medley train --compile`` compiles it (:func:`medley.runtime.compile.compile_block`; the
+    ``medley train --compile`` compiles it (:func:`medley.runtime.torch_compile.compile_block`; the
     embedding and the head stay eager there too), traced at its first (warm-up) call, so after
     any wrapper applied next."""
     layer = _build_layer(model, kind, dtype, device)

@@ -1,6 +1,6 @@
 """Measure each layer kind of a model: F, B, W and fused backward times, and activation bytes.
 
-The layers are the runtime's own modules (:mod:`medley.runtime.model`), and the backward is
+The layers are the runtime's own modules (:mod:`medley.runtime.transformer`), and the backward is
 split exactly as the runtime splits it (:mod:`medley.runtime.torch_adapter`): B computes the
 input gradient and keeps what W needs, W the weight gradients. The embedding takes token ids,
 which carry no gradient, so (as in the runtime and in torch) its B is empty and its whole
@@ -25,8 +25,8 @@ import torch
 from scipy.optimize import nnls
 
 from medley.cost.profile_format import LayerMeasurement, OptimizerProfile
+from medley.profile.heap_bytes import allocated_bytes, quiet_median
 from medley.profile.layer_build import ProfiledLayer, build_layer, layer_inputs, now
-from medley.profile.memory import allocated_bytes, quiet_median
 from medley.runtime.optim import optimizer_class
 from medley.runtime.sharding import TORCH_DTYPES
 from medley.runtime.torch_adapter import backward_input, backward_weight
@@ -194,7 +194,7 @@ def profile_layers(model: ModelSpec, *, micro_batch_sizes: Sequence[int], seq_le
                    runs: int = 5, compiled: bool = False) -> list[LayerMeasurement]:
     """Every layer kind of ``model`` at every (micro-batch size, sequence length).
 
-    ``compiled``: blocks are compiled (:func:`medley.runtime.compile.compile_block`, as for a
+    ``compiled``: blocks are compiled (:func:`medley.runtime.torch_compile.compile_block`, as for a
     zero-bubble rank, since both the split and the fused backward are timed) and timed after their
     warm-up, which compiles them. Their split backward (B then W, reusing the graph) runs the
     compiled backward graph twice, so B + W is about twice the fused backward, as in the runtime;

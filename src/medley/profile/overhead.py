@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from medley.cost.profile_format import CommProfile, OverheadProfile
-from medley.profile.memory import quiet_median
+from medley.profile.heap_bytes import quiet_median
 from medley.spec.model import ModelSpec
 
 # As small as the runtime allows (the synthetic data needs 256 token ids): next to no math.
@@ -161,7 +161,7 @@ def measure_collective_overhead(
     reduction, over the micro-batch's collective calls, is the cost per call."""
     from medley.cost import formulas
     from medley.cost.zero_memory import state_bytes_per_param
-    from medley.profile.collectives import model_time
+    from medley.profile.comm_bench import model_time
     from medley.profile.fsdp import measure_fsdp
     from medley.runtime.sharding import TORCH_DTYPES
 
@@ -241,7 +241,7 @@ def measure_overhead(
 ) -> OverheadProfile:
     """Both overheads; the hand-off's is what the two-rank link fit of ``comm`` does not already
     charge. ``runs``: timed repetitions per probe layer; ``steps``: timed steps per probe run."""
-    from medley.profile.collectives import model_time
+    from medley.profile.comm_bench import model_time
 
     action_s, figures = measure_action_overhead(dtype=dtype, runs=runs, steps=steps)
     handoff = measure_handoff()

@@ -12,7 +12,7 @@ import torch
 
 from medley.cost.profile_format import PROFILE_FORMAT, PROFILE_VERSION, Profile, model_dict
 from medley.errors import MedleyInputError
-from medley.profile.collectives import comm_profile, measure_collectives
+from medley.profile.comm_bench import comm_profile, measure_collectives
 from medley.profile.layers import profile_layers, profile_optimizer
 from medley.runtime.sharding import TORCH_DTYPES
 from medley.spec.catalog import CPU_DEVICE_TYPE, device_type_for_cuda, get_device_type

@@ -3,7 +3,7 @@
 Both sides run in the same process-group launch, alternating rounds so that drift in the machine's
 load hits both alike. medley: :func:`medley.runtime.setup.build_rank` and its executor's program
 (F/BW, send/recv, the plan's REDUCE_GRAD and OPTIM actions). torch: the same stage modules
-(:class:`medley.runtime.model.Decoder` slices, same seed) in ``PipelineStage`` driven by
+(:class:`medley.runtime.transformer.Decoder` slices, same seed) in ``PipelineStage`` driven by
 ``Schedule1F1B`` / ``ScheduleGPipe``, then (dp > 1) one flat SUM all-reduce of the gradients per
 stage over the replica group, as medley's ZeRO-0 does (torch's DDP-wrapped stages are avoided:
 see research/torch_runtime.md), then AdamW. Loss: token-sum cross entropy over the global token
@@ -49,7 +49,7 @@ class _TorchSide:
     def __init__(self, plan: Plan, groups, replica: int, pipeline_rank: int, seed: int) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
-        from medley.runtime.model import Decoder, token_loss_sum
+        from medley.runtime.transformer import Decoder, token_loss_sum
 
         layout = plan.layout
         start = sum(layout.stage_layers[:pipeline_rank])

@@ -23,11 +23,11 @@ from medley.cost.zero_levels import fsdp_units
 from medley.cost.zero_memory import FP32_BYTES, stage_state_bytes, state_bytes_per_param
 from medley.plan.activations import stage_activation_bytes
 from medley.plan.layout import PlanLayout, sequence_sharded_edges
-from medley.runtime.model import token_loss_sum
 from medley.runtime.optim import ensure_state
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 from medley.runtime.tensor_parallel import local_tensor
 from medley.runtime.torch_adapter import fsdp_unsharded_grads, storage_id
+from medley.runtime.transformer import token_loss_sum
 
 TOLERANCE = 0.02
 """Built and predicted bytes may differ by this share of the prediction."""

@@ -34,7 +34,7 @@ from medley.runtime.checkpoint_verify import (
 )
 from medley.runtime.hf_names import check_hf_family, hf_name
 from medley.runtime.hf_weights import INDEX_FILE, SINGLE_FILE
-from medley.runtime.model import Decoder
+from medley.runtime.transformer import Decoder
 from medley.spec.cluster_schema import printable
 from medley.spec.hf_config import hf_dict_from_spec
 from medley.spec.model import ModelSpec

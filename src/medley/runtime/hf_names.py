@@ -2,7 +2,7 @@
 (LLaMA, Mistral, Qwen2 share them), used by ``--init-from`` and by the export.
 
 =========================================== ==================================================
-medley (:mod:`medley.runtime.model`)         transformers
+medley (:mod:`medley.runtime.transformer`)         transformers
 =========================================== ==================================================
 ``embed.tok.weight``                         ``model.embed_tokens.weight``
 ``blocks.<i>.attn_norm.weight``              ``model.layers.<i>.input_layernorm.weight``

@@ -20,8 +20,8 @@ from medley.errors import MedleyInputError
 from medley.fileio import check_regular_file, read_user_json
 from medley.runtime.hf_names import check_hf_family, hf_name
 from medley.runtime.materialize import local_box
-from medley.runtime.model import Decoder
 from medley.runtime.tensor_parallel import local_tensor
+from medley.runtime.transformer import Decoder
 from medley.spec.cluster_schema import printable
 from medley.spec.model import ModelSpec
 

@@ -9,7 +9,7 @@ placements (torch's own computation, :func:`medley.runtime.torch_adapter.shard_a
 seeded values here and for the rows a rank reads of a Hugging Face checkpoint
 (:mod:`medley.runtime.hf_weights`).
 
-The values come from :func:`medley.runtime.model.init_values`, the one initialisation rule: each
+The values come from :func:`medley.runtime.transformer.init_values`, the one initialisation rule: each
 layer's parameters are drawn whole, one at a time and in the same order as the single-process
 model draws them, and each rank keeps its box, so its shards are bit-identical to the same rows
 of the whole model and no more than one whole parameter is alive at once.
@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from medley.runtime.model import TIED_COPY, Decoder, init_values, tied_copy_value
 from medley.runtime.tensor_parallel import local_tensor
 from medley.runtime.torch_adapter import shard_at
+from medley.runtime.transformer import TIED_COPY, Decoder, init_values, tied_copy_value
 
 
 def local_box(param: torch.Tensor) -> tuple[slice, ...]:

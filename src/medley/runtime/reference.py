@@ -16,9 +16,9 @@ import torch
 from medley.plan.layout import PlanLayout
 from medley.runtime.data import DataSource
 from medley.runtime.hf_weights import load_hf_weights
-from medley.runtime.model import Decoder, token_loss_sum
 from medley.runtime.optim import lr_at, optimizer_class, set_lr
 from medley.runtime.train import TrainConfig, load_data
+from medley.runtime.transformer import Decoder, token_loss_sum
 
 
 @dataclass(kw_only=True)

@@ -39,7 +39,7 @@ class ModelConfig:
             (each rank reads its own stages' tensors); None: the seeded initialisation.
         hf_dir: the Hugging Face model directory the model came from (``--model DIR`` or
             ``init_from``), recorded in checkpoints so that an export copies its tokenizer files.
-        compile: ``torch.compile`` each transformer block (:mod:`medley.runtime.compile`); the
+        compile: ``torch.compile`` each transformer block (:mod:`medley.runtime.torch_compile`); the
             first step then includes the compilation.
     """
 
@@ -227,7 +227,8 @@ class EmulationConfig:
     """Emulated device speeds on CPU ([plan] of a job file: they follow the plan's devices).
 
     Attributes:
-        emulate: stretch each rank's compute by its device's slowdown (see ``medley.runtime.emulate``).
+        emulate: stretch each rank's compute by its device's slowdown (see
+            ``medley.runtime.emulated_devices``).
         slowdown: factor per device id, overriding the plan-derived one (implies ``emulate``).
         slowdown_from: the step from which ``slowdown`` applies (before it, the plan-derived
             factors): a device that becomes slow mid-run.

@@ -19,12 +19,12 @@ from medley.plan.world import World, build_world
 from medley.runtime import placement
 from medley.runtime.executor import RankExecutor
 from medley.runtime.groups import RankGroups, RankPlace, RankTable, make_groups, segment_holders
-from medley.runtime.model import token_loss_sum
 from medley.runtime.placement import PlacementEntry, ranks_needed
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
 from medley.runtime.stages import build_local_stages
 from medley.runtime.tensor_parallel import tp_synced_stages
 from medley.runtime.tied import build_tied_grads
+from medley.runtime.transformer import token_loss_sum
 from medley.schedule.ir import PipelineSchedule, with_default_collectives
 from medley.schedule.zero_checks import CollectiveMismatchError, check_zero_placement
 
@@ -172,7 +172,7 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
     run's precision: half precision computes under autocast, gathers weights and reduces gradients
     in the dtypes the simulator counts (:func:`medley.cost.zero_memory.state_bytes_per_param`) and
     passes activations between stages in the compute dtype. ``compile``: torch.compile each block
-    (:mod:`medley.runtime.compile`).
+    (:mod:`medley.runtime.torch_compile`).
     """
     device = _device()
     table, devices = _placement(plan, device)

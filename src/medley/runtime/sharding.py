@@ -33,9 +33,9 @@ from torch.distributed.tensor import DTensor
 
 from medley.cost.zero_levels import ZeroLevel, fsdp_units, zero_level
 from medley.cost.zero_memory import state_bytes_per_param
-from medley.runtime.model import Decoder, shared_name
 from medley.runtime.tensor_parallel import is_tp_sharded, local_tensor, replicate_partial_grads
 from medley.runtime.torch_adapter import fsdp_reduce_grad, fsdp_unsharded_params, reduce_scatter_unused_params
+from medley.runtime.transformer import Decoder, shared_name
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

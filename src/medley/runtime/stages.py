@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from medley.errors import MedleyInputError
-from medley.runtime.compile import apply_compile, splits_backward
 from medley.runtime.groups import RankGroups
 from medley.runtime.hf_weights import load_hf_tensors
 from medley.runtime.materialize import init_local_shards
-from medley.runtime.model import Decoder
 from medley.runtime.sharding import ShardedStage, bucket_layer_groups, shard_stage
 from medley.runtime.tensor_parallel import apply_sequence_edges, parallelize_blocks
+from medley.runtime.torch_compile import apply_compile, splits_backward
+from medley.runtime.transformer import Decoder
 from medley.schedule.ir import PipelineSchedule
 from medley.spec.model import ModelSpec
 
@@ -63,7 +63,7 @@ def build_local_stages(
     split on, its segment's mesh (``groups.meshes``); None: every bucket on the rank's one mesh
     (alike replicas). ``sequence_parallel``: TP stages run sequence parallelism, their shards
     crossing the edges ``sequence_edges`` names (:func:`medley.plan.layout.sequence_sharded_edges`).
-    ``compile``: each block is compiled (:func:`medley.runtime.compile.apply_compile`) after TP and
+    ``compile``: each block is compiled (:func:`medley.runtime.torch_compile.apply_compile`) after TP and
     before ZeRO sharding."""
     if len(split) != schedule.num_stages or len(zero) != schedule.num_stages:
         raise ValueError(f"split {tuple(split)} and zero {tuple(zero)} must give one entry per stage "

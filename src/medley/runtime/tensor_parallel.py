@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from medley.plan.layout import PlanLayout, tp_undivided
-from medley.runtime.model import Decoder
+from medley.runtime.transformer import Decoder
 
 TP_DIM = "tp"
 

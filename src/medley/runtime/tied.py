@@ -2,7 +2,7 @@
 
 A model whose LM head shares the token embedding's weight keeps two copies of it when the head
 and the embedding sit on different stages: the first stage's embedding and the last stage's
-head copy (:class:`medley.runtime.model.Head`), initialised alike. After the step's gradient
+head copy (:class:`medley.runtime.transformer.Head`), initialised alike. After the step's gradient
 reductions and before clipping and any optimizer step (the schedule's ``CLIP`` action), their
 gradients are summed over a two-rank group per replica (the ranks of the first and of the last
 stage), so both copies take the same update and stay bit-identical. When one rank holds both
@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from medley.cost.zero_levels import tied_sum_by_rows
 from medley.runtime.groups import RankGroups, RankTable
-from medley.runtime.model import TIED_WEIGHT
 from medley.runtime.sharding import ShardedStage, shard_rows
 from medley.runtime.tensor_parallel import local_tensor
 from medley.runtime.torch_adapter import ordered_group
+from medley.runtime.transformer import TIED_WEIGHT
 from medley.schedule.ir import PipelineSchedule
 
 

@@ -10,7 +10,7 @@ supports (2.11 to 2.13, pyproject.toml), in one place.
   what DCP saves.
 * The cache of torch's selective checkpoint contexts, kept across reruns
   (:func:`rerunnable_selective_contexts`).
-* ``torch.compile``'s switches (:mod:`medley.runtime.compile`): whether dynamo runs here, and
+* ``torch.compile``'s switches (:mod:`medley.runtime.torch_compile`): whether dynamo runs here, and
   AOTAutograd's buffer donation, off where a compiled backward runs twice.
 * The dry run's (:mod:`medley.runtime.dry_run`): the fake process group's store, fake tensors and
   storage identity.

@@ -38,19 +38,19 @@ from medley.runtime import checkpoint, checkpoint_layout, lock
 from medley.runtime.collector import StepGarbageCollector
 from medley.runtime.config import TrainConfig, TrainHooks, check_config, load_data
 from medley.runtime.data import Rows, replica_slice
-from medley.runtime.emulate import slowdown_factors
+from medley.runtime.emulated_devices import slowdown_factors
 from medley.runtime.executor import ACTION_CATEGORIES, MicroBatches
 from medley.runtime.lifecycle import StepWatchdog, phase_timeouts
 from medley.runtime.memory import cuda_peak_bytes, probe_peak_bytes, reset_cuda_peak, resident_tensors
 from medley.runtime.metrics import TensorBoardLog
 from medley.runtime.optim import lr_at, optimizer_class, set_lr
 from medley.runtime.precision import LossScaler, choose_dtype, unscale_and_clip
-from medley.runtime.progress import TrainProgress
 from medley.runtime.records import StepRecord
 from medley.runtime.setup import RankSetup, build_rank
 from medley.runtime.step_records import RecordMaker
 from medley.runtime.step_stats import PendingStep, StatsInterval, StepTimer, to_device
 from medley.runtime.torch_adapter import all_gather_single
+from medley.runtime.train_progress import TrainProgress
 from medley.spec.cluster_schema import printable
 
 __all__ = ["StepRecord", "TrainConfig", "TrainHooks", "check_config", "load_data", "resolve_dtype",

@@ -93,7 +93,7 @@ class CollectiveCost:
         compute_s: OPTIM: time on the device's compute stream. OPTIM waits for the rank's
             latest REDUCE_GRAD of the same stage (and bucket, if it names one) listed before it.
             CLIP: seconds added to the collective's duration (the tied embeddings' gradient sum
-            the world waits for, :func:`medley.cost.tied.tied_sum_seconds`; it is timed on the
+            the world waits for, :func:`medley.cost.tied_cost.tied_sum_seconds`; it is timed on the
             CLIP's streams, not on the links of the two stages' devices). UNSHARD, REDUCE_GRAD:
             seconds added to the collective's duration too (the runtime's work around the call,
             ``OverheadProfile.collective_s``).

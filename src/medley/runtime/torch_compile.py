@@ -26,7 +26,7 @@ from medley.schedule.ir import Kind, PipelineSchedule
 
 
 def apply_compile(module: nn.Module, *, split_backward: bool = False) -> int:
-    """Compile every block of ``module`` (a :class:`medley.runtime.model.Decoder`) in place with
+    """Compile every block of ``module`` (a :class:`medley.runtime.transformer.Decoder`) in place with
     ``torch.compile(fullgraph=True)``; returns how many blocks were compiled (0 for a stage of
     only the embedding or the head). ``split_backward``: the rank's program has B and W actions
     (zero-bubble schedules, :func:`splits_backward`); see :func:`compile_block`."""

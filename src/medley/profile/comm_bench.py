@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from scipy.optimize import nnls
 
 from medley.cost.profile_format import AlphaBeta, CommMeasurement, CommProfile
-from medley.profile.memory import quiet_median
+from medley.profile.heap_bytes import quiet_median
 from medley.runtime.nodes import free_port
 from medley.runtime.torch_adapter import all_gather_single, reduce_scatter_single
 
