@@ -22,8 +22,8 @@ from pathlib import Path
 from provenance import provenance
 
 from medley.cli.check_cmd import dry_run
+from medley.dryrun.traced_bytes import FIGURES, TOLERANCE
 from medley.plan.plan import load_plan
-from medley.runtime.dry_run_bytes import FIGURES, TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "tests" / "data" / "large-1024-70b.toml"

@@ -1,4 +1,4 @@
-"""The dry run (:mod:`medley.runtime.dry_run`, :mod:`medley.runtime.dry_run_checkpoint`): ranks of
+"""The dry run (:mod:`medley.dryrun.ranks`, :mod:`medley.dryrun.checkpoint_plan`): ranks of
 any plan built alone in a fake process group, their bytes against the memory model, and whether a
 checkpoint of one plan loads under another, from DCP metadata."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from train_plans import asymmetric_plan, tiny_plan, tp_plan
 
+from medley.dryrun.checkpoint_plan import check_loadable, one_rank_plan, save_metadata
+from medley.dryrun.ranks import build_rank, rank_cases
+from medley.dryrun.traced_bytes import TOLERANCE
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan, load_plan
-from medley.runtime.dry_run import build_rank, rank_cases
-from medley.runtime.dry_run_bytes import TOLERANCE
-from medley.runtime.dry_run_checkpoint import check_loadable, one_rank_plan, save_metadata
 from medley.spec.model_arg import get_model
 
 LARGE = Path(__file__).parents[1] / "data" / "large-1024-70b.toml"

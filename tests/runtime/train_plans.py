@@ -117,9 +117,9 @@ def reference_layout(plan: Plan):  # noqa: ANN201 - a PlanLayout: what the refer
 
 
 def save_shards(directory: str, step: int, stages: dict, scale: float | None) -> None:
-    """grad_hook: at step 0, this rank's parameters as it built them (:func:`medley.runtime.dry_run.
+    """grad_hook: at step 0, this rank's parameters as it built them (:func:`medley.dryrun.ranks.
     shards`: name, global and local shape, dtype, placements) as ``<directory>/rank<rank>.json``."""
-    from medley.runtime.dry_run import shards
+    from medley.dryrun.ranks import shards
 
     if step == 0:
         found = [dataclasses.asdict(shard) for shard in shards(stages)]

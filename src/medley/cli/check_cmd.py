@@ -1,11 +1,11 @@
 """``medley check PLAN``: a dry run of a plan at its real scale on this one CPU.
 
 Every distinct rank of the plan (or the ranks given) is built alone in torch's fake process group
-on the meta device (:mod:`medley.runtime.dry_run`): its process groups, parameter shards and
+on the meta device (:mod:`medley.dryrun.ranks`): its process groups, parameter shards and
 model-state bytes are shown next to the memory model's prediction, with one micro-batch's
 activation bytes traced under fake tensors next to the formulas'. A checkpoint of the plan is then
 checked to load under another plan from its DCP metadata alone
-(:mod:`medley.runtime.dry_run_checkpoint`). A figure more than 2% off its prediction fails the
+(:mod:`medley.dryrun.checkpoint_plan`). A figure more than 2% off its prediction fails the
 command with exit status 2 and one line naming the rank and the figure.
 """
 
@@ -34,7 +34,7 @@ class DryRun:
     """What ``medley check`` found.
 
     Attributes:
-        reports: one per rank built (:class:`medley.runtime.dry_run.RankReport`).
+        reports: one per rank built (:class:`medley.dryrun.ranks.RankReport`).
         entries: tensor entries of the checkpoint a save would write; loader: the plan it was
             checked to load under, and the entries that plan needs (None: not checked).
         build_s / checkpoint_s: seconds building and counting the ranks, and checking the checkpoint.
@@ -65,13 +65,13 @@ def parse_ranks(text: str | None, world_size: int) -> list[int] | None:
 
 def dry_run(plan: Plan, *, ranks: Sequence[int] | None = None, load_under: Plan | None = None,
             load_under_name: str = "another plan", checkpoint: bool = True) -> DryRun:
-    """Build the chosen ranks of ``plan`` (default: each case's :attr:`~medley.runtime.dry_run.
+    """Build the chosen ranks of ``plan`` (default: each case's :attr:`~medley.dryrun.ranks.
     RankCase.built_ranks`) and check its checkpoint
     loads under ``load_under`` (default: the model on one rank, every tensor whole). The
     checkpoint check needs every case built, so with ``ranks`` it builds the missing ones too."""
+    from medley.dryrun.checkpoint_plan import check_loadable, one_rank_plan, save_metadata
+    from medley.dryrun.ranks import build_rank, rank_cases
     from medley.plan.world import build_world
-    from medley.runtime.dry_run import build_rank, rank_cases
-    from medley.runtime.dry_run_checkpoint import check_loadable, one_rank_plan, save_metadata
     from medley.runtime.setup import check_plan
 
     check_plan(plan, plan.world_size)
@@ -152,7 +152,7 @@ def groups_table(result: DryRun) -> Table:
 
 
 def as_json(result: DryRun, plan_file: Path) -> dict[str, Any]:
-    from medley.runtime.dry_run_bytes import FIGURES
+    from medley.dryrun.traced_bytes import FIGURES
 
     def figures(state: Any) -> dict[str, float]:  # noqa: ANN401 - StateFigures
         return {"static": state.static, **{name: getattr(state, name) for name in FIGURES}}

@@ -111,7 +111,7 @@ def _report(plan: Plan, place: RankPlace, *, device_id: int, stages: list[int]) 
 @dataclass(kw_only=True)
 class RankParts:
     """What every build of a rank makes, whether it then runs (:func:`build_rank`) or is counted
-    (:func:`medley.runtime.dry_run.build_rank`).
+    (:func:`medley.dryrun.ranks.build_rank`).
 
     Attributes:
         groups: its process groups over the rank table; group: its replica group;

@@ -12,7 +12,7 @@ supports (2.11 to 2.13, pyproject.toml), in one place.
   (:func:`rerunnable_selective_contexts`).
 * ``torch.compile``'s switches (:mod:`medley.runtime.torch_compile`): whether dynamo runs here, and
   AOTAutograd's buffer donation, off where a compiled backward runs twice.
-* The dry run's (:mod:`medley.runtime.dry_run`): the fake process group's store, fake tensors and
+* The dry run's (:mod:`medley.dryrun.ranks`): the fake process group's store, fake tensors and
   storage identity.
 
 What differs between 2.11, 2.12 and 2.13 (read from each release's wheel on PyPI; :data:`INTRODUCED`)

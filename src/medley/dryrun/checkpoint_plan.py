@@ -6,7 +6,7 @@ write items (a DTensor: its chunk, the offsets and sizes of the rank's shard; a 
 chunk) and keeps one writer of each chunk that several ranks hold (replicated tensors, TP ranks'
 copies of an FSDP-sharded norm) and the coordinator joins them into the checkpoint's ``Metadata``. Here the
 write items of every rank of the plan come from the dry-run builds of its distinct ranks
-(:mod:`medley.runtime.dry_run`): the ranks of a case hold the same tensors, each with its own
+(:mod:`medley.dryrun.ranks`): the ranks of a case hold the same tensors, each with its own
 chunk, which torch computes from the rank's coordinate in the tensor's mesh (as DCP does for the
 rank it runs on). From the joined metadata :func:`check_loadable` checks what a load checks before
 it reads a byte (:func:`medley.runtime.checkpoint_verify.check_entries`: every key the other plan's
@@ -33,11 +33,11 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from medley.dryrun.ranks import RankReport
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
 from medley.runtime.checkpoint import checkpoint_state
 from medley.runtime.checkpoint_verify import check_entries, entry_of, manifest_of
-from medley.runtime.dry_run import RankReport
 from medley.runtime.torch_adapter import shard_at
 from medley.schedule.zero_settings import StageZero
 

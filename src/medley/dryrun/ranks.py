@@ -11,7 +11,7 @@ reduction and the optimizer state run as the runtime runs them, on nothing.
 
 Ranks that hold the same stages at the same TP degree, ZeRO levels and ZeRO group size are one
 *case* (:func:`rank_cases`), built at both ends of its ZeRO groups. Its figures are the bytes of
-what it holds next to what the memory model predicts for it (:mod:`medley.runtime.dry_run_bytes`).
+what it holds next to what the memory model predicts for it (:mod:`medley.dryrun.traced_bytes`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from medley.plan.plan import Plan
-from medley.plan.world import World, build_world
-from medley.runtime import placement
-from medley.runtime.dry_run_bytes import (
+from medley.dryrun.traced_bytes import (
     FIGURES,
     TOLERANCE,
     ZERO_FIGURES,
@@ -39,6 +36,9 @@ from medley.runtime.dry_run_bytes import (
     predicted,
     predicted_activations,
 )
+from medley.plan.plan import Plan
+from medley.plan.world import World, build_world
+from medley.runtime import placement
 from medley.runtime.groups import RankGroups, RankTable
 from medley.runtime.optim import optimizer_class
 from medley.runtime.setup import build_parts
