@@ -77,8 +77,8 @@ def memory_cases() -> list:
 
 
 def run_overhead(cases: list, rounds: int, steps: int, tmp: Path) -> dict:
+    from medley.launch.nodes import free_port
     from medley.profile.runtime_bench import overhead, worker
-    from medley.runtime.nodes import free_port
 
     results = {}
     for world in sorted({c.plan.world_size for c in cases}):

@@ -154,7 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch.multiprocessing as mp
 
-    from medley.runtime.nodes import free_port
+    from medley.launch.nodes import free_port
 
     # A fixed mmap threshold: glibc's grows with every large free (up to 32 MB), after which freed
     # tensors stay in the heap and count as resident; the ranks inherit this at start.

@@ -2,8 +2,8 @@
 
 * no import circle between the modules of one package, counting imports inside functions and
   under ``TYPE_CHECKING`` (a circle there is still two modules that need each other);
-* packages depend one way: spec, cost, schedule, sim, plan, runtime, then dryrun, profile, elastic
-  and cli on top;
+* packages depend one way: spec, cost, schedule, sim, plan, runtime, then launch, dryrun, profile,
+  elastic and cli on top;
 * no module uses another module's private names (``from medley.x import _name`` or
   ``obj._name`` where ``_name`` is defined only in other medley modules).
 """
@@ -17,7 +17,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Lower layers first; a package may import only from packages before it (and from the top-level
 # modules medley.errors and medley.fileio, which everything uses).
-LAYERS = ("spec", "data", "cost", "schedule", "sim", "plan", "runtime", "dryrun", "profile", "elastic", "cli")
+LAYERS = ("spec", "data", "cost", "schedule", "sim", "plan", "runtime", "launch", "dryrun", "profile",
+          "elastic", "cli")
 
 
 def _modules() -> dict[str, Path]:

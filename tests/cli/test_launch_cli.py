@@ -143,7 +143,7 @@ def test_local_dry_run_lists_this_machines_agents(plan: Path) -> None:
     assert result.exit_code == 0, result.output
     for node in json.loads(result.stdout)["nodes"]:
         _, argv = checked(node["command"])
-        assert "CUDA_VISIBLE_DEVICES=" in argv and argv[argv.index("-m") + 1] == "medley.runtime.local_agent"
+        assert "CUDA_VISIBLE_DEVICES=" in argv and argv[argv.index("-m") + 1] == "medley.launch.local_agent"
         assert argv[argv.index("--rdzv-endpoint") + 1].startswith("127.0.0.1:")
         assert argv[argv.index("--plan") + 1] == str(plan.resolve())
 

@@ -11,9 +11,9 @@ import pytest
 from hf_models import MICRO_BATCH_SIZE, SEQ_LEN
 
 from medley.cost.estimator import CatalogCostSource
+from medley.launch.spawn import train_local
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan
-from medley.runtime.launch import train_local
 from medley.runtime.reference import reference_losses
 from medley.runtime.train import TrainConfig
 from medley.spec.cluster_load import parse_cluster_arg

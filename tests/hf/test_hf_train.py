@@ -15,10 +15,10 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from medley.cli.main import app
+from medley.launch.spawn import train_local
 from medley.runtime.checkpoint_layout import latest_checkpoint
 from medley.runtime.hf_export import export_hf, read_model_tensors
 from medley.runtime.hf_weights import tensor_files
-from medley.runtime.launch import train_local
 from medley.runtime.reference import reference_losses, reference_train
 from medley.runtime.train import TrainConfig, load_data
 from medley.runtime.transformer import Decoder

@@ -15,8 +15,8 @@ from hf_models import SEQ_LEN, hf_logits, hf_plan, transformers_loss
 from typer.testing import CliRunner
 
 from medley.cli.main import app
+from medley.launch.spawn import train_local
 from medley.runtime.hf_weights import load_hf_weights
-from medley.runtime.launch import train_local
 from medley.runtime.reference import reference_losses
 from medley.runtime.setup import check_plan
 from medley.runtime.train import TrainConfig, load_data

@@ -23,7 +23,7 @@ ALLOWED = ("medley.cost", "medley.cost.interfaces", "medley.cost.zero_levels", "
 
 
 @pytest.mark.parametrize("module", ["medley.plan.layout", "medley.plan.plan", "medley.runtime.setup",
-                                    "medley.runtime.train", "medley.runtime.launch"])
+                                    "medley.runtime.train", "medley.launch.spawn"])
 def test_plan_reading_path_imports_no_simulator(module: str) -> None:
     code = (
         f"import sys, {module}\n"

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from medley.cli.main import app
 from medley.cost.comm_profile import apply_comm_profile, load_comm_profile
-from medley.runtime.nodes import free_port
+from medley.launch.nodes import free_port
 from medley.spec.cluster_load import parse_cluster_arg
 
 BIN = Path(sys.executable).parent

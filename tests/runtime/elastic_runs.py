@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 from launch_plans import TIERS
 
-from medley.runtime import elastic_dir
-from medley.runtime.nodes import free_port
+from medley.launch import elastic_dir
+from medley.launch.nodes import free_port
 
 MEDLEY = (sys.executable, "-m", "medley.cli.main")
 STEPS, EVERY = 20, 5

@@ -12,10 +12,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from train_plans import asymmetric_plan, config, reference_layout, tiny_plan
 
+from medley.launch.spawn import train_local
 from medley.plan.plan import Plan
 from medley.runtime.checkpoint_layout import checkpoint_path
 from medley.runtime.checkpoint_verify import SafeReader
-from medley.runtime.launch import train_local
 from medley.runtime.reference import reference_train
 from medley.runtime.train import TrainHooks
 from medley.runtime.transformer import Decoder

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from train_plans import config, stop_after_step_3, tiny_plan
 
+from medley.launch.spawn import RankFailure, train_local
 from medley.runtime.checkpoint_layout import latest_checkpoint
 from medley.runtime.config import TrainHooks
-from medley.runtime.launch import RankFailure, train_local
 from medley.runtime.reference import reference_losses
 
 TOL = 1e-5

@@ -1,4 +1,4 @@
-"""The process group's backend, chosen in one place (:func:`medley.runtime.launch.init_process_group`)
+"""The process group's backend, chosen in one place (:func:`medley.launch.spawn.init_process_group`)
 for torchrun runs and elastic rounds alike: nccl where every local rank has a GPU, gloo with
 ``--device cpu`` whatever the machine has (an elastic round picked nccl on a GPU node before,
 because it did not pass ``--device cpu`` on)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from medley.runtime import launch
+from medley.launch import spawn as launch
 from medley.runtime.train import TrainConfig
 
 

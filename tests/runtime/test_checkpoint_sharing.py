@@ -20,9 +20,9 @@ import torch.multiprocessing as mp
 from train_plans import config, tiny_plan
 
 from medley.errors import MedleyInputError
+from medley.launch.nodes import free_port
+from medley.launch.spawn import train_local
 from medley.runtime import checkpoint, lock
-from medley.runtime.launch import train_local
-from medley.runtime.nodes import free_port
 from medley.runtime.train import check_config
 
 

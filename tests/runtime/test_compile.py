@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from train_plans import config, tiny_plan, tp_plan
 
-from medley.runtime.launch import train_local
+from medley.launch.spawn import train_local
 from medley.runtime.reference import reference_losses
 from medley.runtime.torch_compile import apply_compile, splits_backward
 from medley.runtime.transformer import Decoder

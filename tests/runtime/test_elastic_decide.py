@@ -17,11 +17,11 @@ from medley.cli.main import app
 from medley.elastic.decide import Member, decide, pool_devices
 from medley.elastic.replan import global_batch, with_slowed
 from medley.errors import MedleyInputError
+from medley.launch import elastic_dir
+from medley.launch.local_agent import wait_for_admission
+from medley.launch.nodes import ElasticSettings, LaunchSettings, node_launches
 from medley.plan.plan import Plan, load_plan, save_plan
 from medley.plan.search import search
-from medley.runtime import elastic_dir
-from medley.runtime.local_agent import wait_for_admission
-from medley.runtime.nodes import ElasticSettings, LaunchSettings, node_launches
 from medley.spec.cluster_load import load_cluster
 from medley.spec.model_arg import get_model
 

@@ -15,7 +15,7 @@ import pytest
 import torch.multiprocessing as mp
 from equality_worker import Case, run_case, worker
 
-from medley.runtime.nodes import free_port
+from medley.launch.nodes import free_port
 from medley.schedule.generators import generate
 from medley.schedule.ir import B, F, PipelineSchedule, W, loop_stage_to_rank
 
@@ -48,7 +48,7 @@ def launch(world: int, cases: list[Case], tmp_path,
     out = tmp_path / f"results_{world}.json"
     # Ranks come from the fork server (a clean process with torch imported), as `medley train`'s do:
     # a fork of pytest itself, which has run torch ops, can deadlock on the inherited thread pool.
-    multiprocessing.set_forkserver_preload(["torch", "medley.runtime.launch", "equality_worker"])
+    multiprocessing.set_forkserver_preload(["torch", "medley.launch.spawn", "equality_worker"])
     mp.start_processes(worker, args=(world, free_port(), cases, str(out), body), nprocs=world, join=True,
                        start_method="forkserver")
     merged: dict[str, dict] = {}

@@ -29,10 +29,10 @@ from train_plans import config, stop_after_step_3, tiny_plan
 from medley.cli.preflight import precision_note
 from medley.cost.estimator import CatalogCostSource
 from medley.errors import MedleyInputError
+from medley.launch.spawn import RankFailure, train_local
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, save_plan
 from medley.runtime.config import TrainConfig, TrainHooks, check_config
-from medley.runtime.launch import RankFailure, train_local
 from medley.runtime.optim import lr_at
 from medley.runtime.precision import LossScaler, choose_dtype
 from medley.runtime.reference import reference_losses

@@ -17,8 +17,8 @@ import pytest
 from host_syncs import count_after_step
 from train_plans import config, tiny_plan
 
+from medley.launch.spawn import train_local
 from medley.runtime.config import TrainHooks
-from medley.runtime.launch import train_local
 
 STEPS, LOG_EVERY = 9, 4
 # Steps after which the ranks gather (the first step, 0, is not counted): every 4th and the last.

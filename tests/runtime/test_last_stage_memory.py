@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from train_plans import MICRO_BATCH_SIZE, SEQ_LEN, config, tiny_plan
 
-from medley.runtime.launch import train_local
+from medley.launch.spawn import train_local
 from medley.spec.model_arg import get_model
 
 

@@ -19,10 +19,8 @@ from hypothesis import strategies as st
 from launch_plans import cluster_file, node_toml, plan_file, tiny_plan
 
 from medley.errors import MedleyInputError
-from medley.plan.plan import Plan, load_plan
-from medley.runtime.agents import GRACE_S, run_agents
-from medley.runtime.lock import acquire
-from medley.runtime.nodes import (
+from medley.launch.agents import GRACE_S, run_agents
+from medley.launch.nodes import (
     LaunchSettings,
     NodeLaunch,
     node_launches,
@@ -31,6 +29,8 @@ from medley.runtime.nodes import (
     slurm_script,
     used_nodes,
 )
+from medley.plan.plan import Plan, load_plan
+from medley.runtime.lock import acquire
 from medley.runtime.reference import reference_losses
 from medley.runtime.train import TrainConfig
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from train_plans import config, save_shards, tiny_plan
 
 from medley.dryrun.ranks import build_rank, rank_cases, rank_table
-from medley.runtime.launch import train_local
+from medley.launch.spawn import train_local
 from medley.runtime.train import TrainHooks
 
 

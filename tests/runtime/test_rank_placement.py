@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from medley.cli.main import app
 from medley.errors import MedleyInputError
-from medley.runtime.nodes import free_port
+from medley.launch.nodes import free_port
 from medley.runtime.placement import RankIdentity, find_node, rank_table
 
 MEDLEY = str(Path(sys.executable).with_name("medley"))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from medley.runtime.agents import rendezvous_lost_line, run_agents
-from medley.runtime.nodes import ELASTIC_DIR_ENV, NodeLaunch
+from medley.launch.agents import rendezvous_lost_line, run_agents
+from medley.launch.nodes import ELASTIC_DIR_ENV, NodeLaunch
 
 CKPT = "/shared/ckpt"
 

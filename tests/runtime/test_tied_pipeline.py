@@ -13,11 +13,11 @@ import pytest
 import torch
 from train_plans import config, save_tied_copies, tied_tiny, tiny_plan, tp_plan
 
+from medley.launch.spawn import train_local
 from medley.plan.plan import Plan
 from medley.plan.world import build_schedules
 from medley.runtime.checkpoint_layout import checkpoint_path
 from medley.runtime.checkpoint_verify import SafeReader
-from medley.runtime.launch import train_local
 from medley.runtime.reference import reference_losses
 from medley.runtime.train import TrainHooks
 from medley.runtime.transformer import Decoder, shared_name

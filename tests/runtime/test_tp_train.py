@@ -20,9 +20,9 @@ from train_plans import config, tied_tiny, tp_plan
 from typer.testing import CliRunner
 
 from medley.cli.main import app
+from medley.launch.spawn import train_local
 from medley.runtime.checkpoint_layout import checkpoint_path, latest_checkpoint
 from medley.runtime.hf_export import export_hf
-from medley.runtime.launch import train_local
 from medley.runtime.reference import reference_losses, reference_run
 
 TOL = 1e-5

@@ -15,9 +15,9 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from train_plans import config, crash_rank_one_once, stop_after_step_3, tiny_plan
 
+from medley.launch.spawn import RankFailure, train_local
 from medley.runtime.checkpoint_layout import checkpoint_path
 from medley.runtime.checkpoint_verify import SafeReader
-from medley.runtime.launch import RankFailure, train_local
 from medley.runtime.reference import reference_losses
 from medley.runtime.train import TrainHooks
 

@@ -12,8 +12,8 @@ import pytest
 from data_sets import DOCS, write_jsonl
 from train_plans import config, tiny_plan
 
+from medley.launch.spawn import train_local
 from medley.runtime.checkpoint_layout import checkpoint_path
-from medley.runtime.launch import train_local
 from medley.runtime.reference import reference_run
 
 TOL = 1e-5

@@ -91,7 +91,7 @@ def hf_finetune(*, out_dir: Path, plan: Plan, steps: int, emulate: bool, console
     """Make, fine-tune (``steps`` on ``plan``'s layout with the made model), export and generate
     from a tiny Hugging Face model; the figures."""
     from medley.cli.hf_cmd import check_init_from, export_after_training, export_checkpoints
-    from medley.runtime.launch import train_local
+    from medley.launch.spawn import train_local
     from medley.runtime.train import TrainConfig
     from medley.spec.model_arg import get_model
 

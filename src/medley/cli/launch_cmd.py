@@ -2,8 +2,8 @@
 or (``--local``) every node's torchrun agent started on this machine.
 
 Everything (the plan, the training flags after ``--``, the rendezvous, the output file) is checked
-before anything is written or started. The commands come from :mod:`medley.runtime.nodes`; the local
-agents run under :func:`medley.runtime.agents.run_agents`.
+before anything is written or started. The commands come from :mod:`medley.launch.nodes`; the local
+agents run under :func:`medley.launch.agents.run_agents`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import typer
 from medley.cli.error_exit import MedleyInputError, exit_on_input_error, usage_line
 from medley.cli.job_file import refuse_plan_settings
 from medley.fileio import anchored
-from medley.plan.plan import Plan
-from medley.runtime.nodes import (
+from medley.launch.nodes import (
     ENDPOINT_VAR,
     ONE_THREAD_ENV,
     VISIBLE_ENV,
@@ -39,6 +38,7 @@ from medley.runtime.nodes import (
     slurm_script,
     used_nodes,
 )
+from medley.plan.plan import Plan
 from medley.runtime.placement import world_size_terms
 from medley.spec.cluster_schema import printable
 
@@ -107,7 +107,7 @@ def local_settings(plan_path: Path, train_args: list[str], *, rdzv_endpoint: str
                    rdzv_id: str | None = None) -> LaunchSettings:
     """Every agent on this machine: this Python's torchrun and medley, 127.0.0.1 and a free port
     (or the rendezvous given: a node that joins a running elastic job); the agents and their
-    ranks die with this process (:mod:`medley.runtime.local_agent`)."""
+    ranks die with this process (:mod:`medley.launch.local_agent`)."""
     script = Path(sys.executable).with_name("medley")
     program = ("--no-python", str(script)) if script.exists() else ("-m", "medley.cli.main")
     env = dict(LOCAL_ENV)
@@ -116,7 +116,7 @@ def local_settings(plan_path: Path, train_args: list[str], *, rdzv_endpoint: str
     return LaunchSettings(plan_path=str(plan_path.resolve()), train_args=tuple(train_args),
                           rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
                           rdzv_id=rdzv_id or f"medley-{uuid.uuid4().hex[:10]}",
-                          launcher=(sys.executable, "-m", "medley.runtime.local_agent"), program=program,
+                          launcher=(sys.executable, "-m", "medley.launch.local_agent"), program=program,
                           extra_env=env)
 
 
@@ -140,7 +140,7 @@ def checked_command(launch: NodeLaunch, *, plan_path: str, cpu: bool, wrap: bool
 
 def checked_json(launches: list[NodeLaunch], *, plan_path: str,
                  cpu: bool) -> dict[str, list[dict[str, object]]]:
-    """:func:`medley.runtime.nodes.launches_json` with each ``command`` behind its check
+    """:func:`medley.launch.nodes.launches_json` with each ``command`` behind its check
     (:func:`checked_command`)."""
     data = launches_json(launches)
     for entry, launch in zip(data["nodes"], launches, strict=True):
@@ -257,7 +257,7 @@ def register(app: typer.Typer) -> None:
         else:
             python_parts = python_settings(python or sys.executable)
             if elastic:  # the agent waits to be admitted when it joins a running job
-                python_parts["launcher"] = (python or sys.executable, "-m", "medley.runtime.local_agent")
+                python_parts["launcher"] = (python or sys.executable, "-m", "medley.launch.local_agent")
             settings = LaunchSettings(plan_path=str(plan.absolute()), train_args=tuple(args),
                                       rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id or default_rdzv_id(plan),
                                       log_dir=log_dir, elastic=extra, **python_parts)
@@ -297,7 +297,7 @@ def start_local(launches: list[NodeLaunch], *, elastic: bool = False) -> None:
     """Run the agents here; exit with their outcome (one line on stderr when it needs one)."""
     from medley.cli.error_exit import one_line, print_error
     from medley.errors import debug_enabled
-    from medley.runtime.agents import Stopped, run_agents
+    from medley.launch.agents import Stopped, run_agents
 
     try:
         code, line = run_agents(launches, debug=debug_enabled(), elastic=elastic)

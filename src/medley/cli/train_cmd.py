@@ -54,7 +54,7 @@ def inline_plan(flags: InlineFlags, *, cluster: str | None, model: str, clip_gra
 def run(plan: Plan, config, *, local_ranks: int | None,  # noqa: ANN001, ANN201 - lazy torch import
         plan_path: Path | None = None):
     """Records on the rank that reports (rank 0), None on the others."""
-    from medley.runtime.launch import InputFailure, rank_main, train_local
+    from medley.launch.spawn import InputFailure, rank_main, train_local
 
     if local_ranks is not None:
         return train_local(plan, config, nprocs=local_ranks)
@@ -111,7 +111,7 @@ def inline_dtype(dtype: str | None, *, local_ranks: int | None, device: str = "a
 
 def runs_on_cuda(local_ranks: int | None, *, device: str) -> bool:
     """Whether this node's ranks compute on CUDA: a GPU per rank, and not ``--device cpu``."""
-    from medley.runtime.launch import uses_cuda
+    from medley.launch.spawn import uses_cuda
 
     return device != "cpu" and uses_cuda(local_world_size(local_ranks))
 
@@ -166,7 +166,7 @@ def run_stopping_cleanly(plan: Plan, config, *, local_ranks: int | None,  # noqa
     from torch.distributed.elastic.multiprocessing import SignalException
 
     from medley.errors import debug_enabled
-    from medley.runtime.launch import RankFailure
+    from medley.launch.spawn import RankFailure
 
     try:
         return run(plan, config, local_ranks=local_ranks, plan_path=plan_path)
@@ -304,7 +304,7 @@ def register(app: typer.Typer) -> None:
         if as_json:
             out = run_json(records)
             if config.elastic.elastic:  # what happened on the way, every attempt's (its records are its last)
-                from medley.runtime.elastic_dir import SUBDIR, events
+                from medley.launch.elastic_dir import SUBDIR, events
 
                 out["events"] = events(Path(str(ckpt.dir)) / SUBDIR)
             typer.echo(json.dumps(out, indent=1, allow_nan=False))

@@ -22,8 +22,8 @@ from typing import Any
 from medley.elastic.replan import describe, replan
 from medley.errors import MedleyInputError
 from medley.fileio import remove_path
+from medley.launch import elastic_dir
 from medley.plan.plan import Plan, load_plan, save_plan
-from medley.runtime import elastic_dir
 from medley.runtime.checkpoint_layout import latest_checkpoint, step_of
 from medley.runtime.placement import plan_devices_by_node
 

@@ -38,12 +38,12 @@ import torch.distributed as dist
 from medley.elastic.decide import Decision, Member, decide
 from medley.errors import MedleyInputError
 from medley.fileio import append_text, remove_path
+from medley.launch import elastic_dir
+from medley.launch.spawn import STORE_TIMEOUT_S, init_process_group
 from medley.plan.plan import Plan, load_plan
 from medley.plan.predict import simulate_groups
-from medley.runtime import elastic_dir
 from medley.runtime.checkpoint import CheckpointStore
 from medley.runtime.config import TrainConfig, TrainHooks
-from medley.runtime.launch import STORE_TIMEOUT_S, init_process_group
 from medley.runtime.metrics import TensorBoardLog
 from medley.runtime.placement import DEVICE_ENV, NODE_ENV
 from medley.runtime.records import StepRecord
@@ -61,7 +61,7 @@ class Replan(Exception):  # noqa: N818 - a request, not a failure
 
 def run_rank(launched: Plan, config: TrainConfig, hooks: TrainHooks | None, *, plan_path: Path,
              check: Callable[[Plan], None] | None = None) -> tuple[list[StepRecord], Plan] | None:
-    """The body of an elastic rank (``medley.runtime.launch.rank_main``'s ``body``): the records
+    """The body of an elastic rank (``medley.launch.spawn.rank_main``'s ``body``): the records
     and their plan on the rank that reports, None elsewhere. ``check`` is ``medley train``'s
     pre-flight for a plan."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

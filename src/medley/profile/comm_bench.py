@@ -34,8 +34,8 @@ import torch.multiprocessing as mp
 from scipy.optimize import nnls
 
 from medley.cost.profile_format import AlphaBeta, CommMeasurement, CommProfile
+from medley.launch.nodes import free_port
 from medley.profile.heap_bytes import quiet_median
-from medley.runtime.nodes import free_port
 from medley.runtime.torch_adapter import all_gather_single, reduce_scatter_single
 
 OPS = ("send_recv", "all_gather", "reduce_scatter", "all_reduce")

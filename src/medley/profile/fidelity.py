@@ -379,7 +379,7 @@ def run_case(
     ``warmup_steps``. (Pinning each rank to one core was tried and made steps slower: the gloo
     threads then share the rank's core.)
     """
-    from medley.runtime.launch import train_local
+    from medley.launch.spawn import train_local
     from medley.runtime.train import TrainConfig
 
     cores = cores or len(os.sched_getaffinity(0)) or 1

@@ -103,7 +103,7 @@ def _step_time(
     micro_batches: int, *, dtype: str, steps: int, dp: int = 1, streamed_zero3: bool = False
 ) -> float:
     """Median step time of the probe plan over ``steps`` steps after as many warm-up steps."""
-    from medley.runtime.launch import train_local
+    from medley.launch.spawn import train_local
     from medley.runtime.train import TrainConfig
 
     config = TrainConfig.of(
@@ -222,7 +222,7 @@ def _handoff_worker(rank: int, port: int, trips: int, rounds: int, out: str) -> 
 
 def measure_handoff(*, trips: int = 50, rounds: int = 9) -> float:
     """Seconds of one transfer of :data:`HANDOFF_BYTES` between two gloo ranks, executor-style."""
-    from medley.runtime.nodes import free_port
+    from medley.launch.nodes import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "handoff.json"

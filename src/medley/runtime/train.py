@@ -2,7 +2,7 @@
 
 Run :func:`train` on every rank of an initialised process group of ``pp x dp`` ranks (each rank
 finds its plan device and so its replica and pipeline rank, :mod:`medley.runtime.placement`), or
-:func:`medley.runtime.launch.train_local` to start the ranks on this machine. Each step: the
+:func:`medley.launch.spawn.train_local` to start the ranks on this machine. Each step: the
 global batch of the step (the same sequences whatever the plan), this replica's slice of it, the
 rank's program of the plan's schedule. The statistics of a step (losses, gradient norm, times)
 stay on the device, and the ranks gather them every ``--log-every`` steps, at the first and last

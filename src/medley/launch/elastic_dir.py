@@ -11,7 +11,7 @@
 * ``join-NODE``, ``admit-NODE``: a node that joins asks to be admitted; the ranks answer at their
   next checkpoint, once it is written, and wait there for the agents to restart them with it.
 
-Pure files, no torch: the joining agent (:mod:`medley.runtime.local_agent`) reads them before it
+Pure files, no torch: the joining agent (:mod:`medley.launch.local_agent`) reads them before it
 imports torch. Nothing here follows a symbolic link: an ``elastic`` that is a link is refused,
 writes replace files by rename, and reads open without following links.
 """

@@ -8,7 +8,7 @@ When an agent fails, the others get a short grace to report their own cause, the
 failure without an ``error:`` line of the ranks becomes one line naming the node and the rank.
 
 The agents and their ranks never outlive this process: each agent learns its pid
-(``MEDLEY_LAUNCHER_PID``) and, run as :mod:`medley.runtime.local_agent`, dies with it (a ``kill -9``
+(``MEDLEY_LAUNCHER_PID``) and, run as :mod:`medley.launch.local_agent`, dies with it (a ``kill -9``
 included); SIGTERM and SIGHUP stop them first, as Ctrl-C does (:class:`Stopped`).
 """
 
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO
 
-from medley.runtime.nodes import ELASTIC_DIR_ENV, LAUNCHER_PID_ENV, NodeLaunch
+from medley.launch.nodes import ELASTIC_DIR_ENV, LAUNCHER_PID_ENV, NodeLaunch
 
 GRACE_S = 3.0  # how long the other agents may still report after the first one failed
 STOP_S = 10.0  # how long a stopped agent may take before it is killed

@@ -1,4 +1,4 @@
-"""``python -m medley.runtime.local_agent TORCHRUN-ARGS``: torchrun (``torch.distributed.run``) as an
+"""``python -m medley.launch.local_agent TORCHRUN-ARGS``: torchrun (``torch.distributed.run``) as an
 agent of ``medley launch --local`` (tied to the launcher that started it) or of an elastic run.
 
 Under ``--local`` the agent dies when the launcher does, however it ends (``kill -9``
@@ -9,7 +9,7 @@ Its ranks die with it the same way (:func:`medley.runtime.lifecycle.die_with_par
 An elastic agent (``MEDLEY_ELASTIC_CHECKPOINT_DIR`` set) that finds its run training already (a
 live heartbeat of the same rendezvous id) is a node that joins: it asks to be admitted and starts
 torchrun only once the ranks answer, right after their next checkpoint, so that the restart that
-its arrival causes redoes no step (:mod:`medley.runtime.elastic_dir`).
+its arrival causes redoes no step (:mod:`medley.launch.elastic_dir`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from medley.fileio import remove_path
-from medley.runtime import elastic_dir
+from medley.launch import elastic_dir
+from medley.launch.nodes import ELASTIC_DIR_ENV, LAUNCHER_PID_ENV
 from medley.runtime.lifecycle import die_with_parent
-from medley.runtime.nodes import ELASTIC_DIR_ENV, LAUNCHER_PID_ENV
 from medley.runtime.placement import NODE_ENV
 
 _POLL_S = 0.2

@@ -34,10 +34,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, E
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from medley.errors import MedleyInputError, debug_enabled
+from medley.launch.nodes import LAUNCHER_PID_ENV, ONE_THREAD_ENV, SHARED_STORE_ENV
 from medley.plan.plan import Plan
 from medley.runtime import placement
 from medley.runtime.lifecycle import die_with_parent, phase_timeouts, process_group_timeout_s
-from medley.runtime.nodes import LAUNCHER_PID_ENV, ONE_THREAD_ENV, SHARED_STORE_ENV
 from medley.runtime.placement import PlacementEntry, ranks_needed
 from medley.runtime.train import StepRecord, TrainConfig, TrainHooks, load_data, train
 
@@ -183,7 +183,7 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, m
     if start_method is None:
         start_method = "spawn" if torch.cuda.is_available() else "forkserver"
     if start_method == "forkserver":
-        multiprocessing.set_forkserver_preload(["torch", "medley.runtime.launch"])
+        multiprocessing.set_forkserver_preload(["torch", "medley.launch.spawn"])
     nprocs = plan.world_size if nprocs is None else nprocs
     if nprocs != plan.world_size:
         raise MedleyInputError(
