@@ -205,7 +205,7 @@ class CheckpointStore:
 
     Attributes:
         directory: the checkpoint directory (``--checkpoint-dir``).
-        keep: how many of the newest checkpoints a save keeps (``--keep-checkpoints``).
+        keep: how many of the newest checkpoints a save keeps (``--keep``).
     """
 
     directory: Path
