@@ -95,7 +95,8 @@ def run_rank(launched: Plan, config: TrainConfig, hooks: TrainHooks | None, *, p
         os.environ[DEVICE_ENV] = str(decision.device[rank])
         init_process_group(config, store=dist.PrefixStore(f"train/{round_}/", store),
                            rank=decision.trainers.index(rank), world_size=len(decision.trainers))
-        checkpoints = CheckpointStore(directory=Path(config.checkpoint.dir), keep=config.checkpoint.keep)
+        checkpoints = CheckpointStore.of(config.checkpoint)
+        assert checkpoints is not None  # check_config: --elastic needs a checkpoint directory
         watch = Watch(directory=directory, config=config, plan=plan, decision=decision, run_id=run_id,
                       user=hooks or TrainHooks(), checkpoints=checkpoints)
         try:

@@ -60,6 +60,7 @@ from medley.runtime.checkpoint_verify import (
     verified_metadata,
 )
 from medley.runtime.optim import ensure_state
+from medley.runtime.settings import CheckpointConfig
 from medley.runtime.sharding import ShardedStage
 
 _SHARED_WAIT_S = 10.0  # how long a rank looks for rank 0's token (a shared file system's caches)
@@ -212,6 +213,11 @@ class CheckpointStore:
     keep: int = KEEP
     _pending: _Pending | None = field(default=None, init=False, repr=False)
     _group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def of(cls, settings: CheckpointConfig) -> CheckpointStore | None:
+        """The store of a run's ``[checkpoint]`` settings; None when the run saves nothing."""
+        return None if settings.dir is None else cls(directory=Path(settings.dir), keep=settings.keep)
 
     def finish(self) -> Path | None:
         """Collective: wait for the asynchronous save in flight, if any, and publish it (as

@@ -79,9 +79,7 @@ def train(plan: Plan, config: TrainConfig, hooks: TrainHooks | None = None, *,
         scaler = LossScaler(scale=precision.loss_scale_init, backoff=precision.loss_scale_backoff,
                             growth=precision.loss_scale_growth,
                             growth_interval=precision.loss_scale_growth_interval)
-    if checkpoints is None and config.checkpoint.dir is not None:
-        checkpoints = checkpoint.CheckpointStore(directory=Path(config.checkpoint.dir),
-                                                 keep=config.checkpoint.keep)
+    checkpoints = checkpoints or checkpoint.CheckpointStore.of(config.checkpoint)
     return _Loop(plan, config, hooks or TrainHooks(), setup, scaler, checkpoints).run()
 
 
@@ -275,14 +273,15 @@ class _Loop:
 
     def _saves_at(self, next_step: int) -> bool:
         every = self.config.checkpoint.every
-        return self.config.checkpoint.dir is not None and (
+        return self.checkpoints is not None and (
             next_step == self.config.optimizer.steps or (every > 0 and next_step % every == 0))
 
     def _maybe_save(self, next_step: int, watchdog: StepWatchdog | None) -> None:
         """The checkpoint before ``next_step`` when one is due (the statistics up to it were gathered
         and checked: a diverged state is never saved), watched with the checkpoint's limit."""
-        if self.checkpoints is None or not self._saves_at(next_step):
+        if not self._saves_at(next_step):
             return
+        assert self.checkpoints is not None  # _saves_at
         assert not self.interval, "a checkpoint comes after a gather"
         if watchdog is not None and self.timeouts.checkpoint_s is not None:
             watchdog.arm(next_step - 1, timeout_s=self.timeouts.checkpoint_s,
