@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from medley.cost.estimator import CatalogCostSource
 from medley.plan import builder, memory_rules, split_rules
-from medley.plan.bounds import memory_option
 from medley.plan.candidates import Estimator
-from medley.plan.space import Structure
+from medley.plan.layout import speed_split, uniform_split
+from medley.plan.space import Structure, memory_option
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 
@@ -20,9 +20,9 @@ def _estimator(cluster: str = "2xA100-80GB+2xV100-32GB") -> Estimator:
 
 
 def test_speed_split_follows_speed_and_gives_every_stage_a_layer() -> None:
-    split = split_rules.speed_split(TINY, [3.0, 1.0])
+    split = speed_split(TINY, [3.0, 1.0])
     assert sum(split) == TINY.num_layers and split[0] > split[1] >= 1
-    assert split_rules.uniform_split(TINY, TINY.num_layers) == (1,) * TINY.num_layers
+    assert uniform_split(TINY, TINY.num_layers) == (1,) * TINY.num_layers
 
 
 def test_fixed_option_uniform_split_equal_micro_batches() -> None:
@@ -33,7 +33,7 @@ def test_fixed_option_uniform_split_equal_micro_batches() -> None:
     candidate = builder.build(est, st, "1f1b", split=split_rules.uniform, memory=memory_rules.fixed(option),
                               micro_batches=builder.equal_micro_batches(), estimate=builder.no_estimate)
     assert candidate is not None
-    assert candidate.stage_layers == split_rules.uniform_split(TINY, 2)
+    assert candidate.stage_layers == uniform_split(TINY, 2)
     assert candidate.options == (option, option)
     assert candidate.micro_batches == (8, 8) and candidate.estimate_s == 0.0
     layout = candidate.layout(TINY, 128)

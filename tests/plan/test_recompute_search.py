@@ -18,11 +18,12 @@ from medley.cost.estimator import CatalogCostSource
 from medley.cost.recompute import FULL, NONE, SELECTIVE, Recompute, parse_recompute
 from medley.errors import MedleyInputError
 from medley.plan import memory_rules
-from medley.plan.bounds import Flight, memory_option, stage_memory
+from medley.plan.bounds import Flight, stage_memory
 from medley.plan.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.plan.layer_table import layer_table
 from medley.plan.plan import Plan, load_plan, save_plan
+from medley.plan.space import memory_option
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

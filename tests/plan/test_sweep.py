@@ -15,11 +15,12 @@ from hypothesis import strategies as st
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.zero_memory import autocast_copy_bytes, state_bytes_per_param
-from medley.plan.bounds import Flight, MemoryOption, memory_prefix, option_bytes_per_param, stage_memory
+from medley.plan.bounds import Flight, memory_prefix, option_bytes_per_param, stage_memory
 from medley.plan.builder import Setting, balanced_micro_batches, build
 from medley.plan.candidates import Estimator
 from medley.plan.layer_table import LayerTable
 from medley.plan.memory_rules import cheapest_per_stage
+from medley.plan.space import MemoryOption
 from medley.plan.sweep import StageEnds, bottleneck_split
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model

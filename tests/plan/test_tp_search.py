@@ -10,14 +10,14 @@ from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
 from medley.plan import ranking
 from medley.plan import search as search_module
-from medley.plan.bounds import Flight, MemoryOption, memory_option, stage_memory
+from medley.plan.bounds import Flight, stage_memory
 from medley.plan.builder import build, given_micro_batches
 from medley.plan.candidates import Estimator
 from medley.plan.compile import compile_problem
 from medley.plan.layout import check_tp
 from medley.plan.memory_rules import fixed
 from medley.plan.search import search
-from medley.plan.space import Structure
+from medley.plan.space import MemoryOption, Structure, memory_option
 from medley.plan.tp_links import gather_time
 from medley.plan.tp_structures import tp_degrees, tp_groups
 from medley.schedule.ir import Kind

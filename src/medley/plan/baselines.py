@@ -40,12 +40,11 @@ from itertools import permutations
 
 from medley.errors import MedleyInputError
 from medley.plan import builder, memory_rules, split_rules
-from medley.plan.bounds import MemoryOption, memory_option
 from medley.plan.builder import MemoryRule, Setting, StagePlan
 from medley.plan.candidates import Estimator
 from medley.plan.context import PlanContext
 from medley.plan.ranking import RankedPlan, rank_plan
-from medley.plan.space import PP_CHOICES, Candidate, Constraints, Structure
+from medley.plan.space import PP_CHOICES, Candidate, Constraints, MemoryOption, Structure, memory_option
 from medley.plan.tp_structures import mixed_structures, tp_degrees, tp_groups
 from medley.schedule.zero_settings import Placement
 

@@ -21,51 +21,14 @@ from functools import cache
 import numpy as np
 
 from medley.cost.interfaces import CostSource, Pass, ProfileRangeError
-from medley.cost.recompute import FULL, NONE, Recompute, parse_recompute
+from medley.cost.recompute import FULL, Recompute
 from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
 from medley.plan.layer_table import LayerTable, recompute_stop
+from medley.plan.space import MemoryOption, memory_option
 from medley.schedule.generators.classic import one_f_one_b_depth
 from medley.schedule.zero import split_evenly
-from medley.schedule.zero_settings import StageZero
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MemoryOption:
-    """One way to make a stage fit.
-
-    Attributes:
-        zero: the stage's ZeRO setting (:class:`medley.schedule.zero_settings.StageZero`; its
-            ``buckets`` may exceed a short stage's layers, the layout clamps them).
-        recompute: what the stage recomputes (:class:`medley.cost.recompute.Recompute`; True: full).
-    """
-
-    zero: StageZero
-    recompute: Recompute = NONE
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.recompute, Recompute):
-            object.__setattr__(self, "recompute", parse_recompute(self.recompute))
-
-    @property
-    def level(self) -> int:
-        return self.zero.level
-
-    @property
-    def buckets(self) -> int:
-        return self.zero.buckets
-
-    @property
-    def streams(self) -> bool:
-        return self.zero.streams
-
-
-def memory_option(level: int, *, buckets: int = 4, recompute: Recompute | bool = NONE) -> MemoryOption:
-    """The searched option at ZeRO ``level`` in ``buckets`` buckets: the search's ZeRO-3 is
-    streamed (gather windows 0: each compute action gathers its buckets and frees them)."""
-    zero = StageZero(level=level, buckets=buckets, gather_windows=0 if level == 3 else 1)
-    return MemoryOption(zero=zero, recompute=recompute)  # type: ignore[arg-type] - parsed after
 
 
 def memory_options(dp: int, *, replicated_level: int = 0) -> tuple[MemoryOption, ...]:

@@ -27,10 +27,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from medley.plan.bounds import Flight, MemoryOption, memory_options, pipeline_time
+from medley.plan.bounds import Flight, memory_options, pipeline_time
 from medley.plan.context import PlanContext, Signatures
 from medley.plan.layer_table import LayerTable
-from medley.plan.space import Candidate, Structure, distribute
+from medley.plan.space import Candidate, MemoryOption, Structure, distribute
 from medley.plan.step_estimate import step_estimate
 from medley.schedule.generators.classic import one_f_one_b_depth
 

@@ -18,9 +18,9 @@ from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
 from medley.cost.tp_cost import TensorParallelCompute
-from medley.plan.bounds import Flight, MemoryOption, memory_prefix
+from medley.plan.bounds import Flight, memory_prefix
 from medley.plan.layer_table import LayerTable, layer_table
-from medley.plan.space import Structure, distribute
+from medley.plan.space import MemoryOption, Structure, distribute
 from medley.plan.tp_links import hop_bytes_factor
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec

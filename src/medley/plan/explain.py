@@ -16,11 +16,10 @@ from itertools import islice
 
 from medley.cost.recompute import Recompute, recompute_text
 from medley.errors import MedleyInputError
-from medley.plan.layout import PlanLayout
+from medley.plan.layout import PlanLayout, uniform_split
 from medley.plan.predict import predict_groups
 from medley.plan.ranking import RankedPlan, simulate_all
 from medley.plan.search import SearchResult
-from medley.plan.split_rules import uniform_split
 from medley.schedule.zero_settings import Placement, StageZero
 from medley.sim.result import SimResult
 from medley.spec.catalog import lacking_bf16, precision_reason

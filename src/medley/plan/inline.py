@@ -15,8 +15,7 @@ from medley.cost.recompute import Recompute, parse_recompute
 from medley.cost.tp_cost import TensorParallelCompute
 from medley.errors import MedleyInputError
 from medley.flags import setting
-from medley.plan.layout import TP_DEGREES, PlanLayout, check_tp
-from medley.plan.split_rules import speed_split
+from medley.plan.layout import TP_DEGREES, PlanLayout, check_tp, speed_split
 from medley.schedule.generators import generate
 from medley.schedule.zero_settings import Placement, StageZero
 from medley.spec.catalog import check_precision, half_precision

@@ -7,6 +7,7 @@ simulator's input).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,3 +236,28 @@ def check_tp(layout: PlanLayout, cluster: Cluster) -> None:
     if len(set(used)) != len(used):
         raise MedleyInputError(f"{where}: the TP groups overlap (a device appears twice); start each "
                                "group past the previous one's last device")
+
+
+def speed_split(model: ModelSpec, stage_speed: Sequence[float]) -> tuple[int, ...]:
+    """Layers per stage in proportion to each stage's speed, at least one each (largest
+    remainder first)."""
+    stages = len(stage_speed)
+    if stages > model.num_layers:
+        raise MedleyInputError(
+            f"{stages} stages need at least {stages} layers; {model.name} has {model.num_layers}"
+        )
+    total_speed = sum(stage_speed)
+    ideal = [model.num_layers * s / total_speed for s in stage_speed]
+    split = [max(1, int(x)) for x in ideal]
+    while sum(split) < model.num_layers:
+        gaps = [ideal[i] - split[i] for i in range(stages)]
+        split[gaps.index(max(gaps))] += 1
+    while sum(split) > model.num_layers:
+        movable = [i for i in range(stages) if split[i] > 1]
+        split[max(movable, key=lambda i: split[i] - ideal[i])] -= 1
+    return tuple(split)
+
+
+def uniform_split(model: ModelSpec, stages: int) -> tuple[int, ...]:
+    """As even a split as the layer count allows."""
+    return speed_split(model, [1.0] * stages)

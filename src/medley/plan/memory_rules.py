@@ -11,8 +11,9 @@ from itertools import accumulate
 import numpy as np
 
 from medley.cost.recompute import FULL, SELECTIVE, Recompute
-from medley.plan.bounds import MemoryOption, stage_memory
+from medley.plan.bounds import stage_memory
 from medley.plan.builder import MemoryRule, Setting, StagePlan
+from medley.plan.space import MemoryOption
 from medley.schedule.generators import generate
 from medley.schedule.generators.classic import one_f_one_b_depth
 from medley.schedule.validate import in_flight_by_stage

@@ -9,10 +9,10 @@ from medley.cost import formulas
 from medley.cost.zero_memory import state_bytes_per_param
 from medley.errors import MedleyInputError
 from medley.plan import builder, memory_rules, split_rules
-from medley.plan.bounds import memory_option, stage_memory
+from medley.plan.bounds import stage_memory
 from medley.plan.context import PlanContext
 from medley.plan.ranking import RankedPlan, rank_plan
-from medley.plan.space import PP_CHOICES, Candidate, Constraints, Structure
+from medley.plan.space import PP_CHOICES, Candidate, Constraints, Structure, memory_option
 from medley.schedule.generators.classic import one_f_one_b_depth
 
 GB = 1e9

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from medley.plan.bounds import MemoryOption
+from medley.cost.recompute import NONE, Recompute, parse_recompute
 from medley.plan.layout import PlanLayout, planned_sequence_parallel
 from medley.plan.segments import joined
 from medley.schedule.zero_settings import Placement, StageZero
@@ -24,6 +24,43 @@ LARGE_POOL = 128
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 SEARCHED_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b", "gpipe")
 DEFAULT_FAMILIES = ("1f1b", "zb-h1", "interleaved", "hetero-1f1b")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryOption:
+    """One way to make a stage fit.
+
+    Attributes:
+        zero: the stage's ZeRO setting (:class:`medley.schedule.zero_settings.StageZero`; its
+            ``buckets`` may exceed a short stage's layers, the layout clamps them).
+        recompute: what the stage recomputes (:class:`medley.cost.recompute.Recompute`; True: full).
+    """
+
+    zero: StageZero
+    recompute: Recompute = NONE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recompute, Recompute):
+            object.__setattr__(self, "recompute", parse_recompute(self.recompute))
+
+    @property
+    def level(self) -> int:
+        return self.zero.level
+
+    @property
+    def buckets(self) -> int:
+        return self.zero.buckets
+
+    @property
+    def streams(self) -> bool:
+        return self.zero.streams
+
+
+def memory_option(level: int, *, buckets: int = 4, recompute: Recompute | bool = NONE) -> MemoryOption:
+    """The searched option at ZeRO ``level`` in ``buckets`` buckets: the search's ZeRO-3 is
+    streamed (gather windows 0: each compute action gathers its buckets and frees them)."""
+    zero = StageZero(level=level, buckets=buckets, gather_windows=0 if level == 3 else 1)
+    return MemoryOption(zero=zero, recompute=recompute)  # type: ignore[arg-type] - parsed after
 
 
 @dataclass(frozen=True, kw_only=True)

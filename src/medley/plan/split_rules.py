@@ -1,17 +1,14 @@
 """Split rules of :func:`medley.plan.builder.build`: layers per stage for a setting.
 
-:func:`speed_split` and :func:`uniform_split` are the plain splitters (``medley simulate``'s
-default split and ``--explain``'s even alternative use them too).
+The plain splitters they use (:func:`medley.plan.layout.speed_split`, ``uniform_split``) belong
+to the layout: ``medley simulate``'s inline split and ``--explain``'s even alternative use them too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from medley.errors import MedleyInputError
 from medley.plan.builder import Setting
+from medley.plan.layout import speed_split, uniform_split
 from medley.plan.sweep import StageEnds, bottleneck_split
-from medley.spec.model import ModelSpec
 
 # Bottleneck sweep bounds: the continuous optimum (every stage takes the share of the model its
 # speed allows) is a lower bound on the bottleneck; the split is rarely more than a few layers'
@@ -20,31 +17,6 @@ from medley.spec.model import ModelSpec
 SWEEP_LOW = 0.999
 SWEEP_HIGH = 1.5
 SWEEP_FALLBACK = 1.0001
-
-
-def speed_split(model: ModelSpec, stage_speed: Sequence[float]) -> tuple[int, ...]:
-    """Layers per stage in proportion to each stage's speed, at least one each (largest
-    remainder first)."""
-    stages = len(stage_speed)
-    if stages > model.num_layers:
-        raise MedleyInputError(
-            f"{stages} stages need at least {stages} layers; {model.name} has {model.num_layers}"
-        )
-    total_speed = sum(stage_speed)
-    ideal = [model.num_layers * s / total_speed for s in stage_speed]
-    split = [max(1, int(x)) for x in ideal]
-    while sum(split) < model.num_layers:
-        gaps = [ideal[i] - split[i] for i in range(stages)]
-        split[gaps.index(max(gaps))] += 1
-    while sum(split) > model.num_layers:
-        movable = [i for i in range(stages) if split[i] > 1]
-        split[max(movable, key=lambda i: split[i] - ideal[i])] -= 1
-    return tuple(split)
-
-
-def uniform_split(model: ModelSpec, stages: int) -> tuple[int, ...]:
-    """As even a split as the layer count allows."""
-    return speed_split(model, [1.0] * stages)
 
 
 def uniform(setting: Setting) -> tuple[int, ...]:

@@ -16,10 +16,10 @@ from medley.cost import formulas
 from medley.cost.interfaces import Collective
 from medley.cost.zero_levels import zero_level
 from medley.cost.zero_memory import state_bytes_per_param
-from medley.plan.bounds import MemoryOption, pipeline_time
+from medley.plan.bounds import pipeline_time
 from medley.plan.collectives import OPTIMIZER_STEP_BYTES_PER_PARAM
 from medley.plan.context import PlanContext, Signatures
-from medley.plan.space import Structure
+from medley.plan.space import MemoryOption, Structure
 from medley.plan.tp_links import dp_bytes_factor
 
 

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from medley.plan.bounds import MemoryOption, stage_memory
+from medley.plan.bounds import stage_memory
 from medley.plan.builder import Setting
+from medley.plan.space import MemoryOption
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
