@@ -18,15 +18,15 @@ Sections:
 1. ``search``: search time (one process, one core, baselines excluded; the least of
    ``--timing-runs`` searches, each in a fresh process) for 16/64/256/1024 devices
    of 2-4 types and LLaMA-2-7B, 13B, 70B and GPT-3-175B at two sequences per device; the best
-   plan's simulated throughput, its ratio to each baseline (:mod:`medley.plan.baselines`) and to
+   plan's simulated throughput, its ratio to each baseline (:mod:`medley.search.rank.baselines`) and to
    the best single-type plan (searched separately with the other types excluded), its fraction of
    the aggregate bound, and (up to ``--ablation-up-to`` devices) the ablation
-   (:mod:`medley.plan.ablation`): each freedom's constrained search and share of the gain.
+   (:mod:`medley.search.report.ablation`): each freedom's constrained search and share of the gain.
 2. ``large``: LLaMA-2-70B on examples/large-1024.toml at 1,024 sequences of 4,096 tokens (the
    planner's headline goal): the best plan's fraction of the aggregate bound, its shape, and the
    search's CPU time as in ``search``.
 3. ``pruning``: on instances of up to 16 devices, the planner's best against the reference search
-   (:mod:`medley.plan.reference_search`, ``--reference-budget`` seconds each). The reference is not
+   (:mod:`medley.search.report.reference_search`, ``--reference-budget`` seconds each). The reference is not
    exhaustive over tp (nor, beyond its small seeds, over splits x memory options), hence "loss from
    pruning", not "optimality gap".
 4. ``bound``: fraction of the aggregate bound against samples per device (LLaMA-2-7B, 2,048
@@ -50,13 +50,13 @@ from provenance import provenance
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.metis import MetisCostSource
 from medley.errors import MedleyInputError
-from medley.plan.ablation import ablate
-from medley.plan.baselines import run_baselines
-from medley.plan.bounds import aggregate_bound
-from medley.plan.candidates import Estimator
-from medley.plan.reference_search import reference_search
-from medley.plan.search import search
-from medley.plan.space import MICRO_BATCH_SIZES, Constraints
+from medley.search.estimate.bounds import aggregate_bound
+from medley.search.planner import search
+from medley.search.rank.baselines import run_baselines
+from medley.search.report.ablation import ablate
+from medley.search.report.reference_search import reference_search
+from medley.search.rules.candidates import Estimator
+from medley.search.space import MICRO_BATCH_SIZES, Constraints
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import cluster_from_dict, parse_cluster_arg
 from medley.spec.model_arg import get_model

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from statistics import median
 
-from medley.plan.ablation import STEPS
-from medley.plan.baselines import NAMES
+from medley.search.rank.baselines import NAMES
+from medley.search.report.ablation import STEPS
 
 STEP_TITLES = {
     "schedule": "1F1B only",
@@ -288,11 +288,11 @@ def _pruning_table(data: dict) -> list[str]:
     lines = [
         "## Loss from pruning against the reference search",
         "",
-        "Not an optimality gap: the reference (medley.plan.reference_search) searches every structure, "
-        "family, split rule, micro-batch rule and ZeRO ladder, enumerates all splits x memory options per "
-        "stage of its small seeds and searches locally around the others; tp: every uniform degree and the "
-        "per-type degrees (which the planner leaves out), and one-rank tp changes in the local search, "
-        "not every per-rank combination.",
+        "Not an optimality gap: the reference (medley.search.report.reference_search) searches every "
+        "structure, family, split rule, micro-batch rule and ZeRO ladder, enumerates all splits x memory "
+        "options per stage of its small seeds and searches locally around the others; tp: every uniform "
+        "degree and the per-type degrees (which the planner leaves out), and one-rank tp changes in the "
+        "local search, not every per-rank combination.",
         "",
         "| case | model | global batch | costs | planner tokens/s | reference tokens/s | loss | "
         "planner sims | reference sims | seeds enumerated | complete | reference s |",

@@ -7,7 +7,7 @@ records the commit and command, the Markdown is written from it)
 Each row of bench/published_runs.toml is a published training configuration with its source and
 its measured throughput. The bench builds that configuration as ``medley simulate`` does (a
 cluster of the row's nodes and network, :func:`medley.plan.inline.inline_layout`, the catalog cost
-source, :func:`medley.plan.predict.simulate_layout`) and compares the simulated tokens/s with the
+source, :func:`medley.lowering.predict.simulate_layout`) and compares the simulated tokens/s with the
 measured. The rows are split in two halves named in the data file (``half``): the catalog's
 calibration (per-type fields of src/medley/spec/devices.toml with a ``calibration`` note) was
 fitted on the ``calibration`` half only; the ``held_out`` half is reported apart.
@@ -28,8 +28,8 @@ from pathlib import Path
 from provenance import provenance
 
 from medley.cost.estimator import CatalogCostSource
+from medley.lowering.predict import simulate_layout
 from medley.plan.inline import inline_layout
-from medley.plan.predict import simulate_layout
 from medley.spec.catalog import catalog_entry, get_device_type
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import cluster_from_dict

@@ -50,7 +50,7 @@ def _spec():  # noqa: ANN202 - medley is imported in the ranks, after PYTHONPATH
 
 def _layout(case: str):  # noqa: ANN202
     from medley.cost.estimator import CatalogCostSource
-    from medley.plan.compile import compile_problem
+    from medley.lowering.compile import compile_problem
     from medley.plan.inline import inline_layout
     from medley.spec.cluster_load import parse_cluster_arg
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from provenance import provenance
 
 from medley.cost.estimator import CatalogCostSource
+from medley.lowering.predict import simulate_layout
 from medley.plan.inline import inline_layout
-from medley.plan.predict import simulate_layout
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

@@ -2,8 +2,9 @@
 
 * no import circle between the modules of one package, counting imports inside functions and
   under ``TYPE_CHECKING`` (a circle there is still two modules that need each other);
-* packages depend one way: spec, cost, schedule, sim, plan, runtime, then launch, dryrun, profile,
-  elastic and cli on top;
+* packages depend one way: spec, cost, schedule, sim, plan (the plan file and layout), lowering
+  (a plan to the simulator's input), search (the planner), runtime, then launch, dryrun, profile,
+  elastic and cli on top; inside search its stages depend one way too;
 * no module uses another module's private names (``from medley.x import _name`` or
   ``obj._name`` where ``_name`` is defined only in other medley modules).
 """
@@ -17,8 +18,11 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Lower layers first; a package may import only from packages before it (and from the top-level
 # modules medley.errors and medley.fileio, which everything uses).
-LAYERS = ("spec", "data", "cost", "schedule", "sim", "plan", "runtime", "launch", "dryrun", "profile",
-          "elastic", "cli")
+LAYERS = ("spec", "data", "cost", "schedule", "sim", "plan", "lowering", "search", "runtime", "launch",
+          "dryrun", "profile", "elastic", "cli")
+# Inside medley.search, the stages of a search, lower first: the space's vocabulary, the estimates,
+# the rules that build candidates, the ranking, the entry point, the reports beside its result.
+SEARCH_STAGES = ("space", "estimate", "rules", "rank", "planner", "report")
 
 
 def _modules() -> dict[str, Path]:
@@ -173,3 +177,21 @@ def test_no_two_modules_share_a_name() -> None:
         if path.name != "__init__.py":
             names.setdefault(path.stem, []).append(module)
     assert {name: found for name, found in names.items() if len(found) > 1} == {}
+
+
+def _search_stage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "search" else None
+
+
+def test_search_stages_depend_one_way() -> None:
+    stages = {_search_stage(m) for m in MODULES} - {None}
+    assert stages == set(SEARCH_STAGES), "a module or subpackage of medley.search is not a stage"
+    wrong = []
+    for module, targets in _edges().items():
+        here = _search_stage(module)
+        for target in targets:
+            there = _search_stage(target)
+            if here and there and SEARCH_STAGES.index(there) > SEARCH_STAGES.index(here):
+                wrong.append(f"{module} imports {target}")
+    assert sorted(wrong) == []

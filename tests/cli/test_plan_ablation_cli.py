@@ -8,8 +8,8 @@ import json
 from typer.testing import CliRunner
 
 from medley.cli.main import app
-from medley.plan.ablation import STEPS
-from medley.plan.baselines import NAMES
+from medley.search.rank.baselines import NAMES
+from medley.search.report.ablation import STEPS
 
 ARGS = ["plan", "--cluster", "4xA100-80GB+4xV100-32GB", "--model", "tiny", "--global-batch", "32",
         "--seq-len", "128", "--top", "1", "--ablation"]

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from medley.plan.ablation import STEPS, ablate
-from medley.plan.baselines import (
+from medley.search.estimate.bounds import memory_options
+from medley.search.planner import search
+from medley.search.rank.baselines import (
     NAMES,
     fastest_type_only,
     megatron_lm_style,
@@ -19,14 +20,13 @@ from medley.plan.baselines import (
     one_option_for_all,
     run_baselines,
 )
-from medley.plan.bounds import memory_options
-from medley.plan.builder import balanced_micro_batches, build
-from medley.plan.candidates import Estimator
-from medley.plan.memory_rules import cheapest_per_stage
-from medley.plan.search import search
-from medley.plan.space import Constraints
-from medley.plan.split_rules import bottleneck
-from medley.plan.tp_structures import tp_degrees
+from medley.search.report.ablation import STEPS, ablate
+from medley.search.rules.builder import balanced_micro_batches, build
+from medley.search.rules.candidates import Estimator
+from medley.search.rules.memory_rules import cheapest_per_stage
+from medley.search.rules.split_rules import bottleneck
+from medley.search.rules.tp_structures import tp_degrees
+from medley.search.space import Constraints
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

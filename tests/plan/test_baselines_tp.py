@@ -8,10 +8,10 @@ import pytest
 
 from medley.cost.estimator import CatalogCostSource
 from medley.errors import MedleyInputError
-from medley.plan.baselines import NAMES, metis_structures
-from medley.plan.candidates import Estimator
-from medley.plan.search import search
-from medley.plan.space import Constraints, Structure
+from medley.search.planner import search
+from medley.search.rank.baselines import NAMES, metis_structures
+from medley.search.rules.candidates import Estimator
+from medley.search.space import Constraints, Structure
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from medley.cost.estimator import CatalogCostSource
-from medley.plan import builder, memory_rules, split_rules
-from medley.plan.candidates import Estimator
 from medley.plan.layout import speed_split, uniform_split
-from medley.plan.space import Structure, memory_option
+from medley.search.rules import builder, memory_rules, split_rules
+from medley.search.rules.candidates import Estimator
+from medley.search.space import Structure, memory_option
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

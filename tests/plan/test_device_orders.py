@@ -5,10 +5,10 @@ the fast ones, which take the most layers, sit on the last ranks (fewest micro-b
 from __future__ import annotations
 
 from medley.cost.estimator import CatalogCostSource
-from medley.plan.candidates import Estimator
-from medley.plan.search import search
-from medley.plan.space import Structure
-from medley.plan.structure_bound import structure_bound
+from medley.search.estimate.structure_bound import structure_bound
+from medley.search.planner import search
+from medley.search.rules.candidates import Estimator
+from medley.search.space import Structure
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

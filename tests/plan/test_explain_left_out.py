@@ -9,8 +9,8 @@ import dataclasses
 import re
 from pathlib import Path
 
-from medley.plan.explain import explain, left_out
-from medley.plan.search import Constraints, SearchResult, search
+from medley.search.planner import Constraints, SearchResult, search
+from medley.search.report.explain import explain, left_out
 from medley.spec.cluster_load import load_cluster, parse_cluster_arg
 from medley.spec.model_arg import get_model
 

@@ -3,7 +3,7 @@ left out that would be faster is said to be faster, not given a bare negative pe
 
 from __future__ import annotations
 
-from medley.plan.explain import Explanation, KnobEffect
+from medley.search.report.explain import Explanation, KnobEffect
 
 
 def lines(*knobs: KnobEffect) -> list[str]:

@@ -12,7 +12,7 @@ from medley.cli.main import app
 from medley.cost.estimator import CatalogCostSource
 from medley.errors import MedleyInputError
 from medley.plan.inline import inline_layout
-from medley.plan.search import search
+from medley.search.planner import search
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

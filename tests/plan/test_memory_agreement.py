@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from medley.plan.memory_rules import chunk_in_flight
-from medley.plan.search import search
 from medley.schedule.generators import generate
 from medley.schedule.ir import Kind
+from medley.search.planner import search
+from medley.search.rules.memory_rules import chunk_in_flight
 from medley.spec.cluster_load import load_cluster, parse_cluster_arg
 from medley.spec.model_arg import get_model
 

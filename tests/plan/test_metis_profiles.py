@@ -14,9 +14,9 @@ from medley.cost.interfaces import Pass, ProfileRangeError
 from medley.cost.metis import MetisCostSource
 from medley.cost.metis_files import load_metis_profile
 from medley.errors import MedleyInputError
-from medley.plan.baselines import NAMES
-from medley.plan.compile import compile_problem
-from medley.plan.search import search
+from medley.lowering.compile import compile_problem
+from medley.search.planner import search
+from medley.search.rank.baselines import NAMES
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

@@ -9,10 +9,10 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from medley.cli.main import app
-from medley.plan.baselines import NAMES
 from medley.plan.plan import load_plan
 from medley.schedule.torch_csv import read_torch_csv
 from medley.schedule.validate import validate
+from medley.search.rank.baselines import NAMES
 
 CLUSTER = "2xA100-80GB+2xV100-32GB"
 PROFILES = str(Path(__file__).parents[1] / "data" / "metis-opt-350")

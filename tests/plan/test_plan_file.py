@@ -11,9 +11,9 @@ import tomli_w
 
 from medley.cost.estimator import CatalogCostSource
 from medley.errors import MedleyInputError
+from medley.lowering.predict import predict
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, load_plan, save_plan
-from medley.plan.predict import predict
 from medley.spec.cluster_load import load_cluster, parse_cluster_arg
 from medley.spec.model_arg import get_model
 

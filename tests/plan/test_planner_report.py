@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from medley.plan.ablation import STEPS
-from medley.plan.baselines import NAMES
+from medley.search.rank.baselines import NAMES
+from medley.search.report.ablation import STEPS
 
 _SPEC = importlib.util.spec_from_file_location(
     "planner_report", Path(__file__).parents[2] / "bench" / "planner_report.py"

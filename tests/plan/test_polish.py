@@ -1,4 +1,4 @@
-"""Polishing the best simulated plan (:mod:`medley.plan.polish`): one layer moved where the
+"""Polishing the best simulated plan (:mod:`medley.search.rank.polish`): one layer moved where the
 estimate ties, which the simulation can rank."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from medley.plan import polish as polish_module
-from medley.plan.candidates import Estimator
-from medley.plan.polish import polish, polish_leaders, tied_moves
-from medley.plan.search import search
-from medley.plan.space import Constraints
+from medley.search.planner import search
+from medley.search.rank import polish as polish_module
+from medley.search.rank.polish import polish, polish_leaders, tied_moves
+from medley.search.rules.candidates import Estimator
+from medley.search.space import Constraints
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

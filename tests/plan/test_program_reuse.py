@@ -1,6 +1,6 @@
 """What lets the simulation share work between plans: the ZeRO placement keeps each rank's compute
 and point-to-point actions in the generator's order (so a program validated once is valid in every
-plan that runs it, :mod:`medley.plan.predict`), and replicas of one micro-batch count get equal
+plan that runs it, :mod:`medley.lowering.predict`), and replicas of one micro-batch count get equal
 programs from one generated schedule (:func:`medley.plan.layout.build_schedules`)."""
 
 from __future__ import annotations

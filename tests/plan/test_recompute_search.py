@@ -17,13 +17,13 @@ from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.recompute import FULL, NONE, SELECTIVE, Recompute, parse_recompute
 from medley.errors import MedleyInputError
-from medley.plan import memory_rules
-from medley.plan.bounds import Flight, stage_memory
-from medley.plan.compile import compile_problem
+from medley.lowering.compile import compile_problem
 from medley.plan.inline import inline_layout
-from medley.plan.layer_table import layer_table
 from medley.plan.plan import Plan, load_plan, save_plan
-from medley.plan.space import memory_option
+from medley.search.estimate.bounds import Flight, stage_memory
+from medley.search.estimate.layer_table import layer_table
+from medley.search.rules import memory_rules
+from medley.search.space import memory_option
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 
@@ -138,7 +138,7 @@ def test_the_builder_takes_the_least_rerun_that_fits(monkeypatch: pytest.MonkeyP
         return choice
 
     monkeypatch.setattr(memory_rules, "least_rerun", spy)
-    from medley.plan.search import search
+    from medley.search.planner import search
 
     result = search(parse_cluster_arg("8xA100-80GB"), get_model("llama-2-13b"), global_batch=16, seq_len=4096,
                     top=1, baselines=False)

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 
 from medley.errors import MedleyInputError
-from medley.plan.bounds import memory_options
-from medley.plan.reference_search import MAX_DEVICES, reference_search
-from medley.plan.search import search
+from medley.search.estimate.bounds import memory_options
+from medley.search.planner import search
+from medley.search.report.reference_search import MAX_DEVICES, reference_search
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 
@@ -62,9 +62,9 @@ def test_reference_refuses_large_instances_and_stops_at_its_budget() -> None:
 
 
 def test_tp_moves_change_one_rank_onto_free_devices_of_its_node() -> None:
-    from medley.plan.candidates import Estimator
-    from medley.plan.reference_search import tp_moves
-    from medley.plan.space import Constraints, Structure
+    from medley.search.report.reference_search import tp_moves
+    from medley.search.rules.candidates import Estimator
+    from medley.search.space import Constraints, Structure
 
     spec = parse_cluster_arg("4xA100-80GB")  # one node of 4
     planner = search(spec, TINY, global_batch=16, seq_len=64, top=1, baselines=False)

@@ -9,14 +9,14 @@ from itertools import combinations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from medley.plan.baselines import NAMES
-from medley.plan.explain import explain
-from medley.plan.predict import predict
-from medley.plan.search import Constraints, search
-from medley.plan.space import distribute
-from medley.plan.sweep import bottleneck_split
+from medley.lowering.predict import predict
 from medley.plan.world import build_world
 from medley.schedule.validate import validate
+from medley.search.planner import Constraints, search
+from medley.search.rank.baselines import NAMES
+from medley.search.report.explain import explain
+from medley.search.rules.sweep import bottleneck_split
+from medley.search.space import distribute
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

@@ -134,9 +134,9 @@ def test_tied_embeddings_are_refused_with_replica_groups_and_never_planned() -> 
     """The runtime does not yet sum a tied embedding's copies across replica groups: medley train
     refuses such a plan in one line, and the planner does not make one."""
     from medley.cost.estimator import CatalogCostSource
-    from medley.plan.asymmetric import grouped_candidates
-    from medley.plan.candidates import Estimator
     from medley.runtime.setup import check_plan
+    from medley.search.rules.asymmetric import grouped_candidates
+    from medley.search.rules.candidates import Estimator
 
     tied = dataclasses.replace(TINY, name="tiny-tied", tied_embeddings=True)
     groups = [dataclasses.replace(group(pp=2, dp=1, first=0, split=(2, 4), micro_batches=(2,)), model=tied),

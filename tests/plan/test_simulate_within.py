@@ -1,5 +1,5 @@
 """The search skips simulating candidates whose estimate lies far above the fastest step already
-simulated (:data:`medley.plan.ranking.SIMULATE_WITHIN`): fewer simulations, the same best plan."""
+simulated (:data:`medley.search.rank.ranking.SIMULATE_WITHIN`): fewer simulations, the same best plan."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from medley.plan import ranking
-from medley.plan.search import search
+from medley.search.planner import search
+from medley.search.rank import ranking
 from medley.spec.cluster_load import load_cluster, parse_cluster_arg
 from medley.spec.model_arg import get_model
 

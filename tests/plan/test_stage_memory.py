@@ -11,12 +11,12 @@ import pytest
 from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
-from medley.plan.bounds import stage_memory
-from medley.plan.compile import backward_workspace, compile_problem, recompute_workspace
-from medley.plan.layer_table import layer_table
+from medley.lowering.compile import backward_workspace, compile_problem, recompute_workspace
 from medley.plan.layout import PlanLayout
-from medley.plan.space import memory_option
 from medley.schedule.zero_settings import StageZero
+from medley.search.estimate.bounds import stage_memory
+from medley.search.estimate.layer_table import layer_table
+from medley.search.space import memory_option
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

@@ -13,11 +13,11 @@ from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Collective
 from medley.cost.zero_memory import state_bytes_per_param
-from medley.plan.bounds import pipeline_time, round_trip_cycle
-from medley.plan.candidates import Estimator
-from medley.plan.collectives import OPTIMIZER_STEP_BYTES_PER_PARAM
-from medley.plan.space import Structure, memory_option
-from medley.plan.step_estimate import exposed_dp, network_load
+from medley.lowering.collectives import OPTIMIZER_STEP_BYTES_PER_PARAM
+from medley.search.estimate.bounds import pipeline_time, round_trip_cycle
+from medley.search.estimate.step_estimate import exposed_dp, network_load
+from medley.search.rules.candidates import Estimator
+from medley.search.space import Structure, memory_option
 from medley.spec.cluster_load import cluster_from_dict
 from medley.spec.model_arg import get_model
 

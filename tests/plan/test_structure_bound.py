@@ -1,4 +1,4 @@
-"""The bound the search orders and skips structures by (:mod:`medley.plan.structure_bound`): below
+"""The bound the search orders and skips structures by (:mod:`medley.search.estimate.structure_bound`): below
 every structure's 1F1B estimate, infinite only where nothing fits, and equal to its closed forms."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from medley.cost.estimator import CatalogCostSource
-from medley.plan.candidates import Estimator
-from medley.plan.search import search
-from medley.plan.structure_bound import StructureBounds, block_bound, fill_bound, recompute_bound
+from medley.search.estimate.structure_bound import StructureBounds, block_bound, fill_bound, recompute_bound
+from medley.search.planner import search
+from medley.search.rules.candidates import Estimator
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

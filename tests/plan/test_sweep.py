@@ -1,7 +1,7 @@
-"""The bottleneck sweep's cached ``stage_end`` (:class:`medley.plan.sweep.StageEnds`) equals
+"""The bottleneck sweep's cached ``stage_end`` (:class:`medley.search.rules.sweep.StageEnds`) equals
 the per-option definition it replaces (on memory prefixes summed layer by layer, which the
 vectorised ones equal float for float), its ``upper`` bound is a bound that never decreases with
-the start, and :func:`medley.plan.sweep.bottleneck_split` answers the same with such a bound as
+the start, and :func:`medley.search.rules.sweep.bottleneck_split` answers the same with such a bound as
 without it."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.zero_memory import autocast_copy_bytes, state_bytes_per_param
-from medley.plan.bounds import Flight, memory_prefix, option_bytes_per_param, stage_memory
-from medley.plan.builder import Setting, balanced_micro_batches, build
-from medley.plan.candidates import Estimator
-from medley.plan.layer_table import LayerTable
-from medley.plan.memory_rules import cheapest_per_stage
-from medley.plan.space import MemoryOption
-from medley.plan.sweep import StageEnds, bottleneck_split
+from medley.search.estimate.bounds import Flight, memory_prefix, option_bytes_per_param, stage_memory
+from medley.search.estimate.layer_table import LayerTable
+from medley.search.rules.builder import Setting, balanced_micro_batches, build
+from medley.search.rules.candidates import Estimator
+from medley.search.rules.memory_rules import cheapest_per_stage
+from medley.search.rules.sweep import StageEnds, bottleneck_split
+from medley.search.space import MemoryOption
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

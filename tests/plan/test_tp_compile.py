@@ -15,10 +15,10 @@ from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Collective, Pass
 from medley.cost.tp_cost import TensorParallelCompute, tp_comm_time
 from medley.cost.zero_memory import state_bytes_per_param
-from medley.plan.compile import compile_problem, static_memory
+from medley.lowering.compile import compile_problem, static_memory
+from medley.lowering.predict import predict
 from medley.plan.inline import inline_layout
 from medley.plan.layout import PlanLayout
-from medley.plan.predict import predict
 from medley.schedule.ir import Action, Kind
 from medley.sim.gantt import write_gantt
 from medley.sim.trace import write_chrome_trace

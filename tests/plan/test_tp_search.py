@@ -8,19 +8,19 @@ import pytest
 from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
-from medley.plan import ranking
-from medley.plan import search as search_module
-from medley.plan.bounds import Flight, stage_memory
-from medley.plan.builder import build, given_micro_batches
-from medley.plan.candidates import Estimator
-from medley.plan.compile import compile_problem
+from medley.lowering.compile import compile_problem
+from medley.lowering.tp_links import gather_time
 from medley.plan.layout import check_tp
-from medley.plan.memory_rules import fixed
-from medley.plan.search import search
-from medley.plan.space import MemoryOption, Structure, memory_option
-from medley.plan.tp_links import gather_time
-from medley.plan.tp_structures import tp_degrees, tp_groups
 from medley.schedule.ir import Kind
+from medley.search import planner as search_module
+from medley.search.estimate.bounds import Flight, stage_memory
+from medley.search.planner import search
+from medley.search.rank import ranking
+from medley.search.rules.builder import build, given_micro_batches
+from medley.search.rules.candidates import Estimator
+from medley.search.rules.memory_rules import fixed
+from medley.search.rules.tp_structures import tp_degrees, tp_groups
+from medley.search.space import MemoryOption, Structure, memory_option
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

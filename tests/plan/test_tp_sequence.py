@@ -17,7 +17,7 @@ from medley.cost.formulas import DTYPE_BYTES
 from medley.cost.interfaces import Collective
 from medley.cost.tp_cost import tp_all_reduce_bytes
 from medley.errors import MedleyInputError
-from medley.plan.compile import compile_problem
+from medley.lowering.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.plan.layout import PlanLayout, check_tp, planned_sequence_parallel, sequence_sharded_edges
 from medley.plan.plan import Plan, load_plan, save_plan

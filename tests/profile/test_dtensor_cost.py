@@ -10,7 +10,7 @@ import pytest
 
 from medley.cost.profile_format import load_profile
 from medley.cost.profiles import ProfileCostSource
-from medley.plan.compile import compile_problem
+from medley.lowering.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.spec.catalog import CPU_DEVICE_TYPE
 from medley.spec.cluster_load import cluster_from_dict

@@ -17,7 +17,7 @@ from medley.cost.zero_memory import (
     stage_state_bytes,
     state_bytes_per_param,
 )
-from medley.plan.compile import compile_problem
+from medley.lowering.compile import compile_problem
 from medley.plan.layout import PlanLayout
 from medley.schedule.ir import Kind
 from medley.schedule.zero_settings import StageZero

@@ -18,7 +18,7 @@ from medley.cost.metis import MetisCostSource
 from medley.cost.tp_cost import TensorParallelCompute, tp_comm_time
 from medley.cost.user_profiles import measured_cost_source
 from medley.errors import MedleyInputError
-from medley.plan.compile import compile_problem
+from medley.lowering.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
@@ -125,7 +125,7 @@ def test_a_profiles_directory_with_types_the_cluster_lacks_is_used_for_the_other
 def test_the_reported_sources_name_the_tp_files_read(tmp_path: Path) -> None:
     """`plan/show/simulate --json`'s cost_sources: a TP 2 stage's blocks name the _tmp2 file the
     compiler reads, not the tp1 one; where no such file is, the scaled tp1 time says so."""
-    from medley.plan.predict import cost_source_name, layer_sources
+    from medley.lowering.predict import cost_source_name, layer_sources
 
     cluster = parse_cluster_arg("4xA100-40GB+2xV100-16GB")
     catalog = CatalogCostSource.for_cluster(OPT, cluster)

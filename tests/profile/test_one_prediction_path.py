@@ -16,8 +16,8 @@ import pytest
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.profile_format import load_profile, save_profile
 from medley.cost.profiles import ProfileCostSource
+from medley.lowering.predict import predict
 from medley.plan.inline import inline_layout
-from medley.plan.predict import predict
 from medley.spec.catalog import CPU_DEVICE_TYPE
 from medley.spec.cluster_load import load_cluster
 from medley.spec.model_arg import get_model

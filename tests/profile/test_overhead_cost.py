@@ -11,9 +11,9 @@ import pytest
 from medley.cost.comm import TopologyCommModel
 from medley.cost.profile_format import OverheadProfile, load_profile
 from medley.cost.profiles import ProfileCostSource
-from medley.plan.compile import compile_problem
+from medley.lowering.compile import compile_problem
+from medley.lowering.predict import predict
 from medley.plan.inline import inline_layout
-from medley.plan.predict import predict
 from medley.spec.catalog import CPU_DEVICE_TYPE
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import cluster_from_dict

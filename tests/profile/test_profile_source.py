@@ -16,7 +16,7 @@ from medley.cost.interfaces import Pass
 from medley.cost.profile_format import Profile, save_profile
 from medley.cost.profiles import ProfileCostSource
 from medley.errors import MedleyInputError
-from medley.plan.compile import compile_problem
+from medley.lowering.compile import compile_problem
 from medley.plan.layout import PlanLayout
 from medley.schedule.zero_settings import StageZero
 from medley.spec.cluster_load import parse_cluster_arg

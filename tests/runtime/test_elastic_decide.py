@@ -21,7 +21,7 @@ from medley.launch import elastic_dir
 from medley.launch.local_agent import wait_for_admission
 from medley.launch.nodes import ElasticSettings, LaunchSettings, node_launches
 from medley.plan.plan import Plan, load_plan, save_plan
-from medley.plan.search import search
+from medley.search.planner import search
 from medley.spec.cluster_load import load_cluster
 from medley.spec.model_arg import get_model
 

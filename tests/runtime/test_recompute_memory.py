@@ -16,7 +16,7 @@ from medley.cost import formulas
 from medley.cost.profile_format import load_profile
 from medley.cost.profiles import ProfileCostSource
 from medley.cost.recompute import Recompute, parse_recompute
-from medley.plan.compile import compile_problem
+from medley.lowering.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.runtime.memory import LiveTensorBytes
 from medley.runtime.transformer import Decoder, token_loss_sum

@@ -15,7 +15,7 @@ from zero_bytes_worker import count_hops
 from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.formulas import DTYPE_BYTES
-from medley.plan.compile import compile_problem
+from medley.lowering.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model

@@ -13,7 +13,7 @@ from test_equality import launch
 from zero_bytes_worker import count_case
 
 from medley.cost.estimator import CatalogCostSource
-from medley.plan.compile import compile_problem, compile_world
+from medley.lowering.compile import compile_problem, compile_world
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan
 from medley.schedule.ir import COLLECTIVE_KINDS

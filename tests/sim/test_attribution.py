@@ -212,7 +212,7 @@ def test_a_compiled_clipped_plan_on_mixed_gpus_keeps_the_accounting():
     """A planner-compiled 1F1B plan (pp=4, dp=2, ZeRO 1,2,3,0, clipping, A100 + V100): the parts
     add up, and the last stages, which finish their backward first, wait at the CLIP barrier."""
     from medley.cost.estimator import CatalogCostSource
-    from medley.plan.compile import compile_problem
+    from medley.lowering.compile import compile_problem
     from medley.plan.inline import inline_layout
     from medley.spec.cluster_load import parse_cluster_arg
     from medley.spec.model_arg import get_model

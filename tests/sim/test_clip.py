@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from medley.cost.estimator import CatalogCostSource
-from medley.plan.compile import compile_problem
+from medley.lowering.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.plan.world import build_schedules
 from medley.schedule.ir import Action, Kind

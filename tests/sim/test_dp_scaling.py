@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from medley.cli.main import app
 from medley.cli.simulate_cmd import MAX_ROWS, device_rows, ranges
 from medley.cost.estimator import CatalogCostSource
-from medley.plan.compile import compile_problem
+from medley.lowering.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.schedule.ir import Action
 from medley.sim.engine import simulate

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from medley.cost.estimator import CatalogCostSource
+from medley.lowering.predict import predict
 from medley.plan.inline import inline_layout
-from medley.plan.predict import predict
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 

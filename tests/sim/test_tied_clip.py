@@ -9,7 +9,7 @@ from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import Collective
 from medley.cost.zero_memory import state_bytes_per_param
-from medley.plan.compile import compile_problem
+from medley.lowering.compile import compile_problem
 from medley.plan.inline import inline_layout
 from medley.schedule.ir import Kind
 from medley.sim.engine import simulate

@@ -35,12 +35,12 @@ from medley.cli.simulate_cmd import write_pictures
 from medley.cli.spec_cmds import print_cluster, print_model_costs
 from medley.cost.estimator import CatalogCostSource
 from medley.fileio import check_output_dir, write_atomically
-from medley.plan.explain import explain
+from medley.lowering.predict import predict, predict_groups
 from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, load_plan, save_plan
-from medley.plan.predict import predict, predict_groups
-from medley.plan.search import search
-from medley.plan.space import Constraints
+from medley.search.planner import search
+from medley.search.report.explain import explain
+from medley.search.space import Constraints
 from medley.spec.cluster_load import load_cluster
 from medley.spec.model_arg import get_model
 

@@ -24,13 +24,13 @@ from medley.cli.simulate_cmd import (
     write_pictures,
 )
 from medley.fileio import check_output_dir, check_output_file
-from medley.plan.ablation import ablate
+from medley.lowering.predict import layer_sources, predict_groups
 from medley.plan.inline import parse_int_list
 from medley.plan.plan import load_plan, save_plan
-from medley.plan.predict import layer_sources, predict_groups
-from medley.plan.search import search
-from medley.plan.space import SEARCHED_FAMILIES, Constraints
 from medley.plan.world import build_world, device_roles
+from medley.search.planner import search
+from medley.search.report.ablation import ablate
+from medley.search.space import SEARCHED_FAMILIES, Constraints
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 
@@ -154,7 +154,7 @@ def register(app: typer.Typer) -> None:
         if ablation:
             data["ablation"] = ablation_data(ablate(result))
         if explain:
-            from medley.plan.explain import explain as explain_best
+            from medley.search.report.explain import explain as explain_best
 
             data["explain"] = explain_best(result).lines()
         if out is not None:

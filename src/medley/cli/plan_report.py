@@ -9,11 +9,11 @@ from rich.table import Table
 from medley.cli.console import print_table
 from medley.cli.simulate_cmd import group_summary
 from medley.cost.recompute import recompute_mark
-from medley.plan.ablation import Ablation
+from medley.lowering.predict import layer_sources
 from medley.plan.layout import PlanLayout
-from medley.plan.predict import layer_sources
-from medley.plan.ranking import RankedPlan
-from medley.plan.search import SearchResult
+from medley.search.planner import SearchResult
+from medley.search.rank.ranking import RankedPlan
+from medley.search.report.ablation import Ablation
 from medley.spec.catalog import precision_reason
 from medley.spec.cluster import Cluster
 

@@ -18,8 +18,8 @@ import dataclasses
 import os
 
 from medley.errors import MedleyInputError
+from medley.lowering.predict import predict_groups, simulate_groups
 from medley.plan.plan import Plan
-from medley.plan.predict import predict_groups, simulate_groups
 from medley.runtime.device_check import (
     CPU_CHOICE,
     NodeDevices,

@@ -1,4 +1,4 @@
-"""The planner's progress bar: ``medley plan`` draws what :func:`medley.plan.search.search`
+"""The planner's progress bar: ``medley plan`` draws what :func:`medley.search.planner.search`
 reports through its ``progress`` callback (the planner itself prints nothing)."""
 
 from __future__ import annotations

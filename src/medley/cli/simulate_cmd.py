@@ -19,9 +19,9 @@ from medley.cost.interfaces import CostSource
 from medley.cost.user_profiles import PerDeviceCostSource, measured_cost_source
 from medley.errors import MedleyInputError
 from medley.fileio import check_output_file
+from medley.lowering.predict import layer_sources, simulate_layout
 from medley.plan.inline import InlineFlags, layout_of
 from medley.plan.layout import PlanLayout
-from medley.plan.predict import layer_sources, simulate_layout
 from medley.plan.world import build_world
 from medley.sim.problem import SimProblem
 from medley.sim.result import SimResult

@@ -1,7 +1,7 @@
 """What tensor parallelism costs per layer: one TP rank's compute and the TP all-reduces.
 
-One definition, read by the compiler (:mod:`medley.plan.compile`) and the planner's analytic
-tables (:mod:`medley.plan.bounds`), for Megatron-style TP of every transformer block over a group
+One definition, read by the compiler (:mod:`medley.lowering.compile`) and the planner's analytic
+tables (:mod:`medley.search.estimate.bounds`), for Megatron-style TP of every transformer block over a group
 of ``tp`` devices on one node (norms, embedding and head replicated, as medley's runtime runs them;
 a catalog source made ``vocab_parallel`` splits the head and its cross-entropy over the vocabulary
 as Megatron-LM does, timed from the split shapes as a block is, its small all-reduces untimed):

@@ -111,7 +111,7 @@ class RankReport:
             (the tensors autograd saved on this CPU's kernels, input and output included,
             parameters not; a selective block's kept outputs live inside checkpoint's cache and are
             not seen), and the figure the compiler books for the simulator
-            (:func:`medley.plan.activations.stage_activation_bytes`). Shown, not checked: the
+            (:func:`medley.lowering.activations.stage_activation_bytes`). Shown, not checked: the
             formulas model a GPU's kernels.
     """
 

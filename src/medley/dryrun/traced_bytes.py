@@ -21,7 +21,7 @@ import torch
 from medley.cost import formulas
 from medley.cost.zero_levels import fsdp_units
 from medley.cost.zero_memory import FP32_BYTES, stage_state_bytes, state_bytes_per_param
-from medley.plan.activations import stage_activation_bytes
+from medley.lowering.activations import stage_activation_bytes
 from medley.plan.layout import PlanLayout, sequence_sharded_edges
 from medley.runtime.optim import ensure_state
 from medley.runtime.sharding import TORCH_DTYPES, ShardedStage
@@ -89,7 +89,7 @@ def predicted(layout: PlanLayout, stages: Sequence[int]) -> StateFigures:
 
 def predicted_activations(layout: PlanLayout, stages: Sequence[int]) -> float:
     """The formulas' activation bytes of one micro-batch on ``stages`` (one TP rank), the figure
-    the compiler books for the simulator (:func:`medley.plan.activations.stage_activation_bytes`:
+    the compiler books for the simulator (:func:`medley.lowering.activations.stage_activation_bytes`:
     each layer's recomputation mode, sequence parallelism, autocast's weight copies)."""
     return sum(stage_activation_bytes(layout, s) for s in stages)
 

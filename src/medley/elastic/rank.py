@@ -40,8 +40,8 @@ from medley.errors import MedleyInputError
 from medley.fileio import append_text, remove_path
 from medley.launch import elastic_dir
 from medley.launch.spawn import STORE_TIMEOUT_S, init_process_group
+from medley.lowering.predict import simulate_groups
 from medley.plan.plan import Plan, load_plan
-from medley.plan.predict import simulate_groups
 from medley.runtime.checkpoint import CheckpointStore
 from medley.runtime.config import TrainConfig, TrainHooks
 from medley.runtime.metrics import TensorBoardLog

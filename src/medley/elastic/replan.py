@@ -17,9 +17,9 @@ from typing import Any
 from medley.cost.estimator import CatalogCostSource
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
-from medley.plan.search import search
-from medley.plan.space import Constraints
 from medley.runtime.placement import world_size_terms
+from medley.search.planner import search
+from medley.search.space import Constraints
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import cluster_from_dict
 

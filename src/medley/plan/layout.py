@@ -1,7 +1,7 @@
 """What a plan fixes (:class:`PlanLayout`) and the per-replica schedules it runs.
 
 The runtime reads plans through this module alone: it imports the schedule IR and the model
-spec, never the cost model or the simulator (:mod:`medley.plan.compile` turns a layout into the
+spec, never the cost model or the simulator (:mod:`medley.lowering.compile` turns a layout into the
 simulator's input).
 """
 

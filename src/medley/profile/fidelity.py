@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from medley.cost.profile_format import Profile
+from medley.lowering.predict import predict_groups
 from medley.plan.inline import devices_needed, inline_layout, parse_tp
 from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan
-from medley.plan.predict import predict_groups
 from medley.plan.segments import joined
 from medley.profile.cpu_load import cpu_meter
 from medley.profile.emulate import EmulatedCluster, core_share, emulated_cluster
@@ -244,7 +244,7 @@ def case_groups(case: FidelityCase, emulated: EmulatedCluster) -> tuple[PlanLayo
     """The case's plan as replica groups: written out (one group, or ``case.groups``), or the
     planner's (``medley plan``'s search) on ``emulated``."""
     if case.from_planner:
-        from medley.plan.search import Constraints, search
+        from medley.search.planner import Constraints, search
 
         result = search(
             emulated.cluster,

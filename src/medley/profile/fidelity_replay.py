@@ -16,7 +16,7 @@ ms apart on this machine), and the replayed step is set against the step from th
 rank's start to the last rank's end (:attr:`MeasuredStep.world_s`).
 
 A TP group's compute actions hold its blocks' TP all-reduces (the simulator folds them into the
-compute, :mod:`medley.plan.compile`), so in replay they are measured too; its lead's durations
+compute, :mod:`medley.lowering.compile`), so in replay they are measured too; its lead's durations
 stand for the group.
 """
 

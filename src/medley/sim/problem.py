@@ -16,7 +16,7 @@ modelled as ``static`` (resident all step) plus transient buffers that actions a
 * ZeRO collectives, described per action by :class:`CollectiveCost` (gathered weights, ...).
 
 How a caller fills :class:`CollectiveCost` for ZeRO levels 0..3 (one bucket = one stage here;
-with layer buckets give each bucket its share of the bytes), as :mod:`medley.plan.compile` does
+with layer buckets give each bucket its share of the bytes), as :mod:`medley.lowering.compile` does
 from :mod:`medley.cost.zero_memory`'s table. ``P``: the stage's gathered weight bytes, ``G``:
 its unsharded gradient bytes (``grad_buffer_bytes = G`` at every level), ``d``: the DP group
 size, group: the devices that run the stage in every replica.

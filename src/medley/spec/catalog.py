@@ -100,7 +100,7 @@ def check_precision(dtype: str, types: Iterable[DeviceType], *, where: str, fix:
     """Refuse ``dtype`` bf16 on devices of ``types`` when any lacks it: one line, ``where`` (the
     file and field, or the flag) first, the types that lack it, then ``fix``. Every plan that is
     made, loaded or simulated passes here: plan files, the inline plan of ``simulate`` and
-    ``train``, ``medley plan --dtype`` (:mod:`medley.plan.search`) and a CUDA run's ``--dtype``
+    ``train``, ``medley plan --dtype`` (:mod:`medley.search.planner`) and a CUDA run's ``--dtype``
     (:func:`medley.cli.preflight.preflight`)."""
     lacking = lacking_bf16(types) if dtype == "bf16" else []
     if lacking:

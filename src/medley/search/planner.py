@@ -2,15 +2,15 @@
 family and knobs, and ZeRO level and recomputation per stage (Quartet + HyperPipe + ZIPPer).
 
 Method. Every structure (device pool, assignment strategy, pp x dp, micro-batch size; see
-:mod:`medley.plan.candidates`) gets a 1F1B estimate: micro-batches per replica in proportion to
+:mod:`medley.search.rules.candidates`) gets a 1F1B estimate: micro-batches per replica in proportion to
 replica speed, the bottleneck-sweep split under memory, the cheapest memory option per stage.
 The best structures (overall and per device pool) are expanded into every allowed schedule family;
 the best ``simulate`` of those by estimate are compiled to the IR and simulated exactly with
-:func:`medley.plan.predict.predict`, checked against memory, and ranked by simulated throughput
+:func:`medley.lowering.predict.predict`, checked against memory, and ranked by simulated throughput
 (or cost per token); the neighbours one layer away that the estimate ties of the best plan and of
 the runners-up close to it are simulated too, and those that improve on the best join the ranking
-(:mod:`medley.plan.polish`). Candidates whose estimate lies far behind the fastest simulated step
-are not simulated (:data:`medley.plan.ranking.SIMULATE_WITHIN`). Bounds only prune: every figure
+(:mod:`medley.search.rank.polish`). Candidates whose estimate lies far behind the fastest simulated step
+are not simulated (:data:`medley.search.rank.ranking.SIMULATE_WITHIN`). Bounds only prune: every figure
 reported comes from a simulation. The search is deterministic: fixed enumeration order, ties
 broken by the enumeration index.
 """
@@ -24,14 +24,13 @@ from dataclasses import dataclass, field
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, ProfileRangeError
 from medley.errors import MedleyInputError
-from medley.plan import ranking
-from medley.plan.asymmetric import grouped_candidates, partitions, seeds_of
-from medley.plan.baselines import run_baselines
-from medley.plan.bounds import aggregate_bound
-from medley.plan.candidates import Estimator
 from medley.plan.layout import TP_DEGREES
-from medley.plan.polish import polish_leaders
-from medley.plan.ranking import (
+from medley.search.estimate.bounds import aggregate_bound
+from medley.search.estimate.structure_bound import StructureBounds
+from medley.search.rank import ranking
+from medley.search.rank.baselines import run_baselines
+from medley.search.rank.polish import polish_leaders
+from medley.search.rank.ranking import (
     Objective,
     Progress,
     RankedPlan,
@@ -42,9 +41,10 @@ from medley.plan.ranking import (
     simulate_grouped,
     simulation_budget,
 )
-from medley.plan.shortfall import shortfall_error
-from medley.plan.space import MICRO_BATCH_SIZES, SEARCHED_FAMILIES, Candidate, Constraints, Structure
-from medley.plan.structure_bound import StructureBounds
+from medley.search.rank.shortfall import shortfall_error
+from medley.search.rules.asymmetric import grouped_candidates, partitions, seeds_of
+from medley.search.rules.candidates import Estimator
+from medley.search.space import MICRO_BATCH_SIZES, SEARCHED_FAMILIES, Candidate, Constraints, Structure
 from medley.sim.engine import collector_paused
 from medley.spec.catalog import check_precision
 from medley.spec.cluster import Cluster
@@ -54,7 +54,7 @@ from medley.spec.model import ModelSpec
 INTERLEAVE_DEPTHS = (2, 4)
 
 # Pruning of the 1F1B estimates (see :func:`_estimate`). A structure's bound is a lower bound on its
-# 1F1B estimate (:mod:`medley.plan.structure_bound`), so one whose bound, or refined bound, cannot
+# 1F1B estimate (:mod:`medley.search.estimate.structure_bound`), so one whose bound, or refined bound, cannot
 # beat the ESTIMATE_RIVALS-th best estimate so far is skipped once its device pool already has
 # POOL_ESTIMATES estimates (every pool keeps a few, so that single-type plans and baselines are
 # compared on the same footing). Of the estimates, the EXPANDED_STRUCTURES best, and at least
@@ -63,7 +63,7 @@ INTERLEAVE_DEPTHS = (2, 4)
 ESTIMATE_RIVALS = 6
 POOL_ESTIMATES = 2
 EXPANDED_STRUCTURES = 12
-# Replica groups of their own shape (medley.plan.asymmetric): the devices of the GROUPED_FROM best
+# Replica groups of their own shape (medley.search.rules.asymmetric): the devices of the GROUPED_FROM best
 # simulated plans seed partitions (with the devices they leave idle), and the GROUPED_SIMULATED
 # best grouped candidates by estimate are simulated.
 GROUPED_FROM = 2

@@ -1,10 +1,10 @@
 """Lower bounds on a structure's 1F1B step estimate, by which the search orders and skips
-structures before it builds them (``_estimate`` in :mod:`medley.plan.search`).
+structures before it builds them (``_estimate`` in :mod:`medley.search.planner`).
 
 The bounds relax the layer split to fractions of the model: rank k holding a fraction f of it
 takes f x its whole-model time. A replica running m micro-batches with stage times t_k takes at
 least (m - 1) x max t_k + sum t_k (1F1B's steady state and fill, as
-:func:`medley.plan.bounds.pipeline_time` estimates it; transfers and DP collectives only add).
+:func:`medley.search.estimate.bounds.pipeline_time` estimates it; transfers and DP collectives only add).
 Each rank's memory is read at 1F1B's in-flight depth of its position, by the memory prefixes
 (which never count more than the exact check). The larger of these counts:
 
@@ -31,11 +31,11 @@ from heapq import heapify, heappop, heappush
 import numpy as np
 
 from medley.cost.zero_memory import state_bytes_per_param
-from medley.plan.bounds import Flight, memory_options, memory_prefix
-from medley.plan.context import PlanContext
-from medley.plan.layer_table import LayerTable
-from medley.plan.space import Structure
 from medley.schedule.generators.classic import one_f_one_b_depth
+from medley.search.estimate.bounds import Flight, memory_options, memory_prefix
+from medley.search.estimate.context import PlanContext
+from medley.search.estimate.layer_table import LayerTable
+from medley.search.space import Structure
 
 Rank = tuple[float, float, float, float, float, float, int, int]
 """A rank's whole-model seconds, the same recomputing, the fractions of the model it holds at most
@@ -135,7 +135,7 @@ class StructureBounds:
     ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
         """Per option, the plain ones and the recomputing ones: the least bytes of state, and of
         activations per micro-batch in flight, that a block adds to a stage (by
-        :func:`medley.plan.bounds.memory_prefix`, which leaves out what short and recomputing
+        :func:`medley.search.estimate.bounds.memory_prefix`, which leaves out what short and recomputing
         stages hold more)."""
         key = (device_type, tp, mbs, dtype, dp)
         found = self._blocks.get(key)

@@ -5,7 +5,7 @@ stage in turn the most layers within t and its memory (a greedy, optimal for con
 with monotone costs), and when that fails a dynamic program over the reachable cuts decides.
 
 :class:`StageEnds` is the planner's ``stage_end(s, i, t)`` for one setting
-(:func:`medley.plan.split_rules.bottleneck`): the largest end j such that stage s holding layers
+(:func:`medley.search.rules.split_rules.bottleneck`): the largest end j such that stage s holding layers
 i..j-1 fits the time budget t on every device type that runs it (a type running c micro-batches
 per step has t / c) and, under at least one memory option of a given set, the memory of every
 such type; i when not even one layer fits. The sweep asks it about a million times in a
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from medley.plan.bounds import stage_memory
-from medley.plan.builder import Setting
-from medley.plan.space import MemoryOption
+from medley.search.estimate.bounds import stage_memory
+from medley.search.rules.builder import Setting
+from medley.search.space import MemoryOption
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,7 +36,7 @@ class MemoryLimits:
     """The memory side of ``stage_end`` for one stage under the options of one recompute flag, by
     first layer i. It depends on the stage's device types, tp, in-flight micro-batches, the
     structure's dp, micro-batch size and dtype, not on the time budget or the micro-batch counts,
-    so every sweep of a search shares it (:attr:`medley.plan.context.PlanContext.sweep_memory`).
+    so every sweep of a search shares it (:attr:`medley.search.estimate.context.PlanContext.sweep_memory`).
 
     Attributes:
         plain: by i, the largest memory end of the flag's options that do not stream (-1: none).

@@ -1,4 +1,4 @@
-"""Split rules of :func:`medley.plan.builder.build`: layers per stage for a setting.
+"""Split rules of :func:`medley.search.rules.builder.build`: layers per stage for a setting.
 
 The plain splitters they use (:func:`medley.plan.layout.speed_split`, ``uniform_split``) belong
 to the layout: ``medley simulate``'s inline split and ``--explain``'s even alternative use them too.
@@ -6,9 +6,9 @@ to the layout: ``medley simulate``'s inline split and ``--explain``'s even alter
 
 from __future__ import annotations
 
-from medley.plan.builder import Setting
 from medley.plan.layout import speed_split, uniform_split
-from medley.plan.sweep import StageEnds, bottleneck_split
+from medley.search.rules.builder import Setting
+from medley.search.rules.sweep import StageEnds, bottleneck_split
 
 # Bottleneck sweep bounds: the continuous optimum (every stage takes the share of the model its
 # speed allows) is a lower bound on the bottleneck; the split is rarely more than a few layers'

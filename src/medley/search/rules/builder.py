@@ -7,18 +7,18 @@ fixes the order in which those are chosen; the rules say how:
 * micro-batches (:class:`MicroBatchRule`): :func:`balanced_micro_batches` (by replica speed, then
   once more from the split's bottlenecks), :func:`by_replica_speed`, :func:`equal_micro_batches`,
   :func:`given_micro_batches`;
-* the split (:data:`SplitRule`, in :mod:`medley.plan.split_rules`): ``bottleneck`` (the fastest
+* the split (:data:`SplitRule`, in :mod:`medley.search.rules.split_rules`): ``bottleneck`` (the fastest
   split under each device's memory), ``interleaved_chunks`` (over the chunks of interleaved 1F1B,
   time only), ``uniform`` (Megatron), ``by_stage_capacity`` (Metis);
-* memory (:data:`MemoryRule`, in :mod:`medley.plan.memory_rules`): ``cheapest_per_stage``,
+* memory (:data:`MemoryRule`, in :mod:`medley.search.rules.memory_rules`): ``cheapest_per_stage``,
   ``cheapest_per_rank`` (every chunk of a rank alike), ``first_uniform_fit`` (one option for
   every stage), ``rebalanced_uniform_fit`` (Metis' layer load balancer), ``fixed``;
-* the estimate (:data:`EstimateRule`): :func:`analytic` (:mod:`medley.plan.step_estimate`),
+* the estimate (:data:`EstimateRule`): :func:`analytic` (:mod:`medley.search.estimate.step_estimate`),
   :func:`homogeneous_1f1b`, :func:`no_estimate`.
 
-The planner's own candidates (:class:`~medley.plan.candidates.Estimator`), the baselines
-(:mod:`medley.plan.baselines`) and the least-memory plan behind "fits nowhere"
-(:mod:`medley.plan.shortfall`) are configurations of it.
+The planner's own candidates (:class:`~medley.search.rules.candidates.Estimator`), the baselines
+(:mod:`medley.search.rank.baselines`) and the least-memory plan behind "fits nowhere"
+(:mod:`medley.search.rank.shortfall`) are configurations of it.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from medley.plan.bounds import Flight, memory_options, pipeline_time
-from medley.plan.context import PlanContext, Signatures
-from medley.plan.layer_table import LayerTable
-from medley.plan.space import Candidate, MemoryOption, Structure, distribute
-from medley.plan.step_estimate import step_estimate
 from medley.schedule.generators.classic import one_f_one_b_depth
+from medley.search.estimate.bounds import Flight, memory_options, pipeline_time
+from medley.search.estimate.context import PlanContext, Signatures
+from medley.search.estimate.layer_table import LayerTable
+from medley.search.estimate.step_estimate import step_estimate
+from medley.search.space import Candidate, MemoryOption, Structure, distribute
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,7 +196,7 @@ def flights(family: str, depths: Sequence[int], m: int) -> list[Flight]:
 
 # --- estimates ------------------------------------------------------------------------------------
 def analytic(setting: Setting, plan: StagePlan) -> float:
-    """:func:`medley.plan.step_estimate.step_estimate`."""
+    """:func:`medley.search.estimate.step_estimate.step_estimate`."""
     return step_estimate(
         setting.ctx,
         setting.structure,
@@ -257,7 +257,7 @@ def build(
     of the family, the split and the memory options; the rule may then revise the micro-batches
     from the placed split. Raises what the cost source raises for a device type or micro-batch
     size it cannot answer (``ValueError``). ``replicated_level``: where the memory ladder of
-    replicated stages starts (:func:`~medley.plan.bounds.memory_options`); ``dtype``: the
+    replicated stages starts (:func:`~medley.search.estimate.bounds.memory_options`); ``dtype``: the
     precision (default: the structure's devices', :meth:`PlanContext.dtype`; a replica group of a
     plan with others takes the plan's)."""
     st = structure

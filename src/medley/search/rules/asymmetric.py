@@ -18,7 +18,7 @@ seed (those of the best symmetric candidates, and no TP):
    (:func:`sync_floor`: the model's gradients through the slowest link of a ring across its
    groups) is not planned: on clusters whose device types sit in different zones, none is.
 1. For each ZeRO level of :data:`LEVELS`, each group's structures (the
-   :class:`~medley.plan.candidates.Estimator`'s, on the group's devices, alike replicas) are built
+   :class:`~medley.search.rules.candidates.Estimator`'s, on the group's devices, alike replicas) are built
    under that level alone, their estimated DP rings reaching one device of every other group
    (``Structure.sync_with``) and their state sharded over all replicas (``Structure.sync_dp``).
 2. The batch is divided between the groups by speed and revised ``ROUNDS`` times: each group
@@ -38,9 +38,9 @@ from dataclasses import replace
 from medley.cost import formulas
 from medley.cost.interfaces import Collective, ProfileRangeError
 from medley.cost.zero_memory import state_bytes_per_param
-from medley.plan import builder, memory_rules, split_rules
-from medley.plan.candidates import Estimator
-from medley.plan.space import Candidate, GroupedCandidate, Structure, distribute
+from medley.search.rules import builder, memory_rules, split_rules
+from medley.search.rules.candidates import Estimator
+from medley.search.space import Candidate, GroupedCandidate, Structure, distribute
 
 ROUNDS = 3
 """Batch-division rounds (the shares settle within two or three)."""

@@ -8,12 +8,12 @@ from collections.abc import Sequence
 from medley.cost import formulas
 from medley.cost.zero_memory import state_bytes_per_param
 from medley.errors import MedleyInputError
-from medley.plan import builder, memory_rules, split_rules
-from medley.plan.bounds import stage_memory
-from medley.plan.context import PlanContext
-from medley.plan.ranking import RankedPlan, rank_plan
-from medley.plan.space import PP_CHOICES, Candidate, Constraints, Structure, memory_option
 from medley.schedule.generators.classic import one_f_one_b_depth
+from medley.search.estimate.bounds import stage_memory
+from medley.search.estimate.context import PlanContext
+from medley.search.rank.ranking import RankedPlan, rank_plan
+from medley.search.rules import builder, memory_rules, split_rules
+from medley.search.space import PP_CHOICES, Candidate, Constraints, Structure, memory_option
 
 GB = 1e9
 FRUGAL_BUCKETS = 8

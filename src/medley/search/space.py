@@ -1,7 +1,7 @@
 """The planner's search space as data: structures (devices and their roles) and candidates (a
 complete plan choice with its analytic estimate), and the constants that bound the space.
 
-:mod:`medley.plan.candidates` builds candidates from structures; the ranking simulates them.
+:mod:`medley.search.rules.candidates` builds candidates from structures; the ranking simulates them.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Constraints:
         tp_degrees: tensor-parallel degrees a pipeline rank may take (None: every degree the model
             and the nodes allow; ``(1,)``: no tensor parallelism).
         asymmetric: also plan replica groups of their own shape, one per device type
-            (:mod:`medley.plan.asymmetric`); False: every replica alike.
+            (:mod:`medley.search.rules.asymmetric`); False: every replica alike.
         dtype: the precision every plan trains in (bf16, fp16 or fp32); None: the half precision
             the devices allow (:func:`medley.spec.catalog.half_precision`).
     """
@@ -98,7 +98,7 @@ class Structure:
     ``assignment[r][k]`` is the first device of replica r's pipeline rank k; ``tp[k]`` (empty: 1
     everywhere) its tensor-parallel degree, the group being consecutive device ids
     (:meth:`medley.plan.layout.PlanLayout.group`). ``sync_dp``: the replicas its ZeRO groups span
-    when it is one replica group of a plan with others (:mod:`medley.plan.asymmetric`; 0: its
+    when it is one replica group of a plan with others (:mod:`medley.search.rules.asymmetric`; 0: its
     own ``dp``), over which the memory rules shard; ``sync_with``: devices of those other groups,
     one per group, which the estimate adds to each pipeline rank's DP ring (their links are the
     ring's)."""
@@ -208,7 +208,7 @@ class GroupedCandidate:
 
     def layouts(self, model: ModelSpec, seq_len: int) -> tuple[PlanLayout, ...]:
         """The groups' layouts in one precision, their ZeRO settings made one (the planner builds
-        every part at one level, :mod:`medley.plan.asymmetric`; should parts differ, the highest
+        every part at one level, :mod:`medley.search.rules.asymmetric`; should parts differ, the highest
         level any stage chose, streamed if any streams, which never holds more memory)."""
         options = [o for part in self.parts for o in part.options]
         level = max(o.level for o in options)

@@ -16,8 +16,8 @@ from medley.cost.interfaces import Collective, CostSource
 from medley.cost.tied_cost import tied_sum_seconds
 from medley.cost.zero_levels import Payload, fsdp_units, zero_level
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
+from medley.lowering.tp_links import dp_bytes_factor
 from medley.plan.layout import PlanLayout
-from medley.plan.tp_links import dp_bytes_factor
 from medley.plan.world import World
 from medley.schedule.ir import Action, Kind
 from medley.sim.problem import CollectiveCost
@@ -101,11 +101,11 @@ class CollectiveTable:
         params = self._bucket_params(layout, stage, unit)  # what the wire carries and OPTIM steps
         layers = layout.layer_range(stage)
         stage_params = unit_params(layout, stage, layers.start, layers.stop)
-        # Memory follows the planner's model (medley.plan.bounds.stage_memory): a bucket holds its
+        # Memory follows the planner's model (medley.search.estimate.bounds.stage_memory): a bucket holds its
         # share of the stage's layers of the stage's state.
         share = segments.segments[unit[0]].buckets[unit[1]] / len(layers)
         held = stage_params * share
-        # The other TP ranks' DP groups run the same collective at once (medley.plan.compile).
+        # The other TP ranks' DP groups run the same collective at once (medley.lowering.compile).
         wire = dp_bytes_factor(self.cluster, group, layout.stage_tp(stage))
         meaning = zero_level(layout.zero[stage].level)
         op, payload = meaning.collective(action.kind)

@@ -25,10 +25,10 @@ ZeRO collective placements (Megatron overlaps its gradient reduction with the ba
 
 Tensor parallelism: the Megatron grid's tp dimension is every degree of
 ``medley.plan.layout.TP_DEGREES`` the model divides and a node of the devices holds
-(:func:`medley.plan.tp_structures.tp_degrees`; groups from
-:func:`medley.plan.tp_structures.tp_groups`, consecutive ids on one node of one type). Metis gets
+(:func:`medley.search.rules.tp_structures.tp_degrees`; groups from
+:func:`medley.search.rules.tp_structures.tp_groups`, consecutive ids on one node of one type). Metis gets
 the same uniform degrees and, on mixed devices, a degree per device type
-(:func:`medley.plan.tp_structures.mixed_structures` in each type order): more TP on the slower
+(:func:`medley.search.rules.tp_structures.mixed_structures` in each type order): more TP on the slower
 types, as Metis' per-stage dp x tp does. fastest-type-only gets tp from the planner's structures.
 """
 
@@ -39,14 +39,14 @@ from dataclasses import replace
 from itertools import permutations
 
 from medley.errors import MedleyInputError
-from medley.plan import builder, memory_rules, split_rules
-from medley.plan.builder import MemoryRule, Setting, StagePlan
-from medley.plan.candidates import Estimator
-from medley.plan.context import PlanContext
-from medley.plan.ranking import RankedPlan, rank_plan
-from medley.plan.space import PP_CHOICES, Candidate, Constraints, MemoryOption, Structure, memory_option
-from medley.plan.tp_structures import mixed_structures, tp_degrees, tp_groups
 from medley.schedule.zero_settings import Placement
+from medley.search.estimate.context import PlanContext
+from medley.search.rank.ranking import RankedPlan, rank_plan
+from medley.search.rules import builder, memory_rules, split_rules
+from medley.search.rules.builder import MemoryRule, Setting, StagePlan
+from medley.search.rules.candidates import Estimator
+from medley.search.rules.tp_structures import mixed_structures, tp_degrees, tp_groups
+from medley.search.space import PP_CHOICES, Candidate, Constraints, MemoryOption, Structure, memory_option
 
 FINALISTS = 3
 """Candidates simulated per baseline by estimate (besides the best of each schedule family)."""

@@ -3,7 +3,7 @@ ranks take different degrees (the heterogeneous case: more TP on slower or small
 
 A TP group is ``tp`` consecutive device ids on one node, of one device type
 (:func:`medley.plan.layout.check_tp`); a structure's ``assignment`` holds each group's first
-device. Uniform degrees are enumerated by :class:`medley.plan.candidates.Estimator` over every
+device. Uniform degrees are enumerated by :class:`medley.search.rules.candidates.Estimator` over every
 pool; :func:`mixed_structures` adds, for pools of several types, degrees per type that bring the
 groups' speeds together: with base degree ``t0`` on the fastest type, a type ``r`` times slower
 gets ``t0`` x the power of two nearest ``r`` (at most 8 and what its nodes hold). Pipeline rank
@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 
-from medley.plan.context import PlanContext
 from medley.plan.layout import TP_DEGREES, tp_undivided
-from medley.plan.space import Structure
+from medley.search.estimate.context import PlanContext
+from medley.search.space import Structure
 
 MIXED_BASES = (1, 2, 4)
 """Degrees of the fastest type in the mixed structures."""

@@ -19,10 +19,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from medley.cost.interfaces import CostSource
-from medley.plan import builder, memory_rules
-from medley.plan.context import PlanContext
-from medley.plan.ranking import Objective, RankedPlan, objective_key, rank_plan, simulation_work
-from medley.plan.space import Candidate, Constraints
+from medley.search.estimate.context import PlanContext
+from medley.search.rank.ranking import Objective, RankedPlan, objective_key, rank_plan, simulation_work
+from medley.search.rules import builder, memory_rules
+from medley.search.space import Candidate, Constraints
 from medley.spec.cluster import Cluster
 
 POLISH_ROUNDS = 3
@@ -32,7 +32,7 @@ POLISH_TIE = 1e-6
 """How much (a fraction) a neighbour's estimate may exceed the plan's and still count as a tie."""
 POLISH_WORK = 20_000
 """Most stage-micro-batches simulated while polishing (in the units of
-:data:`medley.plan.ranking.SIMULATION_WORK`): a handful of simulations on up to 256 devices, none
+:data:`medley.search.rank.ranking.SIMULATION_WORK`): a handful of simulations on up to 256 devices, none
 where one simulation of the plan costs more."""
 POLISH_WITHIN = 0.03
 """Plans simulated within this fraction of the best are polished too. Polishing moved the planner
@@ -51,7 +51,7 @@ class PolishWork:
 
 def tied_moves(ctx: PlanContext, candidate: Candidate) -> Iterator[Candidate]:
     """The candidate with one layer moved across one stage boundary, rebuilt by
-    :func:`medley.plan.builder.build` (the estimate, the warm-up and each stage's fit under its
+    :func:`medley.search.rules.builder.build` (the estimate, the warm-up and each stage's fit under its
     kept memory option follow the new split), where the estimate does not rise."""
     if candidate.family not in POLISHED_FAMILIES:
         return

@@ -1,7 +1,7 @@
 """Exact figures of planner candidates: which to simulate within the budget, the simulation,
 memory check, price, and the ZeRO placement knob.
 
-Every figure comes from :func:`medley.plan.predict.predict`, the same simulation the other commands
+Every figure comes from :func:`medley.lowering.predict.predict`, the same simulation the other commands
 show.
 """
 
@@ -13,11 +13,11 @@ from typing import Any, Literal
 
 from medley.cost.interfaces import CostSource
 from medley.errors import MedleyInputError
+from medley.lowering.predict import predict_groups
 from medley.plan.layout import PlanLayout
 from medley.plan.plan import Plan, Prediction
-from medley.plan.predict import predict_groups
-from medley.plan.space import Candidate, Constraints, GroupedCandidate
 from medley.schedule.zero_settings import Placement
+from medley.search.space import Candidate, Constraints, GroupedCandidate
 from medley.sim.result import SimResult
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
@@ -185,7 +185,7 @@ def simulate_grouped(
     grouped: Sequence[GroupedCandidate], model: ModelSpec, seq_len: int, cluster: Cluster, cost: CostSource,
     constraints: Constraints, progress: Progress | None = None,
 ) -> list[RankedPlan]:
-    """Simulate each plan of replica groups of their own shape (:mod:`medley.plan.asymmetric`);
+    """Simulate each plan of replica groups of their own shape (:mod:`medley.search.rules.asymmetric`);
     one the compiler or the loader's checks refuse is left out."""
     ranked = []
     for done, candidate in enumerate(grouped, start=1):

@@ -12,7 +12,7 @@ actions take one TP rank's compute plus the blocks' TP all-reduces over the grou
 activations, replicated norms, embedding and head). Its ZeRO collectives run once per TP rank,
 each over that rank's DP group (the same TP rank of the other replicas) on 1/tp of the split
 parameters; the simulator times the lead's group. How the tp groups share links, and how
-pipeline transfers between groups of different tp are timed: :mod:`medley.plan.tp_links`. Under
+pipeline transfers between groups of different tp are timed: :mod:`medley.lowering.tp_links`. Under
 sequence parallelism (``layout.sequence_parallel``) the blocks' collectives are all-gathers and
 reduce-scatters, a stage's edges add the all-gathers :func:`~medley.cost.tp_cost.sequence_edge_time`
 names, and the activations the sequence cuts are held 1/tp.
@@ -39,16 +39,16 @@ from medley.cost.tp_cost import (
 )
 from medley.cost.zero_levels import fsdp_units
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
-from medley.plan.activations import (
+from medley.lowering.activations import (
     autocast_copies,
     boundary_bytes,
     layer_bytes,
     layer_bytes_after_b,
     stage_modes,
 )
-from medley.plan.collectives import CollectiveTable
+from medley.lowering.collectives import CollectiveTable
+from medley.lowering.tp_links import scale_hops
 from medley.plan.layout import PlanLayout, sequence_sharded_edges
-from medley.plan.tp_links import scale_hops
 from medley.plan.world import build_world, step_actions
 from medley.schedule.ir import Kind, PipelineSchedule
 from medley.sim.problem import SimProblem, StageCost
@@ -299,7 +299,7 @@ def compile_world(
 ) -> SimProblem:
     """The :class:`SimProblem` of one training step of the plan made of replica ``groups``
     (:mod:`medley.plan.segments`): each group's replicas as above, their ZeRO collectives over the
-    plan's sync segments (:class:`~medley.plan.collectives.CollectiveTable`). With ``where`` (the
+    plan's sync segments (:class:`~medley.lowering.collectives.CollectiveTable`). With ``where`` (the
     input the plan came from), a step of more actions than the simulator runs in seconds
     (:func:`medley.spec.limits.check_sim_actions`) is refused before anything per replica is built."""
     world = build_world(groups)

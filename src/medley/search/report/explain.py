@@ -1,5 +1,5 @@
 """Why the best plan wins (``medley plan --explain``); why nothing fits, when nothing does, is
-:mod:`medley.plan.shortfall`'s.
+:mod:`medley.search.rank.shortfall`'s.
 
 :func:`explain` names the bottleneck device (the busiest), what limited memory (the device with
 the least headroom and the option its stage needed), and what each knob bought: the best plan is
@@ -16,11 +16,11 @@ from itertools import islice
 
 from medley.cost.recompute import Recompute, recompute_text
 from medley.errors import MedleyInputError
+from medley.lowering.predict import predict_groups
 from medley.plan.layout import PlanLayout, uniform_split
-from medley.plan.predict import predict_groups
-from medley.plan.ranking import RankedPlan, simulate_all
-from medley.plan.search import SearchResult
 from medley.schedule.zero_settings import Placement, StageZero
+from medley.search.planner import SearchResult
+from medley.search.rank.ranking import RankedPlan, simulate_all
 from medley.sim.result import SimResult
 from medley.spec.catalog import lacking_bf16, precision_reason
 from medley.spec.cluster import Cluster

@@ -1,6 +1,6 @@
 """The planner's analytic step time of a candidate.
 
-:func:`step_estimate`: the slowest replica's pipeline (:func:`medley.plan.bounds.pipeline_time`
+:func:`step_estimate`: the slowest replica's pipeline (:func:`medley.search.estimate.bounds.pipeline_time`
 over its stages' F+B+W, its boundary transfers and streamed ZeRO-3 traffic) plus the
 data-parallel work past the pipeline's end on the busiest link (gradient reductions past each
 rank's tail bubble, ZeRO-1/2's weight gathers after the step, optimizer steps).
@@ -16,11 +16,11 @@ from medley.cost import formulas
 from medley.cost.interfaces import Collective
 from medley.cost.zero_levels import zero_level
 from medley.cost.zero_memory import state_bytes_per_param
-from medley.plan.bounds import pipeline_time
-from medley.plan.collectives import OPTIMIZER_STEP_BYTES_PER_PARAM
-from medley.plan.context import PlanContext, Signatures
-from medley.plan.space import MemoryOption, Structure
-from medley.plan.tp_links import dp_bytes_factor
+from medley.lowering.collectives import OPTIMIZER_STEP_BYTES_PER_PARAM
+from medley.lowering.tp_links import dp_bytes_factor
+from medley.search.estimate.bounds import pipeline_time
+from medley.search.estimate.context import PlanContext, Signatures
+from medley.search.space import MemoryOption, Structure
 
 
 def step_estimate(
@@ -199,7 +199,7 @@ def link_users(est: PlanContext, st: Structure) -> list[tuple[int, ...]]:
 def dp_groups(est: PlanContext, st: Structure) -> list[tuple[tuple[int, ...], int, float]]:
     """Per pipeline rank: its DP group (the rank's lead device in every replica, and the devices of
     the other replica groups it syncs with, ``Structure.sync_with``), how many TP
-    ranks' collectives share its busiest link (:func:`medley.plan.tp_links.dp_bytes_factor`), and
+    ranks' collectives share its busiest link (:func:`medley.lowering.tp_links.dp_bytes_factor`), and
     the slowest member's memory bandwidth in bytes/s (what the optimizer step streams at). Cached
     per structure, as :func:`network_load` is."""
     key = (st.assignment, st.tp, st.sync_with)

@@ -31,15 +31,15 @@ from itertools import combinations, product
 
 from medley.cost.interfaces import CostSource
 from medley.errors import MedleyInputError
-from medley.plan import builder, memory_rules, split_rules
-from medley.plan.baselines import Scored, add_candidate
-from medley.plan.bounds import memory_options
-from medley.plan.candidates import Estimator
-from medley.plan.ranking import RankedPlan, rank_plan
-from medley.plan.search import device_pools, family_variants
-from medley.plan.space import MICRO_BATCH_SIZES, Candidate, Constraints, MemoryOption, Structure
-from medley.plan.tp_structures import tp_degrees
 from medley.schedule.zero_settings import Placement
+from medley.search.estimate.bounds import memory_options
+from medley.search.planner import device_pools, family_variants
+from medley.search.rank.baselines import Scored, add_candidate
+from medley.search.rank.ranking import RankedPlan, rank_plan
+from medley.search.rules import builder, memory_rules, split_rules
+from medley.search.rules.candidates import Estimator
+from medley.search.rules.tp_structures import tp_degrees
+from medley.search.space import MICRO_BATCH_SIZES, Candidate, Constraints, MemoryOption, Structure
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 

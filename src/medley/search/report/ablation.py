@@ -10,7 +10,7 @@ Each step takes one freedom away and searches again over the same cluster, model
   devices; schedules, ZeRO per stage and bubble placement stay free;
 * ``zero-and-placement``: one memory option (ZeRO level, recomputation) for every stage and the
   collectives after the step (naive placement); assignment, split (polished as the planner's:
-  :mod:`medley.plan.polish`) and schedules stay free;
+  :mod:`medley.search.rank.polish`) and schedules stay free;
 * ``tp``: tensor-parallel degree 1 everywhere (the planner's own search with
   ``Constraints.tp_degrees = (1,)``);
 * ``replica-shapes``: alike replicas only (the planner's own search with
@@ -30,15 +30,15 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from medley.plan import builder, memory_rules, split_rules
-from medley.plan.baselines import Scored, add_candidate, one_option_for_all, rank_finalists
-from medley.plan.candidates import Estimator
-from medley.plan.polish import polish_leaders
-from medley.plan.ranking import RankedPlan
-from medley.plan.search import SearchResult, device_pools, family_variants, search
-from medley.plan.space import MICRO_BATCH_SIZES, PP_CHOICES, Candidate, Constraints, Structure
-from medley.plan.tp_structures import tp_degrees, tp_groups
 from medley.schedule.zero_settings import Placement
+from medley.search.planner import SearchResult, device_pools, family_variants, search
+from medley.search.rank.baselines import Scored, add_candidate, one_option_for_all, rank_finalists
+from medley.search.rank.polish import polish_leaders
+from medley.search.rank.ranking import RankedPlan
+from medley.search.rules import builder, memory_rules, split_rules
+from medley.search.rules.candidates import Estimator
+from medley.search.rules.tp_structures import tp_degrees, tp_groups
+from medley.search.space import MICRO_BATCH_SIZES, PP_CHOICES, Candidate, Constraints, Structure
 
 STEPS = ("schedule", "heterogeneity", "zero-and-placement", "tp", "replica-shapes")
 REMOVED = {

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass
 from medley.errors import MedleyInputError
-from medley.plan.compile import compile_world
+from medley.lowering.compile import compile_world
 from medley.plan.layout import PlanLayout
 from medley.plan.plan import Prediction
 from medley.schedule.validate import ScheduleError, validate

@@ -1,4 +1,4 @@
-"""Memory rules of :func:`medley.plan.builder.build`: a memory option per stage for a split (a
+"""Memory rules of :func:`medley.search.rules.builder.build`: a memory option per stage for a split (a
 rule may also move layers, as Metis' load balancer does), or None when the split cannot fit."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from itertools import accumulate
 import numpy as np
 
 from medley.cost.recompute import FULL, SELECTIVE, Recompute
-from medley.plan.bounds import stage_memory
-from medley.plan.builder import MemoryRule, Setting, StagePlan
-from medley.plan.space import MemoryOption
 from medley.schedule.generators import generate
 from medley.schedule.generators.classic import one_f_one_b_depth
 from medley.schedule.validate import in_flight_by_stage
+from medley.search.estimate.bounds import stage_memory
+from medley.search.rules.builder import MemoryRule, Setting, StagePlan
+from medley.search.space import MemoryOption
 
 
 def cheapest_per_stage(setting: Setting, split: tuple[int, ...], *, finer: bool = True) -> StagePlan | None:

@@ -1,6 +1,6 @@
 """Building the planner's candidates: structures over device pools, then split, memory options and an
 analytic estimate per schedule family (exact figures come from the simulator; the data types live
-in :mod:`medley.plan.space`).
+in :mod:`medley.search.space`).
 
 A *structure* fixes the devices and their roles: a pool of devices (all of them, one device type,
 or the k fastest types), pp x dp, an assignment strategy and the micro-batch size. Strategies:
@@ -20,7 +20,7 @@ or the k fastest types), pp x dp, an assignment strategy and the micro-batch siz
   (and node) where it can; replicas then differ and get micro-batch counts by speed.
 
 :class:`Estimator` turns a structure into a :class:`Candidate` for a schedule family with
-:func:`medley.plan.builder.build`: micro-batches per replica in proportion to replica speed, the
+:func:`medley.search.rules.builder.build`: micro-batches per replica in proportion to replica speed, the
 layer split from the bottleneck sweep under each device's memory, the cheapest memory option per
 stage that fits, and an estimated step time (interleaved 1F1B: the 1F1B candidate's micro-batches,
 a time-only split over the chunks, one memory option per rank).
@@ -32,10 +32,10 @@ from collections.abc import Iterator, Sequence
 from itertools import groupby
 from typing import Any
 
-from medley.plan import builder, memory_rules, split_rules
-from medley.plan.context import PlanContext
-from medley.plan.space import LARGE_POOL, PP_CHOICES, PP_CHOICES_LARGE, Candidate, Structure
-from medley.plan.tp_structures import mixed_structures, tp_degrees, tp_groups
+from medley.search.estimate.context import PlanContext
+from medley.search.rules import builder, memory_rules, split_rules
+from medley.search.rules.tp_structures import mixed_structures, tp_degrees, tp_groups
+from medley.search.space import LARGE_POOL, PP_CHOICES, PP_CHOICES_LARGE, Candidate, Structure
 
 
 class Estimator(PlanContext):
@@ -57,14 +57,14 @@ class Estimator(PlanContext):
         """Every (pool, tp, strategy, pp, dp, micro-batch size) worth estimating, in a fixed order.
 
         With ``tp`` > 1 every pipeline rank runs on a TP group of tp consecutive devices of one
-        node and type (:func:`~medley.plan.tp_structures.tp_groups`); the strategies order the
+        node and type (:func:`~medley.search.rules.tp_structures.tp_groups`); the strategies order the
         groups as they order devices. With ``mixed_tp``, mixed pools also get structures whose
-        degree grows on the slower types (:func:`~medley.plan.tp_structures.mixed_structures`);
+        degree grows on the slower types (:func:`~medley.search.rules.tp_structures.mixed_structures`);
         the search leaves them out: the analytic estimate is optimistic for them (their pipeline
         transfers queue behind DP collectives on the node networks), so on 1,024 devices they
         crowded the few exact simulations out (fraction of the bound 0.42 against 0.50 without),
         and on the mid-size mixed cases measured they never won. ``allowed_tp`` (None: all) limits
-        the degrees (:attr:`~medley.plan.space.Constraints.tp_degrees`)."""
+        the degrees (:attr:`~medley.search.space.Constraints.tp_degrees`)."""
         for pool_name, devices in pools.items():
             for tp in tp_degrees(self, devices):
                 if allowed_tp is None or tp in allowed_tp:

@@ -1,5 +1,5 @@
 """One micro-batch's activation bytes of a layout's stage by the formulas: the one rule the
-compiler books where no layer was measured (:func:`medley.plan.compile.stage_cost`) and the dry
+compiler books where no layer was measured (:func:`medley.lowering.compile.stage_cost`) and the dry
 run checks its traced bytes against (:mod:`medley.dryrun.traced_bytes`). Per layer its
 recomputation mode (:meth:`medley.cost.recompute.Recompute.layer_modes`), its stage's TP degree and
 the layout's sequence parallelism; per stage autocast's copies of the fp32 weights."""

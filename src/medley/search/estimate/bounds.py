@@ -1,6 +1,6 @@
 """Fast analytic estimates the planner prunes with; the exact simulation has the last word.
 
-The per-layer figures come from :class:`~medley.plan.layer_table.LayerTable`, prefix sums of each
+The per-layer figures come from :class:`~medley.search.estimate.layer_table.LayerTable`, prefix sums of each
 layer's F/B/W seconds, activation bytes and held parameters.
 
 * :func:`stage_memory`: a stage's peak bytes per device under a ZeRO option, the same terms the
@@ -23,10 +23,10 @@ import numpy as np
 from medley.cost.interfaces import CostSource, Pass, ProfileRangeError
 from medley.cost.recompute import FULL, Recompute
 from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
-from medley.plan.layer_table import LayerTable, recompute_stop
-from medley.plan.space import MemoryOption, memory_option
 from medley.schedule.generators.classic import one_f_one_b_depth
 from medley.schedule.zero import split_evenly
+from medley.search.estimate.layer_table import LayerTable, recompute_stop
+from medley.search.space import MemoryOption, memory_option
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
@@ -102,7 +102,7 @@ def _kept(table: LayerTable, recompute: Recompute) -> tuple[float, ...]:
 
 def _rerun_bytes(table: LayerTable, i: int, j: int, recompute: Recompute) -> float:
     """A recomputing block holds its forward's activations again during its backward (as the
-    compiler books, plan.compile.backward_workspace): the largest recomputing block's of layers
+    compiler books, lowering.compile.backward_workspace): the largest recomputing block's of layers
     i..j-1, once, less what the layers after it freed when their backward ran first (at least what
     a split B frees)."""
     stop = recompute_stop(i, j, recompute)

@@ -1,7 +1,7 @@
 """Per-layer figures the planner's estimates sum over a contiguous range of layers in O(1): a
 :class:`LayerTable` of prefix sums per (device type, micro-batch size, sequence length, TP degree)
 of each layer's F/B/W seconds (from the cost source), activation bytes under each recomputation
-mode and held parameters, built by :func:`layer_table`. :mod:`medley.plan.bounds` sizes stages and
+mode and held parameters, built by :func:`layer_table`. :mod:`medley.search.estimate.bounds` sizes stages and
 steps from them."""
 
 from __future__ import annotations

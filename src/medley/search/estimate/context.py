@@ -1,8 +1,8 @@
 """What every planner step reads: one cluster, model and cost source, with the per device type
-layer tables (:class:`~medley.plan.layer_table.LayerTable`) and memory prefixes cached.
+layer tables (:class:`~medley.search.estimate.layer_table.LayerTable`) and memory prefixes cached.
 
 :class:`PlanContext` is the lowest module of the planner core: the step estimate, the candidate
-builder and the structure enumeration (:class:`~medley.plan.candidates.Estimator`) all take it.
+builder and the structure enumeration (:class:`~medley.search.rules.candidates.Estimator`) all take it.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from medley.cost.comm import TopologyCommModel
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
 from medley.cost.tp_cost import TensorParallelCompute
-from medley.plan.bounds import Flight, memory_prefix
-from medley.plan.layer_table import LayerTable, layer_table
-from medley.plan.space import MemoryOption, Structure, distribute
-from medley.plan.tp_links import hop_bytes_factor
+from medley.lowering.tp_links import hop_bytes_factor
+from medley.search.estimate.bounds import Flight, memory_prefix
+from medley.search.estimate.layer_table import LayerTable, layer_table
+from medley.search.space import MemoryOption, Structure, distribute
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
@@ -119,7 +119,7 @@ class PlanContext:
 
     def boundary_time(self, a: int, b: int, mbs: int, tp_a: int = 1, tp_b: int = 1) -> float:
         """One pipeline transfer from the group of ``tp_a`` devices at ``a`` to that of ``tp_b``
-        at ``b`` (the busiest link's bytes, :func:`medley.plan.tp_links.hop_bytes_factor`)."""
+        at ``b`` (the busiest link's bytes, :func:`medley.lowering.tp_links.hop_bytes_factor`)."""
         nbytes = formulas.boundary_bytes(self.model, micro_batch_size=mbs, seq_len=self.seq_len)
         if tp_a > 1 or tp_b > 1:
             nbytes *= hop_bytes_factor(self.cluster, tuple(range(a, a + tp_a)), tuple(range(b, b + tp_b)))
@@ -159,7 +159,7 @@ class PlanContext:
         tp: int = 1,
     ) -> np.ndarray:
         """For each first layer i, the largest end j whose stage fits a device of every type in
-        ``device_types`` by the memory prefix (:func:`~medley.plan.bounds.memory_prefix`): per
+        ``device_types`` by the memory prefix (:func:`~medley.search.estimate.bounds.memory_prefix`): per
         type ``bisect_right(prefix, prefix[i] + capacity) - 1``, the least over the types."""
         # Plain fields, not the dataclasses, so that hashing and comparing the key stays in C.
         key = (device_types, mbs, dtype, option.level, option.recompute, option.buckets, dp, flight.full,
