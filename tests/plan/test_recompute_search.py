@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.recompute import FULL, NONE, SELECTIVE, Recompute, parse_recompute
+from medley.cost.tp_cost import TensorPricing
 from medley.errors import MedleyInputError
 from medley.lowering.compile import compile_problem
 from medley.plan.inline import inline_layout
@@ -28,8 +29,10 @@ from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model
 
 MODEL = get_model("llama-2-7b")
+CLUSTER = parse_cluster_arg("1xA100-80GB")
 TABLE = layer_table(MODEL, CatalogCostSource(MODEL), device_type="A100-80GB", micro_batch_size=1,
-                    seq_len=4096, dtype="bf16")
+                    seq_len=4096, dtype="bf16",
+                    tensor=TensorPricing(MODEL, CatalogCostSource(MODEL), CLUSTER).of("bf16"))
 
 
 def _plan(**recompute: object) -> Plan:

@@ -10,6 +10,7 @@ import pytest
 
 from medley.cost import formulas
 from medley.cost.estimator import CatalogCostSource
+from medley.cost.tp_cost import TensorPricing
 from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
 from medley.lowering.compile import backward_workspace, compile_problem, recompute_workspace
 from medley.plan.layout import PlanLayout
@@ -27,7 +28,8 @@ MBS, SEQ = 1, 1024
 def _table():
     cluster = parse_cluster_arg("1xA100-80GB")
     cost = CatalogCostSource.for_cluster(MODEL, cluster)
-    return layer_table(MODEL, cost, device_type="A100-80GB", micro_batch_size=MBS, seq_len=SEQ, dtype="bf16")
+    return layer_table(MODEL, cost, device_type="A100-80GB", micro_batch_size=MBS, seq_len=SEQ, dtype="bf16",
+                       tensor=TensorPricing(MODEL, cost, cluster).of("bf16"))
 
 
 @pytest.mark.parametrize(("i", "j"), [(1, 5), (0, 3), (30, 34)])

@@ -43,6 +43,7 @@ from medley.cost.estimator import CatalogCostSource
 from medley.cost.formulas import DTYPE_BYTES
 from medley.cost.interfaces import Collective, CommModel, CostSource, Pass
 from medley.errors import MedleyInputError
+from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
 TP_ALL_REDUCES = {Pass.F: 2, Pass.B: 2, Pass.W: 0}
@@ -213,3 +214,25 @@ def activation_scale(
     return (formulas.layer_activation_bytes(model, layer, tp=tp, sequence_parallel=sequence_parallel, **kw)
             / full,
             formulas.layer_activation_bytes_after_b(model, layer, tp=tp, **kw) / after)
+
+
+class TensorPricing:
+    """One :class:`TensorParallelCompute` per dtype over ``cost`` on ``cluster``, made once by
+    whoever prices that cluster (a search's context, shared by its tables and every simulation it
+    runs; one command's simulation) so that their ratio caches serve all of them. Split shapes are
+    priced by the source itself where it is the catalog of that dtype, else by the catalog of the
+    cluster's device types."""
+
+    def __init__(self, model: ModelSpec, cost: CostSource, cluster: Cluster) -> None:
+        self.model, self.cost, self.cluster = model, cost, cluster
+        self._by_dtype: dict[str, TensorParallelCompute] = {}
+
+    def of(self, dtype: str) -> TensorParallelCompute:
+        found = self._by_dtype.get(dtype)
+        if found is None:
+            if isinstance(self.cost, CatalogCostSource) and self.cost.dtype == dtype:
+                catalog = self.cost
+            else:
+                catalog = CatalogCostSource.for_cluster(self.model, self.cluster, dtype=dtype)
+            found = self._by_dtype[dtype] = TensorParallelCompute(self.model, self.cost, catalog=catalog)
+        return found

@@ -25,12 +25,12 @@ from dataclasses import replace
 
 from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
-from medley.cost.estimator import CatalogCostSource
 from medley.cost.formulas import DTYPE_BYTES
 from medley.cost.interfaces import Collective, CommModel, CostSource, Pass
 from medley.cost.recompute import rerun_share
 from medley.cost.tp_cost import (
     TensorParallelCompute,
+    TensorPricing,
     activation_scale,
     sequence_edge_time,
     tp_activation_bytes,
@@ -63,8 +63,8 @@ def _stage_cost(
     device_type: str,
     level: int,
     *,
+    tensor: TensorParallelCompute,
     fused: bool = False,
-    tensor: TensorParallelCompute | None = None,
     comm: CommModel | None = None,
     group: tuple[int, ...] = (),
 ) -> StageCost:
@@ -81,8 +81,6 @@ def _stage_cost(
     """
     mbs, seq, model = layout.micro_batch_size, layout.seq_len, layout.model
     tp = max(1, len(group))
-    if tensor is None:
-        tensor = TensorParallelCompute(model, cost, catalog=_catalog(layout, cost))
     recompute = layout.stage_recompute(stage)
     modes = stage_modes(layout, stage)
     times = {kind: 0.0 for kind in Pass}
@@ -211,15 +209,6 @@ def _stage_params(layout: PlanLayout, stage: int) -> float:
                                             tp=layout.stage_tp(stage)))
 
 
-def _catalog(layout: PlanLayout, cost: CostSource, cluster: Cluster | None = None) -> CatalogCostSource:
-    """The roofline that prices TP's split shapes (the cost source itself when it is one)."""
-    if isinstance(cost, CatalogCostSource) and cost.dtype == layout.dtype:
-        return cost
-    if cluster is not None:
-        return CatalogCostSource.for_cluster(layout.model, cluster, dtype=layout.dtype)
-    return CatalogCostSource(layout.model, dtype=layout.dtype)
-
-
 def static_memory(layout: PlanLayout, stage_to_rank: Sequence[int]) -> dict[int, float]:
     """Model state resident all step, per device (:func:`medley.cost.zero_memory.stage_state_bytes`:
     weights, FSDP2's shards, optimizer state); the gradient autograd makes, its shard, ZeRO-3's
@@ -295,18 +284,21 @@ def compile_problem(
 
 def compile_world(
     groups: Sequence[PlanLayout], cluster: Cluster, cost: CostSource, *, comm: bool = True,
-    where: str | None = None,
+    where: str | None = None, pricing: TensorPricing | None = None,
 ) -> SimProblem:
     """The :class:`SimProblem` of one training step of the plan made of replica ``groups``
     (:mod:`medley.plan.segments`): each group's replicas as above, their ZeRO collectives over the
     plan's sync segments (:class:`~medley.lowering.collectives.CollectiveTable`). With ``where`` (the
     input the plan came from), a step of more actions than the simulator runs in seconds
-    (:func:`medley.spec.limits.check_sim_actions`) is refused before anything per replica is built."""
+    (:func:`medley.spec.limits.check_sim_actions`) is refused before anything per replica is built.
+    ``pricing``: the caller's TP pricing of this cluster and source (a search passes its one), else
+    one made here."""
     world = build_world(groups)
     if where is not None:
         check_sim_actions(step_actions(world.schedules), where=where)
     model = world.groups[0].model
-    tensor = TensorParallelCompute(model, cost, catalog=_catalog(world.groups[0], cost, cluster))
+    pricing = pricing or TensorPricing(model, cost, cluster)
+    tensor = pricing.of(world.groups[0].dtype)
     links = TopologyCommModel(cluster, p2p_overhead_s=_p2p_overhead(cost)) if comm else None
     stage_costs: list[list[StageCost]] = []
     devices: list[list[int]] = []

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass
+from medley.cost.tp_cost import TensorPricing
 from medley.errors import MedleyInputError
 from medley.lowering.compile import compile_world
 from medley.plan.layout import PlanLayout
@@ -39,13 +40,14 @@ def simulate_layout(
 
 def simulate_groups(
     groups: Sequence[PlanLayout], cluster: Cluster, *, cost: CostSource | None = None, comm: bool = True,
-    where: str | None = None,
+    where: str | None = None, pricing: TensorPricing | None = None,
 ) -> tuple[SimProblem, SimResult]:
-    """:func:`simulate_layout` for a plan of replica groups (:mod:`medley.plan.segments`)."""
+    """:func:`simulate_layout` for a plan of replica groups (:mod:`medley.plan.segments`);
+    ``pricing``: as for :func:`~medley.lowering.compile.compile_world`."""
     first = groups[0]
     if cost is None:
         cost = CatalogCostSource.for_cluster(first.model, cluster, dtype=first.dtype)
-    problem = compile_world(groups, cluster, cost, comm=comm, where=where)
+    problem = compile_world(groups, cluster, cost, comm=comm, where=where, pricing=pricing)
     # Replicas with the same micro-batch count run the same program: check each distinct one once
     # (a thousand replicas need not be validated a thousand times), and once per process.
     replicas = [(layout, r) for layout in groups for r in range(layout.dp)]
@@ -118,11 +120,12 @@ def predict(
 
 
 def predict_groups(
-    groups: Sequence[PlanLayout], cluster: Cluster, *, cost: CostSource | None = None, comm: bool = True
+    groups: Sequence[PlanLayout], cluster: Cluster, *, cost: CostSource | None = None, comm: bool = True,
+    pricing: TensorPricing | None = None,
 ) -> tuple[Prediction, SimProblem, SimResult]:
-    """:func:`predict` for a plan of replica groups."""
+    """:func:`predict` for a plan of replica groups (``pricing``: as for :func:`simulate_groups`)."""
     first = groups[0]
     if cost is None:
         cost = CatalogCostSource.for_cluster(first.model, cluster, dtype=first.dtype)
-    problem, result = simulate_groups(groups, cluster, cost=cost, comm=comm)
+    problem, result = simulate_groups(groups, cluster, cost=cost, comm=comm, pricing=pricing)
     return prediction_of(result, cost_source=cost_source_name(groups, cost, cluster)), problem, result

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, Pass
 from medley.cost.recompute import Recompute, parse_recompute
-from medley.cost.tp_cost import TensorParallelCompute
+from medley.cost.tp_cost import TensorPricing
 from medley.errors import MedleyInputError
 from medley.flags import setting
 from medley.plan.layout import TP_DEGREES, PlanLayout, check_tp, speed_split
@@ -255,7 +254,7 @@ def _speed_split(
     stage_ranks: tuple[int, ...] | list[int], tp: tuple[int, ...], micro_batch_size: int, seq_len: int,
 ) -> tuple[int, ...]:
     """Layers per stage in proportion to each stage's speed (its slowest replica's device)."""
-    tensor = TensorParallelCompute(model, cost, catalog=CatalogCostSource.for_cluster(model, cluster))
+    tensor = TensorPricing(model, cost, cluster).of("bf16")  # TP's compute ratios, as the search's tables
     speeds = []
     for rank in stage_ranks:
         types = {cluster.devices[row[rank]].type.name for row in devices}

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource, ProfileRangeError
+from medley.cost.tp_cost import TensorPricing
 from medley.errors import MedleyInputError
 from medley.plan.layout import TP_DEGREES
 from medley.search.estimate.bounds import aggregate_bound
@@ -82,6 +83,7 @@ class SearchResult:
     cluster: Cluster
     model: ModelSpec
     cost: CostSource
+    pricing: TensorPricing  # the search's TP pricing (its context's), for what is simulated after it
     global_batch: int
     seq_len: int
     constraints: Constraints
@@ -229,7 +231,7 @@ def search(
     chosen, pool_best = choose(candidates, budget)
     within = ranking.SIMULATE_WITHIN if objective == "throughput" else None  # read at call time
     ranked = simulate_all(chosen + pool_best, model, seq_len, cluster, cost, constraints, progress,
-                          within=within, always={c.key for c in pool_best})
+                          within=within, always={c.key for c in pool_best}, pricing=estimator.pricing)
     feasible = _feasible(ranked, objective)
     if feasible:
         keys = {p.candidate.key for p in ranked}
@@ -245,9 +247,9 @@ def search(
         grouped = grouped_candidates(estimator, partitions(estimator, devices, leaders), seeds,
                                      constraints.schedules, max_pp=max_pp, beat_s=fastest)
         ranked += simulate_grouped(grouped[:GROUPED_SIMULATED], model, seq_len, cluster, cost, constraints,
-                                   progress)
+                                   progress, pricing=estimator.pricing)
     feasible = _feasible(ranked, objective)
-    feasible = best_placement(feasible, top, cluster, cost, constraints, objective)
+    feasible = best_placement(feasible, top, cluster, cost, constraints, objective, pricing=estimator.pricing)
     if not feasible:
         raise shortfall_error(estimator, ranked, pools, constraints, global_batch, sizes)
     singles = [p for p in feasible if not p.plan.asymmetric
@@ -262,6 +264,7 @@ def search(
         cluster=cluster,
         model=model,
         cost=cost,
+        pricing=estimator.pricing,
         global_batch=global_batch,
         seq_len=seq_len,
         constraints=constraints,

@@ -15,9 +15,8 @@ import numpy as np
 
 from medley.cost import formulas
 from medley.cost.comm import TopologyCommModel
-from medley.cost.estimator import CatalogCostSource
 from medley.cost.interfaces import CostSource
-from medley.cost.tp_cost import TensorParallelCompute
+from medley.cost.tp_cost import TensorPricing
 from medley.lowering.tp_links import hop_bytes_factor
 from medley.search.estimate.bounds import Flight, memory_prefix
 from medley.search.estimate.layer_table import LayerTable, layer_table
@@ -53,7 +52,7 @@ class PlanContext:
         self.comm = TopologyCommModel(cluster)
         self._tables: dict[tuple[str, int, str, int], LayerTable] = {}
         self._memory_ends: dict[tuple, np.ndarray] = {}
-        self._tensor: dict[str, TensorParallelCompute] = {}
+        self.pricing = TensorPricing(model, cost, cluster)  # TP pricing of every table and simulation
         self.network_loads: dict[tuple, float] = {}  # step_estimate.network_load's, per structure
         self.dp_groups: dict[tuple, list] = {}  # step_estimate.dp_groups', per structure
         self.link_users: dict[tuple, list] = {}  # step_estimate.link_users', per structure
@@ -69,13 +68,6 @@ class PlanContext:
         found = self._tables.get(key)
         if found is not None:
             return found
-        tensor = None
-        if tp > 1:
-            tensor = self._tensor.get(dtype)
-            if tensor is None:
-                catalog = CatalogCostSource.for_cluster(self.model, self.cluster, dtype=dtype)
-                tensor = TensorParallelCompute(self.model, self.cost, catalog=catalog)
-                self._tensor[dtype] = tensor
         found = self._tables[key] = layer_table(
             self.model,
             self.cost,
@@ -84,7 +76,7 @@ class PlanContext:
             seq_len=self.seq_len,
             dtype=dtype,
             tp=tp,
-            tensor=tensor,
+            tensor=self.pricing.of(dtype),
             comm=self.comm,
             group=self.tp_group(device_type, tp),
         )

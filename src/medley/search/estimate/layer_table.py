@@ -15,7 +15,6 @@ from itertools import accumulate
 import numpy as np
 
 from medley.cost import formulas
-from medley.cost.estimator import CatalogCostSource
 from medley.cost.formulas import DTYPE_BYTES
 from medley.cost.interfaces import CommModel, CostSource, Pass
 from medley.cost.recompute import Recompute, parse_recompute
@@ -132,18 +131,20 @@ def layer_table(
     micro_batch_size: int,
     seq_len: int,
     dtype: str,
+    tensor: TensorParallelCompute,
     tp: int = 1,
-    tensor: TensorParallelCompute | None = None,
     comm: CommModel | None = None,
     group: tuple[int, ...] = (),
 ) -> LayerTable:
-    """The table of one TP rank at ``tp`` (``tensor`` prices its compute, the TP all-reduces run
-    over ``group`` on ``comm``, as the compiler books them; tp 1 needs neither), with sequence
+    """The table of one TP rank at ``tp`` (``tensor``, the search's
+    :class:`~medley.cost.tp_cost.TensorPricing` of ``dtype``, prices its compute and its catalog the
+    cheap share; the TP all-reduces run over ``group`` on ``comm``, as the compiler books them; tp 1
+    needs neither), with sequence
     parallelism where the planner runs it (:func:`~medley.plan.layout.planned_sequence_parallel`;
     its stage edges' gathers are the compiler's to add)."""
     shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len}
     sp = planned_sequence_parallel(seq_len, (tp,))
-    if tp == 1 or tensor is None:
+    if tp == 1:
         times = {
             p: [cost.layer_time(i, p, device_type=device_type, **shape).seconds
                 for i in range(model.num_layers)]
@@ -174,12 +175,7 @@ def layer_table(
     ]
     total = [f + b + w for f, b, w in zip(times[Pass.F], times[Pass.B], times[Pass.W], strict=True)]
     cast = [formulas.layer_autocast_params(model, i, tp=tp) for i in range(model.num_layers)]
-    if tensor is not None:
-        catalog = tensor.catalog
-    elif isinstance(cost, CatalogCostSource) and cost.dtype == dtype:
-        catalog = cost
-    else:
-        catalog = CatalogCostSource(model, dtype=dtype)
+    catalog = tensor.catalog
     blocks = [model.layer_kind(i) == "block" for i in range(model.num_layers)]
     refwd = [f if block else 0.0 for f, block in zip(times[Pass.F], blocks, strict=True)]
     share = catalog.cheap_share(1, device_type=device_type, tp=tp, **shape) if model.num_blocks else 0.0

@@ -163,7 +163,8 @@ def rank_finalists(
         for placement in placements:
             layout = base if placement is base.placement else replace(base, placement=placement)
             try:
-                ranked = rank_plan(candidate, layout, ctx.cluster, ctx.cost, constraints.memory_headroom)
+                ranked = rank_plan(candidate, layout, ctx.cluster, ctx.cost, constraints.memory_headroom,
+                                   pricing=ctx.pricing)
             except (ValueError, MedleyInputError):  # a layout the compiler rejects
                 continue
             if ranked.fits:

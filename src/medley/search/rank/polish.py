@@ -119,7 +119,8 @@ def polish(
             layout = neighbour.layout(ctx.model, ctx.seq_len)
             layout = replace(layout, placement=current.plan.layout.placement)
             try:
-                plan = rank_plan(neighbour, layout, cluster, cost, constraints.memory_headroom)
+                plan = rank_plan(neighbour, layout, cluster, cost, constraints.memory_headroom,
+                                 pricing=ctx.pricing)
             except ValueError:  # a layout the compiler refuses
                 continue
             if plan.fits and objective_key(plan, objective) < objective_key(better or current, objective):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from medley.cost.interfaces import CostSource
+from medley.cost.tp_cost import TensorPricing
 from medley.errors import MedleyInputError
 from medley.lowering.predict import predict_groups
 from medley.plan.layout import PlanLayout
@@ -50,12 +51,13 @@ class RankedPlan:
 
 def rank_plan(
     candidate: Candidate | GroupedCandidate, layout: PlanLayout | Sequence[PlanLayout], cluster: Cluster,
-    cost: CostSource, headroom: float
+    cost: CostSource, headroom: float, *, pricing: TensorPricing | None = None,
 ) -> RankedPlan:
     """Simulate ``layout`` (or the replica groups of one plan) exactly and attach the figures the
-    planner ranks by."""
+    planner ranks by (``pricing``: the search's TP pricing, :attr:`PlanContext.pricing
+    <medley.search.estimate.context.PlanContext.pricing>`)."""
     groups = (layout,) if isinstance(layout, PlanLayout) else tuple(layout)
-    prediction, _, result = predict_groups(groups, cluster, cost=cost)
+    prediction, _, result = predict_groups(groups, cluster, cost=cost, pricing=pricing)
     headrooms = [
         cluster.devices[r.device].type.memory_bytes * (1.0 - headroom) - r.peak_memory_bytes
         for r in result.devices
@@ -153,7 +155,7 @@ def choose(
 def simulate_all(
     chosen: list[Candidate], model: ModelSpec, seq_len: int, cluster: Cluster, cost: CostSource,
     constraints: Constraints, progress: Progress | None = None, *, within: float | None = None,
-    always: Collection[tuple[Any, ...]] = (),
+    always: Collection[tuple[Any, ...]] = (), pricing: TensorPricing | None = None,
 ) -> list[RankedPlan]:
     """Simulate each candidate (the memory rules booked what the simulator books, so a candidate
     that overflows is dropped later, not repaired: none did on the bench's clusters). With
@@ -170,9 +172,8 @@ def simulate_all(
         if far and candidate.key not in always:
             continue
         try:
-            plan = rank_plan(
-                candidate, candidate.layout(model, seq_len), cluster, cost, constraints.memory_headroom
-            )
+            plan = rank_plan(candidate, candidate.layout(model, seq_len), cluster, cost,
+                             constraints.memory_headroom, pricing=pricing)
         except MedleyInputError:  # a layout the compiler or the loader's checks refuse
             continue
         ranked.append(plan)
@@ -183,7 +184,7 @@ def simulate_all(
 
 def simulate_grouped(
     grouped: Sequence[GroupedCandidate], model: ModelSpec, seq_len: int, cluster: Cluster, cost: CostSource,
-    constraints: Constraints, progress: Progress | None = None,
+    constraints: Constraints, progress: Progress | None = None, *, pricing: TensorPricing | None = None,
 ) -> list[RankedPlan]:
     """Simulate each plan of replica groups of their own shape (:mod:`medley.search.rules.asymmetric`);
     one the compiler or the loader's checks refuse is left out."""
@@ -193,7 +194,7 @@ def simulate_grouped(
             progress("simulating replica groups", done, len(grouped))
         try:
             ranked.append(rank_plan(candidate, candidate.layouts(model, seq_len), cluster, cost,
-                                    constraints.memory_headroom))
+                                    constraints.memory_headroom, pricing=pricing))
         except MedleyInputError:  # groups that cannot run together
             continue
     return ranked
@@ -201,7 +202,7 @@ def simulate_grouped(
 
 def best_placement(
     feasible: list[RankedPlan], top: int, cluster: Cluster, cost: CostSource, constraints: Constraints,
-    objective: Objective,
+    objective: Objective, *, pricing: TensorPricing | None = None,
 ) -> list[RankedPlan]:
     """ZeRO placement is a knob too: the shown plans are simulated once more with the naive policy
     (reductions after the stage's last backward), which wins where the bubbles are too short for
@@ -211,7 +212,8 @@ def best_placement(
         groups = plan.plan.groups
         if i < top and len(plan.plan.micro_batches) > 1 and groups[0].placement is not Placement.NAIVE:
             naive_groups = [replace(g, placement=Placement.NAIVE) for g in groups]
-            naive = rank_plan(plan.candidate, naive_groups, cluster, cost, constraints.memory_headroom)
+            naive = rank_plan(plan.candidate, naive_groups, cluster, cost, constraints.memory_headroom,
+                              pricing=pricing)
             if naive.fits and objective_key(naive, objective) < objective_key(plan, objective):
                 plan = naive
         out.append(plan)

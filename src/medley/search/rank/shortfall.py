@@ -85,6 +85,7 @@ def shortfall_error(
                 cluster,
                 estimator.cost,
                 constraints.memory_headroom,
+                pricing=estimator.pricing,
             )
         )
     except MedleyInputError:

@@ -261,7 +261,7 @@ def _fastest(search_result: SearchResult, wanted: Callable[[set[int], str], bool
         return None, (f"the search estimated no plan {what}: its bounds ruled them out (memory, or a step "
                       "no faster than those it kept)")
     ranked = [p for p in simulate_all(picked, model, seq_len, search_result.cluster, search_result.cost,
-                                      search_result.constraints) if p.fits]
+                                      search_result.constraints, pricing=search_result.pricing) if p.fits]
     if not ranked:
         return None, f"none of the {len(picked)} best-estimated plans {what} fits in memory"
     return (min(ranked, key=lambda p: p.prediction.step_time_s),
@@ -309,7 +309,8 @@ def explain(search_result: SearchResult) -> Explanation:
     knobs = [] if len(groups) == 1 else [_alike_effect(search_result)]
     for knob, chosen, alternative, variant in variants:
         try:
-            prediction, _, sim = predict_groups(variant, cluster, cost=search_result.cost)
+            prediction, _, sim = predict_groups(variant, cluster, cost=search_result.cost,
+                                                pricing=search_result.pricing)
         except (MedleyInputError, ValueError):
             knobs.append(
                 KnobEffect(knob=knob, chosen=chosen, alternative=alternative, step_time_s=None, slowdown=None)

@@ -194,7 +194,7 @@ def _simulate(est: Estimator, c: Constraints, out: Reference, candidate: Candida
     for placement in (Placement.BUBBLE, Placement.NAIVE) if layout.dp > 1 else (Placement.BUBBLE,):
         try:
             ranked = rank_plan(candidate, replace(layout, placement=placement), est.cluster, est.cost,
-                               c.memory_headroom)
+                               c.memory_headroom, pricing=est.pricing)
         except ValueError:  # MedleyInputError included: a layout the compiler refuses
             continue
         out.simulated += 1
