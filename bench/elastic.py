@@ -16,18 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from provenance import provenance
 
-ROOT = Path(__file__).parents[1]
-OUT = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "tests" / "runtime"))
-
-from elastic_runs import (  # noqa: E402 - the tests' scenario helpers, from their folder
+from medley.testing.elastic_scenario import (
     SLOW,
     events,
     final_records,
@@ -39,6 +34,9 @@ from elastic_runs import (  # noqa: E402 - the tests' scenario helpers, from the
     train_flags,
     wait_for,
 )
+
+ROOT = Path(__file__).parents[1]
+OUT = ROOT / "bench" / "results"
 
 FIELDS = ("old_plan", "new_plan", "recovery_s", "steps_redone", "resumed_from")
 GOAL_S = 60.0  # the issue's goal for the time from the kill to the first new step, 2 cores

@@ -3,7 +3,7 @@
     .venv/bin/python bench/fidelity.py [--quick] [--steps 20] [--reuse-profiles] [--cases a,b] [--name N]
 
 Profiles the models (layers, gloo collectives, the runtime's overhead per action and per
-transfer), then for each plan of medley.profile.fidelity_cases.default_cases() (written-out plans
+transfer), then for each plan of medley.fidelity.cases.default_cases() (written-out plans
 and `medley plan`'s own top plans on small emulated clusters): simulates one step on the emulated
 CPU cluster, trains the plan for real with emulation on, and compares step time and peak memory
 per rank, and replays each measured step's own compute durations in the simulator (docs/fidelity.md).
@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     name = args.name or ("fidelity-quick" if args.quick else "fidelity")
     if args.render_only:
-        from medley.profile.fidelity_report import markdown_from_payload
+        from medley.fidelity.fidelity_report import markdown_from_payload
 
         payload = json.loads((args.out / f"{name}.json").read_text())
         (args.out / f"{name}.md").write_text(markdown_from_payload(payload))
@@ -46,7 +46,7 @@ def main() -> None:
         os.nice(-15)
     except OSError:
         pass  # not allowed here: run at normal priority
-    from medley.profile.harness import default_cases, quick_cases, run_harness
+    from medley.fidelity.harness import default_cases, quick_cases, run_harness
 
     cases = quick_cases() if args.quick else default_cases()
     if args.cases:

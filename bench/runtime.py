@@ -28,8 +28,8 @@ OUT = Path(__file__).parent / "results"
 
 
 def overhead_cases(profiles: dict, emulated: Path) -> list:
-    from medley.profile.fidelity import FidelityCase, build_plan
-    from medley.profile.harness import SMALL, TINY
+    from medley.fidelity.harness import SMALL, TINY
+    from medley.fidelity.loop import FidelityCase, build_plan
     from medley.profile.runtime_bench import RuntimeCase
 
     specs = [
@@ -54,8 +54,8 @@ def overhead_cases(profiles: dict, emulated: Path) -> list:
 
 
 def memory_cases() -> list:
-    from medley.profile.fidelity import FidelityCase
-    from medley.profile.harness import SMALL
+    from medley.fidelity.harness import SMALL
+    from medley.fidelity.loop import FidelityCase
 
     cases = [
         FidelityCase(name=f"small dp2 ZeRO-{z}", model=SMALL, pp=1, dp=2, zero=str(z), micro_batch_size=1)
@@ -145,9 +145,9 @@ def main() -> None:
         os.nice(-15)
     except OSError:
         pass
-    from medley.profile.fidelity import FidelityCase, run_case
-    from medley.profile.fidelity_report import machine, result_row
-    from medley.profile.harness import TINY, profiles_for
+    from medley.fidelity.fidelity_report import machine, result_row
+    from medley.fidelity.harness import TINY, profiles_for
+    from medley.fidelity.loop import FidelityCase, run_case
 
     args.out.mkdir(parents=True, exist_ok=True)
     emulated = Path(tempfile.mkdtemp(prefix="medley-emulated-"))  # generated device catalogs

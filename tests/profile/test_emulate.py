@@ -10,10 +10,10 @@ import pytest
 from medley.cost.comm import TopologyCommModel
 from medley.cost.interfaces import Collective, Pass
 from medley.cost.profile_format import Profile
+from medley.fidelity.cases import default_cases
+from medley.fidelity.emulate import emulated_cluster
+from medley.fidelity.loop import case_groups, describe, emulate, tags
 from medley.profile.comm_bench import model_time
-from medley.profile.emulate import emulated_cluster
-from medley.profile.fidelity import case_groups, describe, emulate, tags
-from medley.profile.fidelity_cases import default_cases
 from medley.spec.model_arg import get_model
 
 TINY = get_model("tiny")

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from medley.cost.profile_format import load_profile
-from medley.profile.fidelity import (
+from medley.fidelity.cases import TINY, planned_cases
+from medley.fidelity.fidelity_report import markdown_from_payload, payload_of
+from medley.fidelity.loop import (
     FidelityResult,
     case_groups,
     describe,
@@ -17,8 +19,6 @@ from medley.profile.fidelity import (
     tags,
     timing_failure,
 )
-from medley.profile.fidelity_cases import TINY, planned_cases
-from medley.profile.fidelity_report import markdown_from_payload, payload_of
 
 
 def _result(

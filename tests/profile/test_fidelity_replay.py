@@ -1,4 +1,4 @@
-"""Replay (medley.profile.fidelity_replay): a measured step's compute durations, read from the
+"""Replay (medley.fidelity.replay): a measured step's compute durations, read from the
 runtime's per-action timings, drive the simulator; transfers stay modelled."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from medley.profile.fidelity import FidelityCase, run_case
-from medley.profile.fidelity_cases import TINY
-from medley.profile.fidelity_replay import MeasuredStep, replay_step, step_durations
+from medley.fidelity.cases import TINY
+from medley.fidelity.loop import FidelityCase, run_case
+from medley.fidelity.replay import MeasuredStep, replay_step, step_durations
 from medley.schedule.ir import BW, F, Kind, PipelineSchedule, add_send_recv
 from medley.sim import SimProblem, StageCost, simulate
 

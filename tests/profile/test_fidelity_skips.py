@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 
 from medley.cost.profile_format import Profile
-from medley.profile.fidelity_cases import planned_cases
-from medley.profile.fidelity_report import markdown_from_payload
-from medley.profile.harness import profile_key, run_cases
+from medley.fidelity.cases import planned_cases
+from medley.fidelity.fidelity_report import markdown_from_payload
+from medley.fidelity.harness import profile_key, run_cases
 
 
 def test_an_unranked_planner_case_is_skipped_and_said(profile: Profile) -> None:

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from medley.cost.profile_format import load_profile
-from medley.profile.fidelity import FidelityResult, run_case
-from medley.profile.fidelity_cases import default_cases
+from medley.fidelity.cases import default_cases
+from medley.fidelity.loop import FidelityResult, run_case
 
 PROFILE = Path(__file__).parents[2] / "bench" / "results" / "profile-cpu-tiny.json"
 BOUND = 0.05

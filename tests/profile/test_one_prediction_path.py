@@ -1,6 +1,6 @@
 """The command line predicts what the fidelity bench validates: ``medley simulate --profile`` and the
 bench's cost source (a :class:`ProfileCostSource` over the same profile, as
-:mod:`medley.profile.emulate` builds it) give the same step time for the same plan, measured
+:mod:`medley.fidelity.emulate` builds it) give the same step time for the same plan, measured
 overheads included (the command line once dropped the per-action, hand-off and collective
 overheads the profile measured: 46.98 against 48.25 ms on a pp 2 case)."""
 

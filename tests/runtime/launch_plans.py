@@ -10,9 +10,9 @@ from medley.plan.inline import inline_layout
 from medley.plan.plan import Plan, save_plan
 from medley.spec.cluster_load import load_cluster
 from medley.spec.model_arg import get_model
+from medley.testing.elastic_scenario import TIERS
 
 SEQ_LEN, MICRO_BATCH_SIZE = 32, 2
-TIERS = '[[tiers]]\nname = "net"\nbandwidth_gbps = 10\n'
 
 
 def node_toml(name: str, count: int, *, device: str = "CPU-8GB", host: str | None = None,

@@ -13,7 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
-from elastic_runs import (
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from train_plans import StopTraining
+
+from medley.launch import elastic_dir
+from medley.launch.spawn import RankFailure, train_local
+from medley.plan.plan import load_plan
+from medley.runtime.checkpoint_layout import TEMP_PREFIX, checkpoint_path, latest_checkpoint
+from medley.runtime.config import TrainConfig, TrainHooks
+from medley.runtime.reference import reference_losses
+from medley.testing.elastic_scenario import (
     EVERY,
     SLOW,
     STEPS,
@@ -30,15 +39,6 @@ from elastic_runs import (
     train_flags,
     wait_for,
 )
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from train_plans import StopTraining
-
-from medley.launch import elastic_dir
-from medley.launch.spawn import RankFailure, train_local
-from medley.plan.plan import load_plan
-from medley.runtime.checkpoint_layout import TEMP_PREFIX, checkpoint_path, latest_checkpoint
-from medley.runtime.config import TrainConfig, TrainHooks
-from medley.runtime.reference import reference_losses
 
 TOLERANCE = 1e-5
 

@@ -89,8 +89,8 @@ def zero_placement_demo(*, model_name: str, console: Console) -> dict[str, float
 def emulated_run(*, out_dir: Path, steps: int, console: Console) -> dict:
     """Profile, plan and train on a 4-rank emulated mixed cluster; predicted vs measured."""
     from medley.cost.profile_format import save_profile
+    from medley.fidelity.emulate import core_share, emulated_cluster
     from medley.launch.spawn import train_local
-    from medley.profile.emulate import core_share, emulated_cluster
     from medley.profile.run import run_profile
     from medley.runtime.train import TrainConfig
 

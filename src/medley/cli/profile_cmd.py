@@ -163,7 +163,7 @@ def register(app: typer.Typer) -> None:
         Profiles, simulates and trains plans on this machine's CPU and writes JSON + Markdown to
         --out (bench/fidelity.py runs the same)."""
         check_output_dir(out, flag="--out")
-        from medley.profile.harness import default_cases, harness_steps, quick_cases, run_harness
+        from medley.fidelity.harness import default_cases, harness_steps, quick_cases, run_harness
 
         chosen = quick_cases() if quick else default_cases()
         if cases:

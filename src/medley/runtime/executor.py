@@ -130,7 +130,7 @@ class RankExecutor:
     ``action_spans`` holds, for the same run, each action's (start, end) seconds since the program
     started (``action_origin``, on ``time.perf_counter``'s clock: CLOCK_MONOTONIC on Linux, one
     clock for every process of the machine), in program order; the fidelity study replays a
-    step's compute durations in the simulator (:mod:`medley.profile.fidelity_replay`).
+    step's compute durations in the simulator (:mod:`medley.fidelity.replay`).
     """
 
     def __init__(self, *, schedule: PipelineSchedule, pipeline_rank: int, stages: dict[int, ShardedStage],

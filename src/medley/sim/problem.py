@@ -145,7 +145,7 @@ class SimProblem:
             action on the compute stream: device id (a lead, for a TP group) -> action (F, B, W,
             BW or OPTIM of that device's program) -> seconds; every occurrence of the action takes
             them. Communication (transfers, collectives) stays modelled. The fidelity study
-            replays a measured step's compute this way (:mod:`medley.profile.fidelity_replay`).
+            replays a measured step's compute this way (:mod:`medley.fidelity.replay`).
         start_s: when each device's program starts (device id, a lead for a TP group -> seconds
             >= 0; missing: 0): a replayed step's ranks start at the skew they were measured at.
     """

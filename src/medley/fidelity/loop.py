@@ -1,6 +1,6 @@
 """The fidelity loop: profile, simulate, run for real, compare step time and peak memory.
 
-For each :class:`FidelityCase` (a plan on an emulated CPU cluster, see :mod:`medley.profile.emulate`)
+For each :class:`FidelityCase` (a plan on an emulated CPU cluster, see :mod:`medley.fidelity.emulate`)
 the simulator predicts one step from the measured profile, then medley's runtime trains the same
 plan on this machine (gloo, one rank per device, emulation on) and reports step time (median over
 the steps after warm-up, max over ranks) and peak live tensor bytes per rank (the runtime's
@@ -21,21 +21,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from medley.cost.profile_format import Profile
-from medley.lowering.predict import predict_groups
-from medley.plan.inline import devices_needed, inline_layout, parse_tp
-from medley.plan.layout import PlanLayout
-from medley.plan.plan import Plan
-from medley.plan.segments import joined
-from medley.profile.cpu_load import cpu_meter
-from medley.profile.emulate import EmulatedCluster, core_share, emulated_cluster
-from medley.profile.fidelity_replay import MeasuredStep, replay_steps
-from medley.profile.fidelity_result import (
+from medley.fidelity.emulate import EmulatedCluster, core_share, emulated_cluster
+from medley.fidelity.replay import MeasuredStep, replay_steps
+from medley.fidelity.results import (
     FidelityResult,
     busy_seconds,
     memory_failure,
     summarize,
     timing_failure,
 )
+from medley.lowering.predict import predict_groups
+from medley.plan.inline import devices_needed, inline_layout, parse_tp
+from medley.plan.layout import PlanLayout
+from medley.plan.plan import Plan
+from medley.plan.segments import joined
+from medley.profile.cpu_load import cpu_meter
 from medley.schedule.ir import Kind
 from medley.sim.problem import SimProblem
 from medley.sim.result import SimResult
@@ -215,7 +215,7 @@ def emulate(
     used: Sequence[int] = (),
 ) -> tuple[EmulatedCluster, float]:
     """The case's emulated cluster and the compute stretch of its ranks sharing ``cores``
-    with ``background_cores`` of other work (:func:`~medley.profile.emulate.core_share`). Only
+    with ``background_cores`` of other work (:func:`~medley.fidelity.emulate.core_share`). Only
     the devices in ``used`` (default: all) run ranks (a planner's plan may leave some out)."""
     slowdowns = case.slowdowns or (1.0,) * case.world
     if len(slowdowns) != case.world:

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from medley.fidelity.loop import FidelityResult, summarize
+from medley.fidelity.replay_report import cores_lines, replay_lines
 from medley.fileio import write_atomically
-from medley.profile.fidelity import FidelityResult, summarize
-from medley.profile.fidelity_replay_report import cores_lines, replay_lines
 
 READING = """\
 How to read this. *predicted*: the simulator on the emulated cluster (profile times x slowdown,

@@ -1,6 +1,6 @@
 """The fidelity harness end to end: profile the models, then predict and run every case, then report.
 
-``bench/fidelity.py`` runs :func:`~medley.profile.fidelity_cases.default_cases`; the tests run two
+``bench/fidelity.py`` runs :func:`~medley.fidelity.cases.default_cases`; the tests run two
 plans quickly. One profile per (model, precision) is measured first, with the gloo collectives
 and the runtime's overhead measured once and shared by every profile.
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from medley.cost.profile_format import Profile, load_profile, save_profile
-from medley.profile.fidelity import FidelityCase, FidelityResult, NotRanked, run_case
-from medley.profile.fidelity_cases import SMALL, TINY, default_cases, quick_cases
-from medley.profile.fidelity_report import machine, write_report
+from medley.fidelity.cases import SMALL, TINY, default_cases, quick_cases
+from medley.fidelity.fidelity_report import machine, write_report
+from medley.fidelity.loop import FidelityCase, FidelityResult, NotRanked, run_case
 from medley.profile.overhead import measure_overhead
 from medley.profile.run import run_profile
 

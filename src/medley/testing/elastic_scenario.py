@@ -1,5 +1,6 @@
 """Elastic runs of ``medley launch --elastic --local`` on three emulated one-device nodes, for the
-elastic tests: start them, kill a node's agent at a step, bring it back, read what they logged."""
+elastic tests and ``bench/elastic.py``: start them, kill a node's agent at a step, bring it back,
+read what they logged."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from launch_plans import TIERS
 
 from medley.launch import elastic_dir
 from medley.launch.nodes import free_port
@@ -22,6 +22,8 @@ MEDLEY = (sys.executable, "-m", "medley.cli.main")
 STEPS, EVERY = 20, 5
 # Every device computes 30x slower than this CPU can (sleeps): a step takes long enough to kill at.
 SLOW = "0=30,1=30,2=30"
+# One network tier joining the nodes (the launch tests' cluster files use it too).
+TIERS = '[[tiers]]\nname = "net"\nbandwidth_gbps = 10\n'
 
 
 def three_nodes(directory: Path, *, memory_gb: float | None = None) -> Path:

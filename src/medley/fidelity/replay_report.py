@@ -1,11 +1,11 @@
-"""The replay and core-share sections of the fidelity report (:mod:`medley.profile.fidelity_report`),
+"""The replay and core-share sections of the fidelity report (:mod:`medley.fidelity.fidelity_report`),
 rendered from the results alone, with the goals they are held to."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from medley.profile.fidelity_result import FidelityResult, replay_summary
+from medley.fidelity.results import FidelityResult, replay_summary
 
 REPLAY_MEDIAN_GOAL = 0.03  # median |replay step error| over all cases (issue 29)
 REPLAY_WORST_GOAL = 0.10  # worst case
@@ -81,7 +81,7 @@ def replay_lines(results: Sequence[FidelityResult]) -> list[str]:
         "",
         "Each timed step is simulated again with the compute durations that step measured on every "
         "rank (F, B, W, BW with their emulation sleeps and the posting of the sends after them, and "
-        "OPTIM; medley.profile.fidelity_replay); transfers, ZeRO collectives and the clipping all-reduce "
+        "OPTIM; medley.fidelity.replay); transfers, ZeRO collectives and the clipping all-reduce "
         "stay modelled; each rank starts at the skew it was measured at, and the replayed step is set "
         "against the measured one from the first rank's start to the last rank's end. What is left is "
         "the error of the simulator's dependency, transfer, collective "
@@ -120,7 +120,7 @@ def cores_lines(results: Sequence[FidelityResult]) -> list[str]:
         f"{s['worst_abs_step_error_within_cores']:.1%}; against the fastest step "
         f"{s['median_abs_fastest_step_error_within_cores']:.1%}). The {s['cases_sharing_cores']} cases "
         f"with more ranks than cores are predicted with the core-sharing stretch "
-        f"(medley.profile.emulate.core_share) and are off by a median "
+        f"(medley.fidelity.emulate.core_share) and are off by a median "
         f"{s['median_abs_step_error_sharing_cores']:.1%} "
         f"(worst {s['worst_abs_step_error_sharing_cores']:.1%}).",
         "",

@@ -43,7 +43,7 @@ class FidelityResult:
             predicted and run (see :func:`run_case`); step_times_s: every step measured.
         tags: what the plan exercises (:func:`tags`), to group errors by.
         replay_step_s: each timed step simulated with that step's measured compute durations
-            (:mod:`medley.profile.fidelity_replay`); replay_measured_s: the same steps as measured,
+            (:mod:`medley.fidelity.replay`); replay_measured_s: the same steps as measured,
             from the first rank's start to the last rank's end; replay_skew_s: the median over
             them of how much later the last rank began than the first.
         world: ranks the case ran (devices of every TP group); cores: the cores they ran on.
