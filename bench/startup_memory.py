@@ -71,7 +71,8 @@ def rank_main(rank: int, world: int, port: int, case: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-    from medley.runtime.executor import MicroBatches, RankExecutor
+    from medley.data.source import MicroBatches
+    from medley.runtime.executor import RankExecutor
     from medley.runtime.groups import make_groups
     from medley.runtime.stages import build_local_stages
     from medley.runtime.transformer import Decoder, token_loss_sum

@@ -197,8 +197,8 @@ def _cache_mutations() -> st.SearchStrategy:
 
 
 def test_mutated_token_caches(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    from medley.data.load import DataOptions, load_source
     from medley.errors import MedleyInputError
-    from medley.runtime.data import DataOptions, load_source
 
     docs = [f"Loaf {i} of bread rose {i * 7 % 13} times." for i in range(40)]
     data = tmp_path / "d.jsonl"

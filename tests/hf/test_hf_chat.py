@@ -13,8 +13,8 @@ import pytest
 import torch
 from hf_models import SEQ_LEN, hf_plan
 
+from medley.data.examples import IGNORE
 from medley.launch.spawn import train_local
-from medley.runtime.data.examples import IGNORE
 from medley.runtime.reference import reference_losses
 from medley.runtime.train import TrainConfig, load_data
 

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from medley.cost.recompute import parse_recompute
+from medley.data.source import MicroBatches
 from medley.plan.layout import sharded_edges
-from medley.runtime.executor import MicroBatches, RankExecutor
+from medley.runtime.executor import RankExecutor
 from medley.runtime.groups import RankTable, make_groups, row_major_table
 from medley.runtime.stages import build_local_stages, layer_ranges
 from medley.runtime.tensor_parallel import is_tp_sharded

@@ -15,10 +15,10 @@ from chat_sets import CHATML, chatml_tokenizer, conversation, write_chats, write
 from tokenizers import Tokenizer
 
 from medley.data.bpe import EOS
+from medley.data.chat import encode_conversation, load_chat_template
+from medley.data.examples import IGNORE
+from medley.data.load import DataOptions, load_source
 from medley.errors import MedleyInputError
-from medley.runtime.data import DataOptions, load_source
-from medley.runtime.data.chat import encode_conversation, load_chat_template
-from medley.runtime.data.examples import IGNORE
 
 SEQ = 128
 

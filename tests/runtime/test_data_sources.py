@@ -12,8 +12,8 @@ import pytest
 import torch
 from data_sets import DOCS, expected_stream, write_jsonl, write_save_to_disk
 
+from medley.data.load import DataOptions, load_source
 from medley.errors import MedleyInputError
-from medley.runtime.data import DataOptions, load_source
 
 SEQ = 8
 

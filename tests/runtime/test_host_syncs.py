@@ -25,7 +25,7 @@ STEPS, LOG_EVERY = 9, 4
 LOGGED = {3, 7, 8}
 # Host work that waits for no device: the data is made and sliced on the host (the loop copies the
 # micro-batches to the device after), and torch.optim reads its host step counter (host_syncs).
-HOST_ONLY = ("runtime/data/", "torch.optim")
+HOST_ONLY = ("data/", "torch.optim")  # frames named by their path under medley/
 
 
 def syncs_by_step(tmp_path: Path, **settings: object) -> dict[int, list[dict[str, int]]]:

@@ -16,8 +16,9 @@ import pytest
 from data_sets import DOCS, expected_stream, write_jsonl
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from medley.runtime.data import DataOptions, load_source, streaming
-from medley.runtime.data import cache as cache_module
+from medley.data import cache as cache_module
+from medley.data import streaming
+from medley.data.load import DataOptions, load_source
 
 CORPUS = resources.files("medley.data").joinpath("corpus.txt").read_text(encoding="utf-8")
 SEQ = 8
@@ -124,8 +125,8 @@ def test_long_documents_and_plain_text_in_the_cache_equal_whole_encoding(tmp_pat
 MEASURE = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from medley.runtime.data import streaming
-    from medley.runtime.data.cache import cached_tokens, load_tokenizer
+    from medley.data import streaming
+    from medley.data.cache import cached_tokens, load_tokenizer
 
     def kib(field):  # VmRSS: now; VmHWM: the peak since the reset below
         line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))

@@ -14,8 +14,8 @@ from data_sets import DOCS, write_save_to_disk
 from typer.testing import CliRunner
 
 from medley.cli.main import app
+from medley.data.load import DataOptions, load_source
 from medley.errors import MedleyInputError
-from medley.runtime.data import DataOptions, load_source
 
 SEQ = 8
 NULL_AT = 7  # the 8th row: the second batch of the save_to_disk file (5 rows a batch)

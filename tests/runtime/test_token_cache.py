@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from data_sets import DOCS, expected_stream, write_jsonl, write_save_to_disk
 
+from medley.data import cache as cache_module
+from medley.data.load import DataOptions, load_source
 from medley.errors import MedleyInputError
-from medley.runtime.data import DataOptions, load_source
-from medley.runtime.data import cache as cache_module
 
 SEQ = 8
 
@@ -124,7 +124,7 @@ def test_a_full_disk_is_one_line_naming_the_cache(tmp_path: Path, bpe_tokenizer,
 BUILD = """
 import sys
 from pathlib import Path
-from medley.runtime.data import DataOptions, load_source
+from medley.data.load import DataOptions, load_source
 options = DataOptions(tokenizer=sys.argv[2], cache_dir=Path(sys.argv[3]))
 load_source(Path(sys.argv[1]), seq_len=8, options=options)
 """

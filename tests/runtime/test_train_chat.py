@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from chat_sets import chatml_tokenizer, write_chats, write_pairs
 from train_plans import SEED, config, tiny_plan
 
+from medley.data.examples import IGNORE
 from medley.launch.spawn import train_local
-from medley.runtime.data.examples import IGNORE
 from medley.runtime.reference import reference_run
 from medley.runtime.train import load_data
 from medley.runtime.transformer import Decoder

@@ -15,11 +15,12 @@ from train_plans import config, tiny_plan
 from typer.testing import CliRunner
 
 from medley.cli.main import app
+from medley.data.load import load_source
+from medley.data.source import Rows, decode, encode, replica_slice
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan
 from medley.runtime.checkpoint_layout import META_FILE, checkpoint_path
 from medley.runtime.checkpoint_verify import SafeReader
-from medley.runtime.data import Rows, decode, encode, load_source, replica_slice
 from medley.runtime.optim import lr_at
 from medley.runtime.reference import reference_losses
 from medley.runtime.setup import check_plan

@@ -86,7 +86,8 @@ class _TorchSide:
 
 
 def _run_case(case: RuntimeCase, rounds: int, steps: int, seed: int) -> dict:
-    from medley.runtime.data import load_source, replica_slice
+    from medley.data.load import load_source
+    from medley.data.source import replica_slice
     from medley.runtime.setup import build_rank
 
     plan, layout = case.plan, case.plan.layout

@@ -12,9 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from medley.data.load import DataOptions, load_source
+from medley.data.source import DataSource
 from medley.errors import MedleyInputError
 from medley.fileio import UnsafePathError, check_output_dir, check_output_file, open_no_follow
-from medley.runtime.data import DataOptions, DataSource, load_source
 from medley.runtime.device_check import DEVICE_CHOICES
 from medley.runtime.records import StepRecord
 from medley.runtime.settings import (

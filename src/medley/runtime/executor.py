@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from medley.data.source import MicroBatches
 from medley.runtime.hops import Hops
 from medley.runtime.sends import PendingSends
 from medley.runtime.sharding import ShardedStage
@@ -63,23 +64,6 @@ class StageState:
     input_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     weight_state: dict[int, object] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass(kw_only=True)
-class MicroBatches:
-    """This replica's token ids and targets, one [micro_batch_size, seq] tensor per micro-batch.
-
-    Attributes:
-        inputs: token ids per micro-batch.
-        targets: the next token per position, -100 where the loss does not count.
-        loss_tokens: learned targets in the whole global batch (every replica's): each
-            micro-batch's summed loss is divided by it, so the losses of the step add up to the
-            mean over the global batch.
-    """
-
-    inputs: list[torch.Tensor]
-    targets: list[torch.Tensor]
-    loss_tokens: int
 
 
 class RankExecutor:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from medley.data.source import DataSource
 from medley.plan.layout import PlanLayout
-from medley.runtime.data import DataSource
 from medley.runtime.hf_weights import load_hf_weights
 from medley.runtime.optim import lr_at, optimizer_class, set_lr
 from medley.runtime.train import TrainConfig, load_data

@@ -56,16 +56,16 @@ class DataConfig:
     Attributes:
         path: a data set (``.jsonl``, ``.parquet`` or a directory of them, a ``datasets``
             ``save_to_disk`` directory, a ``.bin`` token file, a text file), None for the shipped
-            corpus, or ``"synthetic"`` (:mod:`medley.runtime.data`).
+            corpus, or ``"synthetic"`` (:mod:`medley.data.load`).
         tokenizer: a tokenizers ``tokenizer.json`` (or its directory) for text data; None: plain
             text is read as bytes.
         text_field: the JSON field or column holding the text.
         data_format: ``auto``, ``text``, ``chat`` (``messages`` rendered by the chat template, the
             loss on the assistant's tokens) or ``completion`` (``prompt``/``completion`` pairs, the
             loss on the completion); auto tells them by the first row's fields
-            (:mod:`medley.runtime.data.examples`).
+            (:mod:`medley.data.examples`).
         chat_template: a Jinja chat template file for ``chat`` data; None: the tokenizer
-            directory's (:mod:`medley.runtime.data.chat`).
+            directory's (:mod:`medley.data.chat`).
         token_dtype: ids of ``.bin`` token files: ``uint16`` or ``uint32`` (None: the Megatron
             ``.idx`` beside it, else uint16 as nanoGPT).
         data_cache: where tokenized text is cached (None: ``~/.cache/medley/tokens``).

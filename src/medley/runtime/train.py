@@ -31,15 +31,15 @@ import torch
 import torch.distributed as dist
 
 from medley.cost import formulas
+from medley.data.source import MicroBatches, Rows, replica_slice
 from medley.errors import MedleyInputError
 from medley.fileio import append_text
 from medley.plan.plan import Plan
 from medley.runtime import checkpoint, checkpoint_layout, lock
 from medley.runtime.collector import StepGarbageCollector
 from medley.runtime.config import TrainConfig, TrainHooks, check_config, load_data
-from medley.runtime.data import Rows, replica_slice
 from medley.runtime.emulated_devices import slowdown_factors
-from medley.runtime.executor import ACTION_CATEGORIES, MicroBatches
+from medley.runtime.executor import ACTION_CATEGORIES
 from medley.runtime.lifecycle import StepWatchdog, phase_timeouts
 from medley.runtime.memory import cuda_peak_bytes, probe_peak_bytes, reset_cuda_peak, resident_tensors
 from medley.runtime.metrics import TensorBoardLog

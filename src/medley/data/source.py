@@ -14,9 +14,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from medley.runtime.data.examples import IGNORE, Examples
-from medley.runtime.data.windows import Windows, sample_order
-from medley.runtime.executor import MicroBatches
+from medley.data.examples import IGNORE, Examples
+from medley.data.windows import Windows, sample_order
+
+
+@dataclass(kw_only=True)
+class MicroBatches:
+    """This replica's token ids and targets, one [micro_batch_size, seq] tensor per micro-batch.
+
+    Attributes:
+        inputs: token ids per micro-batch.
+        targets: the next token per position, -100 where the loss does not count.
+        loss_tokens: learned targets in the whole global batch (every replica's): each
+            micro-batch's summed loss is divided by it, so the losses of the step add up to the
+            mean over the global batch.
+    """
+
+    inputs: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    loss_tokens: int
+
 
 BYTE_VOCAB = 256
 SYNTHETIC = "synthetic"

@@ -29,6 +29,8 @@ from typing import BinaryIO
 import numpy as np
 from tokenizers import Tokenizer
 
+from medley.data.formats import documents, input_files
+from medley.data.streaming import WINDOW, encode_long, pieces_of
 from medley.errors import MedleyInputError
 from medley.fileio import (
     check_regular_file,
@@ -37,8 +39,6 @@ from medley.fileio import (
     read_user_bytes,
     write_atomically,
 )
-from medley.runtime.data.formats import documents, input_files
-from medley.runtime.data.streaming import WINDOW, encode_long, pieces_of
 
 CACHE_VERSION = 2
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")

@@ -4,7 +4,7 @@ Formats (:func:`data_format` tells them apart): ``.jsonl`` (one JSON object per 
 a field), ``.parquet`` files or a directory of them (the text in a column), a ``datasets``
 ``save_to_disk`` directory (``state.json`` and its ``data-*.arrow`` IPC stream files, read with
 pyarrow), plain text (``.txt``, ``.md``, ``.text`` or no suffix). Token files (``.bin``) are
-read by :mod:`medley.runtime.data.tokens`.
+read by :mod:`medley.data.tokens`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``--data`` and its options to a :class:`~medley.runtime.data.source.DataSource`.
+"""``--data`` and its options to a :class:`~medley.data.source.DataSource`.
 
 Call :func:`load_source` once in the launching process (it checks everything and builds a text
 data set's token cache) before ranks start; ranks call it again with ``verify=False`` and only map
@@ -16,14 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from medley.errors import MedleyInputError
-from medley.fileio import read_user_bytes
-from medley.runtime.data.cache import TextTokenizer, cached_tokens, load_tokenizer
-from medley.runtime.data.chat import load_chat_template
-from medley.runtime.data.examples import Examples, cached_examples, data_kind, usable
-from medley.runtime.data.formats import data_format
-from medley.runtime.data.source import BYTE_VOCAB, SYNTHETIC, DataSource
-from medley.runtime.data.tokens import (
+from medley.data.cache import TextTokenizer, cached_tokens, load_tokenizer
+from medley.data.chat import load_chat_template
+from medley.data.examples import Examples, cached_examples, data_kind, usable
+from medley.data.formats import data_format
+from medley.data.source import BYTE_VOCAB, SYNTHETIC, DataSource
+from medley.data.tokens import (
     DEFAULT_TOKEN_DTYPE,
     check_ids,
     check_not_wider,
@@ -31,7 +29,9 @@ from medley.runtime.data.tokens import (
     open_token_file,
     token_dtype,
 )
-from medley.runtime.data.windows import Windows, held_out, split_windows, window_count
+from medley.data.windows import Windows, held_out, split_windows, window_count
+from medley.errors import MedleyInputError
+from medley.fileio import read_user_bytes
 
 SHIPPED_CORPUS = "corpus.txt"
 

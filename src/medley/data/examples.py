@@ -32,11 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from medley.data.cache import TextTokenizer, id_dtype
+from medley.data.chat import ChatTemplate, encode_conversation, encode_pair
+from medley.data.formats import input_files, records
 from medley.errors import MedleyInputError
 from medley.fileio import check_regular_file, open_user_file, os_error_message, write_atomically
-from medley.runtime.data.cache import TextTokenizer, id_dtype
-from medley.runtime.data.chat import ChatTemplate, encode_conversation, encode_pair
-from medley.runtime.data.formats import input_files, records
 
 KINDS = ("auto", "text", "chat", "completion")
 IGNORE = -100  # F.cross_entropy's ignore_index, and transformers' label for "no loss"
