@@ -2,10 +2,10 @@
 
 * no import circle between the modules of one package, counting imports inside functions and
   under ``TYPE_CHECKING`` (a circle there is still two modules that need each other);
-* packages depend one way: spec, cost, schedule, sim, plan (the plan file and layout), lowering
-  (a plan to the simulator's input), search (the planner), runtime, then launch, dryrun, profile,
-  fidelity, elastic and cli on top, the scenarios of medley.testing above all; inside search its
-  stages depend one way too;
+* packages depend one way: spec, data, hf (Hugging Face files), cost, schedule, sim, plan (the
+  plan file and layout), lowering (a plan to the simulator's input), search (the planner),
+  runtime, then launch, dryrun, profile, fidelity, elastic and cli on top, the scenarios of
+  medley.testing above all; inside search its stages depend one way too;
 * no module uses another module's private names (``from medley.x import _name`` or
   ``obj._name`` where ``_name`` is defined only in other medley modules).
 """
@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Lower layers first; a package may import only from packages before it (and from the top-level
 # modules medley.errors and medley.fileio, which everything uses).
-LAYERS = ("spec", "data", "cost", "schedule", "sim", "plan", "lowering", "search", "runtime", "launch",
+LAYERS = ("spec", "data", "hf", "cost", "schedule", "sim", "plan", "lowering", "search", "runtime", "launch",
           "dryrun", "profile", "fidelity", "elastic", "cli", "testing")
 # Inside medley.search, the stages of a search, lower first: the space's vocabulary, the estimates,
 # the rules that build candidates, the ranking, the entry point, the reports beside its result.

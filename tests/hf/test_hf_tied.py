@@ -14,9 +14,9 @@ from test_hf_train import SEED, SEQ_LEN, TOL, hf_plan
 from typer.testing import CliRunner
 
 from medley.cli.main import app
+from medley.hf.read import tensor_files
 from medley.runtime.checkpoint_layout import latest_checkpoint
 from medley.runtime.hf_export import read_model_tensors
-from medley.runtime.hf_weights import tensor_files
 from medley.runtime.reference import reference_train
 from medley.runtime.train import TrainConfig, load_data
 from medley.runtime.transformer import Decoder

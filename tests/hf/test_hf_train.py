@@ -15,10 +15,10 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from medley.cli.main import app
+from medley.hf.read import tensor_files
 from medley.launch.spawn import train_local
 from medley.runtime.checkpoint_layout import latest_checkpoint
 from medley.runtime.hf_export import export_hf, read_model_tensors
-from medley.runtime.hf_weights import tensor_files
 from medley.runtime.reference import reference_losses, reference_train
 from medley.runtime.train import TrainConfig, load_data
 from medley.runtime.transformer import Decoder
@@ -84,19 +84,20 @@ def test_lr_zero_export_reproduces_the_weights_bit_for_bit(hf_models, tmp_path: 
 
 
 def test_a_stage_reads_only_the_files_of_its_own_tensors(hf_models, monkeypatch: pytest.MonkeyPatch) -> None:
+    from medley.hf import read as hf_read
     from medley.runtime import hf_weights
     from medley.runtime.transformer import Decoder
 
     directory = hf_models["llama"]  # saved in many shards
     spec = get_model(str(directory))
     opened: list[Path] = []
-    real = hf_weights.safe_open
+    real = hf_read.safe_open
 
     def spy(path, **kwargs):  # noqa: ANN001, ANN202
         opened.append(Path(path))
         return real(path, **kwargs)
 
-    monkeypatch.setattr(hf_weights, "safe_open", spy)
+    monkeypatch.setattr(hf_read, "safe_open", spy)
     files = tensor_files(directory)
     stage = Decoder(spec, first_layer=2, last_layer=spec.num_layers, init=False)  # block 1 and the head
     hf_weights.load_hf_weights(stage, directory)

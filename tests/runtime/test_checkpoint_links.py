@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from medley.cli.main import app
 from medley.errors import MedleyInputError
 from medley.fileio import UnsafePathError, append_text, remove_path, write_atomically, write_new_file
+from medley.hf import write as hf_write
 from medley.runtime import checkpoint, hf_export, lock
 from medley.runtime.checkpoint_layout import META_FILE, checkpoint_path
 from medley.runtime.config import check_config
@@ -187,7 +188,7 @@ def test_export_to_a_full_disk_is_one_line(saved: Path, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """It exited 1 with safetensors' SafetensorError; now the shard is written by medley's
     writer, whose OSError names the file and the free space."""
-    monkeypatch.setattr(hf_export, "write_new_file", _full_disk(hf_export.write_new_file))
+    monkeypatch.setattr(hf_write, "write_new_file", _full_disk(hf_write.write_new_file))
     result = CliRunner(env={"COLUMNS": "1000"}).invoke(app, ["export", str(saved / STEP2), "--hf",
                                                               str(tmp_path / "hf")])
     lines = [line for line in result.output.splitlines() if line.strip()]

@@ -49,8 +49,8 @@ def write_model_dir(directory: Path, spec: ModelSpec, *, seed: int) -> Path:
     from safetensors.torch import save_file
 
     from medley.data.bpe import train_bpe
-    from medley.runtime.hf_names import hf_name
-    from medley.runtime.hf_weights import SINGLE_FILE
+    from medley.hf.names import hf_name
+    from medley.hf.read import SINGLE_FILE
     from medley.runtime.transformer import Decoder
     from medley.spec.hf_config import hf_dict_from_spec
 
