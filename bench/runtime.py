@@ -29,7 +29,7 @@ OUT = Path(__file__).parent / "results"
 
 def overhead_cases(profiles: dict, emulated: Path) -> list:
     from medley.fidelity.harness import SMALL, TINY
-    from medley.fidelity.loop import FidelityCase, build_plan
+    from medley.fidelity.plans import FidelityCase, build_plan
     from medley.profile.runtime_bench import RuntimeCase
 
     specs = [
@@ -55,7 +55,7 @@ def overhead_cases(profiles: dict, emulated: Path) -> list:
 
 def memory_cases() -> list:
     from medley.fidelity.harness import SMALL
-    from medley.fidelity.loop import FidelityCase
+    from medley.fidelity.plans import FidelityCase
 
     cases = [
         FidelityCase(name=f"small dp2 ZeRO-{z}", model=SMALL, pp=1, dp=2, zero=str(z), micro_batch_size=1)
@@ -147,7 +147,8 @@ def main() -> None:
         pass
     from medley.fidelity.fidelity_report import machine, result_row
     from medley.fidelity.harness import TINY, profiles_for
-    from medley.fidelity.loop import FidelityCase, run_case
+    from medley.fidelity.loop import run_case
+    from medley.fidelity.plans import FidelityCase
 
     args.out.mkdir(parents=True, exist_ok=True)
     emulated = Path(tempfile.mkdtemp(prefix="medley-emulated-"))  # generated device catalogs

@@ -12,7 +12,7 @@ from medley.cost.interfaces import Collective, Pass
 from medley.cost.profile_format import Profile
 from medley.fidelity.cases import default_cases
 from medley.fidelity.emulate import emulated_cluster
-from medley.fidelity.loop import case_groups, describe, emulate, tags
+from medley.fidelity.plans import case_groups, describe, emulate, tags
 from medley.profile.comm_bench import model_time
 from medley.spec.model_arg import get_model
 

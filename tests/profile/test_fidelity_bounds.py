@@ -10,15 +10,8 @@ import pytest
 from medley.cost.profile_format import load_profile
 from medley.fidelity.cases import TINY, planned_cases
 from medley.fidelity.fidelity_report import markdown_from_payload, payload_of
-from medley.fidelity.loop import (
-    FidelityResult,
-    case_groups,
-    describe,
-    emulate,
-    memory_failure,
-    tags,
-    timing_failure,
-)
+from medley.fidelity.plans import case_groups, describe, emulate, tags
+from medley.fidelity.results import FidelityResult, memory_failure, timing_failure
 
 
 def _result(

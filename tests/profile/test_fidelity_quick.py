@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from medley.fidelity.harness import TINY, harness_steps, run_harness
-from medley.fidelity.loop import FidelityCase, memory_failure
+from medley.fidelity.plans import FidelityCase
+from medley.fidelity.results import memory_failure
 
 REPLAY_BOUND = 0.5  # median |replay error| per plan (see the module docstring)
 MEMORY_BOUND = 0.05  # the goal

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from medley.fidelity.cases import TINY
-from medley.fidelity.loop import FidelityCase, run_case
+from medley.fidelity.loop import run_case
+from medley.fidelity.plans import FidelityCase
 from medley.fidelity.replay import MeasuredStep, replay_step, step_durations
 from medley.schedule.ir import BW, F, Kind, PipelineSchedule, add_send_recv
 from medley.sim import SimProblem, StageCost, simulate

@@ -21,7 +21,8 @@ import pytest
 
 from medley.cost.profile_format import load_profile
 from medley.fidelity.cases import default_cases
-from medley.fidelity.loop import FidelityResult, run_case
+from medley.fidelity.loop import run_case
+from medley.fidelity.results import FidelityResult
 
 PROFILE = Path(__file__).parents[2] / "bench" / "results" / "profile-cpu-tiny.json"
 BOUND = 0.05

@@ -10,7 +10,7 @@ ranking on small emulated clusters (bf16, as the planner plans), where plans liv
 
 from __future__ import annotations
 
-from medley.fidelity.loop import FidelityCase
+from medley.fidelity.plans import FidelityCase
 from medley.spec.model import ModelSpec
 from medley.spec.model_arg import get_model
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from medley.fidelity.loop import FidelityResult, summarize
 from medley.fidelity.replay_report import cores_lines, replay_lines
+from medley.fidelity.results import FidelityResult, summarize
 from medley.fileio import write_atomically
 
 READING = """\

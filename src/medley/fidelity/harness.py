@@ -17,7 +17,9 @@ from typing import Any
 from medley.cost.profile_format import Profile, load_profile, save_profile
 from medley.fidelity.cases import SMALL, TINY, default_cases, quick_cases
 from medley.fidelity.fidelity_report import machine, write_report
-from medley.fidelity.loop import FidelityCase, FidelityResult, NotRanked, run_case
+from medley.fidelity.loop import run_case
+from medley.fidelity.plans import FidelityCase, NotRanked
+from medley.fidelity.results import FidelityResult
 from medley.profile.overhead import measure_overhead
 from medley.profile.run import run_profile
 
