@@ -116,13 +116,16 @@ def test_one_rank_run_and_checkpoint_errors(one_rank_group, tmp_path: Path) -> N
     other_seq = Plan(layout=dataclasses.replace(plan.layout, seq_len=16), cluster=plan.cluster)
     with pytest.raises(MedleyInputError, match="seq_len.*--seq-len"):
         train(other_seq, config(steps=3, checkpoint_dir=directory))
+    with pytest.raises(MedleyInputError, match="cosine over 2 steps.*cosine over 3 steps.*--extend-schedule"):
+        train(plan, config(steps=3, checkpoint_dir=directory))
+    longer = config(steps=3, checkpoint_dir=directory, extend_schedule=True)
     data_file = next(checkpoint_path(directory, 2).glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:100])
     with pytest.raises(MedleyInputError, match=f"{data_file.name}: its content changed.*sha256"):
-        train(plan, config(steps=3, checkpoint_dir=directory))
+        train(plan, longer)
     (checkpoint_path(directory, 2) / META_FILE).write_text("{not json")
     with pytest.raises(MedleyInputError, match="medley.json"):
-        train(plan, config(steps=3, checkpoint_dir=directory))
+        train(plan, longer)
 
 
 @pytest.mark.timeout(120)

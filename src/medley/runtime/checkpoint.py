@@ -59,7 +59,7 @@ from medley.runtime.checkpoint_verify import (
     sha256_of,
     verified_metadata,
 )
-from medley.runtime.optim import ensure_state
+from medley.runtime.optim import LrSchedule, ensure_state
 from medley.runtime.settings import CheckpointConfig
 from medley.runtime.sharding import ShardedStage
 
@@ -318,10 +318,19 @@ DATA_ORDER = {"seed": "--seed", "global_batch": "the global batch (micro-batches
               "data": "--data"}
 
 
+def _schedule_text(recorded: Any) -> str:
+    try:
+        return LrSchedule(**recorded).describe()
+    except TypeError:  # a medley.json this medley did not write
+        return repr(recorded)
+
+
 def check_meta(path: Path, saved: dict[str, Any], expected: dict[str, Any], *,
-               reset_data_order: bool = False) -> list[str]:
+               reset_data_order: bool = False, extend_schedule: bool = False) -> list[str]:
     """Refuse a resume that changes the model, optimizer or sequence length; one that changes the
-    data order (seed, global batch, data) too unless ``reset_data_order``. Returns what differs."""
+    data order (seed, global batch, data) unless ``reset_data_order``, or the learning-rate
+    schedule unless ``extend_schedule`` (a checkpoint without one, from an older medley, is not
+    checked). Returns the accepted changes, each named with the flag that accepted it."""
     for key, setting in _FIXED.items():
         if saved.get(key) != expected.get(key):
             raise MedleyInputError(
@@ -334,7 +343,18 @@ def check_meta(path: Path, saved: dict[str, Any], expected: dict[str, Any], *,
         raise MedleyInputError(
             f"checkpoint {path} was written with another data order ({'; '.join(changed)}); change "
             f"{settings} back, or pass --reset-data-order to continue with the new one")
-    return changed
+    accepted = [f"a new data order (--reset-data-order): {'; '.join(changed)}"] if changed else []
+    old, new = saved.get("schedule"), expected.get("schedule")
+    if old is not None and new is not None and old != new:
+        before, after = _schedule_text(old), _schedule_text(new)
+        if not extend_schedule:
+            raise MedleyInputError(
+                f"checkpoint {path} follows the learning-rate schedule {before}, this run's is {after}; a "
+                "resume continues the checkpoint's curve: give --steps, --lr, --min-lr, --warmup-steps, "
+                "--lr-schedule and --decay-fraction as it was written with, or pass --extend-schedule to "
+                "follow this run's from the resumed step")
+        accepted.append(f"a new schedule (--extend-schedule): {before} -> {after}")
+    return accepted
 
 
 def _expected_entries(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
@@ -346,16 +366,18 @@ def _expected_entries(state: dict[str, torch.Tensor]) -> dict[str, dict[str, Any
 
 
 def load_checkpoint(path: Path, *, stages: dict[int, ShardedStage], expected: dict[str, Any],
-                    reset_data_order: bool = False,
+                    reset_data_order: bool = False, extend_schedule: bool = False,
                     train_state: dict[str, torch.Tensor] | None = None) -> tuple[int, list[str]]:
     """Collective: fill this rank's stages and optimizers from ``path``, and in place those
-    ``train_state`` tensors the checkpoint has; returns the next step and the data-order settings
-    that changed (accepted with ``reset_data_order``). Before any tensor is read: medley.json,
+    ``train_state`` tensors the checkpoint has; returns the next step and the changes accepted
+    (:func:`check_meta`: a data order with ``reset_data_order``, a schedule with
+    ``extend_schedule``). Before any tensor is read: medley.json,
     the file hashes, the ``.metadata`` and its entries against those of this run (every rank's
     model, optimizer and ``train_state``), each refusal one :class:`MedleyInputError`."""
     fix = resume_fix(path)
     saved = read_meta(path, fix=fix)
-    changed = check_meta(path, saved, expected, reset_data_order=reset_data_order)
+    changed = check_meta(path, saved, expected, reset_data_order=reset_data_order,
+                         extend_schedule=extend_schedule)
     metadata = verified_metadata(Path(path), saved, fix=fix, hashes=_hash_files)
     tied = any(stage.module.spec.tied_embeddings for stage in stages.values())  # the same on every rank
     state = checkpoint_state(stages, for_load=True)

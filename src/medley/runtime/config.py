@@ -17,6 +17,7 @@ from medley.data.source import DataSource
 from medley.errors import MedleyInputError
 from medley.fileio import UnsafePathError, check_output_dir, check_output_file, open_no_follow
 from medley.runtime.device_check import DEVICE_CHOICES
+from medley.runtime.optim import OPTIMIZERS, SCHEDULES
 from medley.runtime.records import StepRecord
 from medley.runtime.settings import (
     CheckpointConfig,
@@ -96,8 +97,12 @@ def check_config(config: TrainConfig) -> None:
         raise MedleyInputError(f"--steps {opt.steps}: train 1..{MAX_STEPS:,} steps")
     if not 0 <= config.data.seed <= MAX_SEED:
         raise MedleyInputError(f"--seed {config.data.seed}: use a seed in 0..{MAX_SEED:,}")
-    if opt.name not in ("adamw", "sgd"):
+    if opt.name not in OPTIMIZERS:
         raise MedleyInputError(f"--optimizer '{opt.name}' must be adamw or sgd")
+    if opt.lr_schedule not in SCHEDULES:
+        raise MedleyInputError(f"--lr-schedule '{opt.lr_schedule}' must be one of {', '.join(SCHEDULES)}")
+    if not 0.0 < opt.decay_fraction <= 1.0:
+        raise MedleyInputError(f"--decay-fraction {opt.decay_fraction}: give a share of the steps in (0, 1]")
     for flag, value, positive in (("--lr", opt.lr, False), ("--min-lr", opt.min_lr, False),
                                   ("--weight-decay", opt.weight_decay, False),
                                   ("--clip-norm", opt.clip_norm, True),

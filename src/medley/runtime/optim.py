@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from medley.errors import MedleyInputError
+from medley.runtime.settings import OptimizerConfig
 
 OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
 ADAMW_BETAS = (0.9, 0.95)
 
 
@@ -34,15 +38,68 @@ def optimizer_class(name: str, *, lr: float, weight_decay: float,
     raise MedleyInputError(f"--optimizer '{name}' must be one of {', '.join(OPTIMIZERS)}")
 
 
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
-    """Linear warm-up over ``warmup_steps`` (step 0 already takes a non-zero step), then cosine
-    decay from ``lr`` to ``min_lr`` at ``total_steps``; a ``min_lr`` above ``lr`` is ``lr`` (so
-    ``lr`` 0 changes no weight: an export round trip checks bit for bit with it)."""
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int,
+          schedule: str = "cosine", decay_fraction: float = 0.2) -> float:
+    """Linear warm-up over ``warmup_steps`` (step 0 already takes a non-zero step), then the
+    decay from ``lr`` to ``min_lr`` at ``total_steps``: ``cosine``, ``linear``, ``constant`` (none),
+    or ``wsd`` (``lr`` until the last ``decay_fraction`` of the steps after warm-up, then linear);
+    a ``min_lr`` above ``lr`` is ``lr`` (so ``lr`` 0 changes no weight: an export round trip checks
+    bit for bit with it)."""
     min_lr = min(min_lr, lr)
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    if schedule == "cosine":
+        return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return lr - (lr - min_lr) * progress
+    if schedule == "constant":
+        return lr
+    if schedule == "wsd":
+        decay = max(0.0, progress - (1.0 - decay_fraction)) / decay_fraction
+        return lr - (lr - min_lr) * min(1.0, decay)
+    raise MedleyInputError(f"--lr-schedule '{schedule}' must be one of {', '.join(SCHEDULES)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LrSchedule:
+    """The learning rate of every step of a run, fixed at its start and recorded in its
+    checkpoints, so that a resume continues the same curve (``extend_schedule`` to change it).
+
+    Attributes:
+        kind: ``cosine``, ``linear``, ``constant`` or ``wsd`` (:func:`lr_at`).
+        lr: peak learning rate; min_lr: the rate at the decay's end.
+        warmup_steps: linear warm-up steps; steps: the step at which the decay ends.
+        decay_fraction: ``wsd``'s decaying share of the steps after warm-up.
+    """
+
+    kind: str
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    steps: int
+    decay_fraction: float
+
+    @classmethod
+    def of(cls, opt: OptimizerConfig) -> LrSchedule:
+        return cls(kind=opt.lr_schedule, lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
+                   steps=opt.steps, decay_fraction=opt.decay_fraction)
+
+    def at(self, step: int) -> float:
+        """The learning rate of ``step`` (counted in applied updates)."""
+        return lr_at(step, lr=self.lr, min_lr=self.min_lr, warmup_steps=self.warmup_steps,
+                     total_steps=self.steps, schedule=self.kind, decay_fraction=self.decay_fraction)
+
+    def record(self) -> dict[str, Any]:
+        """The fields, as a checkpoint's medley.json keeps them."""
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """``cosine over 20 steps, lr 0.003 -> 0.0003, 5 warm-up``, the way a resume names it."""
+        decay = "" if self.kind == "constant" else f" -> {self.min_lr:g}"
+        share = f" (last {self.decay_fraction:g} decaying)" if self.kind == "wsd" else ""
+        return (f"{self.kind}{share} over {self.steps} steps, lr {self.lr:g}{decay}, "
+                f"{self.warmup_steps} warm-up")
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

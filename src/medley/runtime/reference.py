@@ -16,7 +16,7 @@ import torch
 from medley.data.source import DataSource
 from medley.plan.layout import PlanLayout
 from medley.runtime.hf_weights import load_hf_weights
-from medley.runtime.optim import lr_at, optimizer_class, set_lr
+from medley.runtime.optim import LrSchedule, optimizer_class, set_lr
 from medley.runtime.train import TrainConfig, load_data
 from medley.runtime.transformer import Decoder, token_loss_sum
 
@@ -59,9 +59,9 @@ def reference_run(layout: PlanLayout, config: TrainConfig, *, steps: int | None 
     source = load_data(config, seq_len=layout.seq_len, vocab_size=layout.model.vocab_size)
     sequences = sum(layout.micro_batches) * layout.micro_batch_size
     run = ReferenceRun()
+    schedule = LrSchedule.of(opt)
     for step in range(opt.steps if steps is None else steps):
-        set_lr(optimizer, lr_at(step, lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
-                                total_steps=opt.steps))
+        set_lr(optimizer, schedule.at(step))
         rows = source.global_rows(step=step, seed=config.data.seed, sequences=sequences,
                                   seq_len=layout.seq_len)
         loss = token_loss_sum(model(rows.tokens[:, :-1]), rows.targets) / rows.loss_tokens

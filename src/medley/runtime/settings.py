@@ -105,10 +105,18 @@ class OptimizerConfig:
     Attributes:
         steps: steps in total, skipped fp16 steps included (a resumed run continues up to this step).
         name: ``adamw`` or ``sgd``.
-        lr: peak learning rate, reached after ``warmup_steps`` linear warm-up steps, then cosine
-            decay to ``min_lr`` at step ``steps``; 0 updates nothing (min_lr is capped at lr).
+        lr: peak learning rate, reached after ``warmup_steps`` linear warm-up steps, then the
+            schedule's decay to ``min_lr`` at step ``steps``; 0 updates nothing (min_lr is capped
+            at lr).
+        lr_schedule: the decay after warm-up (:class:`medley.runtime.optim.LrSchedule`):
+            ``cosine``, ``linear``, ``constant`` (none) or ``wsd`` (warm-up, stable, decay: ``lr``
+            until the last ``decay_fraction`` of the steps after warm-up, then linear to ``min_lr``).
+        decay_fraction: ``wsd``'s share of the steps after warm-up that decays.
+        extend_schedule: a resume follows the checkpoint's schedule (its steps, lr, min_lr,
+            warm-up, kind), recorded at the run's start, and refuses a run whose schedule differs;
+            with this, it follows this run's from the resumed step on (a longer run's curve).
         warmup_steps: linear warm-up steps.
-        min_lr: learning rate at the end of the cosine decay.
+        min_lr: learning rate at the end of the decay.
         weight_decay: decoupled weight decay (AdamW) or L2 (SGD).
         clip_norm: clip gradients to this global L2 norm (across stages and shards); None: off.
     """
@@ -117,7 +125,12 @@ class OptimizerConfig:
     name: str = setting("adamw", "adamw or sgd", name="optimizer")
     lr: float = setting(3e-3, "Peak learning rate (0: no updates)")
     warmup_steps: int = setting(5, "Linear warm-up steps", minimum=0, maximum=MAX_STEPS)
-    min_lr: float = setting(3e-4, "Learning rate at the end of the cosine decay")
+    min_lr: float = setting(3e-4, "Learning rate at the end of the decay")
+    lr_schedule: str = setting("cosine", "Decay after warm-up: cosine, linear, constant or wsd (stable at "
+                               "--lr, then linear over the last --decay-fraction)")
+    decay_fraction: float = setting(0.2, "wsd: the share of the steps after warm-up that decays")
+    extend_schedule: bool = setting(False, "Resume with this run's schedule (--steps, --lr, ...) although "
+                                    "the checkpoint's differs; without it a resume follows the checkpoint's")
     weight_decay: float = setting(0.1, "Weight decay")
     clip_norm: float | None = setting(1.0, "Global gradient-norm clip (0: off)", off=True)
 

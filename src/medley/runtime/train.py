@@ -43,7 +43,7 @@ from medley.runtime.executor import ACTION_CATEGORIES
 from medley.runtime.lifecycle import StepWatchdog, phase_timeouts
 from medley.runtime.memory import cuda_peak_bytes, probe_peak_bytes, reset_cuda_peak, resident_tensors
 from medley.runtime.metrics import TensorBoardLog
-from medley.runtime.optim import lr_at, optimizer_class, set_lr
+from medley.runtime.optim import LrSchedule, optimizer_class, set_lr
 from medley.runtime.precision import LossScaler, choose_dtype, unscale_and_clip
 from medley.runtime.records import StepRecord
 from medley.runtime.setup import RankSetup, build_rank
@@ -130,9 +130,10 @@ class _Loop:
             setup.executor.before_optim = self._count_norm
         else:
             setup.executor.on_clip = self._clip
+        self.schedule = LrSchedule.of(config.optimizer)
         self.meta = {"model": dataclasses.asdict(layout.model), "data": self.source.fingerprint,
                      "optimizer": config.optimizer.name, "seq_len": layout.seq_len, "seed": config.data.seed,
-                     "global_batch": self.sequences,
+                     "global_batch": self.sequences, "schedule": self.schedule.record(),
                      "hf_dir": None if config.model.hf_dir is None
                      else str(Path(config.model.hf_dir).resolve()),
                      "plan": [{"pp": group.pp, "dp": group.dp, "split": list(group.stage_layers),
@@ -245,16 +246,17 @@ class _Loop:
         state = self._train_state()
         start, changed = checkpoint.load_checkpoint(latest, stages=self.setup.stages, expected=self.meta,
                                                     reset_data_order=self.config.data.reset_data_order,
+                                                    extend_schedule=self.config.optimizer.extend_schedule,
                                                     train_state=state)
         self.skipped_steps = int(state["skipped_steps"])
         if self.scaler is not None:
             self.scaler.load(state)
             self.scaler.skipped_steps = self.skipped_steps
-        if changed and self.rank == 0:
-            print(printable(f"resuming {latest} with a new data order (--reset-data-order): "
-                            f"{'; '.join(changed)}"), file=sys.stderr, flush=True)
         if self.rank == 0:
-            print(printable(f"resumed from step {start} (checkpoint {latest})"), file=sys.stderr, flush=True)
+            for change in changed:
+                print(printable(f"resuming {latest} with {change}"), file=sys.stderr, flush=True)
+            print(printable(f"resumed from step {start} (checkpoint {latest}; {start * self.sequences:,} "
+                            f"sequences seen; {self.schedule.describe()})"), file=sys.stderr, flush=True)
         return start
 
     def _arm(self, watchdog: StepWatchdog | None, step: int, *, first: bool) -> None:
@@ -317,9 +319,7 @@ class _Loop:
         """Run one step (and an evaluation when due); its statistics, left on the device."""
         config, setup = self.config, self.setup
         # The schedule counts applied updates: a skipped fp16 step holds it back (as Megatron-LM).
-        self.step_index, self.step_lr = step, lr_at(
-            step - self.skipped_steps, lr=config.optimizer.lr, min_lr=config.optimizer.min_lr,
-            warmup_steps=config.optimizer.warmup_steps, total_steps=config.optimizer.steps)
+        self.step_index, self.step_lr = step, self.schedule.at(step - self.skipped_steps)
         for stage in setup.stages.values():
             for optimizer in stage.optimizers:
                 set_lr(optimizer, self.step_lr)
