@@ -58,7 +58,7 @@ def saved(trained: Path, tmp_path: Path) -> Path:
 
 
 def _resume(directory: Path, **plan: object) -> list:
-    settings = config(steps=3, checkpoint_dir=directory, measure_memory=False)
+    settings = config(steps=3, checkpoint_dir=directory, measure_memory=False, extend_schedule=True)
     return train(tiny_plan(**{**PLAN, **plan}), settings)
 
 

@@ -60,7 +60,8 @@ def precious(tmp_path: Path) -> Path:
 
 
 def _run(directory: Path, steps: int = 4) -> list:
-    return train(tiny_plan(**PLAN), config(steps=steps, checkpoint_dir=directory, measure_memory=False))
+    return train(tiny_plan(**PLAN), config(steps=steps, checkpoint_dir=directory, measure_memory=False,
+                                           extend_schedule=True))
 
 
 @pytest.mark.parametrize("kind", ["symlink", "hardlink"])

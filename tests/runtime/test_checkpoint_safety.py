@@ -95,6 +95,7 @@ def _rehash(step: Path, name: str) -> None:
 
 def _resume(directory: Path, **overrides: object) -> list:
     plan = overrides.pop("plan", tiny_plan(**PLAN))
+    overrides.setdefault("extend_schedule", True)  # four steps from a two-step run's checkpoint
     return train(plan, config(steps=4, checkpoint_dir=directory, measure_memory=False, **overrides))
 
 

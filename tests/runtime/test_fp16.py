@@ -152,7 +152,7 @@ def test_an_fp16_run_resumes_a_checkpoint_without_a_scale(one_rank_group, tmp_pa
     plan, directory = tiny_plan(**ONE_RANK), tmp_path / "ckpt"
     train(plan, config(steps=2, checkpoint_dir=directory, measure_memory=False))
     records = train(plan, config(steps=3, dtype="fp16", checkpoint_dir=directory, measure_memory=False,
-                                 loss_scale_init=1024.0))
+                                 loss_scale_init=1024.0, extend_schedule=True))
     assert [(r.step, r.loss_scale, r.skipped_steps) for r in records] == [(2, 1024.0, 0)]
 
 
