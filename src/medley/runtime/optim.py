@@ -82,8 +82,11 @@ class LrSchedule:
 
     @classmethod
     def of(cls, opt: OptimizerConfig) -> LrSchedule:
+        # Only wsd reads the decay fraction: another kind records 1.0, so that a --decay-fraction
+        # it ignores does not make its checkpoints' schedule differ.
+        fraction = opt.decay_fraction if opt.lr_schedule == "wsd" else 1.0
         return cls(kind=opt.lr_schedule, lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
-                   steps=opt.steps, decay_fraction=opt.decay_fraction)
+                   steps=opt.steps, decay_fraction=fraction)
 
     def at(self, step: int) -> float:
         """The learning rate of ``step`` (counted in applied updates)."""
