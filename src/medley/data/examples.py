@@ -1,14 +1,15 @@
 """Instruction data as examples: one conversation or prompt/completion pair per row of the batch,
 its loss on the learned tokens only (:mod:`.chat` says which).
 
-No packing: an example is one sequence, cut to its first ``seq_len + 1`` tokens (the rest is
-dropped, and counted) and padded on the right with the tokenizer's pad token (its EOS when it
-has none). Attention is causal, so padding after an example changes none of its positions, and
-the padded targets, like the prompt's, carry :data:`IGNORE` and add nothing to the loss. The
-loss of a step is the sum over its learned targets divided by their number in the global batch:
-the mean over unmasked tokens, whatever the plan (each micro-batch's sum is divided by the
-global count, which every rank knows since every rank draws the global batch). An example with
-no learned target in its first ``seq_len + 1`` tokens is left out of the order (and counted).
+Unpacked (``--pack`` is :mod:`.packing`): an example is one sequence, cut to its first
+``seq_len + 1`` tokens (the rest is dropped, and counted) and padded on the right with the
+tokenizer's pad token (its EOS when it has none). Attention is causal, so padding after an
+example changes none of its positions, and the padded targets, like the prompt's, carry
+:data:`IGNORE` and add nothing to the loss. The loss of a step is the sum over its learned
+targets divided by their number in the global batch: the mean over unmasked tokens, whatever
+the plan (each micro-batch's sum is divided by the global count, which every rank knows since
+every rank draws the global batch). An example with no learned target in its first ``seq_len +
+1`` tokens is left out of the order (and counted).
 
 The examples are tokenized once, in the launching process, into a cache like the text cache
 (:mod:`.cache`): ``<key>.ids`` (uint16 or uint32), ``<key>.mask`` (uint8), ``<key>.offsets``

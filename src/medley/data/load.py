@@ -20,6 +20,7 @@ from medley.data.cache import TextTokenizer, cached_tokens, load_tokenizer
 from medley.data.chat import load_chat_template
 from medley.data.examples import Examples, cached_examples, data_kind, usable
 from medley.data.formats import data_format
+from medley.data.packing import Packer
 from medley.data.source import BYTE_VOCAB, SYNTHETIC, DataSource
 from medley.data.tokens import (
     DEFAULT_TOKEN_DTYPE,
@@ -59,6 +60,8 @@ class DataOptions:
             (:mod:`.examples`).
         chat_template: ``--chat-template``: a Jinja file for conversations; None: the tokenizer
             directory's (``chat_template.jinja`` or ``tokenizer_config.json``).
+        pack: ``--pack``: several examples per sequence (:mod:`.packing`).
+        seed: ``--seed``, the data order's: the packing statistics reported are of its first epoch.
     """
 
     tokenizer: str | None = None
@@ -68,6 +71,8 @@ class DataOptions:
     val_fraction: float = 0.0
     kind: str = "auto"
     chat_template: str | None = None
+    pack: bool = False
+    seed: int = 0
 
 
 def load_source(data: str | Path | None, *, seq_len: int, options: DataOptions | None = None,
@@ -80,17 +85,22 @@ def load_source(data: str | Path | None, *, seq_len: int, options: DataOptions |
         raise MedleyInputError(f"--val-fraction {options.val_fraction} must be in [0, 1); e.g. 0.05")
     if val_data is not None and options.val_fraction:
         raise MedleyInputError("--val-data and --val-fraction: give one of them")
+    kind = "text" if data in (None, SYNTHETIC) else data_kind(
+        Path(data), data_format(Path(data), flag="--data"), kind=options.kind, text_field=options.text_field,
+        flag="--data")
+    if options.pack and kind == "text":
+        raise MedleyInputError(f"--pack: {data or 'the shipped corpus'} is text, which fills every sequence "
+                               "already (windows of the token stream); pack chat or prompt/completion data, "
+                               "or drop --pack")
     if data == SYNTHETIC:
         if options.val_fraction or val_data is not None:
             raise MedleyInputError("--val-fraction/--val-data: the synthetic source has no validation set; "
                                    "give --data FILE or drop them")
         return DataSource(name=SYNTHETIC, fingerprint=SYNTHETIC)
-    if data is not None:
-        kind = data_kind(Path(data), data_format(Path(data), flag="--data"), kind=options.kind,
-                         text_field=options.text_field, flag="--data")
-        if kind != "text":
-            return _example_source(Path(data), kind=kind, seq_len=seq_len, options=options,
-                                   vocab_size=vocab_size, val_data=val_data, verify=verify)
+    if kind != "text":
+        assert data is not None
+        return _example_source(Path(data), kind=kind, seq_len=seq_len, options=options,
+                               vocab_size=vocab_size, val_data=val_data, verify=verify)
     tokens, digest, is_bytes = _tokens(data, options=options, vocab_size=vocab_size, flag="--data",
                                        verify=verify)
     name = f"shipped:{SHIPPED_CORPUS}" if data is None else str(data)
@@ -184,8 +194,15 @@ def _example_source(path: Path, *, kind: str, seq_len: int, options: DataOptions
     if val is not None and val.count < 1:
         raise MedleyInputError("--val-data/--val-fraction: no usable validation example; give more "
                                "validation data or a longer --seq-len")
+    stats = Packer(examples=train).stats(options.seed)
+    if options.pack:
+        digest += ":packed"
+        notes.append(f"--pack: {stats.describe()}")
+    else:
+        notes.append(f"--data {path}: one example per sequence, {1 - stats.unpacked_efficiency:.0%} of the "
+                     f"positions are padding; --pack would fill {stats.efficiency:.0%} of them")
     return DataSource(name=str(path), fingerprint=digest, examples=train, val_examples=val,
-                      notes=tuple(notes))
+                      packed=options.pack, notes=tuple(notes))
 
 
 def _checked_tokenizer(given: str | Path, vocab_size: int) -> TextTokenizer:

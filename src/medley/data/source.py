@@ -9,12 +9,13 @@ of it, sized by their micro-batch counts (:func:`replica_slice`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from medley.data.examples import IGNORE, Examples
+from medley.data.packing import Packer
 from medley.data.windows import Windows, sample_order
 
 
@@ -28,11 +29,14 @@ class MicroBatches:
         loss_tokens: learned targets in the whole global batch (every replica's): each
             micro-batch's summed loss is divided by it, so the losses of the step add up to the
             mean over the global batch.
+        segments: packed data: each position's example within its sequence, per micro-batch
+            (:mod:`.packing`); None: one example (or text window) per sequence.
     """
 
     inputs: list[torch.Tensor]
     targets: list[torch.Tensor]
     loss_tokens: int
+    segments: list[torch.Tensor] | None = None
 
 
 BYTE_VOCAB = 256
@@ -60,10 +64,13 @@ class Rows:
         targets: [sequences, seq_len]: the next token where the loss counts, else ``IGNORE``
             (-100, the value ``F.cross_entropy`` and transformers skip); text data learns every
             position (``tokens[:, 1:]``), instruction data the assistant's or completion's tokens.
+        segments: [sequences, seq_len]: packed data's example index per position
+            (:class:`medley.data.packing.PackedRows`); None: not packed.
     """
 
     tokens: torch.Tensor
     targets: torch.Tensor
+    segments: torch.Tensor | None = None
 
     @classmethod
     def of(cls, tokens: torch.Tensor) -> Rows:
@@ -75,8 +82,6 @@ class Rows:
         """Targets the loss counts: the mean loss of the batch divides its sum by this."""
         return int((self.targets != IGNORE).sum())
 
-    def to(self, device: torch.device) -> Rows:
-        return Rows(tokens=self.tokens.to(device), targets=self.targets.to(device))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +98,8 @@ class DataSource:
             it, as medley always did), else None.
         examples: instruction data: the training examples (:mod:`.examples`), else None.
         val_examples: instruction data: the validation examples, if any.
+        packed: instruction data packed several examples to a sequence (``--pack``,
+            :mod:`.packing`), training and validation alike.
         notes: what the launching process says about the data (examples cut or left out).
     """
 
@@ -103,7 +110,16 @@ class DataSource:
     text: np.ndarray | None = None
     examples: Examples | None = None
     val_examples: Examples | None = None
+    packed: bool = False
     notes: tuple[str, ...] = ()
+    _packers: dict[str, Packer] = field(default_factory=dict, repr=False, compare=False)
+
+    def _packer(self, which: str) -> Packer:
+        if which not in self._packers:
+            examples = self.examples if which == "train" else self.val_examples
+            assert examples is not None
+            self._packers[which] = Packer(examples=examples, shuffled=which == "train")
+        return self._packers[which]
 
     @property
     def synthetic(self) -> bool:
@@ -115,6 +131,10 @@ class DataSource:
         samples = self.examples if self.examples is not None else self.train
         if samples is None:
             return []
+        if self.packed:
+            starts = self._packer("train").starts(seed, (step + 1) * sequences)
+            first, last = starts[step * sequences], starts[(step + 1) * sequences]
+            return [int(samples.order[i]) for i in self._packer("train").samples(seed, first, last - first)]
         return list(sample_order(count=samples.count, seed=seed, first_sample=step * sequences,
                                  samples=sequences))
 
@@ -123,6 +143,9 @@ class DataSource:
         if self.examples is not None:
             if self.examples.seq_len != seq_len:
                 raise ValueError(f"the source was cut for seq_len {self.examples.seq_len}, not {seq_len}")
+            if self.packed:
+                packed = self._packer("train").rows(seed, step * sequences, sequences)
+                return Rows(tokens=packed.tokens, targets=packed.targets, segments=packed.segments)
             order = sample_order(count=self.examples.count, seed=seed, first_sample=step * sequences,
                                  samples=sequences)
             tokens, targets = self.examples.rows(order)
@@ -132,6 +155,9 @@ class DataSource:
     def eval_rows(self, index: int, *, sequences: int) -> Rows:
         """Validation batch ``index``: the validation windows or examples in order."""
         if self.val_examples is not None:
+            if self.packed:
+                packed = self._packer("val").rows(0, index * sequences, sequences)
+                return Rows(tokens=packed.tokens, targets=packed.targets, segments=packed.segments)
             tokens, targets = self.val_examples.in_order(index, sequences)
             return Rows(tokens=tokens, targets=targets)
         return Rows.of(self.eval_batch(index, sequences=sequences))
@@ -172,5 +198,7 @@ def replica_slice(rows: Rows, *, micro_batches: Sequence[int], micro_batch_size:
     start = sum(micro_batches[:replica]) * micro_batch_size
     end = start + micro_batches[replica] * micro_batch_size
     tokens, targets = rows.tokens[start:end], rows.targets[start:end]
+    segments = None if rows.segments is None else list(rows.segments[start:end].split(micro_batch_size))
     return MicroBatches(inputs=[c[:, :-1] for c in tokens.split(micro_batch_size)],
-                        targets=list(targets.split(micro_batch_size)), loss_tokens=rows.loss_tokens)
+                        targets=list(targets.split(micro_batch_size)), loss_tokens=rows.loss_tokens,
+                        segments=segments)

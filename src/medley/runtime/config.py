@@ -77,7 +77,7 @@ def data_options(config: TrainConfig) -> DataOptions:
         tokenizer = str(model_dir)
     return DataOptions(tokenizer=tokenizer, text_field=data.text_field, token_dtype=data.token_dtype,
                        cache_dir=data.data_cache, val_fraction=data.val_fraction, kind=data.data_format,
-                       chat_template=data.chat_template)
+                       chat_template=data.chat_template, pack=data.pack, seed=data.seed)
 
 
 def _check_number(flag: str, value: float | None, *, positive: bool) -> None:

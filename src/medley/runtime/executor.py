@@ -277,7 +277,8 @@ class RankExecutor:
             inp = self._whole(st.inputs[mb], stage - 1, stage).detach().requires_grad_(True)
             st.inputs[mb] = inp
         with self._autocast():
-            out = self.stages[stage].module(inp)
+            module = self.stages[stage].module
+            out = module(inp) if batch.segments is None else module(inp, segments=batch.segments[mb])
             if stage == self.schedule.num_stages - 1:
                 st.losses[mb] = self.loss_fn(out, batch.targets[mb]) / batch.loss_tokens
                 return

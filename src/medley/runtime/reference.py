@@ -64,7 +64,7 @@ def reference_run(layout: PlanLayout, config: TrainConfig, *, steps: int | None 
         set_lr(optimizer, schedule.at(step))
         rows = source.global_rows(step=step, seed=config.data.seed, sequences=sequences,
                                   seq_len=layout.seq_len)
-        loss = token_loss_sum(model(rows.tokens[:, :-1]), rows.targets) / rows.loss_tokens
+        loss = token_loss_sum(model(rows.tokens[:, :-1], rows.segments), rows.targets) / rows.loss_tokens
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if opt.clip_norm is not None:
@@ -86,5 +86,6 @@ def _eval_loss(model: Decoder, source: DataSource, batches: int, sequences: int)
         total = 0.0
         for index in range(batches):
             rows = source.eval_rows(index, sequences=sequences)
-            total += float(token_loss_sum(model(rows.tokens[:, :-1]), rows.targets) / rows.loss_tokens)
+            logits = model(rows.tokens[:, :-1], rows.segments)
+            total += float(token_loss_sum(logits, rows.targets) / rows.loss_tokens)
     return total / batches

@@ -71,6 +71,9 @@ class DataConfig:
         data_cache: where tokenized text is cached (None: ``~/.cache/medley/tokens``).
         val_data: a validation data set (same formats), all of its windows used in order.
         val_fraction: hold out this share of ``data``'s windows (the last ones) for validation.
+        pack: pack several chat or prompt/completion examples into each sequence, attention and
+            positions reset per example (:mod:`medley.data.packing`); text data fills its
+            sequences already.
         seed: seed of the model initialisation and of the data order.
         reset_data_order: resume from a checkpoint written with another seed, global batch or
             data source (each difference is printed); without it such a resume is refused.
@@ -93,6 +96,8 @@ class DataConfig:
                                       path=True)
     val_data: str | None = setting(None, "Validation data (same formats as --data)", path=True)
     val_fraction: float = setting(0.0, "Hold out this share of --data")
+    pack: bool = setting(False, "Pack several chat/completion examples into each sequence (attention and "
+                         "positions reset per example)")
     seed: int = setting(0, "Seed of weights and data order", minimum=0, maximum=MAX_SEED)
     reset_data_order: bool = setting(False, "Resume although the seed, global batch or --data differ from "
                                      "the checkpoint's")

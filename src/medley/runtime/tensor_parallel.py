@@ -62,15 +62,17 @@ def block_plan(swiglu: bool, *, sequence_parallel: bool = False) -> dict[str, Pa
     output to the sequence shard (the module docstring)."""
     held = Shard(1) if sequence_parallel else Replicate()
 
-    def shared() -> PrepareModuleInput:
-        return PrepareModuleInput(input_layouts=(held,), desired_input_layouts=(Replicate(),),
+    def shared(inputs: int = 1) -> PrepareModuleInput:
+        # Attention's second input: packed sequences' positions and mask (or None), left as they are.
+        rest = (None,) * (inputs - 1)
+        return PrepareModuleInput(input_layouts=(held, *rest), desired_input_layouts=(Replicate(), *rest),
                                   use_local_output=False)
 
     def rowwise() -> RowwiseParallel:
         return RowwiseParallel(output_layouts=held)
 
     plan: dict[str, ParallelStyle] = {
-        "attn": shared(), "mlp": shared(),
+        "attn": shared(inputs=2), "mlp": shared(),
         "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
         "attn.wo": rowwise(), "mlp.up": ColwiseParallel(), "mlp.down": rowwise(),
     }
@@ -111,7 +113,7 @@ def apply_sequence_edges(module: Decoder, tp_mesh: DeviceMesh, *, sharded_input:
     keys = list(module.blocks)
     if not sharded_input:
         parallelize_module(module.blocks[keys[0]], tp_mesh, PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+            input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))
     if not sharded_output:
         parallelize_module(module.blocks[keys[-1]], tp_mesh, PrepareModuleOutput(
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))

@@ -312,8 +312,9 @@ class _Loop:
         batch = replica_slice(rows, micro_batches=self.plan.micro_batches,
                               micro_batch_size=self.plan.shared.micro_batch_size, replica=self.setup.replica)
         device = self.setup.device
+        segments = None if batch.segments is None else [to_device(t, device) for t in batch.segments]
         return dataclasses.replace(batch, inputs=[to_device(t, device) for t in batch.inputs],
-                                   targets=[to_device(t, device) for t in batch.targets])
+                                   targets=[to_device(t, device) for t in batch.targets], segments=segments)
 
     def _step(self, step: int) -> PendingStep:
         """Run one step (and an evaluation when due); its statistics, left on the device."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,16 +59,48 @@ def rope_tables(seq_len: int, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tens
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x: [batch, heads, seq, head_dim]."""
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x: [batch, heads, seq, head_dim] (cos and sin
+    [seq, head_dim / 2], or [batch, 1, seq, head_dim / 2] for positions of their own per row)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Segments:
+    """Packed sequences (:mod:`medley.data.packing`): what attention and positions need of them.
+
+    Attributes:
+        positions: [batch, seq] each position counted from its example's start.
+        mask: [batch, 1, seq, seq] True where query i may attend key j: j <= i in the same example
+            (and inside the sliding window).
+    """
+
+    positions: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def of(cls, segments: torch.Tensor, spec: ModelSpec) -> Segments:
+        """From [batch, seq] example indices (non-decreasing along a row)."""
+        seq = segments.shape[1]
+        index = torch.arange(seq, device=segments.device)
+        starts = torch.zeros_like(segments)
+        starts[:, 1:] = torch.where(segments[:, 1:] != segments[:, :-1], index[1:], 0)
+        positions = index - starts.cummax(dim=1).values
+        distance = index[:, None] - index[None, :]
+        allowed = distance >= 0
+        if spec.sliding_window is not None:
+            allowed = allowed & (distance < spec.sliding_window)
+        same = segments[:, :, None] == segments[:, None, :]
+        return cls(positions=positions, mask=(same & allowed)[:, None])
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention (num_kv_heads <= num_heads). With a sliding window W, query i
     attends to keys j with i - W < j <= i (W tokens, itself included: transformers' Mistral/Qwen2
-    mask); a sequence no longer than W takes the plain causal kernel, the same maths."""
+    mask); a sequence no longer than W takes the plain causal kernel, the same maths. Packed
+    sequences (``segments``) attend inside each example only, their positions counted from its
+    start."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -78,7 +111,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(h, kv, bias=qkv_bias)
         self.wo = nn.Linear(q, h, bias=spec.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
         spec = self.spec
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism (medley.runtime.tensor_parallel) q/k/v hold this TP
@@ -88,13 +121,17 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, spec.head_dim).transpose(1, 2)
         if spec.position == "rope":
             cos, sin = rope_tables(seq, spec)
-            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+            cos, sin = cos.to(q.device, q.dtype), sin.to(q.device, q.dtype)
+            if segments is not None:
+                cos, sin = cos[segments.positions][:, None], sin[segments.positions][:, None]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if spec.num_kv_heads != spec.num_heads:
             repeat = spec.num_heads // spec.num_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         window = spec.sliding_window
-        if window is None or seq <= window:
+        if segments is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=segments.mask)
+        elif window is None or seq <= window:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.window_mask(seq, window, x.device))
@@ -137,8 +174,8 @@ class Block(nn.Module):
         self.mlp_norm = _norm(spec)
         self.mlp = MLP(spec)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), segments)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -148,10 +185,12 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.pos = nn.Embedding(spec.max_seq_len, spec.hidden_size) if spec.position == "learned" else None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
         x = self.tok(tokens)
         if self.pos is not None:
-            x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+            positions = torch.arange(tokens.shape[1], device=tokens.device) if segments is None \
+                else segments.positions
+            x = x + self.pos(positions)
         return x
 
 
@@ -257,7 +296,8 @@ class Decoder(nn.Module):
 
     The input is token ids [batch, seq] when the range holds the embedding, else hidden states
     [batch, seq, hidden]; the output is logits [batch, seq, vocab] when it holds the head, else
-    hidden states.
+    hidden states. ``segments`` ([batch, seq] example indices of packed sequences, the same on
+    every stage) makes each example attend to itself only, its positions counted from its start.
     """
 
     def __init__(self, spec: ModelSpec, *, first_layer: int = 0, last_layer: int | None = None,
@@ -300,18 +340,19 @@ class Decoder(nn.Module):
             layers[self.spec.num_layers - 1] = self.head
         return layers
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        packed = None if segments is None else Segments.of(segments, self.spec)
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(x, packed)
         for position, block in enumerate(self.blocks.values()):
             mode = self.recompute.mode_of(position) if torch.is_grad_enabled() else "none"
             if mode == "full":
                 # Keep only the block's input; its activations are recomputed in the backward.
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, packed, use_reentrant=False)
             elif mode == "selective":
-                x = checkpoint(block, x, use_reentrant=False, context_fn=selective_contexts)
+                x = checkpoint(block, x, packed, use_reentrant=False, context_fn=selective_contexts)
             else:
-                x = block(x)
+                x = block(x, packed)
         if self.head is not None:
             tied = self.embed.tok.weight if self.head.out is None else None
             x = self.head(x, tied)
