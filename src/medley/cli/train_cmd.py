@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from pathlib import Path
 from typing import Annotated
@@ -190,7 +191,13 @@ def run_json(records) -> dict[str, list[dict]]:  # noqa: ANN001 - a launch.Train
     return {"records": rows, "placement": [entry.as_json() for entry in getattr(records, "placement", [])]}
 
 
+TABLE_ROWS = 20  # at most about this many steps in the table after a run
+
+
 def print_records(plan: Plan, records: list, console: Console, *, split: str | None = None) -> None:
+    """The run's summary: a table of its steps (counted as steps done, like the progress lines
+    and the checkpoints; a long run's every k-th), the step time against the prediction, peak
+    memory."""
     shapes = " + ".join(f"{g.schedule} pp={g.pp} dp={g.dp}" for g in plan.groups)
     zero = " + ".join(str([z.level for z in g.zero]) for g in plan.groups)
     table = Table(title=f"{plan.shared.model.name} · {shapes} · {split_label(plan, split)} · ZeRO {zero}")
@@ -198,10 +205,16 @@ def print_records(plan: Plan, records: list, console: Console, *, split: str | N
     for col in ("step", "loss", *(["eval loss"] if evaluated else []), "lr", "grad norm", "step time",
                 "tokens/s"):
         table.add_column(col, justify="right")
-    for r in records:
+    every = math.ceil(len(records) / TABLE_ROWS) if records else 1
+    for index, r in enumerate(records):
+        if index % every and index != len(records) - 1 and r.eval_loss is None:
+            continue
         shown = [f"{r.eval_loss:.4f}" if r.eval_loss is not None else ""] if evaluated else []
-        table.add_row(str(r.step), f"{r.loss:.4f}", *shown, f"{r.lr:.2e}", f"{r.grad_norm:.3f}",
+        table.add_row(str(r.step + 1), f"{r.loss:.4f}", *shown, f"{r.lr:.2e}", f"{r.grad_norm:.3f}",
                       f"{r.step_time_s * 1e3:.1f} ms", f"{r.tokens_per_s:,.0f}")
+    if every > 1:
+        table.caption = (f"one step in {every} of {len(records)} (and the evaluated ones); every step: "
+                         "--json or --log-jsonl")
     console.print(table)
     if not records:
         console.print("nothing to run: the checkpoint is already at --steps")

@@ -25,7 +25,8 @@ class TensorBoardLog:
     def write(self, record: StepRecord) -> None:
         step = record.step
         scalars = {"loss": record.loss, "lr": record.lr, "grad_norm": record.grad_norm,
-                   "tokens_per_s": record.tokens_per_s, "step_time_s": record.step_time_s,
+                   "tokens_per_s": record.tokens_per_s, "learned_tokens_per_s": record.learned_tokens_per_s,
+                   "step_time_s": record.step_time_s,
                    "mfu": record.mfu, "loss_scale": record.loss_scale}
         for name, value in scalars.items():
             if value is not None:

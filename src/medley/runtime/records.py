@@ -18,6 +18,8 @@ class StepRecord:
         grad_norm: global gradient L2 norm before clipping.
         step_time_s: wall time of the step, max over ranks (statistics and checkpoints excluded).
         tokens_per_s: tokens of the global batch per second of ``step_time_s``.
+        learned_tokens_per_s: of them, the targets the loss counts per second (all of them for
+            text; for instruction data neither the prompts nor the padding).
         mfu: model FLOPs utilisation against the peaks of the plan's devices; None on CPU.
         peak_memory_bytes: measured peak memory per device id of the plan.
         emulated_sleep_s: most time any rank slept this step to emulate a slower device.
@@ -46,6 +48,7 @@ class StepRecord:
     step_time_s: float
     tokens_per_s: float
     mfu: float | None
+    learned_tokens_per_s: float = 0.0
     peak_memory_bytes: dict[int, int] = field(default_factory=dict)
     emulated_sleep_s: float = 0.0
     loss_scale: float | None = None

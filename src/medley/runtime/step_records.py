@@ -80,6 +80,7 @@ class RecordMaker:
             step_start_by_device=self.by_device([origin for origin, _ in spans]) if spans else {},
             step=step, loss=loss, lr=gathered.pending.lr, grad_norm=grad_norm,
             step_time_s=step_time, tokens_per_s=self.plan.tokens_per_step / step_time,
+            learned_tokens_per_s=gathered.pending.learned_tokens / step_time,
             mfu=None if self.flops_per_peak is None else self.flops_per_peak / step_time,
             peak_memory_bytes=memory, emulated_sleep_s=max(gathered.column("slept")),
             loss_scale=gathered.column("loss_scale")[0] if self.fp16 else None,

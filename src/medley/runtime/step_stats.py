@@ -76,6 +76,7 @@ class PendingStep:
         timer: the step's wall time.
         host_values: :data:`HOST_COLUMNS` after ``seconds``, then the seconds per action category.
         spans: with ``trace_actions``, (program start, [(action, start, end)]) of the step.
+        learned_tokens: the targets the global batch's loss counts (known on the host).
     """
 
     step: int
@@ -84,6 +85,7 @@ class PendingStep:
     timer: StepTimer
     host_values: list[float]
     spans: tuple[float, list[tuple[str, float, float]]] | None = None
+    learned_tokens: int = 0
 
 
 @dataclass(kw_only=True)

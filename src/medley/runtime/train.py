@@ -349,7 +349,7 @@ class _Loop:
         loss = self._own(losses)
         values = torch.stack([loss, self.sq_norm.to(setup.device), self._evaluate(step)])
         return PendingStep(step=step, lr=self.step_lr, device_values=values, timer=timer, host_values=host,
-                           spans=spans)
+                           spans=spans, learned_tokens=batch.loss_tokens)
 
     def _evaluate(self, step: int) -> torch.Tensor:
         """This rank's share of the validation loss of the model after ``step`` (forward only,
