@@ -63,7 +63,7 @@ def hf_dir_of(model: str | None, init_from: Path | None) -> Path | None:
     return Path(model) if model is not None and Path(model).is_dir() else None
 
 
-def export_after_training(checkpoint_dir: Path, out: Path, *, temporary: bool) -> Path:
+def export_after_training(checkpoint_dir: Path, out: Path, *, temporary: bool, dtype: str = "fp32") -> Path:
     """Export the newest checkpoint of the finished run; drop the checkpoints if only the export
     needed them."""
     from medley.runtime.checkpoint_layout import latest_checkpoint
@@ -73,7 +73,7 @@ def export_after_training(checkpoint_dir: Path, out: Path, *, temporary: bool) -
     if latest is None:
         raise MedleyInputError(f"--export-hf {out}: the run saved no checkpoint in {checkpoint_dir}")
     try:
-        return export_hf(latest, out)
+        return export_hf(latest, out, dtype=dtype, flag="--export-dtype")
     finally:
         if temporary:
             remove_path(checkpoint_dir)
@@ -86,16 +86,18 @@ def register(app: typer.Typer) -> None:
         checkpoint: Annotated[Path, typer.Argument(help="A checkpoint step directory (CKPT_DIR/step-N)")],
         hf: Annotated[Path, typer.Option(help="Write a Hugging Face model directory here (new)")],
         max_shard_mb: Annotated[int, typer.Option(help="Largest safetensors file, MiB")] = 5120,
+        dtype: Annotated[str, typer.Option(help="Weights' dtype: fp32, bf16 or fp16")] = "fp32",
     ) -> None:
         """Export a checkpoint step, whatever plan wrote it, as a Hugging Face model directory
         (safetensors, config.json, the tokenizer files of the model it came from)."""
-        from medley.runtime.hf_export import export_hf
+        from medley.runtime.hf_export import check_export_dtype, export_hf
 
         if not checkpoint.is_dir():
             raise MedleyInputError(f"{checkpoint}: not a directory; give a checkpoint step directory "
                                    "(CHECKPOINT_DIR/step-N)")
         if max_shard_mb < 1:
             raise MedleyInputError(f"--max-shard-mb {max_shard_mb}: must be at least 1")
+        check_export_dtype(dtype, flag="--dtype")
         out = check_export_target(hf, flag="--hf")
-        export_hf(checkpoint, out, max_shard_bytes=max_shard_mb * 2**20)
+        export_hf(checkpoint, out, max_shard_bytes=max_shard_mb * 2**20, dtype=dtype)
         typer.echo(f"wrote {literal(str(out))}")

@@ -33,7 +33,7 @@ from medley.fileio import anchored, read_user_bytes
 # flags, then the run's settings of that section (their fields name it: medley.runtime.settings).
 _OWN: dict[str, tuple[str, ...]] = {
     "plan": ("plan", "cluster", *INLINE_NAMES, "local_ranks"), "model": ("model",),
-    "checkpoint": ("export_hf",), "logging": ("as_json",)}
+    "checkpoint": ("export_hf", "export_dtype"), "logging": ("as_json",)}
 SECTIONS: dict[str, tuple[str, ...]] = {
     section: _OWN.get(section, ()) + tuple(n for n, s in SETTING_SECTIONS.items() if s == section)
     for section in ("plan", "model", "data", "optimizer", "precision", "checkpoint", "logging", "elastic")

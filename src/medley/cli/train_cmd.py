@@ -251,6 +251,8 @@ def register(app: typer.Typer) -> None:
                  "or the --init-from directory)")] = None,
         export_hf: Annotated[Path | None, typer.Option(callback=home,
             help="After training, write the model here as a Hugging Face model directory")] = None,
+        export_dtype: Annotated[str, typer.Option(
+            help="--export-hf weights' dtype: fp32, bf16 or fp16")] = "fp32",
         *,
         inline: InlineFlags,  # the inline plan's flags (inline_options)
         config: TrainConfig,  # the run's settings (settings_options)
@@ -279,6 +281,9 @@ def register(app: typer.Typer) -> None:
             check_compile_available()
         if export_hf is not None:
             hf_cmd.check_export_target(export_hf, flag="--export-hf")
+            from medley.runtime.hf_export import check_export_dtype
+
+            check_export_dtype(export_dtype, flag="--export-dtype")
             if ckpt.dir is None:
                 ckpt.dir = hf_cmd.export_checkpoints(export_hf)
         check_config(config)  # output paths and numbers, before any work
@@ -312,7 +317,8 @@ def register(app: typer.Typer) -> None:
         if records.plan is not None:  # an elastic run: the plan it ended under
             the_plan = records.plan
         if export_hf is not None:
-            hf_cmd.export_after_training(ckpt.dir, export_hf, temporary=ckpt_given is None)
+            hf_cmd.export_after_training(ckpt.dir, export_hf, temporary=ckpt_given is None,
+                                         dtype=export_dtype)
             typer.echo(f"wrote the Hugging Face model {literal(str(export_hf))}", err=True)
         if as_json:
             out = run_json(records)

@@ -61,9 +61,10 @@ def _write_weights(directory: Path, tensors: dict[str, torch.Tensor], max_shard_
                                                        "weight_map": weight_map}, indent=1))
 
 
-def _write_config(directory: Path, spec: ModelSpec, hf_dir: Path | None) -> None:
-    """config.json from the spec, with the token ids of the original config; the tokenizer files."""
-    cfg = hf_dict_from_spec(spec)
+def _write_config(directory: Path, spec: ModelSpec, hf_dir: Path | None, dtype: str) -> None:
+    """config.json from the spec, with the token ids of the original config and the weights'
+    ``dtype``; the tokenizer files."""
+    cfg = {**hf_dict_from_spec(spec), "dtype": dtype}
     if hf_dir is not None and (hf_dir / "config.json").is_file():
         try:
             original = json.loads(read_user_bytes(hf_dir / "config.json", what="model config"))
@@ -85,9 +86,10 @@ def check_new_dir(out: Path) -> None:
 
 
 def write_model_dir(out: Path, spec: ModelSpec, tensors: dict[str, torch.Tensor], *, hf_dir: Path | None,
-                    max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """Write ``tensors`` (by transformers name, contiguous) and ``spec``'s config as a new model
-    directory ``out`` (an existing ``out`` is refused), with the tokenizer files of ``hf_dir``."""
+                    max_shard_bytes: int = MAX_SHARD_BYTES, dtype: str = "float32") -> Path:
+    """Write ``tensors`` (by transformers name, contiguous, in ``dtype``: config.json's name of
+    it) and ``spec``'s config as a new model directory ``out`` (an existing ``out`` is refused),
+    with the tokenizer files of ``hf_dir``."""
     out = Path(out)
     check_new_dir(out)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
@@ -95,7 +97,7 @@ def write_model_dir(out: Path, spec: ModelSpec, tensors: dict[str, torch.Tensor]
         remove_path(tmp)
         tmp.mkdir(parents=True)
         _write_weights(tmp, tensors, max_shard_bytes)
-        _write_config(tmp, spec, hf_dir)
+        _write_config(tmp, spec, hf_dir, dtype)
         for file in tmp.iterdir():
             os.chmod(file, 0o644)
         os.rename(tmp, out)

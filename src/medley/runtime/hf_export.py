@@ -27,6 +27,7 @@ from medley.runtime.checkpoint_verify import (
     read_meta,
     verified_metadata,
 )
+from medley.runtime.sharding import TORCH_DTYPES
 from medley.runtime.transformer import Decoder
 from medley.spec.cluster_schema import printable
 from medley.spec.model import ModelSpec
@@ -60,11 +61,29 @@ def read_model_tensors(step_dir: Path) -> tuple[ModelSpec, dict[str, torch.Tenso
     return spec, {name: state[f"model.{name}"] for name in params}, meta
 
 
-def export_hf(step_dir: Path, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+def check_export_dtype(dtype: str, *, flag: str) -> torch.dtype:
+    """The torch dtype of an export's ``dtype`` (a precision name: fp32, bf16, fp16)."""
+    if dtype not in TORCH_DTYPES:
+        raise MedleyInputError(f"{flag} {printable(dtype)}: must be one of {', '.join(TORCH_DTYPES)}")
+    return TORCH_DTYPES[dtype]
+
+
+def export_hf(step_dir: Path, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES, dtype: str = "fp32",
+              flag: str = "--dtype") -> Path:
     """Write checkpoint ``step_dir`` as a Hugging Face model directory at ``out`` (atomically: a
-    temporary directory renamed into place; an existing ``out`` is refused)."""
+    temporary directory renamed into place; an existing ``out`` is refused), its weights cast to
+    ``dtype`` (fp32, bf16 or fp16: half the bytes; a weight beyond fp16's range is refused in one
+    line naming ``flag`` rather than written as infinity)."""
+    torch_dtype = check_export_dtype(dtype, flag=flag)
     check_new_dir(Path(out))
     spec, params, meta = read_model_tensors(step_dir)
-    tensors = {hf_name(name): tensor.contiguous() for name, tensor in params.items()}
+    tensors = {}
+    for name, tensor in params.items():
+        cast = tensor.to(torch_dtype).contiguous()
+        if not bool(torch.isfinite(cast).all()) and bool(torch.isfinite(tensor).all()):
+            raise MedleyInputError(f"{flag} {dtype}: {name} has values beyond {dtype}'s range (largest "
+                                   f"{float(tensor.abs().max()):.3g}); export bf16 or fp32")
+        tensors[hf_name(name)] = cast
     hf_dir = Path(meta["hf_dir"]) if isinstance(meta.get("hf_dir"), str) else None
-    return write_model_dir(out, spec, tensors, hf_dir=hf_dir, max_shard_bytes=max_shard_bytes)
+    return write_model_dir(out, spec, tensors, hf_dir=hf_dir, max_shard_bytes=max_shard_bytes,
+                           dtype=str(torch_dtype).removeprefix("torch."))
