@@ -134,7 +134,7 @@ def test_slurm_writes_the_script(plan: Path) -> None:
     result = runner.invoke(app, ["launch", "plan.toml", "--slurm", "out/job.sbatch", "--", "--steps", "9"])
     assert result.exit_code == 0, result.output
     script = Path("out/job.sbatch").read_text()
-    assert script.startswith("#!/bin/bash") and "#SBATCH --nodes=2" in script
+    assert script.startswith("#!/bin/bash") and script.count("#SBATCH --nodes=1 --ntasks=1 --gres=gpu:") == 2
     assert script.count("srun ") == 2 and script.count(f"--plan {plan.resolve()} --steps 9") == 2
 
 

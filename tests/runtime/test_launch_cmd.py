@@ -120,7 +120,8 @@ def fake_tools(directory: Path) -> Path:
     bin_dir = directory / "bin"
     bin_dir.mkdir()
     tools = {
-        "scontrol": 'echo alloc-0; echo alloc-1\n',
+        # The whole allocation's hosts, or one heterogeneous component's (its variable holds its host).
+        "scontrol": 'if [ "$3" = x ]; then echo alloc-0; echo alloc-1; else echo "$3"; fi\n',
         "srun": 'while [[ "$1" == --* ]]; do echo "srun $1" >> "$LOG"; shift; done\nexec "$@"\n',
         "torchrun": 'echo "torchrun MEDLEY_NODE=$MEDLEY_NODE CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES $*" '
                     '>> "$LOG"\n',
@@ -133,7 +134,8 @@ def fake_tools(directory: Path) -> Path:
 
 def tool_env(bin_dir: Path, log: Path) -> dict[str, str]:
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log),
-            "SLURM_JOB_NODELIST": "x"}
+            "SLURM_JOB_NODELIST": "x", "SLURM_JOB_NODELIST_HET_GROUP_0": "alloc-0",
+            "SLURM_JOB_NODELIST_HET_GROUP_1": "alloc-1"}
 
 
 def run_script(tmp_path: Path, script: str) -> list[str]:
@@ -147,10 +149,14 @@ def run_script(tmp_path: Path, script: str) -> list[str]:
 def test_slurm_script_runs_one_task_per_node_on_its_host(tmp_path: Path) -> None:
     plan = one_and_three(tmp_path)
     script = slurm_script(plan, LaunchSettings(plan_path="plan.toml", rdzv_id="j"), job_name="j")
-    assert "#SBATCH --nodes=2" in script and "#SBATCH --nodelist=host-a,host-b" in script
+    # The nodes use 1 and 3 GPUs: a heterogeneous job whose components ask for them.
+    header = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert header == ["#SBATCH --job-name=j", "#SBATCH --nodes=1 --ntasks=1 --gres=gpu:1 --nodelist=host-a",
+                      "#SBATCH hetjob", "#SBATCH --nodes=1 --ntasks=1 --gres=gpu:3 --nodelist=host-b"]
     common = ("--rdzv-backend c10d --rdzv-endpoint host-a:29500 --rdzv-id j --no-python medley train "
               "--plan plan.toml")
     assert run_script(tmp_path, script) == sorted([
+        "srun --het-group=0", "srun --het-group=1",
         "srun --nodes=1", "srun --ntasks=1", "srun --nodelist=host-a", "srun --gres=gpu:1", "srun --nodes=1",
         "srun --ntasks=1", "srun --nodelist=host-b", "srun --gres=gpu:3",  # each node's own GPU count
         f"torchrun MEDLEY_NODE=one CUDA_VISIBLE_DEVICES=0 --nnodes 2 --nproc-per-node 1 {common}",
@@ -165,6 +171,17 @@ def test_slurm_script_without_hosts_uses_the_allocation(tmp_path: Path) -> None:
     lines = run_script(tmp_path, script)
     assert "srun --nodelist=alloc-0" in lines and "srun --nodelist=alloc-1" in lines
     assert all("--rdzv-endpoint alloc-0:29500" in line for line in lines if line.startswith("torchrun"))
+
+
+def test_slurm_script_of_nodes_alike_asks_for_their_gpus_once(tmp_path: Path) -> None:
+    cluster = cluster_file(tmp_path, node_toml("a", 2, host="host-a"), node_toml("b", 2, host="host-b"))
+    plan = tiny_plan(cluster, pp=2, dp=2, assignment=((0, 2), (1, 3)), split="2,2")
+    script = slurm_script(plan, LaunchSettings(plan_path="plan.toml", rdzv_id="j"), job_name="j")
+    header = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert header == ["#SBATCH --job-name=j", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
+                      "#SBATCH --gres=gpu:2", "#SBATCH --nodelist=host-a,host-b"]
+    lines = run_script(tmp_path, script)
+    assert lines.count("srun --gres=gpu:2") == 2 and not any("--het-group" in line for line in lines)
 
 
 def test_slurm_script_stops_the_other_nodes_when_one_fails(tmp_path: Path) -> None:

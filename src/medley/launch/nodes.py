@@ -238,6 +238,9 @@ def launches_json(launches: list[NodeLaunch]) -> dict[str, list[dict[str, object
 def slurm_script(plan: Plan, settings: LaunchSettings, *, job_name: str) -> str:
     """An sbatch script that runs every node's agent as one SLURM task (``srun``) on its host: the
     cluster file's hosts where every used node has one, else the allocation's hosts in plan order.
+    The job asks for the GPUs its steps use: ``--gres=gpu:N`` when every node uses N, else one
+    component per node (SLURM's heterogeneous job, ``#SBATCH hetjob``), each with its own count,
+    its step run in it (``srun --het-group=i``).
     The rendezvous is ``settings.rdzv_endpoint``, else the first node's host on port 29500."""
     nodes = used_nodes(plan)
     launches = node_launches(plan, settings, endpoint=ENDPOINT_VAR)
@@ -250,23 +253,41 @@ def slurm_script(plan: Plan, settings: LaunchSettings, *, job_name: str) -> str:
         endpoint = shell_quote(rendezvous_endpoint(settings.plan_path, nodes, None))
     else:
         endpoint = f'"${{hosts[0]}}:{RDZV_PORT}"'
+    counts = {n.nproc for n in launches}
+    het = len(counts) > 1  # nodes that use different GPU counts: one component per node (hetjob)
     lines = ["#!/bin/bash",
              f"# medley launch --slurm: {printable(settings.plan_path)} on {len(launches)} nodes, "
              f"{sum(n.nproc for n in launches)} ranks. Submit with sbatch; add your partition, account,",
-             "# time and --cpus-per-task lines as your site needs. Each node's step below asks for its own",
-             "# GPUs (--gres=gpu:N; nodes differ): the allocation must grant them there.",
-             f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={len(launches)}",
-             "#SBATCH --ntasks-per-node=1"]
-    if known:
-        lines.append(f"#SBATCH --nodelist={','.join(printable(h) for h in hosts)}")
-    lines += ["set -u", 'hosts=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))']
+             "# time and --cpus-per-task lines as your site needs.",
+             f"#SBATCH --job-name={job_name}"]
+    if het:
+        lines.append("# The nodes use different GPU counts: a heterogeneous job, one component per node "
+                     "(#SBATCH hetjob), each asking for its own GPUs.")
+        for i, launch in enumerate(launches):
+            if i:
+                lines.append("#SBATCH hetjob")
+            where = f" --nodelist={printable(str(launch.host))}" if known else ""
+            lines.append(f"#SBATCH --nodes=1 --ntasks=1 --gres=gpu:{launch.nproc}{where}")
+    else:
+        lines += [f"#SBATCH --nodes={len(launches)}", "#SBATCH --ntasks-per-node=1",
+                  f"#SBATCH --gres=gpu:{counts.pop()}"]
+        if known:
+            lines.append(f"#SBATCH --nodelist={','.join(printable(h) for h in hosts)}")
+    lines.append("set -u")
+    if het:
+        lines.append("hosts=()")
+        lines += [f'hosts+=($(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_{i}"))'
+                  for i in range(len(launches))]
+    else:
+        lines.append('hosts=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))')
     if not known:
         lines.append("# node i of the plan runs on the allocation's i-th host: make sure these are the right "
                      "machines (--nodelist or constraints)")
     lines += [f"MEDLEY_RDZV_ENDPOINT={endpoint}", "pids=()"]
     for i, launch in enumerate(launches):
         host = shell_quote(str(launch.host)) if known else f'"${{hosts[{i}]}}"'
-        step = f"srun --nodes=1 --ntasks=1 --nodelist={host} --gres=gpu:{launch.nproc}"
+        group = f" --het-group={i}" if het else ""
+        step = f"srun{group} --nodes=1 --ntasks=1 --nodelist={host} --gres=gpu:{launch.nproc}"
         lines += [f"# node {printable(launch.node)}: devices {','.join(map(str, launch.devices))}",
                   f"{step} env {launch.command} &",
                   "pids+=($!)"]
