@@ -52,7 +52,7 @@ def test_the_example_trains_and_flags_win(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("body", "message"), [
     ("[optimizer]\nlrr = 1\n", r"job\.toml: \[optimizer\] lrr: not a setting of \[optimizer\]; \[optimizer\] "
-                               "takes steps, optimizer, lr"),
+                               "takes steps, epochs, optimizer, lr"),
     ("[optimizer]\ndata = 'x.jsonl'\n", r"\[optimizer\] data: not a setting of \[optimizer\]; it belongs in "
                                         r"\[data\]"),
     ("[optim]\nlr = 1\n", r"unknown section \[optim\]; the sections are \[plan\], \[model\]"),

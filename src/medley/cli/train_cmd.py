@@ -266,7 +266,9 @@ def register(app: typer.Typer) -> None:
         check_inputs_exist({"--data": data.path, "--val-data": data.val_data, "--tokenizer": data.tokenizer,
                             "--chat-template": data.chat_template, "--init-from": init_from, "--plan": plan})
         steps = config.optimizer.steps
-        done = None if export_hf is not None else finished_line(ckpt.dir, steps)  # export still due
+        # (an export is still due; --epochs sets the steps from the data)
+        done = None if export_hf is not None or config.optimizer.epochs is not None \
+            else finished_line(ckpt.dir, steps)
         if done is not None:  # (before torch is imported)
             typer.echo(literal(done), err=True)
             return
@@ -301,12 +303,13 @@ def register(app: typer.Typer) -> None:
                 f"pass --local-ranks {the_plan.world_size}")
         if plan is not None or cluster is not None:  # the default inline cluster names no GPU on purpose
             device_line(the_plan, config, local_ranks=local_ranks)
-        from medley.runtime.config import load_data
+        from medley.runtime.config import apply_epochs, load_data
 
         # A bad --data fails once, before launch; a text data set is tokenized here, once.
         shared = the_plan.shared
         source = load_data(config, seq_len=shared.seq_len, vocab_size=shared.model.vocab_size)
-        for note in source.notes:
+        epochs = apply_epochs(config, source, sequences=sum(the_plan.micro_batches) * shared.micro_batch_size)
+        for note in (*source.notes, *([epochs] if epochs else [])):
             typer.echo(literal(note), err=True)
         if init_from is not None:
             hf_cmd.check_init_from(the_plan.shared.model, init_from)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medley.data.load import DataOptions, load_source
+from medley.data.packing import Packer
 from medley.data.source import DataSource
 from medley.errors import MedleyInputError
 from medley.fileio import UnsafePathError, check_output_dir, check_output_file, open_no_follow
@@ -68,6 +69,32 @@ def load_data(config: TrainConfig, *, seq_len: int, vocab_size: int, verify: boo
                        vocab_size=vocab_size, val_data=config.data.val_data, verify=verify)
 
 
+def apply_epochs(config: TrainConfig, source: DataSource, *, sequences: int) -> str | None:
+    """With ``--epochs E``: set ``config.optimizer.steps`` to the steps of E passes over the
+    training samples (examples, packed sequences as the first epoch packs them, or windows), at
+    ``sequences`` per step, and say so; None without ``--epochs``. Every process that reads the
+    data computes the same."""
+    epochs = config.optimizer.epochs
+    if epochs is None:
+        return None
+    if source.examples is not None:
+        per_epoch = Packer(examples=source.examples).stats(config.data.seed).sequences if source.packed \
+            else source.examples.count
+        what = "packed sequences" if source.packed else "examples"
+    elif source.train is not None:
+        per_epoch, what = source.train.count, "windows"
+    else:
+        raise MedleyInputError(f"--epochs: {source.name} is sampled at random offsets, without epochs; give "
+                               "--steps, or a tokenized data set")
+    steps = max(1, math.ceil(epochs * per_epoch / sequences))
+    if steps > MAX_STEPS:
+        raise MedleyInputError(f"--epochs {epochs}: {steps:,} steps, more than {MAX_STEPS:,}; give fewer "
+                               "epochs")
+    config.optimizer.steps = steps
+    return (f"--epochs {epochs:g}: {steps:,} steps of {sequences} sequences over {per_epoch:,} {what} per "
+            "epoch")
+
+
 def data_options(config: TrainConfig) -> DataOptions:
     """How to read the data: text is tokenized with ``tokenizer``, else with the model directory's
     ``tokenizer.json`` (``hf_dir``, else ``init_from``) when it has one, else read as bytes."""
@@ -95,6 +122,8 @@ def check_config(config: TrainConfig) -> None:
     opt, log, ckpt = config.optimizer, config.logging, config.checkpoint
     if not 1 <= opt.steps <= MAX_STEPS:
         raise MedleyInputError(f"--steps {opt.steps}: train 1..{MAX_STEPS:,} steps")
+    if opt.epochs is not None and not (math.isfinite(opt.epochs) and opt.epochs > 0):
+        raise MedleyInputError(f"--epochs {opt.epochs}: must be a number > 0; e.g. --epochs 3")
     if not 0 <= config.data.seed <= MAX_SEED:
         raise MedleyInputError(f"--seed {config.data.seed}: use a seed in 0..{MAX_SEED:,}")
     if opt.name not in OPTIMIZERS:

@@ -8,6 +8,7 @@ on the steps where ``eval_every`` is due.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ import torch
 
 from medley.data.source import DataSource
 from medley.plan.layout import PlanLayout
+from medley.runtime.config import apply_epochs
 from medley.runtime.hf_weights import load_hf_weights
 from medley.runtime.optim import LrSchedule, optimizer_class, set_lr
 from medley.runtime.train import TrainConfig, load_data
@@ -58,6 +60,10 @@ def reference_run(layout: PlanLayout, config: TrainConfig, *, steps: int | None 
     optimizer = opt_class(model.parameters(), **kwargs)
     source = load_data(config, seq_len=layout.seq_len, vocab_size=layout.model.vocab_size)
     sequences = sum(layout.micro_batches) * layout.micro_batch_size
+    if config.optimizer.epochs is not None:  # the steps of --epochs, on a copy of the caller's config
+        config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer))
+        apply_epochs(config, source, sequences=sequences)
+        opt = config.optimizer
     run = ReferenceRun()
     schedule = LrSchedule.of(opt)
     for step in range(opt.steps if steps is None else steps):

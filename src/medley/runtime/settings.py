@@ -109,6 +109,9 @@ class OptimizerConfig:
 
     Attributes:
         steps: steps in total, skipped fp16 steps included (a resumed run continues up to this step).
+        epochs: passes over the training data instead of ``steps``: ``steps`` becomes
+            ``ceil(epochs * samples per epoch / sequences per step)`` once the data is read
+            (:func:`medley.runtime.config.apply_epochs`); None: ``steps`` as given.
         name: ``adamw`` or ``sgd``.
         lr: peak learning rate, reached after ``warmup_steps`` linear warm-up steps, then the
             schedule's decay to ``min_lr`` at step ``steps``; 0 updates nothing (min_lr is capped
@@ -127,6 +130,8 @@ class OptimizerConfig:
     """
 
     steps: int = setting(20, "Optimizer steps in total", minimum=1, maximum=MAX_STEPS)
+    epochs: float | None = setting(None, "Passes over the training examples or windows (sets --steps from "
+                                   "the data)")
     name: str = setting("adamw", "adamw or sgd", name="optimizer")
     lr: float = setting(3e-3, "Peak learning rate (0: no updates)")
     warmup_steps: int = setting(5, "Linear warm-up steps", minimum=0, maximum=MAX_STEPS)
