@@ -38,6 +38,7 @@ from medley.launch.nodes import (
     slurm_script,
     used_nodes,
 )
+from medley.launch.remote import over_ssh
 from medley.plan.plan import Plan
 from medley.runtime.placement import world_size_terms
 from medley.spec.cluster_schema import printable
@@ -126,15 +127,17 @@ def on_cpu_by_choice(params: dict[str, object]) -> bool:
     return params.get("device") == "cpu" or bool(params.get("emulate")) or bool(params.get("slowdown"))
 
 
-def checked_command(launch: NodeLaunch, *, plan_path: str, cpu: bool, wrap: bool = False) -> str:
+def checked_command(launch: NodeLaunch, *, plan_path: str, cpu: bool, wrap: bool = False,
+                    check_to_stderr: bool = False) -> str:
     """The node's command behind its check: ``ENV PYTHON -m medley.cli.main doctor --plan P --node N
     && ENV PYTHON -m torch.distributed.run ...``, so that a node without the plan's GPUs (or a CPU
     build of torch) says why and starts nothing (``--device cpu`` when the run is on the CPU on
-    purpose). ``wrap``: the torchrun command on a line of its own (after ``&&``, the shell reads on)."""
+    purpose). ``wrap``: the torchrun command on a line of its own (after ``&&``, the shell reads on).
+    ``check_to_stderr``: the check's report on stderr, stdout left to the ranks (``--json``)."""
     doctor = (launch.argv[0], "-m", "medley.cli.main", "doctor", "--plan", plan_path, "--node", launch.node,
               *(("--device", "cpu") if cpu else ()))
     assignments = [f"{key}={shell_quote(value)}" for key, value in launch.env.items()]
-    check = " ".join([*assignments, *map(shell_quote, doctor)])
+    check = " ".join([*assignments, *map(shell_quote, doctor)]) + (" >&2" if check_to_stderr else "")
     return check + (" &&\n" if wrap else " && ") + launch.command
 
 
@@ -212,6 +215,9 @@ def register(app: typer.Typer) -> None:
         rdzv_id: Annotated[str | None, typer.Option(help="Rendezvous id (default: from the plan)")] = None,
         slurm: Annotated[Path | None, typer.Option(help="Write an sbatch script for the same here")] = None,
         local: Annotated[bool, typer.Option(help="Start every node's agent here (CPU, gloo)")] = False,
+        ssh: Annotated[bool, typer.Option(help=(
+            "Start every node's agent on its host (the cluster file's) over ssh; their output here, each "
+            "line with its node; every node stopped when one fails"))] = False,
         dry_run: Annotated[bool, typer.Option(help="Print the commands, start nothing")] = False,
         python: Annotated[str | None, typer.Option(help=(
             "Python on the nodes, with medley installed (default: this one, as an absolute path)"))] = None,
@@ -234,6 +240,9 @@ def register(app: typer.Typer) -> None:
         from medley.plan.plan import load_plan
 
         check_flags(local=local, slurm=slurm, as_json=as_json, dry_run=dry_run, rdzv_id=rdzv_id)
+        if ssh and (local or slurm is not None or elastic or as_json):
+            raise MedleyInputError("--ssh: starts every node over ssh; give it without --local, --slurm, "
+                                   "--elastic and --json (for the records as JSON put --json after --)")
         if elastic and slurm is not None:
             raise MedleyInputError("--elastic --slurm: the sbatch script stops every node when one fails, so "
                                    "it is not written for elastic runs; run the commands of --elastic "
@@ -275,6 +284,14 @@ def register(app: typer.Typer) -> None:
             check_local_devices(the_plan, cpu=cpu)
             start_local(launches, elastic=elastic)
             return
+        if ssh:
+            remote = [over_ssh(launch, checked_command(launch, plan_path=settings.plan_path, cpu=cpu,
+                                                       check_to_stderr=True)) for launch in launches]
+            if not dry_run:
+                start_local(remote, remote=True)
+                return
+            typer.echo("\n".join(" ".join(map(shell_quote, launch.argv)) for launch in remote))
+            return
         if as_json:
             typer.echo(json.dumps(checked_json(launches, plan_path=settings.plan_path, cpu=cpu), indent=1))
         else:
@@ -293,14 +310,15 @@ def only_nodes(launches: list[NodeLaunch], names: list[str]) -> list[NodeLaunch]
     return [launch for launch in launches if launch.node in names]
 
 
-def start_local(launches: list[NodeLaunch], *, elastic: bool = False) -> None:
-    """Run the agents here; exit with their outcome (one line on stderr when it needs one)."""
+def start_local(launches: list[NodeLaunch], *, elastic: bool = False, remote: bool = False) -> None:
+    """Run the agents here (``remote``: their ssh sessions); exit with their outcome (one line on
+    stderr when it needs one)."""
     from medley.cli.error_exit import one_line, print_error
     from medley.errors import debug_enabled
     from medley.launch.agents import Stopped, run_agents
 
     try:
-        code, line = run_agents(launches, debug=debug_enabled(), elastic=elastic)
+        code, line = run_agents(launches, debug=debug_enabled(), elastic=elastic, remote=remote)
     except Stopped as stop:
         print_error(f"stopped ({stop}): the agents and ranks were stopped; run again to resume from the "
                     "newest checkpoint")

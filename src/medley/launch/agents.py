@@ -33,8 +33,9 @@ STOP_S = 10.0  # how long a stopped agent may take before it is killed
 _POLL_S = 0.1
 # torch's own lines: its Python logs (W1201 00:08:51.342000 ...), its C++ warnings ([W1201 00:16:21.80 ...])
 # with their stack frames, and the blank lines between them.
+# torchrun's OMP_NUM_THREADS banner too (a node's agent started without it set, as over ssh).
 _TORCH_NOISE = re.compile(r"^(\[?[DIWEF]\d{4} \d\d:\d\d:\d\d|Exception raised from |frame #\d+: |"
-                          r"<omitting python frames>|\s*$)")
+                          r"<omitting python frames>|\*{20,}\s*$|Setting OMP_NUM_THREADS environment |\s*$)")
 _ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
@@ -67,6 +68,7 @@ class _Output:
     """Where the agents' lines go; the ``error:`` lines already shown (each once)."""
 
     debug: bool
+    prefix: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     errors: set[str] = field(default_factory=set)
 
@@ -76,8 +78,10 @@ class _Output:
             stream.flush()
 
     def stderr_line(self, agent: _Agent, line: str) -> None:
+        # Nodes on other machines (``prefix``): each line shown says whose it is.
+        shown = f"[{agent.launch.node}] {line}" if self.prefix else line
         if self.debug:
-            self.write(sys.stderr, line)
+            self.write(sys.stderr, shown)
             return
         if agent.report or line.startswith("Traceback (most recent call last)"):
             agent.report.append(line)
@@ -89,7 +93,7 @@ class _Output:
                 if line in self.errors:
                     return
                 self.errors.add(line)
-        self.write(sys.stderr, line)
+        self.write(sys.stderr, shown)
 
 
 def _pump(source: IO[str], sink: Callable[[str], None]) -> None:
@@ -98,10 +102,10 @@ def _pump(source: IO[str], sink: Callable[[str], None]) -> None:
     source.close()
 
 
-def _start(launch: NodeLaunch, output: _Output) -> tuple[_Agent, list[threading.Thread]]:
+def _start(launch: NodeLaunch, output: _Output, *, keep_stdin: bool) -> tuple[_Agent, list[threading.Thread]]:
     env = {**os.environ, **launch.env, LAUNCHER_PID_ENV: str(os.getpid())}
     process = subprocess.Popen(launch.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, bufsize=1)
+                               stdin=subprocess.PIPE if keep_stdin else None, text=True, bufsize=1)
     agent = _Agent(launch=launch, process=process)
     assert process.stdout is not None and process.stderr is not None
     threads = [threading.Thread(target=_pump, args=(process.stdout, lambda ln: output.write(sys.stdout, ln)),
@@ -114,7 +118,16 @@ def _start(launch: NodeLaunch, output: _Output) -> tuple[_Agent, list[threading.
 
 
 def _stop(agents: list[_Agent]) -> None:
-    """SIGTERM to every agent still running (torchrun stops its ranks), SIGKILL after STOP_S."""
+    """SIGTERM to every agent still running (torchrun stops its ranks), SIGKILL after STOP_S. An
+    ssh session (its stdin kept open) is first ended by closing its stdin, on which the node stops
+    its agent (:mod:`medley.launch.remote`), and given STOP_S to end."""
+    sessions = [a for a in agents if a.process.stdin is not None and a.process.poll() is None]
+    for agent in sessions:
+        with contextlib.suppress(OSError):
+            agent.process.stdin.close()
+    deadline = time.monotonic() + STOP_S
+    while sessions and time.monotonic() < deadline and any(a.process.poll() is None for a in sessions):
+        time.sleep(_POLL_S)
     for agent in agents:
         if agent.process.poll() is None:
             agent.process.terminate()
@@ -139,18 +152,21 @@ def _wait(agents: list[_Agent], *, elastic: bool = False) -> None:
         time.sleep(_POLL_S)
 
 
-def run_agents(launches: list[NodeLaunch], *, debug: bool, elastic: bool = False) -> tuple[int, str | None]:
+def run_agents(launches: list[NodeLaunch], *, debug: bool, elastic: bool = False,
+               remote: bool = False) -> tuple[int, str | None]:
     """Start every agent, wait for all; (exit status, one line to print or None). Status 0 when all
     succeeded (elastic: when any did, the run having gone on without the others), 2 when a rank
     refused its input (its ``error:`` line was shown), else 1. Ctrl-C stops every agent and
-    re-raises; SIGTERM or SIGHUP stops them and raises :class:`Stopped`."""
-    output = _Output(debug=debug)
+    re-raises; SIGTERM or SIGHUP stops them and raises :class:`Stopped`. ``remote``: each launch
+    is an ssh session (:mod:`medley.launch.remote`): its stderr lines get the node's name, and its
+    stdin stays open, the remote agent stopping when it closes (this process stopped it, or died)."""
+    output = _Output(debug=debug, prefix=remote)
     agents: list[_Agent] = []
     threads: list[threading.Thread] = []
     try:
         with _stop_signals():
             for launch in launches:
-                agent, pumps = _start(launch, output)
+                agent, pumps = _start(launch, output, keep_stdin=remote)
                 agents.append(agent)
                 threads += pumps
             _wait(agents, elastic=elastic)
