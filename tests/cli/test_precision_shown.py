@@ -1,6 +1,7 @@
 """The precision a plan trains in, and why, is shown where a user looks (issue 30, item 2): the
 plan table and --json, --explain, show and simulate. V100/T4-class parts have no bf16, so any
-plan using one trains in fp16 with loss scaling."""
+plan using one trains in fp16 with loss scaling; planned for a model stored in bf16, that is
+warned about."""
 
 from __future__ import annotations
 
@@ -50,3 +51,23 @@ def test_plan_dtype_sets_every_plans_precision_and_refuses_bf16_where_a_device_l
     result = runner.invoke(app, [*PLAN, "--cluster", "2xA100-80GB+2xV100-32GB", "--dtype", "bf16"])
     assert result.exit_code == 2
     assert "--dtype bf16: V100-32GB has no bf16; give --dtype fp16 or fp32" in result.stderr
+
+
+def test_fp16_planned_for_a_model_stored_in_bf16_warns(tmp_path) -> None:  # noqa: ANN001 - pytest's Path
+    from medley.spec.hf_config import hf_dict_from_spec
+    from medley.spec.model_arg import get_model
+
+    config = {**hf_dict_from_spec(get_model("tiny")), "torch_dtype": "bfloat16"}
+    config.pop("dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ["plan", "--model", str(tmp_path), "--global-batch", "8", "--seq-len", "64", "--top", "1"]
+    data = json.loads(output([*args, "--cluster", "2xV100-32GB", "--json"]))
+    assert data["warnings"] == [
+        f"the plan trains in fp16 (a device type it uses has no bf16) but {tmp_path} is stored in bf16 "
+        "(config.json): values beyond fp16's range overflow, and the loss scale skips those steps; "
+        "--dtype bf16 plans without the devices that lack it (--explain compares the two)"]
+    assert "warning: the plan trains in fp16" in output([*args, "--cluster", "2xV100-32GB"])
+    assert "warnings" not in json.loads(output([*args, "--cluster", "2xA100-80GB", "--json"]))
+    config["torch_dtype"] = "float32"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert "warnings" not in json.loads(output([*args, "--cluster", "2xV100-32GB", "--json"]))

@@ -32,7 +32,7 @@ from medley.search.planner import search
 from medley.search.report.ablation import ablate
 from medley.search.space import SEARCHED_FAMILIES, Constraints
 from medley.spec.cluster_load import parse_cluster_arg
-from medley.spec.model_arg import get_model
+from medley.spec.model_arg import get_model, trained_dtype
 
 
 def _constraints(
@@ -151,6 +151,11 @@ def register(app: typer.Typer) -> None:
                 baselines=spec.num_devices <= BASELINE_DEVICES if baselines is None else baselines,
             )
         data = result_data(result)
+        if dtype is None and result.best.plan.shared.dtype == "fp16" and trained_dtype(model) == "bf16":
+            data["warnings"] = [
+                f"the plan trains in fp16 (a device type it uses has no bf16) but {model} is stored in bf16 "
+                "(config.json): values beyond fp16's range overflow, and the loss scale skips those steps; "
+                "--dtype bf16 plans without the devices that lack it (--explain compares the two)"]
         if ablation:
             data["ablation"] = ablation_data(ablate(result))
         if explain:
@@ -169,6 +174,8 @@ def register(app: typer.Typer) -> None:
             return
         console = make_console()
         print_result(data, console)
+        for line in data.get("warnings", []):
+            console.print(f"warning: {line}")
         for line in data.get("explain", []):
             console.print(f"· {line}")
         if out is not None:
