@@ -77,7 +77,8 @@ def test_tensorboard_has_the_scalars(jsonl_run) -> None:
             "train/step_time_s/device_3"} <= tags
     losses = [e.value for e in events.Scalars("train/loss")]
     assert losses == pytest.approx([r.loss for r in jsonl_run["records"]], rel=1e-6)
-    assert [e.step for e in events.Scalars("eval/loss")] == [1, 3, 5]
+    assert [e.step for e in events.Scalars("eval/loss")] == [2, 4, 6], "steps done, as checkpoints count"
+    assert [e.step for e in events.Scalars("train/loss")] == [r.step + 1 for r in jsonl_run["records"]]
 
 
 @pytest.mark.timeout(300)

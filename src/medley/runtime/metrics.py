@@ -2,7 +2,9 @@
 
 Rank 0 writes one point per step under ``train/`` (loss, lr, grad_norm, tokens_per_s, mfu,
 loss_scale, step_time_s and ``step_time_s/device_<id>`` per plan device) and ``eval/loss`` on
-evaluation steps; an elastic run adds its events under ``elastic/``.
+evaluation steps, at the count of steps done (after step index 0: 1, as the progress lines and
+the checkpoint names count); an elastic run adds its events under ``elastic/``, at the steps
+done when they happened.
 ``torch.utils.tensorboard`` is imported only when asked for; the
 ``tensorboard`` package is an optional extra (``pip install medley[tensorboard]``).
 """
@@ -23,7 +25,7 @@ class TensorBoardLog:
         self.writer = SummaryWriter(log_dir=str(directory))
 
     def write(self, record: StepRecord) -> None:
-        step = record.step
+        step = record.step + 1  # steps done, as the progress lines and the checkpoints count them
         scalars = {"loss": record.loss, "lr": record.lr, "grad_norm": record.grad_norm,
                    "tokens_per_s": record.tokens_per_s, "learned_tokens_per_s": record.learned_tokens_per_s,
                    "step_time_s": record.step_time_s,
