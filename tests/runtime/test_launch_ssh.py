@@ -99,12 +99,14 @@ def test_a_stopped_launcher_leaves_nothing_running_on_the_nodes(tmp_path: Path) 
     process = subprocess.Popen(_launch(plan, "--steps", "100000", "--device", "cpu"),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=env)
     marker, ranks = str(plan), f"medley.cli.main train --plan {plan}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(_running(ranks)) < 4:  # four ranks started
-        time.sleep(0.5)
-    assert len(_running(ranks)) >= 4, "the ranks never started"
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=60)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(_running(ranks)) < 4:  # four ranks started
+            time.sleep(0.5)
+        assert len(_running(ranks)) >= 4, "the ranks never started"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and _running(marker):
         time.sleep(0.5)

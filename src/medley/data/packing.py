@@ -50,14 +50,12 @@ class PackStats:
         examples: examples packed.
         sequences: sequences they fill.
         positions: input positions the examples fill.
-        learned: targets learned.
         seq_len: positions per sequence.
     """
 
     examples: int
     sequences: int
     positions: int
-    learned: int
     seq_len: int
 
     @property
@@ -174,8 +172,5 @@ class Packer:
             if used + width > seq_len:
                 sequences, used = sequences + 1, 0
             used += width
-        ex = self.examples
-        learned = sum(int(np.count_nonzero(ex.mask[int(ex.offsets[e]) + 1:int(ex.offsets[e]) + 1 + int(w)]))
-                      for e, w in zip(np.asarray(ex.order), widths, strict=True))
-        return PackStats(examples=ex.count, sequences=sequences, positions=int(widths.sum()), learned=learned,
+        return PackStats(examples=self.examples.count, sequences=sequences, positions=int(widths.sum()),
                          seq_len=seq_len)

@@ -83,7 +83,6 @@ class Rows:
         return int((self.targets != IGNORE).sum())
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class DataSource:
     """Where sequences come from.
