@@ -14,7 +14,7 @@ from train_plans import config, tiny_plan
 from medley.data.packing import Packer
 from medley.errors import MedleyInputError
 from medley.launch.spawn import train_local
-from medley.runtime.config import apply_epochs, check_config
+from medley.runtime.config import check_config, with_epochs
 from medley.runtime.reference import reference_run
 from medley.runtime.train import load_data
 
@@ -36,7 +36,7 @@ def test_epochs_count_examples_or_packed_sequences(chats: dict, pack: bool) -> N
     examples = source.examples
     per_epoch = Packer(examples=examples).stats(cfg.data.seed).sequences if pack else examples.count
     assert pack or per_epoch == 30
-    note = apply_epochs(cfg, source, sequences=SEQUENCES)
+    cfg, note = with_epochs(cfg, source, sequences=SEQUENCES)
     assert cfg.optimizer.steps == math.ceil(2.5 * per_epoch / SEQUENCES)
     assert note == (f"--epochs 2.5: {cfg.optimizer.steps} steps of {SEQUENCES} sequences over {per_epoch} "
                     f"{'packed sequences' if pack else 'examples'} per epoch")
@@ -45,7 +45,7 @@ def test_epochs_count_examples_or_packed_sequences(chats: dict, pack: bool) -> N
 def test_random_offsets_have_no_epochs_and_a_bad_count_is_refused() -> None:
     cfg = config(epochs=1)
     with pytest.raises(MedleyInputError, match="--epochs: shipped:corpus.txt is sampled at random offsets"):
-        apply_epochs(cfg, load_data(cfg, seq_len=SEQ, vocab_size=256), sequences=SEQUENCES)
+        with_epochs(cfg, load_data(cfg, seq_len=SEQ, vocab_size=256), sequences=SEQUENCES)
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(MedleyInputError, match="--epochs .*: must be a number > 0"):
             check_config(config(epochs=bad))

@@ -303,12 +303,12 @@ def register(app: typer.Typer) -> None:
                 f"pass --local-ranks {the_plan.world_size}")
         if plan is not None or cluster is not None:  # the default inline cluster names no GPU on purpose
             device_line(the_plan, config, local_ranks=local_ranks)
-        from medley.runtime.config import apply_epochs, load_data
+        from medley.runtime.config import load_data, with_epochs
 
         # A bad --data fails once, before launch; a text data set is tokenized here, once.
         shared = the_plan.shared
         source = load_data(config, seq_len=shared.seq_len, vocab_size=shared.model.vocab_size)
-        epochs = apply_epochs(config, source, sequences=sum(the_plan.micro_batches) * shared.micro_batch_size)
+        config, epochs = with_epochs(config, source, sequences=the_plan.sequences_per_step)
         for note in (*source.notes, *([epochs] if epochs else [])):
             typer.echo(literal(note), err=True)
         if init_from is not None:

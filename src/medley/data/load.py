@@ -20,7 +20,6 @@ from medley.data.cache import TextTokenizer, cached_tokens, load_tokenizer
 from medley.data.chat import load_chat_template
 from medley.data.examples import Examples, cached_examples, data_kind, usable
 from medley.data.formats import data_format
-from medley.data.packing import Packer
 from medley.data.source import BYTE_VOCAB, SYNTHETIC, DataSource
 from medley.data.tokens import (
     DEFAULT_TOKEN_DTYPE,
@@ -194,15 +193,19 @@ def _example_source(path: Path, *, kind: str, seq_len: int, options: DataOptions
     if val is not None and val.count < 1:
         raise MedleyInputError("--val-data/--val-fraction: no usable validation example; give more "
                                "validation data or a longer --seq-len")
-    stats = Packer(examples=train).stats(options.seed)
     if options.pack:
         digest += ":packed"
+    source = DataSource(name=str(path), fingerprint=digest, examples=train, val_examples=val,
+                        packed=options.pack, notes=tuple(notes))
+    if not verify:  # a rank: the launching process reported the packing
+        return source
+    stats = source.packer().stats(options.seed)  # kept: --epochs reads it again
+    if options.pack:
         notes.append(f"--pack: {stats.describe()}")
     else:
         notes.append(f"--data {path}: one example per sequence, {1 - stats.unpacked_efficiency:.0%} of the "
                      f"positions are padding; --pack would fill {stats.efficiency:.0%} of them")
-    return DataSource(name=str(path), fingerprint=digest, examples=train, val_examples=val,
-                      packed=options.pack, notes=tuple(notes))
+    return dataclasses.replace(source, notes=tuple(notes))
 
 
 def _checked_tokenizer(given: str | Path, vocab_size: int) -> TextTokenizer:

@@ -90,6 +90,7 @@ class Packer:
     _starts: dict[int, list[int]] = field(default_factory=dict, repr=False)
     _widths: np.ndarray | None = field(default=None, repr=False)
     _epochs: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
+    _stats: dict[int, PackStats] = field(default_factory=dict, repr=False)
 
     @property
     def widths(self) -> np.ndarray:
@@ -163,7 +164,9 @@ class Packer:
                           segments=torch.from_numpy(segments))
 
     def stats(self, seed: int) -> PackStats:
-        """How one epoch's examples (as ``seed`` orders them) fill sequences."""
+        """How one epoch's examples (as ``seed`` orders them) fill sequences (one pass, kept)."""
+        if seed in self._stats:
+            return self._stats[seed]
         widths, seq_len = self.widths, self.examples.seq_len
         order = self.samples(seed, 0, self.examples.count)
         sequences, used = 1, 0
@@ -172,5 +175,6 @@ class Packer:
             if used + width > seq_len:
                 sequences, used = sequences + 1, 0
             used += width
-        return PackStats(examples=self.examples.count, sequences=sequences, positions=int(widths.sum()),
-                         seq_len=seq_len)
+        self._stats[seed] = PackStats(examples=self.examples.count, sequences=sequences,
+                                      positions=int(widths.sum()), seq_len=seq_len)
+        return self._stats[seed]

@@ -113,12 +113,23 @@ class DataSource:
     notes: tuple[str, ...] = ()
     _packers: dict[str, Packer] = field(default_factory=dict, repr=False, compare=False)
 
-    def _packer(self, which: str) -> Packer:
+    def packer(self, which: str = "train") -> Packer:
+        """The packer of the ``train`` or ``val`` examples (made once; packed data only)."""
         if which not in self._packers:
             examples = self.examples if which == "train" else self.val_examples
             assert examples is not None
             self._packers[which] = Packer(examples=examples, shuffled=which == "train")
         return self._packers[which]
+
+    def samples_per_epoch(self, seed: int) -> tuple[int, str] | None:
+        """How many samples one pass over the training data draws, and what they are (examples,
+        packed sequences as the first epoch packs them, windows); None for data sampled at random
+        offsets (byte text, synthetic), which has no epochs."""
+        if self.examples is not None:
+            if self.packed:
+                return self.packer().stats(seed).sequences, "packed sequences"
+            return self.examples.count, "examples"
+        return None if self.train is None else (self.train.count, "windows")
 
     @property
     def synthetic(self) -> bool:
@@ -131,9 +142,9 @@ class DataSource:
         if samples is None:
             return []
         if self.packed:
-            starts = self._packer("train").starts(seed, (step + 1) * sequences)
+            starts = self.packer().starts(seed, (step + 1) * sequences)
             first, last = starts[step * sequences], starts[(step + 1) * sequences]
-            return [int(samples.order[i]) for i in self._packer("train").samples(seed, first, last - first)]
+            return [int(samples.order[i]) for i in self.packer().samples(seed, first, last - first)]
         return list(sample_order(count=samples.count, seed=seed, first_sample=step * sequences,
                                  samples=sequences))
 
@@ -143,7 +154,7 @@ class DataSource:
             if self.examples.seq_len != seq_len:
                 raise ValueError(f"the source was cut for seq_len {self.examples.seq_len}, not {seq_len}")
             if self.packed:
-                packed = self._packer("train").rows(seed, step * sequences, sequences)
+                packed = self.packer().rows(seed, step * sequences, sequences)
                 return Rows(tokens=packed.tokens, targets=packed.targets, segments=packed.segments)
             order = sample_order(count=self.examples.count, seed=seed, first_sample=step * sequences,
                                  samples=sequences)
@@ -155,7 +166,7 @@ class DataSource:
         """Validation batch ``index``: the validation windows or examples in order."""
         if self.val_examples is not None:
             if self.packed:
-                packed = self._packer("val").rows(0, index * sequences, sequences)
+                packed = self.packer("val").rows(0, index * sequences, sequences)
                 return Rows(tokens=packed.tokens, targets=packed.targets, segments=packed.segments)
             tokens, targets = self.val_examples.in_order(index, sequences)
             return Rows(tokens=tokens, targets=targets)

@@ -26,7 +26,7 @@ from medley.spec.cluster_load import cluster_from_dict
 
 def global_batch(plan: Plan) -> int:
     """Sequences per optimizer step (what every re-plan keeps)."""
-    return sum(plan.micro_batches) * plan.shared.micro_batch_size
+    return plan.sequences_per_step
 
 
 def describe(plan: Plan) -> str:

@@ -15,7 +15,6 @@ are muted, and :func:`train_local` raises :class:`RankFailure` naming the first 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import faulthandler
 import functools
@@ -38,7 +37,7 @@ from medley.errors import MedleyInputError, debug_enabled
 from medley.launch.nodes import LAUNCHER_PID_ENV, ONE_THREAD_ENV, SHARED_STORE_ENV
 from medley.plan.plan import Plan
 from medley.runtime import placement
-from medley.runtime.config import apply_epochs
+from medley.runtime.config import with_epochs
 from medley.runtime.lifecycle import die_with_parent, phase_timeouts, process_group_timeout_s
 from medley.runtime.placement import PlacementEntry, ranks_needed
 from medley.runtime.train import StepRecord, TrainConfig, TrainHooks, load_data, train
@@ -193,9 +192,7 @@ def train_local(plan: Plan, config: TrainConfig, *, nprocs: int | None = None, m
             f"pass --local-ranks {plan.world_size}")
     # Check the data and build any token cache here, once, before a rank starts (they map it).
     source = load_data(config, seq_len=plan.shared.seq_len, vocab_size=plan.shared.model.vocab_size)
-    if config.optimizer.epochs is not None:  # the steps of --epochs, on a copy of the caller's config
-        config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer))
-        apply_epochs(config, source, sequences=sum(plan.micro_batches) * plan.shared.micro_batch_size)
+    config, _ = with_epochs(config, source, sequences=plan.sequences_per_step)
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"medley-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,

@@ -100,8 +100,13 @@ class PlanLayout:
         return range(start, start + self.stage_layers[stage])
 
     @property
+    def sequences_per_step(self) -> int:
+        """Sequences of the global batch (every replica's micro-batches)."""
+        return sum(self.micro_batches) * self.micro_batch_size
+
+    @property
     def tokens_per_step(self) -> int:
-        return sum(self.micro_batches) * self.micro_batch_size * self.seq_len
+        return self.sequences_per_step * self.seq_len
 
     def tp_of(self, pipeline_rank: int) -> int:
         """Tensor-parallel degree of ``pipeline_rank`` (1 where the plan has no ``tp``)."""

@@ -135,6 +135,11 @@ class Plan:
         return tuple(m for layout in self.groups for m in layout.micro_batches)
 
     @property
+    def sequences_per_step(self) -> int:
+        """Sequences of the global batch (every replica group's)."""
+        return sum(layout.sequences_per_step for layout in self.groups)
+
+    @property
     def tokens_per_step(self) -> int:
         return sum(layout.tokens_per_step for layout in self.groups)
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medley.data.load import DataOptions, load_source
-from medley.data.packing import Packer
 from medley.data.source import DataSource
 from medley.errors import MedleyInputError
 from medley.fileio import UnsafePathError, check_output_dir, check_output_file, open_no_follow
@@ -69,30 +69,25 @@ def load_data(config: TrainConfig, *, seq_len: int, vocab_size: int, verify: boo
                        vocab_size=vocab_size, val_data=config.data.val_data, verify=verify)
 
 
-def apply_epochs(config: TrainConfig, source: DataSource, *, sequences: int) -> str | None:
-    """With ``--epochs E``: set ``config.optimizer.steps`` to the steps of E passes over the
-    training samples (examples, packed sequences as the first epoch packs them, or windows), at
-    ``sequences`` per step, and say so; None without ``--epochs``. Every process that reads the
-    data computes the same."""
+def with_epochs(config: TrainConfig, source: DataSource, *, sequences: int) -> tuple[TrainConfig, str | None]:
+    """With ``--epochs E``: a copy of ``config`` whose ``optimizer.steps`` are those of E passes
+    over the training samples (:meth:`DataSource.samples_per_epoch`) at ``sequences`` per step,
+    and the line that says so; without it, ``config`` as it is and None. Every process that reads
+    the data computes the same."""
     epochs = config.optimizer.epochs
     if epochs is None:
-        return None
-    if source.examples is not None:
-        per_epoch = Packer(examples=source.examples).stats(config.data.seed).sequences if source.packed \
-            else source.examples.count
-        what = "packed sequences" if source.packed else "examples"
-    elif source.train is not None:
-        per_epoch, what = source.train.count, "windows"
-    else:
+        return config, None
+    per_epoch = source.samples_per_epoch(config.data.seed)
+    if per_epoch is None:
         raise MedleyInputError(f"--epochs: {source.name} is sampled at random offsets, without epochs; give "
                                "--steps, or a tokenized data set")
-    steps = max(1, math.ceil(epochs * per_epoch / sequences))
+    count, what = per_epoch
+    steps = max(1, math.ceil(epochs * count / sequences))
     if steps > MAX_STEPS:
         raise MedleyInputError(f"--epochs {epochs}: {steps:,} steps, more than {MAX_STEPS:,}; give fewer "
                                "epochs")
-    config.optimizer.steps = steps
-    return (f"--epochs {epochs:g}: {steps:,} steps of {sequences} sequences over {per_epoch:,} {what} per "
-            "epoch")
+    line = f"--epochs {epochs:g}: {steps:,} steps of {sequences} sequences over {count:,} {what} per epoch"
+    return dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, steps=steps)), line
 
 
 def data_options(config: TrainConfig) -> DataOptions:

@@ -8,7 +8,6 @@ on the steps where ``eval_every`` is due.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -16,7 +15,7 @@ import torch
 
 from medley.data.source import DataSource
 from medley.plan.layout import PlanLayout
-from medley.runtime.config import apply_epochs
+from medley.runtime.config import with_epochs
 from medley.runtime.hf_weights import load_hf_weights
 from medley.runtime.optim import LrSchedule, optimizer_class, set_lr
 from medley.runtime.train import TrainConfig, load_data
@@ -59,11 +58,9 @@ def reference_run(layout: PlanLayout, config: TrainConfig, *, steps: int | None 
     opt_class, kwargs = optimizer_class(opt.name, lr=opt.lr, weight_decay=opt.weight_decay)
     optimizer = opt_class(model.parameters(), **kwargs)
     source = load_data(config, seq_len=layout.seq_len, vocab_size=layout.model.vocab_size)
-    sequences = sum(layout.micro_batches) * layout.micro_batch_size
-    if config.optimizer.epochs is not None:  # the steps of --epochs, on a copy of the caller's config
-        config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer))
-        apply_epochs(config, source, sequences=sequences)
-        opt = config.optimizer
+    sequences = layout.sequences_per_step
+    config, _ = with_epochs(config, source, sequences=sequences)
+    opt = config.optimizer
     run = ReferenceRun()
     schedule = LrSchedule.of(opt)
     for step in range(opt.steps if steps is None else steps):

@@ -111,7 +111,7 @@ class OptimizerConfig:
         steps: steps in total, skipped fp16 steps included (a resumed run continues up to this step).
         epochs: passes over the training data instead of ``steps``: ``steps`` becomes
             ``ceil(epochs * samples per epoch / sequences per step)`` once the data is read
-            (:func:`medley.runtime.config.apply_epochs`); None: ``steps`` as given.
+            (:func:`medley.runtime.config.with_epochs`); None: ``steps`` as given.
         name: ``adamw`` or ``sgd``.
         lr: peak learning rate, reached after ``warmup_steps`` linear warm-up steps, then the
             schedule's decay to ``min_lr`` at step ``steps``; 0 updates nothing (min_lr is capped

@@ -118,7 +118,7 @@ class _Loop:
         # The launching process checked the data and built any token cache: ranks map it.
         self.source = load_data(config, seq_len=layout.seq_len, vocab_size=layout.model.vocab_size,
                                 verify=False)
-        self.sequences = sum(plan.micro_batches) * layout.micro_batch_size
+        self.sequences = plan.sequences_per_step
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.sq_norm = self._zero()
         late = _slowdown(plan, config, late=True)
