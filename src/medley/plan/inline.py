@@ -17,6 +17,7 @@ from medley.flags import setting
 from medley.plan.layout import TP_DEGREES, PlanLayout, check_tp, speed_split
 from medley.schedule.generators import generate
 from medley.schedule.zero_settings import Placement, StageZero
+from medley.spec.adapter import lora_of
 from medley.spec.catalog import check_precision, half_precision
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_schema import printable
@@ -57,6 +58,12 @@ class InlineFlags:
     sequence_parallel: bool = setting(False, "Sequence parallelism on the stages of tp > 1 (norms on 1/tp of "
                                       "the tokens, all-gather and reduce-scatter instead of all-reduce); "
                                       "seq-len must divide by each tp")
+    lora_rank: int = setting(0, "LoRA adapters of this rank on the blocks' linear layers, the base frozen "
+                             "(0: full fine-tuning)", minimum=0)
+    lora_alpha: float = setting(16.0, "LoRA scale numerator: the adapters' output is scaled by alpha / rank")
+    lora_dropout: float = setting(0.0, "Dropout on the LoRA adapters' input")
+    lora_targets: str = setting("all", "Linear layers LoRA adapts: a comma list of q,k,v,o,gate,up,down "
+                                "(or q_proj, ...), or all")
 
     def __post_init__(self) -> None:
         if not isinstance(self.recompute, bool):
@@ -244,6 +251,8 @@ def layout_of(
         placement=policy, recompute=_recompute(f.recompute if f.recompute_mode is None else f.recompute_mode,
                                                stages),
         dtype=dtype, knobs=knobs, clip_grad=clip_grad, tp=degrees, sequence_parallel=f.sequence_parallel,
+        adapter=lora_of(rank=f.lora_rank, alpha=f.lora_alpha, dropout=f.lora_dropout, targets=f.lora_targets,
+                        model=model),
     )
     check_tp(layout, cluster)
     return layout

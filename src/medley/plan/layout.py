@@ -14,6 +14,7 @@ from typing import Any
 from medley.cost.recompute import Recompute, parse_recompute
 from medley.errors import MedleyInputError
 from medley.schedule.zero_settings import Placement, StageZero
+from medley.spec.adapter import LoraSpec
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
@@ -49,6 +50,8 @@ class PlanLayout:
         sequence_parallel: every stage of TP degree above 1 runs sequence parallelism (torch's
             ``SequenceParallel`` norms, all-gather and reduce-scatter in place of the all-reduces,
             :mod:`medley.runtime.tensor_parallel`); needs ``seq_len`` divisible by each degree.
+        adapter: LoRA adapters on the blocks (:class:`medley.spec.adapter.LoraSpec`), the base
+            frozen; None: every weight trains.
     """
 
     model: ModelSpec
@@ -69,6 +72,7 @@ class PlanLayout:
     tp: tuple[int, ...] = ()
     sync_dp: int = 0
     sequence_parallel: bool = False
+    adapter: LoraSpec | None = None
 
     def __post_init__(self) -> None:
         if not all(isinstance(r, Recompute) for r in self.recompute):

@@ -25,6 +25,7 @@ from medley.plan.layout import PlanLayout, check_tp
 from medley.plan.segments import joined
 from medley.plan.world import build_world, step_actions
 from medley.schedule.zero_settings import Placement, StageZero
+from medley.spec.adapter import LoraSpec
 from medley.spec.catalog import check_precision
 from medley.spec.cluster import Cluster
 from medley.spec.cluster_load import cluster_from_dict
@@ -169,6 +170,16 @@ class _GroupSpec(BaseModel):
     tp: list[int] = []
 
 
+class _AdapterSpec(BaseModel):
+    """A plan's LoRA adapter (:class:`medley.spec.adapter.LoraSpec`)."""
+
+    model_config = STRICT
+    rank: int = Field(ge=1, le=MAX_SIZE)
+    alpha: float = Field(gt=0, le=1e6)
+    dropout: float = Field(ge=0, lt=1)
+    targets: list[Literal["wq", "wk", "wv", "wo", "gate", "up", "down"]] = Field(min_length=1, max_length=7)
+
+
 class _SharedSpec(BaseModel):
     """What every replica of a plan shares."""
 
@@ -179,6 +190,7 @@ class _SharedSpec(BaseModel):
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     clip_grad: bool = False
     sequence_parallel: bool = False
+    adapter: _AdapterSpec | None = None
 
 
 class _LayoutSpec(_GroupSpec, _SharedSpec):
@@ -246,6 +258,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
               "placement": first.placement.value, "dtype": first.dtype, "clip_grad": first.clip_grad}
     if first.sequence_parallel:  # optional: plans without it read as before
         shared["sequence_parallel"] = True
+    if first.adapter is not None:
+        shared["adapter"] = first.adapter.as_json()
     if plan.asymmetric:
         version, layout = PLAN_VERSION, {**shared, "replicas": [_group_dict(g) for g in plan.groups]}
     else:
@@ -376,6 +390,9 @@ def _layout_from_spec(spec: _GroupSpec, shared: _SharedSpec, model: ModelSpec, c
         clip_grad=shared.clip_grad,
         tp=tuple(spec.tp),
         sequence_parallel=shared.sequence_parallel,
+        adapter=None if shared.adapter is None else LoraSpec(
+            rank=shared.adapter.rank, alpha=shared.adapter.alpha, dropout=shared.adapter.dropout,
+            targets=tuple(dict.fromkeys(shared.adapter.targets))),
     )
     try:
         model.check_seq_len(layout.seq_len, field="seq_len")

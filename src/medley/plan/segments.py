@@ -37,7 +37,7 @@ from medley.schedule.zero import split_evenly
 from medley.schedule.zero_settings import Placement, StageZero
 
 SHARED_FIELDS = ("model", "micro_batch_size", "seq_len", "placement", "dtype", "clip_grad",
-                 "sequence_parallel")
+                 "sequence_parallel", "adapter")
 """What every replica group of a plan has in common (the global batch's shape and precision)."""
 
 

@@ -303,7 +303,7 @@ class RankExecutor:
             st.weight_state[mb] = (outputs, grads)
             return
         else:
-            dinputs, saved = backward_input(outputs, grads, inputs, self.stages[stage].weights())
+            dinputs, saved = backward_input(outputs, grads, inputs, self.stages[stage].trained_weights())
             st.weight_state[mb] = saved
             input_grad = dinputs[0]
         if stage > 0:
@@ -320,7 +320,7 @@ class RankExecutor:
             outputs, grads = saved
             torch.autograd.backward(outputs, grads)
         else:
-            backward_weight(self.stages[stage].weights(), saved)
+            backward_weight(self.stages[stage].trained_weights(), saved)
         self._release_graph(stage, mb)
 
     def _release_graph(self, stage: int, mb: int) -> None:

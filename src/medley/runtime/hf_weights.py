@@ -16,6 +16,7 @@ import torch
 
 from medley.errors import MedleyInputError
 from medley.hf.read import check_tensors, checked_slices
+from medley.runtime.lora import is_adapter_name
 from medley.runtime.materialize import local_box
 from medley.runtime.tensor_parallel import local_tensor
 from medley.runtime.transformer import Decoder
@@ -40,7 +41,9 @@ def load_hf_weights(module: Decoder, directory: Path) -> None:
 def load_hf_tensors(spec: ModelSpec, named: Iterable[tuple[str, torch.Tensor]], directory: Path) -> None:
     """Fill parameters given by medley name from ``directory``: a plain one with its whole tensor,
     a TP slice or ZeRO-1/2/3 shard (DTensor) with only its own box of it (read as a slice of the
-    file, :func:`medley.runtime.materialize.local_box`)."""
+    file, :func:`medley.runtime.materialize.local_box`). LoRA adapters are not the base model's:
+    they are left to their initialisation."""
+    named = [(name, param) for name, param in named if not is_adapter_name(name)]
     with torch.no_grad():
         for file, hf, param, piece in checked_slices(spec, named, directory):
             local = local_tensor(param)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from medley.runtime.lora import is_adapter_name
 from medley.runtime.tensor_parallel import local_tensor
 from medley.runtime.torch_adapter import shard_at
 from medley.runtime.transformer import TIED_COPY, Decoder, init_values, tied_copy_value
@@ -39,9 +40,10 @@ def local_box(param: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
 
 
-def init_local_shards(module: Decoder, seed: int) -> None:
+def init_local_shards(module: Decoder, seed: int, *, adapters_only: bool = False) -> None:
     """Fill every parameter of ``module`` (after ``to_empty``) with its box of the seeded
-    initialisation, layer by layer."""
+    initialisation, layer by layer; ``adapters_only``: the LoRA adapters' alone (a base read from
+    a checkpoint or a Hugging Face directory)."""
     spec = module.spec
     with torch.no_grad():
         for index, layer in module.layer_modules().items():
@@ -49,8 +51,11 @@ def init_local_shards(module: Decoder, seed: int) -> None:
             shapes = [(name, p.shape) for name, p in params.items()]
             values = init_values(shapes, seed, index, spec.num_blocks)
             for name, value in values:
-                _fill(params[name], value)
+                if is_adapter_name(name) or not adapters_only:
+                    _fill(params[name], value)
                 del value  # at most one whole tensor alive
+        if adapters_only:
+            return
         if module.head is not None and module.head.out is not None and spec.tied_embeddings \
                 and module.embed is None:
             _fill(dict(module.named_parameters())[TIED_COPY], tied_copy_value(spec, seed))

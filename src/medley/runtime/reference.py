@@ -17,6 +17,8 @@ from medley.data.source import DataSource
 from medley.plan.layout import PlanLayout
 from medley.runtime.config import with_epochs
 from medley.runtime.hf_weights import load_hf_weights
+from medley.runtime.lora import freeze_base
+from medley.runtime.materialize import init_local_shards
 from medley.runtime.optim import LrSchedule, optimizer_class, set_lr
 from medley.runtime.train import TrainConfig, load_data
 from medley.runtime.transformer import Decoder, token_loss_sum
@@ -50,13 +52,19 @@ def reference_train(layout: PlanLayout, config: TrainConfig, *,
 
 def reference_run(layout: PlanLayout, config: TrainConfig, *, steps: int | None = None) -> ReferenceRun:
     """Train the whole model in this process (fp32) from the run's initial weights (seeded, or
-    ``config.model.init_from``): the losses, and the validation losses where due."""
-    model = Decoder(layout.model, seed=config.data.seed, init=config.model.init_from is None)
+    ``config.model.init_from``; a LoRA layout's adapters seeded, its base frozen): the losses, and
+    the validation losses where due."""
+    model = Decoder(layout.model, seed=config.data.seed, init=config.model.init_from is None,
+                    adapter=layout.adapter)
     if config.model.init_from is not None:
         load_hf_weights(model, config.model.init_from)
+        init_local_shards(model, config.data.seed, adapters_only=True)
+    if layout.adapter is not None:
+        freeze_base(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
     opt = config.optimizer
     opt_class, kwargs = optimizer_class(opt.name, lr=opt.lr, weight_decay=opt.weight_decay)
-    optimizer = opt_class(model.parameters(), **kwargs)
+    optimizer = opt_class(trained, **kwargs)
     source = load_data(config, seq_len=layout.seq_len, vocab_size=layout.model.vocab_size)
     sequences = layout.sequences_per_step
     config, _ = with_epochs(config, source, sequences=sequences)
@@ -71,7 +79,7 @@ def reference_run(layout: PlanLayout, config: TrainConfig, *, steps: int | None 
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if opt.clip_norm is not None:
-            grads = [p.grad for p in model.parameters()]
+            grads = [p.grad for p in trained]
             norm = math.sqrt(float(sum(g.double().square().sum() for g in grads)))
             coef = min(1.0, opt.clip_norm / (norm + 1e-6))
             for grad in grads:

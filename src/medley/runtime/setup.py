@@ -153,7 +153,8 @@ def build_parts(world: World, table: RankTable, *, device: torch.device, seed: i
                                 precision=layout.dtype if dtype is None else dtype,
                                 units=world.segments.units[group], materialize=materialize,
                                 sequence_parallel=layout.sequence_parallel,
-                                sequence_edges=sequence_sharded_edges(layout), compile=compile)
+                                sequence_edges=sequence_sharded_edges(layout), compile=compile,
+                                adapter=layout.adapter)
     return RankParts(groups=groups, group=group, layout=layout, schedule=schedule, stages=stages)
 
 

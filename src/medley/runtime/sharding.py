@@ -222,6 +222,10 @@ class ShardedStage:
             return [p for unit in self.fsdp_units for p in fsdp_unsharded_params(unit)]
         return list(self.module.parameters())
 
+    def trained_weights(self) -> list[nn.Parameter]:
+        """The :meth:`weights` that take a gradient (a LoRA stage's adapters; all of them else)."""
+        return [p for p in self.weights() if p.requires_grad]
+
     def named_grads(self) -> dict[str, torch.Tensor]:
         """Full (unsharded, reduced) gradients by global parameter name; a collective at levels 1-3."""
         grads = {}
@@ -256,6 +260,7 @@ class ShardedStage:
         return range(len(self.buckets)) if bucket is None else [bucket]
 
     def _all_reduce(self, params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+        params = [p for p in params if p.requires_grad]  # a frozen base (LoRA) has no gradient
         if group is None or not params:
             return
         # TP-sharded gradients (DTensors) reduce their local slices: the dp group holds one TP rank.
@@ -352,7 +357,11 @@ def shard_stage(
     local_name = {p: name for name, p in module.named_parameters()}
     bucket_names = [[shared_name(module.spec, local_name[p]) for p in params] for params in buckets]
     copies = frozenset(p for p, name in local_name.items() if shared_name(module.spec, name) != name)
-    optimizers = [optimizer_class(_same_kind_groups(params), **optimizer_kwargs) for params in buckets]
+    # Each bucket's trainable parameters (a frozen base's take no state); a bucket of frozen layers
+    # only gets an optimizer of one empty group, whose steps do nothing.
+    trained = [[p for p in params if p.requires_grad] for params in buckets]
+    optimizers = [optimizer_class(_same_kind_groups(params) or [{"params": []}], **optimizer_kwargs)
+                  for params in trained]
     stage = ShardedStage(module=module, zero=zero, buckets=buckets, fsdp_units=units, dp_groups=dp_groups,
                          optimizers=optimizers, bucket_names=bucket_names, copies=copies,
                          reduce_dtype=TORCH_DTYPES[state.grad_dtype], tp_rank=tp_rank)

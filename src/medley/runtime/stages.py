@@ -15,12 +15,14 @@ import torch.distributed as dist
 from medley.errors import MedleyInputError
 from medley.runtime.groups import RankGroups
 from medley.runtime.hf_weights import load_hf_tensors
+from medley.runtime.lora import freeze_base
 from medley.runtime.materialize import init_local_shards
 from medley.runtime.sharding import ShardedStage, bucket_layer_groups, shard_stage
 from medley.runtime.tensor_parallel import apply_sequence_edges, parallelize_blocks
 from medley.runtime.torch_compile import apply_compile, splits_backward
 from medley.runtime.transformer import Decoder
 from medley.schedule.ir import PipelineSchedule
+from medley.spec.adapter import LoraSpec
 from medley.spec.model import ModelSpec
 
 
@@ -45,7 +47,7 @@ def build_local_stages(
     optimizer_kwargs: dict[str, Any], recompute: Sequence[bool] = (), init_from: Path | None = None,
     precision: str = "fp32", units: Mapping[int, Sequence[tuple[int, int]]] | None = None,
     materialize: bool = True, sequence_parallel: bool = False, sequence_edges: frozenset[int] = frozenset(),
-    compile: bool = False,
+    compile: bool = False, adapter: LoraSpec | None = None,
 ) -> dict[int, ShardedStage]:
     """Build, tensor-parallelise (TP degree > 1) and shard only the stages this rank runs in
     ``schedule`` (its replica's program), as torchtitan does: each stage is built on the meta
@@ -64,7 +66,9 @@ def build_local_stages(
     (alike replicas). ``sequence_parallel``: TP stages run sequence parallelism, their shards
     crossing the edges ``sequence_edges`` names (:func:`medley.plan.layout.sequence_sharded_edges`).
     ``compile``: each block is compiled (:func:`medley.runtime.torch_compile.apply_compile`) after TP and
-    before ZeRO sharding."""
+    before ZeRO sharding. ``adapter``: LoRA adapters on the blocks, the base frozen once TP has
+    placed it (:mod:`medley.runtime.lora`); with ``init_from`` the base is read and the adapters
+    take their seeded initialisation."""
     if len(split) != schedule.num_stages or len(zero) != schedule.num_stages:
         raise ValueError(f"split {tuple(split)} and zero {tuple(zero)} must give one entry per stage "
                          f"({schedule.num_stages} stages)")
@@ -76,7 +80,7 @@ def build_local_stages(
         first, last = ranges[stage]
         with torch.device("meta"):
             module = Decoder(spec, first_layer=first, last_layer=last, seed=seed,
-                             recompute=recompute[stage] if recompute else False, init=False)
+                             recompute=recompute[stage] if recompute else False, init=False, adapter=adapter)
         buckets = bucket_layer_groups(list(range(first, last)), schedule.bucket_layers.get(stage))
         meshes = ([groups.mesh] * len(buckets) if units is None
                   else [groups.meshes[segment] for segment, _ in units[stage]])
@@ -85,6 +89,8 @@ def build_local_stages(
         if sequence_parallel:
             apply_sequence_edges(module, meshes[0]["tp"], sharded_input=stage - 1 in sequence_edges,
                                  sharded_output=stage in sequence_edges)
+        if adapter is not None:
+            freeze_base(module)
         if compile:
             apply_compile(module, split_backward=splits_backward(schedule, place.pipeline_rank))
         stages[stage] = shard_stage(module, zero=zero[stage], bucket_layers=schedule.bucket_layers.get(stage),
@@ -99,6 +105,7 @@ def build_local_stages(
         elif error is None:  # each rank reads its own shards' rows (a TP slice, FSDP2's dim-0 piece)
             local = stages[stage].named_parameters_local()
             error = _reading(functools.partial(load_hf_tensors, spec, local, init_from))
+            init_local_shards(module, seed, adapters_only=True)
         if stages[stage].meaning.gathers_after_step:
             stages[stage].unshard(None)  # levels 1-2 keep the weights gathered between steps
     if init_from is not None and materialize:

@@ -32,7 +32,7 @@ from collections.abc import Collection
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -44,7 +44,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from medley.plan.layout import PlanLayout, tp_undivided
+from medley.runtime.lora import LORA_A, LORA_B, LoraLinear
 from medley.runtime.transformer import Decoder
+from medley.spec.adapter import ROWWISE
 
 TP_DIM = "tp"
 
@@ -99,6 +101,24 @@ def parallelize_blocks(module: Decoder, tp_mesh: DeviceMesh, *,
         if layers is None or int(key) + 1 in layers:
             plan = block_plan(spec.mlp == "swiglu", sequence_parallel=sequence_parallel)
             parallelize_module(block, tp_mesh, plan, src_data_rank=None)
+            place_adapters(block, tp_mesh)
+
+
+def place_adapters(block: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The LoRA adapters' placements in a tensor-parallel block (:mod:`medley.runtime.lora`): a
+    column-wise layer's ``A`` replicated and ``B`` cut by output rows, a row-wise layer's ``A`` cut
+    by input columns and ``B`` replicated, so that each adapter's output has its layer's placement
+    (no collective of its own). On the meta device, as the layers' own weights."""
+    for name, module in block.named_modules():
+        if not isinstance(module, LoraLinear):
+            continue
+        rowwise = name.rsplit(".", 1)[-1] in ROWWISE
+        places = {LORA_A: Shard(1) if rowwise else Replicate(), LORA_B: Replicate() if rowwise else Shard(0)}
+        for param_name, placement in places.items():
+            param = getattr(module, param_name)
+            whole = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            module.register_parameter(param_name, torch.nn.Parameter(
+                distribute_tensor(whole, tp_mesh, [placement], src_data_rank=None)))
 
 
 def apply_sequence_edges(module: Decoder, tp_mesh: DeviceMesh, *, sharded_input: bool,

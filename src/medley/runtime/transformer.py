@@ -23,7 +23,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from medley.cost.recompute import SAVED_OPS, Recompute, parse_recompute
+from medley.runtime.lora import adapter_init, is_adapter_name, linear
 from medley.runtime.torch_adapter import rerunnable_selective_contexts
+from medley.spec.adapter import LoraSpec
 from medley.spec.model import ModelSpec
 
 
@@ -102,14 +104,14 @@ class Attention(nn.Module):
     sequences (``segments``) attend inside each example only, their positions counted from its
     start."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, adapter: LoraSpec | None = None) -> None:
         super().__init__()
         self.spec = spec
         h, q, kv, qkv_bias = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.bias or spec.qkv_bias
-        self.wq = nn.Linear(h, q, bias=qkv_bias)
-        self.wk = nn.Linear(h, kv, bias=qkv_bias)
-        self.wv = nn.Linear(h, kv, bias=qkv_bias)
-        self.wo = nn.Linear(q, h, bias=spec.bias)
+        self.wq = linear(h, q, bias=qkv_bias, name="wq", adapter=adapter)
+        self.wk = linear(h, kv, bias=qkv_bias, name="wk", adapter=adapter)
+        self.wv = linear(h, kv, bias=qkv_bias, name="wv", adapter=adapter)
+        self.wo = linear(q, h, bias=spec.bias, name="wo", adapter=adapter)
 
     def forward(self, x: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
         spec = self.spec
@@ -149,14 +151,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (gate, up, down) or GELU (up, down)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, adapter: LoraSpec | None = None) -> None:
         super().__init__()
         self.swiglu = spec.mlp == "swiglu"
         h, f = spec.hidden_size, spec.ffn_hidden_size
         if self.swiglu:
-            self.gate = nn.Linear(h, f, bias=spec.bias)
-        self.up = nn.Linear(h, f, bias=spec.bias)
-        self.down = nn.Linear(f, h, bias=spec.bias)
+            self.gate = linear(h, f, bias=spec.bias, name="gate", adapter=adapter)
+        self.up = linear(h, f, bias=spec.bias, name="up", adapter=adapter)
+        self.down = linear(f, h, bias=spec.bias, name="down", adapter=adapter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -165,14 +167,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block (its linear layers LoRA-adapted where ``adapter`` says)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, adapter: LoraSpec | None = None) -> None:
         super().__init__()
         self.attn_norm = _norm(spec)
-        self.attn = Attention(spec)
+        self.attn = Attention(spec, adapter)
         self.mlp_norm = _norm(spec)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, adapter)
 
     def forward(self, x: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), segments)
@@ -226,9 +228,14 @@ def init_values(named_shapes: Iterable[tuple[str, Sequence[int]]], seed: int, la
     where every element takes it (unit norms, zero biases), else the whole drawn tensor: N(0, 0.02)
     matrices, residual outputs scaled by depth. Parameters are drawn in name order from a generator
     private to the layer, lazily (one whole tensor at a time), so a sharded stage can keep its
-    slice of each (:mod:`medley.runtime.materialize`) and get the values of the whole layer."""
+    slice of each (:mod:`medley.runtime.materialize`) and get the values of the whole layer.
+    LoRA adapters (:func:`medley.runtime.lora.adapter_init`) draw from a generator of their own,
+    after the base, so that an adapted model's base is the plain model's."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + layer_index)
-    for name, shape in sorted(named_shapes, key=lambda item: item[0]):
+    named_shapes = sorted(named_shapes, key=lambda item: item[0])
+    for name, shape in named_shapes:
+        if is_adapter_name(name):
+            continue
         if "norm" in name:
             yield name, 1.0 if name.endswith("weight") else 0.0
         elif name.endswith("bias"):
@@ -237,6 +244,10 @@ def init_values(named_shapes: Iterable[tuple[str, Sequence[int]]], seed: int, la
             residual_out = name.endswith(("wo.weight", "down.weight"))
             std = 0.02 / math.sqrt(2 * num_blocks) if residual_out else 0.02
             yield name, torch.randn(tuple(shape), generator=gen, device="cpu") * std  # on a GPU too
+    adapter_gen = torch.Generator().manual_seed(seed * 1_000_003 + layer_index + 500_009)
+    for name, shape in named_shapes:
+        if is_adapter_name(name):
+            yield name, adapter_init(name, tuple(shape), adapter_gen)
 
 
 def init_layer(module: nn.Module, seed: int, layer_index: int, num_blocks: int) -> None:
@@ -298,10 +309,13 @@ class Decoder(nn.Module):
     [batch, seq, hidden]; the output is logits [batch, seq, vocab] when it holds the head, else
     hidden states. ``segments`` ([batch, seq] example indices of packed sequences, the same on
     every stage) makes each example attend to itself only, its positions counted from its start.
+    ``adapter``: LoRA adapters on the blocks' linear layers (:mod:`medley.runtime.lora`); the
+    caller freezes the base (:func:`~medley.runtime.lora.freeze_base`) once its layers are placed.
     """
 
     def __init__(self, spec: ModelSpec, *, first_layer: int = 0, last_layer: int | None = None,
-                 seed: int = 0, recompute: Recompute | bool = False, init: bool = True) -> None:
+                 seed: int = 0, recompute: Recompute | bool = False, init: bool = True,
+                 adapter: LoraSpec | None = None) -> None:
         super().__init__()
         last_layer = spec.num_layers if last_layer is None else last_layer
         if not 0 <= first_layer < last_layer <= spec.num_layers:
@@ -312,11 +326,12 @@ class Decoder(nn.Module):
         has_embed, has_head = first_layer == 0, last_layer == spec.num_layers
         tied_copy = spec.tied_embeddings and has_head and not has_embed
         self.spec = spec
+        self.adapter = adapter
         self.recompute = parse_recompute(recompute)
         self.first_layer, self.last_layer = first_layer, last_layer
         self.embed = Embedding(spec) if has_embed else None
         block_ids = range(max(first_layer, 1), min(last_layer, spec.num_blocks + 1))
-        self.blocks = nn.ModuleDict({str(i - 1): Block(spec) for i in block_ids})
+        self.blocks = nn.ModuleDict({str(i - 1): Block(spec, adapter) for i in block_ids})
         self.head = Head(spec, tied_copy=tied_copy) if has_head else None
         for index, layer in self.layer_modules().items():
             if init:
