@@ -87,9 +87,13 @@ def register(app: typer.Typer) -> None:
         hf: Annotated[Path, typer.Option(help="Write a Hugging Face model directory here (new)")],
         max_shard_mb: Annotated[int, typer.Option(help="Largest safetensors file, MiB")] = 5120,
         dtype: Annotated[str, typer.Option(help="Weights' dtype: fp32, bf16 or fp16")] = "fp32",
+        merge: Annotated[bool, typer.Option(help="A LoRA run's checkpoint: write the whole model, each "
+                                            "adapter folded into its weight (default: PEFT's adapter "
+                                            "directory)")] = False,
     ) -> None:
         """Export a checkpoint step, whatever plan wrote it, as a Hugging Face model directory
-        (safetensors, config.json, the tokenizer files of the model it came from)."""
+        (safetensors, config.json, the tokenizer files of the model it came from); a LoRA run's as
+        PEFT's adapter directory, or merged into the base with --merge."""
         from medley.runtime.hf_export import check_export_dtype, export_hf
 
         if not checkpoint.is_dir():
@@ -99,5 +103,5 @@ def register(app: typer.Typer) -> None:
             raise MedleyInputError(f"--max-shard-mb {max_shard_mb}: must be at least 1")
         check_export_dtype(dtype, flag="--dtype")
         out = check_export_target(hf, flag="--hf")
-        export_hf(checkpoint, out, max_shard_bytes=max_shard_mb * 2**20, dtype=dtype)
+        export_hf(checkpoint, out, max_shard_bytes=max_shard_mb * 2**20, dtype=dtype, merge=merge)
         typer.echo(f"wrote {literal(str(out))}")

@@ -12,6 +12,9 @@ medley (:mod:`medley.runtime.transformer`)         transformers
 ``head.norm.weight``                         ``model.norm.weight``
 ``head.out.weight``                          ``lm_head.weight`` (absent with tied embeddings)
 =========================================== ==================================================
+
+A LoRA adapter's ``blocks.<i>.attn.wq.lora_a|lora_b`` is saved as PEFT saves it
+(:func:`peft_name`): ``base_model.model.model.layers.<i>.self_attn.q_proj.lora_A|lora_B.weight``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ _BLOCK = {
     "mlp.down": "mlp.down_proj",
 }
 _BLOCK_NAME = re.compile(r"blocks\.(\d+)\.(.+)\.(weight|bias)")
+_ADAPTER_NAME = re.compile(r"blocks\.(\d+)\.(.+)\.lora_(a|b)")
 
 
 def check_hf_family(spec: ModelSpec, *, what: str) -> None:
@@ -57,3 +61,12 @@ def hf_name(name: str) -> str:
         raise KeyError(f"medley parameter {name!r} has no Hugging Face name")
     index, module, kind = match.groups()
     return f"model.layers.{index}.{_BLOCK[module]}.{kind}"
+
+
+def peft_name(name: str) -> str:
+    """The name PEFT saves medley adapter parameter ``name`` (``blocks.<i>.<layer>.lora_a|b``) under."""
+    match = _ADAPTER_NAME.fullmatch(name)
+    if match is None or match.group(2) not in _BLOCK:
+        raise KeyError(f"medley parameter {name!r} is not a LoRA adapter's")
+    index, module, which = match.groups()
+    return f"base_model.model.model.layers.{index}.{_BLOCK[module]}.lora_{which.upper()}.weight"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,11 +21,13 @@ from safetensors.torch import save
 from medley.errors import MedleyInputError
 from medley.fileio import os_error_message, read_user_bytes, remove_path, write_new_file
 from medley.hf.read import INDEX_FILE, SINGLE_FILE
+from medley.spec.adapter import HF_NAMES, LoraSpec
 from medley.spec.cluster_schema import printable
 from medley.spec.hf_config import hf_dict_from_spec
 from medley.spec.model import ModelSpec
 
 MAX_SHARD_BYTES = 5 * 2**30
+ADAPTER_FILE = "adapter_model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json")
@@ -90,14 +93,39 @@ def write_model_dir(out: Path, spec: ModelSpec, tensors: dict[str, torch.Tensor]
     """Write ``tensors`` (by transformers name, contiguous, in ``dtype``: config.json's name of
     it) and ``spec``'s config as a new model directory ``out`` (an existing ``out`` is refused),
     with the tokenizer files of ``hf_dir``."""
-    out = Path(out)
+    return _write_dir(Path(out), lambda tmp: (_write_weights(tmp, tensors, max_shard_bytes),
+                                               _write_config(tmp, spec, hf_dir, dtype)))
+
+
+def write_adapter_dir(out: Path, lora: LoraSpec, tensors: dict[str, torch.Tensor], *,
+                      base: Path | None) -> Path:
+    """Write a LoRA adapter as PEFT saves one (``PeftModel.from_pretrained(base_model, out)`` loads
+    it): ``adapter_model.safetensors`` (``tensors`` by PEFT name, :func:`medley.hf.names.peft_name`)
+    and ``adapter_config.json``, whose ``base_model_name_or_path`` is ``base`` (the directory the
+    run started from), and the base's tokenizer files."""
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+              "lora_dropout": lora.dropout, "target_modules": sorted(HF_NAMES[t] for t in lora.targets),
+              "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+              "base_model_name_or_path": None if base is None else str(base)}
+
+    def fill(tmp: Path) -> None:
+        write_new_file(tmp / ADAPTER_FILE, save(tensors, metadata={"format": "pt"}))
+        write_new_file(tmp / "adapter_config.json", json.dumps(config, indent=1))
+        for name in TOKENIZER_FILES if base is not None else ():
+            if (base / name).is_file():
+                write_new_file(tmp / name, read_user_bytes(base / name, what="tokenizer file"))
+
+    return _write_dir(Path(out), fill)
+
+
+def _write_dir(out: Path, fill: Callable[[Path], object]) -> Path:
+    """A new directory ``out`` filled by ``fill`` in a temporary directory renamed into place."""
     check_new_dir(out)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     try:
         remove_path(tmp)
         tmp.mkdir(parents=True)
-        _write_weights(tmp, tensors, max_shard_bytes)
-        _write_config(tmp, spec, hf_dir, dtype)
+        fill(tmp)
         for file in tmp.iterdir():
             os.chmod(file, 0o644)
         os.rename(tmp, out)

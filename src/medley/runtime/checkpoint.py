@@ -77,7 +77,9 @@ def checkpoint_state(stages: dict[int, ShardedStage], *, for_load: bool,
     for stage in stages.values():
         name_of = {}
         for name, param in stage.named_parameters_local():
-            if (param in stage.copies) == copies:
+            # A LoRA run's frozen base is read again from --init-from (or the seed): only the
+            # adapters are saved.
+            if (param in stage.copies) == copies and param.requires_grad:
                 state[f"model.{name}"] = param.detach()
             name_of[param] = name
         for optimizer in stage.optimizers:
@@ -312,7 +314,7 @@ def _raise_if(error: str | None, *, cleanup: Path | None = None) -> None:
 
 # Settings that fix what the checkpoint's tensors mean: a resume with another value is refused.
 _FIXED = {"model": "--model / the plan's [model]", "optimizer": "--optimizer",
-          "seq_len": "--seq-len / layout.seq_len"}
+          "seq_len": "--seq-len / layout.seq_len", "adapter": "--lora-* / the plan's adapter"}
 # Settings that fix which data each step sees: another value is refused unless the data order is reset.
 DATA_ORDER = {"seed": "--seed", "global_batch": "the global batch (micro-batches x micro-batch size)",
               "data": "--data"}

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from medley.errors import MedleyInputError
-from medley.hf.names import check_hf_family, hf_name
-from medley.hf.write import MAX_SHARD_BYTES, check_new_dir, write_model_dir
+from medley.hf.names import check_hf_family, hf_name, peft_name
+from medley.hf.write import MAX_SHARD_BYTES, check_new_dir, write_adapter_dir, write_model_dir
 from medley.runtime.checkpoint_verify import (
     EXPORT_FIX,
     check_entries,
@@ -27,8 +27,11 @@ from medley.runtime.checkpoint_verify import (
     read_meta,
     verified_metadata,
 )
+from medley.runtime.hf_weights import load_hf_weights
+from medley.runtime.lora import is_adapter_name
 from medley.runtime.sharding import TORCH_DTYPES
 from medley.runtime.transformer import Decoder
+from medley.spec.adapter import LoraSpec
 from medley.spec.cluster_schema import printable
 from medley.spec.model import ModelSpec
 
@@ -43,14 +46,30 @@ def _checkpoint_model(step_dir: Path, meta: dict[str, Any]) -> ModelSpec:
     return spec
 
 
+def checkpoint_adapter(step_dir: Path, meta: dict[str, Any]) -> LoraSpec | None:
+    """The LoRA adapter a checkpoint's run trained (medley.json's ``adapter``), None for full training."""
+    recorded = meta.get("adapter")
+    if recorded is None:
+        return None
+    try:
+        return LoraSpec(**{**recorded, "targets": tuple(recorded["targets"])})
+    except (KeyError, TypeError, ValueError) as err:
+        raise MedleyInputError(printable(f"checkpoint {step_dir}: medley.json's adapter is not one this "
+                                         f"medley reads ({err}); export it with the medley that wrote it")) \
+            from None
+
+
 def read_model_tensors(step_dir: Path) -> tuple[ModelSpec, dict[str, torch.Tensor], dict[str, Any]]:
-    """The checkpoint's model, its parameters by medley name (full tensors) and its medley.json."""
+    """The checkpoint's model, its parameters by medley name (full tensors) and its medley.json; a
+    LoRA run's checkpoint holds its adapters only."""
     step_dir = Path(step_dir)
     meta = read_meta(step_dir, fix=EXPORT_FIX)
     spec = _checkpoint_model(step_dir, meta)
+    adapter = checkpoint_adapter(step_dir, meta)
     metadata = verified_metadata(step_dir, meta, fix=EXPORT_FIX)
     with torch.device("meta"):
-        params = dict(Decoder(spec, init=False).named_parameters())
+        params = {name: p for name, p in Decoder(spec, init=False, adapter=adapter).named_parameters()
+                  if adapter is None or is_adapter_name(name)}
     expected = {f"model.{name}": entry_of(param) for name, param in params.items()}
     model_entries = {key: entry for key, entry in meta["entries"].items() if key.startswith("model.")}
     check_entries(step_dir, model_entries, expected, optional=set(),
@@ -69,21 +88,59 @@ def check_export_dtype(dtype: str, *, flag: str) -> torch.dtype:
 
 
 def export_hf(step_dir: Path, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES, dtype: str = "fp32",
-              flag: str = "--dtype") -> Path:
+              flag: str = "--dtype", merge: bool = False) -> Path:
     """Write checkpoint ``step_dir`` as a Hugging Face model directory at ``out`` (atomically: a
     temporary directory renamed into place; an existing ``out`` is refused), its weights cast to
     ``dtype`` (fp32, bf16 or fp16: half the bytes; a weight beyond fp16's range is refused in one
-    line naming ``flag`` rather than written as infinity)."""
+    line naming ``flag`` rather than written as infinity).
+
+    A LoRA run's checkpoint is written as PEFT's adapter directory (for ``PeftModel.from_pretrained``
+    over the base it started from), or with ``merge`` as a whole model: each adapted weight
+    ``W + (alpha / rank) B A``, the base read again from the run's ``--init-from`` (else drawn from
+    its seed)."""
     torch_dtype = check_export_dtype(dtype, flag=flag)
     check_new_dir(Path(out))
     spec, params, meta = read_model_tensors(step_dir)
-    tensors = {}
-    for name, tensor in params.items():
-        cast = tensor.to(torch_dtype).contiguous()
-        if not bool(torch.isfinite(cast).all()) and bool(torch.isfinite(tensor).all()):
-            raise MedleyInputError(f"{flag} {dtype}: {name} has values beyond {dtype}'s range (largest "
-                                   f"{float(tensor.abs().max()):.3g}); export bf16 or fp32")
-        tensors[hf_name(name)] = cast
+    adapter = checkpoint_adapter(Path(step_dir), meta)
     hf_dir = Path(meta["hf_dir"]) if isinstance(meta.get("hf_dir"), str) else None
+    if adapter is not None and not merge:
+        base = Path(meta["init_from"]) if isinstance(meta.get("init_from"), str) else hf_dir
+        return write_adapter_dir(out, adapter, {peft_name(name): _cast(name, tensor, torch_dtype, flag)
+                                                for name, tensor in params.items()}, base=base)
+    if adapter is not None:
+        params = merged_weights(spec, adapter, params, meta, step_dir=Path(step_dir))
+    tensors = {hf_name(name): _cast(name, tensor, torch_dtype, flag) for name, tensor in params.items()}
     return write_model_dir(out, spec, tensors, hf_dir=hf_dir, max_shard_bytes=max_shard_bytes,
                            dtype=str(torch_dtype).removeprefix("torch."))
+
+
+def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype, flag: str) -> torch.Tensor:
+    cast = tensor.to(dtype).contiguous()
+    if not bool(torch.isfinite(cast).all()) and bool(torch.isfinite(tensor).all()):
+        text = str(dtype).removeprefix("torch.")
+        raise MedleyInputError(f"{flag} {text}: {name} has values beyond {text}'s range (largest "
+                               f"{float(tensor.abs().max()):.3g}); export bf16 or fp32")
+    return cast
+
+
+def merged_weights(spec: ModelSpec, adapter: LoraSpec, adapters: dict[str, torch.Tensor],
+                   meta: dict[str, Any], *, step_dir: Path) -> dict[str, torch.Tensor]:
+    """The base model's weights with each adapter folded in (``W + scale B A``), by medley name."""
+    init_from = meta.get("init_from")
+    if isinstance(init_from, str):
+        if not Path(init_from).is_dir():
+            raise MedleyInputError(printable(f"checkpoint {step_dir}: its run's --init-from {init_from} is "
+                                             "gone; --merge needs the base weights there (or export the "
+                                             "adapter without --merge)"))
+        base = Decoder(spec, init=False)
+        load_hf_weights(base, Path(init_from))
+    else:
+        base = Decoder(spec, seed=int(meta.get("seed", 0)))
+    weights = {name: p.detach() for name, p in base.named_parameters()}
+    for name in list(weights):
+        stem = name.removesuffix(".weight")
+        if not name.startswith("blocks.") or stem == name or stem.rsplit(".", 1)[-1] not in adapter.targets:
+            continue
+        delta = adapters[f"{stem}.lora_b"] @ adapters[f"{stem}.lora_a"]
+        weights[name] = weights[name] + adapter.scale * delta
+    return weights

@@ -136,6 +136,9 @@ class _Loop:
                      "global_batch": self.sequences, "schedule": self.schedule.record(),
                      "hf_dir": None if config.model.hf_dir is None
                      else str(Path(config.model.hf_dir).resolve()),
+                     "adapter": None if layout.adapter is None else layout.adapter.as_json(),
+                     "init_from": None if config.model.init_from is None
+                     else str(Path(config.model.init_from).resolve()),
                      "plan": [{"pp": group.pp, "dp": group.dp, "split": list(group.stage_layers),
                                "zero": [z.level for z in group.zero],
                                "tp": [group.tp_of(k) for k in range(group.pp)]} for group in plan.groups]}
