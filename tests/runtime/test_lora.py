@@ -83,7 +83,8 @@ def test_the_flags_and_the_plan_file_carry_the_adapter() -> None:
     model = get_model("tiny")
     assert lora_of(rank=0, alpha=16, dropout=0, targets="all", model=model) is None
     lora = lora_of(rank=8, alpha=16, dropout=0.05, targets="q_proj,v,o", model=model)
-    assert lora == LoraSpec(rank=8, alpha=16.0, dropout=0.05, targets=("wq", "wv", "wo")) and lora.scale == 2.0
+    assert lora == LoraSpec(rank=8, alpha=16.0, dropout=0.05, targets=("wq", "wv", "wo"))
+    assert lora.scale == 2.0
     assert parse_targets("all") == ("wq", "wk", "wv", "wo", "gate", "up", "down")
     with pytest.raises(MedleyInputError, match="--lora-targets 'q,x': unknown layer x"):
         parse_targets("q,x")
@@ -93,7 +94,8 @@ def test_the_flags_and_the_plan_file_carry_the_adapter() -> None:
         lora_of(rank=4, alpha=16, dropout=0, targets="all", model=get_model("gpt-neo-2.7b"))
     plan = _lora(tiny_plan(pp=2, dp=1, split="3,3", zero="1,1", schedule="1f1b", micro_batches="2"), lora)
     data = plan_to_dict(plan)
-    assert data["layout"]["adapter"] == {"rank": 8, "alpha": 16.0, "dropout": 0.05, "targets": ["wq", "wv", "wo"]}
+    assert data["layout"]["adapter"] == {"rank": 8, "alpha": 16.0, "dropout": 0.05,
+                                         "targets": ["wq", "wv", "wo"]}
     assert plan_from_dict(data, source="p.toml").layout.adapter == lora
     bad = {**data, "layout": {**data["layout"], "adapter": {**data["layout"]["adapter"], "targets": ["qq"]}}}
     with pytest.raises(MedleyInputError, match="p.toml"):
