@@ -55,7 +55,7 @@ def test_the_example_trains_and_flags_win(tmp_path: Path) -> None:
                                "takes steps, epochs, optimizer, lr"),
     ("[optimizer]\ndata = 'x.jsonl'\n", r"\[optimizer\] data: not a setting of \[optimizer\]; it belongs in "
                                         r"\[data\]"),
-    ("[optim]\nlr = 1\n", r"unknown section \[optim\]; the sections are \[plan\], \[model\]"),
+    ("[optim]\nlr = 1\n", r"unknown section \[optim\]; the sections are \[plan\], \[adapter\], \[model\]"),
     ("[optimizer]\nsteps = 0\n", r"\[optimizer\] steps = 0: Invalid value for '--steps'"),
     ("[optimizer]\nlr = 'fast'\n", r'\[optimizer\] lr = "fast": not a number; write lr = 0.003'),
     ("[optimizer\n", "not TOML"),

@@ -31,18 +31,23 @@ from medley.fileio import anchored, read_user_bytes
 
 # Section -> the flags it holds (as click names them: ``--json`` is ``as_json``): the command's own
 # flags, then the run's settings of that section (their fields name it: medley.runtime.settings).
+# The inline plan's LoRA flags (--lora-rank, ...) have a section of their own, [adapter].
+ADAPTER_NAMES = tuple(name for name in INLINE_NAMES if name.startswith("lora_"))
 _OWN: dict[str, tuple[str, ...]] = {
-    "plan": ("plan", "cluster", *INLINE_NAMES, "local_ranks"), "model": ("model",),
+    "plan": ("plan", "cluster", *(n for n in INLINE_NAMES if n not in ADAPTER_NAMES), "local_ranks"),
+    "adapter": ADAPTER_NAMES, "model": ("model",),
     "checkpoint": ("export_hf", "export_dtype"), "logging": ("as_json",)}
 SECTIONS: dict[str, tuple[str, ...]] = {
     section: _OWN.get(section, ()) + tuple(n for n, s in SETTING_SECTIONS.items() if s == section)
-    for section in ("plan", "model", "data", "optimizer", "precision", "checkpoint", "logging", "elastic")
+    for section in ("plan", "adapter", "model", "data", "optimizer", "precision", "checkpoint", "logging",
+                    "elastic")
 }
 # The settings that make medley train's inline plan (the plan file fixes them beside ``plan``): the
-# [plan] section without the run's own settings, and the model.
+# [plan] section without the run's own settings, the adapter and the model.
 PLAN_DEFINING: tuple[str, ...] = tuple(
     name for name in SECTIONS["plan"]
-    if name not in ("plan", "local_ranks", "emulate", "slowdown", "slowdown_from", "device")) + ("model",)
+    if name not in ("plan", "local_ranks", "emulate", "slowdown", "slowdown_from", "device")
+) + ADAPTER_NAMES + ("model",)
 _MAX_BYTES = 1 << 20
 _WHERE = "medley.job_keys"  # ctx.meta: parameter name -> "job.toml [section] key" it came from
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from medley.cost.interfaces import Pass
+from medley.spec.adapter import LoraSpec
 from medley.spec.model import ModelSpec
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -128,6 +129,16 @@ def stage_held_params(model: ModelSpec, first: int, last: int, *, tp: int = 1) -
     held = sum(layer_held_params(model, i, tp=tp) for i in range(first, last))
     both_ends = first == 0 and last == model.num_layers
     return held - (model.vocab_size * model.embed_dim if model.tied_embeddings and both_ends else 0)
+
+
+def stage_adapter_params(model: ModelSpec, adapter: LoraSpec | None, first: int, last: int, *,
+                         tp: int = 1) -> float:
+    """LoRA adapter parameters (:mod:`medley.spec.adapter`) a stage holding layers ``[first, last)``
+    keeps per tensor-parallel rank, beyond :func:`stage_held_params`' base; 0 without an adapter."""
+    if adapter is None:
+        return 0.0
+    blocks = sum(1 for i in range(first, last) if model.layer_kind(i) == "block")
+    return blocks * adapter.held_params(model, tp=tp)
 
 
 def total_params(model: ModelSpec) -> int:

@@ -15,7 +15,7 @@ from medley.cost.comm import TopologyCommModel
 from medley.cost.interfaces import Collective, CostSource
 from medley.cost.tied_cost import tied_sum_seconds
 from medley.cost.zero_levels import Payload, fsdp_units, zero_level
-from medley.cost.zero_memory import stage_state_bytes, state_bytes_per_param
+from medley.cost.zero_memory import adapted_state_bytes, state_bytes_per_param
 from medley.lowering.tp_links import dp_bytes_factor
 from medley.plan.layout import PlanLayout
 from medley.plan.world import World
@@ -35,7 +35,15 @@ def unit_params(layout: PlanLayout, stage: int, first: int, stop: int) -> float:
     model, tp = layout.model, layout.stage_tp(stage)
     held = sum(formulas.layer_held_params(model, i, tp=tp) for i in range(first, stop))
     borrowed = model.tied_embeddings and layout.layer_range(stage).start == 0 and stop == model.num_layers
-    return held - (model.vocab_size * model.embed_dim if borrowed else 0)
+    adapters = unit_trained(layout, stage, first, stop) or 0.0
+    return held - (model.vocab_size * model.embed_dim if borrowed else 0) + adapters
+
+
+def unit_trained(layout: PlanLayout, stage: int, first: int, stop: int) -> float | None:
+    """Of :func:`unit_params`, the ones that train: a LoRA layout's adapters; None: all of them."""
+    if layout.adapter is None:
+        return None
+    return formulas.stage_adapter_params(layout.model, layout.adapter, first, stop, tp=layout.stage_tp(stage))
 
 
 class CollectiveTable:
@@ -98,9 +106,11 @@ class CollectiveTable:
         stage_units = segments.units[group_index][stage]
         unit = segments.unit(group_index, stage, action.bucket)
         group = self.unit_devices(unit[0])
-        params = self._bucket_params(layout, stage, unit)  # what the wire carries and OPTIM steps
+        params, trained = self._bucket_params(layout, stage, unit)  # what gathers carry
+        stepped = params if trained is None else trained  # what reductions carry and OPTIM steps
         layers = layout.layer_range(stage)
         stage_params = unit_params(layout, stage, layers.start, layers.stop)
+        stage_trained = unit_trained(layout, stage, layers.start, layers.stop)
         # Memory follows the planner's model (medley.search.estimate.bounds.stage_memory): a bucket holds its
         # share of the stage's layers of the stage's state.
         share = segments.segments[unit[0]].buckets[unit[1]] / len(layers)
@@ -112,7 +122,8 @@ class CollectiveTable:
         per_param = self.state.weights if payload is Payload.WEIGHTS else self.state.grads
         level, dp = layout.zero[stage].level, layout.zero_dp
         sharded = fsdp_units(level, dp)
-        state = stage_state_bytes(held, level=level, dp=dp, per_param=self.state)  # the bucket's
+        state = adapted_state_bytes(held, trained=None if stage_trained is None else stage_trained * share,
+                                    level=level, dp=dp, per_param=self.state)  # the bucket's
         common = {"group": group, "unit": unit}
         if action.kind in (Kind.UNSHARD, Kind.RESHARD):
             # Level 3 gathers the bucket whole (next to the shard), and every bucket of the stage
@@ -137,13 +148,13 @@ class CollectiveTable:
                 buffer = state.grad_shard if sharded else freed
                 if sharded and action.bucket in (None, len(stage_units) - 1):
                     largest = max(segments.segments[seg].buckets[i] for seg, i in stage_units) / len(layers)
-                    buffer += stage_state_bytes(stage_params, level=level, dp=dp, per_param=self.state,
-                                                bucket_fraction=largest).reduce_buffer
-            return CollectiveCost(op=op, nbytes=params * per_param * wire, free_bytes=freed,
+                    buffer += adapted_state_bytes(stage_params, trained=stage_trained, level=level, dp=dp,
+                                                  per_param=self.state, bucket_fraction=largest).reduce_buffer
+            return CollectiveCost(op=op, nbytes=stepped * per_param * wire, free_bytes=freed,
                                   alloc_bytes=buffer, compute_s=self.call_overhead, **common)
         rank = self.world.schedules[segments.first_replica[group_index] + local].stage_to_rank[stage]
         device = self.cluster.devices[layout.assignment[local][rank]].type
-        shard = params / dp if meaning.shards_optimizer else params
+        shard = stepped / dp if meaning.shards_optimizer else stepped
         measured = self.optimizer_time(shard, device_type=device.name) if self.optimizer_time else None
         if measured is not None:
             step_s = measured.seconds
@@ -151,7 +162,9 @@ class CollectiveTable:
             step_s = shard * OPTIMIZER_STEP_BYTES_PER_PARAM / (device.memory_bandwidth_gbps * 1e9)
         return CollectiveCost(op=None, compute_s=step_s, **common)
 
-    def _bucket_params(self, layout: PlanLayout, stage: int, unit: tuple[int, int]) -> float:
+    def _bucket_params(self, layout: PlanLayout, stage: int,
+                       unit: tuple[int, int]) -> tuple[float, float | None]:
         segment = self.world.segments.segments[unit[0]]
         first = segment.first + sum(segment.buckets[:unit[1]])
-        return unit_params(layout, stage, first, first + segment.buckets[unit[1]])
+        stop = first + segment.buckets[unit[1]]
+        return unit_params(layout, stage, first, stop), unit_trained(layout, stage, first, stop)

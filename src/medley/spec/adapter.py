@@ -66,6 +66,17 @@ class LoraSpec:
         shapes = linear_shapes(model)
         return sum(self.rank * sum(shapes[t]) for t in self.targets_of(model))
 
+    def held_params(self, model: ModelSpec, *, tp: int = 1) -> float:
+        """Adapter parameters of one block that each device of a TP group of ``tp`` holds: a
+        column-wise layer's ``A`` whole and ``B`` cut, a row-wise layer's ``A`` cut and ``B``
+        whole (:mod:`medley.runtime.lora`)."""
+        shapes = linear_shapes(model)
+        held = 0.0
+        for target in self.targets_of(model):
+            fan_in, fan_out = shapes[target]
+            held += self.rank * (fan_in / tp + fan_out if target in ROWWISE else fan_in + fan_out / tp)
+        return held
+
     def as_json(self) -> dict[str, object]:
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
                 "targets": list(self.targets)}
