@@ -11,6 +11,7 @@ import pytest
 import torch
 from train_plans import config, stop_after_step_3, tiny_plan, tp_plan
 
+from medley.cli.train_cmd import adapter_lines
 from medley.errors import MedleyInputError
 from medley.launch.spawn import RankFailure, train_local
 from medley.plan.plan import Plan, plan_from_dict, plan_to_dict
@@ -97,6 +98,9 @@ def test_the_flags_and_the_plan_file_carry_the_adapter() -> None:
     assert data["layout"]["adapter"] == {"rank": 8, "alpha": 16.0, "dropout": 0.05,
                                          "targets": ["wq", "wv", "wo"]}
     assert plan_from_dict(data, source="p.toml").layout.adapter == lora
+    # 8 x (64 + 64) + 8 x (64 + 32) + 8 x (64 + 64) per block, 4 blocks.
+    assert adapter_lines(plan) == ["LoRA rank 8 (alpha 16) on wq, wv, wo: 11,264 trainable parameters "
+                                   "(4.92% of the model); the base is frozen"]
     bad = {**data, "layout": {**data["layout"], "adapter": {**data["layout"]["adapter"], "targets": ["qq"]}}}
     with pytest.raises(MedleyInputError, match="p.toml"):
         plan_from_dict(bad, source="p.toml")

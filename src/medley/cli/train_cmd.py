@@ -93,6 +93,19 @@ def split_label(plan: Plan, split: str | None) -> str:
     return f"split {','.join(map(str, given))} ({unit} per stage)"
 
 
+def adapter_lines(plan: Plan) -> list[str]:
+    """What a LoRA plan trains, once before the ranks start."""
+    from medley.cost import formulas
+
+    lora, model = plan.shared.adapter, plan.shared.model
+    if lora is None:
+        return []
+    trained = lora.block_params(model) * model.num_blocks
+    share = trained / (formulas.total_params(model) + trained)
+    return [f"LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {', '.join(lora.targets)}: {trained:,} "
+            f"trainable parameters ({share:.2%} of the model); the base is frozen"]
+
+
 def step_time_line(records: list) -> str:
     """The mean step time, saying which steps it covers (the first one includes warm-up)."""
     if len(records) == 1:
@@ -309,7 +322,7 @@ def register(app: typer.Typer) -> None:
         shared = the_plan.shared
         source = load_data(config, seq_len=shared.seq_len, vocab_size=shared.model.vocab_size)
         config, epochs = with_epochs(config, source, sequences=the_plan.sequences_per_step)
-        for note in (*source.notes, *([epochs] if epochs else [])):
+        for note in (*source.notes, *([epochs] if epochs else []), *adapter_lines(the_plan)):
             typer.echo(literal(note), err=True)
         if init_from is not None:
             hf_cmd.check_init_from(the_plan.shared.model, init_from)
