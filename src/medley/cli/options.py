@@ -107,6 +107,14 @@ def inline_options(*, prefix: str = "") -> Callable[[Command], Command]:
     return _with("inline", added, lambda values: InlineFlags(**values))
 
 
+def adapter_options() -> Callable[[Command], Command]:
+    """The decorated command takes the inline plan's LoRA flags (``--lora-rank``, ...: the
+    ``lora_*`` fields of :class:`InlineFlags`, for a command that plans without the other inline
+    flags) and receives their values as one dict in its ``adapter_flags`` parameter."""
+    added = [_option(f, kind, prefix="") for f, kind in _fields(InlineFlags) if f.name.startswith("lora_")]
+    return _with("adapter_flags", added, dict)
+
+
 def settings_options() -> Callable[[Command], Command]:
     """The decorated command takes every flag of :class:`TrainConfig`'s sections and receives them
     as one :class:`TrainConfig` in its ``config`` parameter (the settings that are no flag at

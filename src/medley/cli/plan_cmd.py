@@ -10,6 +10,7 @@ import typer
 
 from medley.cli.console import make_console
 from medley.cli.error_exit import MedleyInputError
+from medley.cli.options import adapter_options
 from medley.cli.plan_report import BASELINE_DEVICES, ablation_data, print_result, result_data
 from medley.cli.progress import PhaseBar
 from medley.cli.simulate_cmd import (
@@ -31,13 +32,14 @@ from medley.plan.world import build_world, device_roles
 from medley.search.planner import search
 from medley.search.report.ablation import ablate
 from medley.search.space import SEARCHED_FAMILIES, Constraints
+from medley.spec.adapter import lora_of
 from medley.spec.cluster_load import parse_cluster_arg
 from medley.spec.model_arg import get_model, trained_dtype
 
 
 def _constraints(
     max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, cluster, asymmetric=True,
-    dtype=None,
+    dtype=None, adapter=None,
 ) -> Constraints:
     families = tuple(s.strip() for s in schedules.split(",") if s.strip()) if schedules else None
     excluded = ()
@@ -62,11 +64,13 @@ def _constraints(
         micro_batch_sizes=sizes,
         asymmetric=asymmetric,
         dtype=dtype,
+        adapter=adapter,
     )
 
 
 def register(app: typer.Typer) -> None:
     @app.command("plan")
+    @adapter_options()
     def plan_cmd(
         cluster: Annotated[
             str, typer.Option(help="Cluster TOML file, or a short form like 8xA100-40GB+8xV100-16GB")
@@ -117,8 +121,11 @@ def register(app: typer.Typer) -> None:
             help="bf16, fp16 or fp32 for every plan (default: bf16 where every device has it, "
                  "else fp16)")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON")] = False,
+        *,
+        adapter_flags: dict,  # --lora-rank, ... (adapter_options)
     ) -> None:
-        """Search the fastest (or cheapest) plans and rank them by exact simulation."""
+        """Search the fastest (or cheapest) plans and rank them by exact simulation; with
+        --lora-rank, plans that train LoRA adapters on a frozen base."""
         if export is not None and export[0] != "torch":
             raise MedleyInputError(
                 f"--export {export[0]}: the only export format is 'torch' (--export torch DIR)"
@@ -132,8 +139,12 @@ def register(app: typer.Typer) -> None:
         spec = with_comm_profile(parse_cluster_arg(cluster), comm_profile)
         model_spec = get_model(model)
         seq_len = model_spec.default_seq_len() if seq_len is None else seq_len
+        adapter = lora_of(rank=adapter_flags["lora_rank"], alpha=adapter_flags["lora_alpha"],
+                          dropout=adapter_flags["lora_dropout"], targets=adapter_flags["lora_targets"],
+                          model=model_spec)
         constraints = _constraints(
-            max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, spec, asymmetric, dtype
+            max_pp, schedules, memory_headroom, exclude_devices, micro_batch_sizes, spec, asymmetric, dtype,
+            adapter,
         )
         cost = cost_source(model_spec, spec, profiles=profile or (), profiles_dir=profiles, seq_len=seq_len,
                            dtype=dtype)

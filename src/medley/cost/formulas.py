@@ -131,14 +131,38 @@ def stage_held_params(model: ModelSpec, first: int, last: int, *, tp: int = 1) -
     return held - (model.vocab_size * model.embed_dim if model.tied_embeddings and both_ends else 0)
 
 
+def layer_adapter_params(model: ModelSpec, adapter: LoraSpec | None, layer_index: int, *,
+                         tp: int = 1) -> float:
+    """LoRA adapter parameters (:mod:`medley.spec.adapter`) of one layer per tensor-parallel rank,
+    beyond :func:`layer_held_params`' base: a block's adapters, 0 elsewhere or without one."""
+    if adapter is None or model.layer_kind(layer_index) != "block":
+        return 0.0
+    return adapter.held_params(model, tp=tp)
+
+
 def stage_adapter_params(model: ModelSpec, adapter: LoraSpec | None, first: int, last: int, *,
                          tp: int = 1) -> float:
-    """LoRA adapter parameters (:mod:`medley.spec.adapter`) a stage holding layers ``[first, last)``
-    keeps per tensor-parallel rank, beyond :func:`stage_held_params`' base; 0 without an adapter."""
+    """:func:`layer_adapter_params` of layers ``[first, last)``."""
+    return sum(layer_adapter_params(model, adapter, i, tp=tp) for i in range(first, last))
+
+
+def stage_trained_params(model: ModelSpec, adapter: LoraSpec | None, first: int, last: int, *,
+                         tp: int = 1) -> float:
+    """The parameters of layers ``[first, last)`` that take gradients and optimizer state (per TP
+    rank): the adapters of a LoRA run (its base is frozen), else all of :func:`stage_held_params`."""
     if adapter is None:
-        return 0.0
-    blocks = sum(1 for i in range(first, last) if model.layer_kind(i) == "block")
-    return blocks * adapter.held_params(model, tp=tp)
+        return float(stage_held_params(model, first, last, tp=tp))
+    return stage_adapter_params(model, adapter, first, last, tp=tp)
+
+
+def weight_grad_share(model: ModelSpec, adapter: LoraSpec | None, layer_index: int, *, tp: int = 1) -> float:
+    """The share of a layer's weight-gradient work (W) that remains when only ``adapter`` trains:
+    a weight's gradient costs in proportion to its parameters, and a frozen one has none (1
+    without an adapter)."""
+    if adapter is None:
+        return 1.0
+    trained = layer_adapter_params(model, adapter, layer_index, tp=tp)
+    return trained / (layer_held_params(model, layer_index, tp=tp) + trained)
 
 
 def total_params(model: ModelSpec) -> int:

@@ -84,7 +84,7 @@ def _stage_cost(
     recompute = layout.stage_recompute(stage)
     modes = stage_modes(layout, stage)
     times = {kind: 0.0 for kind in Pass}
-    act = after_b = fused_s = refwd = rerun_comm = 0.0
+    act = after_b = fused_s = refwd = rerun_comm = frozen_w = 0.0
     fused_known = measured_act = True
     freed: dict[int, float] = {}  # layer -> what its backward frees of one micro-batch's activations
     measured_layers: list[bool] = []  # per layer: whether its activation bytes were measured
@@ -110,6 +110,8 @@ def _stage_cost(
         for kind in Pass:
             seconds = tensor.layer_time(layer, kind, tp=tp, **at)
             times[kind] += seconds
+            if kind is Pass.W:  # a frozen weight (a LoRA run's base) takes no gradient
+                frozen_w += seconds * (1.0 - formulas.weight_grad_share(model, layout.adapter, layer, tp=tp))
             comm_s = tp_comm_time(comm, model, layer, kind, group=group, micro_batch_size=mbs,
                                   seq_len=seq, dtype=layout.dtype, sequence_parallel=sp)
             if dtensor_time is not None and block:
@@ -165,9 +167,11 @@ def _stage_cost(
     # them until they are released, so a split backward frees them at W, not at B.
     copies = autocast_copies(layout, stage, modes, tp=tp)
     act, after_b = act + copies, after_b + copies
+    scale = 1.0
     if fused and fused_known and times[Pass.B] + times[Pass.W] > 0:
         scale = fused_s / (times[Pass.B] + times[Pass.W])  # one autograd call costs less than two
         times[Pass.B], times[Pass.W] = times[Pass.B] * scale, times[Pass.W] * scale
+    times[Pass.W] -= frozen_w * scale
     if recompute:
         # The forward (with its TP all-reduces) runs again inside each backward call that needs the
         # blocks' activations: torch's non-reentrant checkpoint recomputes once per call, so split

@@ -220,6 +220,7 @@ def search(
         global_batch=global_batch,
         memory_headroom=constraints.memory_headroom,
         dtype=constraints.dtype,
+        adapter=constraints.adapter,
     )
     sizes = _usable_sizes(estimator, devices, constraints)
     pools = device_pools(cluster, devices, estimator)
@@ -258,8 +259,8 @@ def search(
         plans=feasible[:top],
         baselines={},
         aggregate_tokens_per_s=aggregate_bound(
-            cluster, model, cost, seq_len=seq_len, micro_batch_sizes=sizes, devices=devices
-        ),
+            cluster, model, cost, seq_len=seq_len, micro_batch_sizes=sizes, devices=devices,
+            adapter=constraints.adapter),
         objective=objective,
         cluster=cluster,
         model=model,

@@ -15,6 +15,7 @@ from medley.cost.recompute import NONE, Recompute, parse_recompute
 from medley.plan.layout import PlanLayout, planned_sequence_parallel
 from medley.plan.segments import joined
 from medley.schedule.zero_settings import Placement, StageZero
+from medley.spec.adapter import LoraSpec
 from medley.spec.model import ModelSpec
 
 PP_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128)
@@ -79,6 +80,8 @@ class Constraints:
             (:mod:`medley.search.rules.asymmetric`); False: every replica alike.
         dtype: the precision every plan trains in (bf16, fp16 or fp32); None: the half precision
             the devices allow (:func:`medley.spec.catalog.half_precision`).
+        adapter: LoRA adapters every plan trains, the base frozen (:mod:`medley.spec.adapter`);
+            None: full training.
     """
 
     max_pp: int | None = None
@@ -89,6 +92,7 @@ class Constraints:
     tp_degrees: tuple[int, ...] | None = None
     asymmetric: bool = True
     dtype: str | None = None
+    adapter: LoraSpec | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +144,7 @@ class Candidate:
     options: tuple[MemoryOption, ...]
     estimate_s: float
     dtype: str
+    adapter: LoraSpec | None = None
 
     def layout(self, model: ModelSpec, seq_len: int) -> PlanLayout:
         st = self.structure
@@ -166,6 +171,7 @@ class Candidate:
             clip_grad=True,
             tp=st.tp,
             sequence_parallel=planned_sequence_parallel(seq_len, st.tp),
+            adapter=self.adapter,
         )
 
     @property

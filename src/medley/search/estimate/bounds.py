@@ -20,13 +20,20 @@ from functools import cache
 
 import numpy as np
 
+from medley.cost import formulas
 from medley.cost.interfaces import CostSource, Pass, ProfileRangeError
 from medley.cost.recompute import FULL, Recompute
-from medley.cost.zero_memory import autocast_copy_bytes, stage_state_bytes, state_bytes_per_param
+from medley.cost.zero_memory import (
+    autocast_copy_bytes,
+    frozen_state,
+    stage_state_bytes,
+    state_bytes_per_param,
+)
 from medley.schedule.generators.classic import one_f_one_b_depth
 from medley.schedule.zero import split_evenly
 from medley.search.estimate.layer_table import LayerTable, recompute_stop
 from medley.search.space import MemoryOption, memory_option
+from medley.spec.adapter import LoraSpec
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
@@ -49,15 +56,20 @@ def memory_options(dp: int, *, replicated_level: int = 0) -> tuple[MemoryOption,
 
 
 @cache  # a pure function of a few small values, asked millions of times by the split sweep
-def option_bytes_per_param(option: MemoryOption, dp: int, *, dtype: str, layers: int | None = None) -> float:
+def option_bytes_per_param(option: MemoryOption, dp: int, *, dtype: str, layers: int | None = None,
+                           frozen: bool = False) -> float:
     """Peak model-state bytes per parameter per device in ``dtype``: the memory model the compiler
     books (:func:`medley.cost.zero_memory.stage_state_bytes`) with its transients (the gradient
     autograd makes, its shard, one bucket's reduction buffer, ZeRO-3's gathered weights: the whole
     stage for each compute action, streamed or not) all held at once, for a stage of ``layers``
-    layers (default: at least ``option.buckets``) in ``option.buckets`` even buckets."""
+    layers (default: at least ``option.buckets``) in ``option.buckets`` even buckets; ``frozen``: a
+    frozen parameter's (a LoRA run's base, :func:`medley.cost.zero_memory.frozen_state`)."""
     buckets = option.buckets if layers is None else min(option.buckets, max(1, layers))
     largest = 1.0 / buckets if layers is None else max(split_evenly(max(1, layers), buckets)) / max(1, layers)
-    return stage_state_bytes(1.0, level=option.level, dp=dp, per_param=state_bytes_per_param(dtype),
+    per_param = state_bytes_per_param(dtype)
+    if frozen:
+        per_param = frozen_state(per_param)
+    return stage_state_bytes(1.0, level=option.level, dp=dp, per_param=per_param,
                              bucket_fraction=largest).peak
 
 
@@ -76,6 +88,7 @@ def stage_memory(
     """Estimated peak bytes per device of a stage holding layers i..j-1."""
     flight = in_flight if isinstance(in_flight, Flight) else Flight(full=in_flight)
     params = table.params[j] - table.params[i]
+    trained = table.trained[j] - table.trained[i]
     rc = option.recompute
     stop = recompute_stop(i, j, rc)
     acts = _kept(table, rc)
@@ -84,7 +97,10 @@ def stage_memory(
     cast = casts[stop] - casts[i] + table.cast[j] - table.cast[stop]
     copies = _copy_bytes(option, dp, table.dtype) * cast  # held until W, if split
     act = acts[stop] - acts[i] + table.act[j] - table.act[stop] + copies
-    state = params * option_bytes_per_param(option, dp, dtype=table.dtype, layers=j - i)
+    state = trained * option_bytes_per_param(option, dp, dtype=table.dtype, layers=j - i)
+    if params > trained:  # a frozen base (LoRA)
+        state += (params - trained) * option_bytes_per_param(option, dp, dtype=table.dtype, layers=j - i,
+                                                             frozen=True)
     rerun = 0.0
     if rc:
         reruns = table.rerun_bytes
@@ -126,14 +142,17 @@ def memory_prefix(table: LayerTable, *, option: MemoryOption, dp: int, flight: F
         raise ValueError(f"memory_prefix: recomputation {option.recompute} of the first blocks is not a "
                          "prefix sum; size such stages with stage_memory")
     a = option_bytes_per_param(option, dp, dtype=table.dtype)
+    a_frozen = option_bytes_per_param(option, dp, dtype=table.dtype, frozen=True)
     c = _copy_bytes(option, dp, table.dtype)
     columns = table.memory_columns
     rc = option.recompute
     acts = columns["act"] if not rc else columns["act_rc" if rc.mode == "full" else "act_sel"]
     casts = columns["cast_rc"] if rc else columns["cast"]
     # Element by element in float64, in the order written: a * p + full * (x + c * k)
-    # + after_b * (y + c * k).
-    return (a * columns["params"] + flight.full * (acts + c * casts)
+    # + after_b * (y + c * k); a frozen base (LoRA: t of the p train) a_f * (p - t) + a * t.
+    params, trained = columns["params"], columns["trained"]
+    state = a * params if params[-1] == trained[-1] else a_frozen * (params - trained) + a * trained
+    return (state + flight.full * (acts + c * casts)
             + flight.after_b * (columns["after_b"] + c * casts))
 
 
@@ -199,15 +218,18 @@ def round_trip_cycle(stage_times: Sequence[float], link_times: Sequence[float], 
 
 
 def best_standalone_tokens_per_s(
-    model: ModelSpec, cost: CostSource, *, device_type: str, seq_len: int, micro_batch_sizes: Sequence[int]
+    model: ModelSpec, cost: CostSource, *, device_type: str, seq_len: int, micro_batch_sizes: Sequence[int],
+    adapter: LoraSpec | None = None,
 ) -> tuple[float, int]:
     """A device's tokens/s running the whole model alone at its best micro-batch (no bubbles, no
-    communication, memory ignored), and that micro-batch size."""
+    communication, memory ignored), and that micro-batch size; with ``adapter`` (LoRA) W keeps only
+    the adapters' weight gradients (:func:`medley.cost.formulas.weight_grad_share`)."""
     best = (0.0, micro_batch_sizes[0])
     for mbs in micro_batch_sizes:
         try:
             seconds = sum(
                 cost.layer_time(i, p, micro_batch_size=mbs, seq_len=seq_len, device_type=device_type).seconds
+                * (formulas.weight_grad_share(model, adapter, i) if p is Pass.W else 1.0)
                 for i in range(model.num_layers)
                 for p in Pass
             )
@@ -225,6 +247,7 @@ def aggregate_bound(
     seq_len: int,
     micro_batch_sizes: Sequence[int],
     devices: Sequence[int] | None = None,
+    adapter: LoraSpec | None = None,
 ) -> float:
     """Sum over the devices of each one's standalone tokens/s at its best micro-batch size."""
     chosen = range(cluster.num_devices) if devices is None else devices
@@ -234,7 +257,7 @@ def aggregate_bound(
         name = cluster.devices[d].type.name
         if name not in per_type:
             per_type[name] = best_standalone_tokens_per_s(
-                model, cost, device_type=name, seq_len=seq_len, micro_batch_sizes=micro_batch_sizes
-            )[0]
+                model, cost, device_type=name, seq_len=seq_len, micro_batch_sizes=micro_batch_sizes,
+                adapter=adapter)[0]
         total += per_type[name]
     return total

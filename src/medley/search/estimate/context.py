@@ -21,6 +21,7 @@ from medley.lowering.tp_links import hop_bytes_factor
 from medley.search.estimate.bounds import Flight, memory_prefix
 from medley.search.estimate.layer_table import LayerTable, layer_table
 from medley.search.space import MemoryOption, Structure, distribute
+from medley.spec.adapter import LoraSpec
 from medley.spec.cluster import Cluster
 from medley.spec.model import ModelSpec
 
@@ -44,8 +45,10 @@ class PlanContext:
         global_batch: int,
         memory_headroom: float,
         dtype: str | None = None,
+        adapter: LoraSpec | None = None,
     ) -> None:
         self.cluster, self.model, self.cost = cluster, model, cost
+        self.adapter = adapter  # LoRA adapters every plan trains, the base frozen (None: full training)
         self.forced_dtype = dtype
         self.seq_len, self.global_batch = seq_len, global_batch
         self.headroom = memory_headroom
@@ -79,6 +82,7 @@ class PlanContext:
             tensor=self.pricing.of(dtype),
             comm=self.comm,
             group=self.tp_group(device_type, tp),
+            adapter=self.adapter,
         )
         return found
 

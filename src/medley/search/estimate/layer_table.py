@@ -20,6 +20,7 @@ from medley.cost.interfaces import CommModel, CostSource, Pass
 from medley.cost.recompute import Recompute, parse_recompute
 from medley.cost.tp_cost import TensorParallelCompute, tp_comm_time
 from medley.plan.layout import planned_sequence_parallel
+from medley.spec.adapter import LoraSpec
 from medley.spec.model import ModelSpec
 
 
@@ -44,6 +45,8 @@ class LayerTable:
     ``total[j] - total[i]`` is F+B+W of layers i..j-1 for one micro-batch; ``forward`` the F part
     (what recomputation adds); ``act``/``act_rc`` activation bytes held per in-flight micro-batch
     without/with recomputation; ``params`` parameters held (a tied head keeps its own copy);
+    ``trained`` the parameters of ``params`` that train (a LoRA run's adapters, which ``params``
+    counts beside the frozen base; else all of them);
     ``cast``/``cast_rc`` parameters autocast casts and the forward keeps the copies of
     (:func:`medley.cost.formulas.layer_autocast_params`; recomputing blocks keep none);
     ``dtype`` the training precision the activation bytes and the model-state bytes per parameter
@@ -73,6 +76,7 @@ class LayerTable:
     act_rc: tuple[float, ...]
     after_b: tuple[float, ...]
     params: tuple[float, ...]
+    trained: tuple[float, ...]
     cast: tuple[float, ...]
     cast_rc: tuple[float, ...]
     act_sel: tuple[float, ...] = ()
@@ -87,10 +91,10 @@ class LayerTable:
 
     @cached_property
     def memory_columns(self) -> dict[str, np.ndarray]:
-        """``params``, ``act``, ``act_rc``, ``act_sel``, ``cast``, ``cast_rc`` and ``after_b`` as float64
-        arrays (for :func:`memory_prefix`)."""
+        """``params``, ``trained``, ``act``, ``act_rc``, ``act_sel``, ``cast``, ``cast_rc`` and ``after_b``
+        as float64 arrays (for :func:`memory_prefix`)."""
         return {name: np.array(getattr(self, name), dtype=np.float64)
-                for name in ("params", "act", "act_rc", "act_sel", "cast", "cast_rc", "after_b")}
+                for name in ("params", "trained", "act", "act_rc", "act_sel", "cast", "cast_rc", "after_b")}
 
     @cached_property
     def rerun_bytes(self) -> dict[tuple[int, int, Recompute], float]:
@@ -135,13 +139,16 @@ def layer_table(
     tp: int = 1,
     comm: CommModel | None = None,
     group: tuple[int, ...] = (),
+    adapter: LoraSpec | None = None,
 ) -> LayerTable:
     """The table of one TP rank at ``tp`` (``tensor``, the search's
     :class:`~medley.cost.tp_cost.TensorPricing` of ``dtype``, prices its compute and its catalog the
     cheap share; the TP all-reduces run over ``group`` on ``comm``, as the compiler books them; tp 1
     needs neither), with sequence
     parallelism where the planner runs it (:func:`~medley.plan.layout.planned_sequence_parallel`;
-    its stage edges' gathers are the compiler's to add)."""
+    its stage edges' gathers are the compiler's to add). With ``adapter`` (LoRA) the layers hold
+    their adapters too, only those train, and W keeps only their weight-gradient work
+    (:func:`medley.cost.formulas.weight_grad_share`)."""
     shape = {"micro_batch_size": micro_batch_size, "seq_len": seq_len}
     sp = planned_sequence_parallel(seq_len, (tp,))
     if tp == 1:
@@ -159,6 +166,8 @@ def layer_table(
             ]
             for p in Pass
         }
+    times[Pass.W] = [w * formulas.weight_grad_share(model, adapter, i, tp=tp)
+                     for i, w in enumerate(times[Pass.W])]
     nbytes = DTYPE_BYTES[dtype]
     act = [
         formulas.layer_activation_bytes(model, i, dtype_bytes=nbytes, tp=tp, sequence_parallel=sp, **shape)
@@ -193,7 +202,12 @@ def layer_table(
         act=_prefix(act),
         act_rc=_prefix(act_rc),
         after_b=_prefix([min(a, b) for a, b in zip(after_b, act, strict=True)]),
-        params=_prefix([float(formulas.layer_held_params(model, i, tp=tp)) for i in range(model.num_layers)]),
+        params=_prefix([float(formulas.layer_held_params(model, i, tp=tp))
+                        + formulas.layer_adapter_params(model, adapter, i, tp=tp)
+                        for i in range(model.num_layers)]),
+        trained=_prefix([float(formulas.layer_held_params(model, i, tp=tp)) if adapter is None
+                         else formulas.layer_adapter_params(model, adapter, i, tp=tp)
+                         for i in range(model.num_layers)]),
         cast=_prefix(cast),
         cast_rc=_prefix([formulas.layer_autocast_params(model, i, tp=tp, recompute=True)
                          for i in range(model.num_layers)]),

@@ -116,13 +116,15 @@ def stream_times(
             start += n
             continue
         tp = st.tp_of(s % st.pp)
-        params = float(formulas.stage_held_params(est.model, start, start + n, tp=tp))
+        params = float(formulas.stage_held_params(est.model, start, start + n, tp=tp)) \
+            + formulas.stage_adapter_params(est.model, est.adapter, start, start + n, tp=tp)
+        trained = formulas.stage_trained_params(est.model, est.adapter, start, start + n, tp=tp)
         start += n
         groups = groups or dp_groups(est, st)
         group, wire, _ = groups[s % st.pp]
-        params *= wire  # the other TP ranks' groups share links
+        params, trained = params * wire, trained * wire  # the other TP ranks' groups share links
         gather = est.comm.collective_time(Collective.ALL_GATHER, group, params * 2.0)
-        scatter = est.comm.collective_time(Collective.REDUCE_SCATTER, group, params * 2.0)
+        scatter = est.comm.collective_time(Collective.REDUCE_SCATTER, group, trained * 2.0)
         out.append(actions * gather + scatter)
     return out
 
@@ -150,16 +152,20 @@ def exposed_dp(
     start = 0
     for s, n in enumerate(split):
         rank = s % pp
-        params = float(formulas.stage_held_params(est.model, start, start + n, tp=st.tp_of(rank)))
+        tp = st.tp_of(rank)
+        # A LoRA run's frozen base is gathered but neither reduced nor stepped.
+        params = float(formulas.stage_held_params(est.model, start, start + n, tp=tp)) \
+            + formulas.stage_adapter_params(est.model, est.adapter, start, start + n, tp=tp)
+        trained = formulas.stage_trained_params(est.model, est.adapter, start, start + n, tp=tp)
         start += n
         group, wire, bandwidth = groups[rank]
         option = options[s]
         meaning = zero_level(option.level)
-        shard = params / dp if meaning.shards_optimizer else params
+        shard = trained / dp if meaning.shards_optimizer else trained
         step[rank] += shard * OPTIMIZER_STEP_BYTES_PER_PARAM / bandwidth
         if dp > 1:
             if not option.streams:
-                grads = params * state.grads * wire
+                grads = trained * state.grads * wire
                 reduce[rank] += est.comm.collective_time(meaning.reduction, group, grads)
             if meaning.gathers_after_step:
                 gathered = params * state.weights * wire

@@ -140,7 +140,8 @@ def _constrained(result: SearchResult, constraints: Constraints) -> tuple[Ranked
 def _estimator(result: SearchResult) -> tuple[Estimator, list[int], tuple[int, ...]]:
     c = result.constraints
     est = Estimator(result.cluster, result.model, result.cost, seq_len=result.seq_len,
-                    global_batch=result.global_batch, memory_headroom=c.memory_headroom, dtype=c.dtype)
+                    global_batch=result.global_batch, memory_headroom=c.memory_headroom, dtype=c.dtype,
+                    adapter=c.adapter)
     devices = [d for d in range(result.cluster.num_devices) if d not in set(c.exclude_devices)]
     sizes = tuple(s for s in (c.micro_batch_sizes or MICRO_BATCH_SIZES) if result.global_batch % s == 0)
     return est, devices, sizes

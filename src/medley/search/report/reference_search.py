@@ -102,7 +102,7 @@ def reference_search(
     start = time.perf_counter()
     deadline = start + budget_s
     est = Estimator(cluster, model, cost, seq_len=seq_len, global_batch=global_batch,
-                    memory_headroom=c.memory_headroom, dtype=c.dtype)
+                    memory_headroom=c.memory_headroom, dtype=c.dtype, adapter=c.adapter)
     sizes = tuple(s for s in (c.micro_batch_sizes or MICRO_BATCH_SIZES) if global_batch % s == 0)
     pools = device_pools(cluster, devices, est)
     max_pp = min(c.max_pp or model.num_layers, model.num_layers)

@@ -129,7 +129,9 @@ def sync_floor(est: Estimator, parts: dict[str, list[int]], dtype: str) -> float
     layer's gradients are reduce-scattered over a ring through one device of each part, so the
     whole model's gradients cross its slowest link once per step (whatever the ZeRO level, the
     shapes or the overlap)."""
-    grads = formulas.total_params(est.model) * state_bytes_per_param(dtype).grads
+    model = est.model
+    trained = formulas.stage_trained_params(model, est.adapter, 0, model.num_layers)
+    grads = trained * state_bytes_per_param(dtype).grads
     ring = tuple(ids[0] for ids in parts.values())
     return est.comm.collective_time(Collective.REDUCE_SCATTER, ring, grads)
 

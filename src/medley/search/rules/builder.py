@@ -299,6 +299,7 @@ def build(
         options=plan.options,
         estimate_s=estimate(final, plan),
         dtype=dtype,
+        adapter=ctx.adapter,
     )
 
 
