@@ -19,6 +19,7 @@ from medley.schedule.zero_settings import StageZero
 from medley.search.estimate.bounds import Flight, memory_prefix, option_bytes_per_param, stage_memory
 from medley.search.estimate.layer_table import layer_table
 from medley.search.planner import search
+from medley.search.report.explain import explain
 from medley.search.space import Constraints, memory_option
 from medley.spec.adapter import LoraSpec
 from medley.spec.cluster_load import parse_cluster_arg
@@ -93,3 +94,5 @@ def test_the_search_plans_lora_where_full_training_does_not_fit() -> None:
     best = result.best.plan
     assert best.shared.adapter == LORA and result.best.fits
     assert all(report.peak_memory_bytes <= 24e9 for report in result.best.result.devices)
+    said = [line for line in explain(result).lines() if line.startswith("adapter: ")]
+    assert said and "LoRA rank 16" in said[0] and "with full training (does not fit in memory)" in said[0]

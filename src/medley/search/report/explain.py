@@ -152,6 +152,10 @@ def _variants(layout: PlanLayout, result: SimResult) -> list[tuple[str, str, str
                 replace(layout, recompute=(False,) * layout.num_stages),
             )
         )
+    if layout.adapter is not None:  # what the adapter changed: the same plan training every weight
+        lora = layout.adapter
+        out.append(("adapter", f"LoRA rank {lora.rank} on {', '.join(lora.targets)} (base frozen)",
+                    "full training", replace(layout, adapter=None)))
     if layout.dp > 1:
         other = Placement.BUBBLE if layout.placement is Placement.NAIVE else Placement.NAIVE
         out.append(("ZeRO placement", PLACEMENT_NAMES[layout.placement], PLACEMENT_NAMES[other],
