@@ -89,9 +89,9 @@ def markdown(data: dict) -> str:
             lines += ["", f"{model}: LoRA predicts {lora['tokens_per_s'] / full['tokens_per_s']:.2f}x full "
                       "training's tokens/s (no base weight gradients, no base optimizer state: fewer "
                       "stages, less recomputation)."]
-    lines += ["", "The frozen base is held as medley's runtime holds it: the fp32 copy beside the gathered "
-              "half-precision weights (4 B per parameter, sharded from ZeRO-1), not a bf16-only base as "
-              "PEFT/torchtune keep it; QLoRA's 4-bit base is not built."]
+    lines += ["", "The frozen base is booked as medley's runtime holds it: in the compute dtype (2 B per "
+              "parameter, FSDP2's shard beside the gathered weights from ZeRO-1), no fp32 master, gradient "
+              "or optimizer state; QLoRA's 4-bit base is not built."]
     return "\n".join(lines) + "\n"
 
 

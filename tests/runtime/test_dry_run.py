@@ -15,6 +15,7 @@ from medley.dryrun.ranks import build_rank, rank_cases
 from medley.dryrun.traced_bytes import TOLERANCE
 from medley.errors import MedleyInputError
 from medley.plan.plan import Plan, load_plan
+from medley.spec.adapter import LoraSpec
 from medley.spec.model_arg import get_model
 
 LARGE = Path(__file__).parents[1] / "data" / "large-1024-70b.toml"
@@ -22,6 +23,12 @@ LARGE = Path(__file__).parents[1] / "data" / "large-1024-70b.toml"
 
 def _with_dtype(plan: Plan, dtype: str) -> Plan:
     return Plan(groups=[dataclasses.replace(g, dtype=dtype) for g in plan.groups], cluster=plan.cluster)
+
+
+def _lora(plan: Plan) -> Plan:
+    """``plan`` with LoRA adapters (its base frozen, held in the compute dtype)."""
+    lora = LoraSpec(rank=4, targets=("wq", "wv", "wo", "up", "down"))
+    return Plan(groups=[dataclasses.replace(g, adapter=lora) for g in plan.groups], cluster=plan.cluster)
 
 
 def _reports(plan: Plan, *, measure: bool = True) -> list:
@@ -60,6 +67,10 @@ def test_every_distinct_rank_of_the_1024_device_70b_plan_matches_its_predicted_b
     pytest.param(lambda: asymmetric_plan(
         dict(pp=2, dp=1, split="2,4", zero="1,1", schedule="1f1b", micro_batches="3"),
         dict(pp=1, dp=1, split="6", zero="1", schedule="1f1b", micro_batches="2")), id="replica-groups"),
+    pytest.param(lambda: _lora(tiny_plan(pp=2, dp=2, split="3,3", zero="1,3", schedule="1f1b",
+                                         micro_batches="2,2", buckets=2)), id="lora-zero1-zero3"),
+    pytest.param(lambda: _lora(tp_plan(tp=(2, 1), dp=2, split="3,3", zero="0,2", schedule="1f1b",
+                                       micro_batches="2,2")), id="lora-tp2-tp1"),
 ])
 def test_small_plans_build_as_the_memory_model_books_them(plan, dtype: str) -> None:  # noqa: ANN001
     for report in _reports(_with_dtype(plan(), dtype)):

@@ -103,16 +103,20 @@ def layer_held_params(model: ModelSpec, layer_index: int, *, tp: int = 1) -> flo
 
 
 def layer_autocast_params(
-    model: ModelSpec, layer_index: int, *, tp: int = 1, recompute: RecomputeMode = False
+    model: ModelSpec, layer_index: int, *, tp: int = 1, recompute: RecomputeMode = False,
+    adapter: LoraSpec | None = None,
 ) -> float:
     """Weights whose compute-dtype copies a layer's forward keeps under autocast, per
     tensor-parallel rank: its matmuls' matrices (a tied head's borrowed embedding too), which the
     backward needs for the input gradient; not biases (no backward needs them), norms (autocast
     runs them in fp32) nor an embedding table (lookups are not cast). A recomputing block keeps
-    none (its forward reruns inside the backward; selective recomputation reruns the casts too)."""
+    none (its forward reruns inside the backward; selective recomputation reruns the casts too).
+    With ``adapter`` (LoRA) the frozen base is held in the compute dtype: only the adapters are cast."""
     kind = model.layer_kind(layer_index)
     if kind == "block" and _mode(recompute) != "none":
         return 0.0
+    if adapter is not None:
+        return layer_adapter_params(model, adapter, layer_index, tp=tp)
     if kind == "embedding":
         return float(_projection_params(model))
     if kind == "block":

@@ -183,8 +183,7 @@ def stage_state_bytes(
     compute_copy = not gathered and (sharded or not per_param.master_in_optimizer)
     # Autograd differentiates the weights the layers hold: without FSDP2 the fp32 master, so the
     # gradient is fp32 whatever the table's dtype; FSDP2's reduced shard takes its fp32 shard's.
-    # A frozen parameter (g = 0) has none.
-    fp32_grad = (FP32_BYTES if per_param.master_in_optimizer else g) if g else 0.0
+    fp32_grad = FP32_BYTES if per_param.master_in_optimizer else g
     return StageStateBytes(
         weights=master + (params * w if compute_copy else 0.0),
         optimizer=(shard if sharded else params) * o,
@@ -195,24 +194,29 @@ def stage_state_bytes(
     )
 
 
-def frozen_state(per_param: StateBytesPerParam) -> StateBytesPerParam:
-    """A frozen parameter's bytes (a LoRA run's base, :mod:`medley.spec.adapter`): its weights as
-    the runtime holds them (in half precision the fp32 copy it stores, booked where the master
-    is), no gradient and no optimizer moments."""
-    return StateBytesPerParam(weights=per_param.weights, grads=0.0,
-                              optimizer=FP32_BYTES if per_param.master_in_optimizer else 0.0,
-                              weight_dtype=per_param.weight_dtype, grad_dtype=per_param.grad_dtype)
+def frozen_state_bytes(params: float, *, level: int, dp: int,
+                       per_param: StateBytesPerParam) -> StageStateBytes:
+    """Bytes per device of ``params`` frozen parameters (a LoRA run's base, :mod:`medley.spec.adapter`),
+    which the runtime holds in the compute dtype (w B each: no fp32 master, no gradient, no
+    optimizer state): whole at level 0; FSDP2's shard and the gathered weights at levels 1-2; the
+    shard, and the weights gathered for compute, at level 3."""
+    meaning = zero_level(level)
+    sharded = fsdp_units(level, dp)
+    gathered = sharded and meaning.shards_weights
+    w = per_param.weights
+    return StageStateBytes(weights=(params / dp * w if sharded else 0.0) + (0.0 if gathered else params * w),
+                           optimizer=0.0, gathered_weights=params * w if gathered else 0.0)
 
 
 def adapted_state_bytes(params: float, *, trained: float | None, level: int, dp: int,
                         per_param: StateBytesPerParam, bucket_fraction: float = 1.0) -> StageStateBytes:
     """:func:`stage_state_bytes` of a stage whose ``trained`` parameters of ``params`` train and the
-    rest are frozen (:func:`frozen_state`); ``trained`` None: every parameter trains."""
-    shape = {"level": level, "dp": dp, "bucket_fraction": bucket_fraction}
+    rest are frozen (:func:`frozen_state_bytes`); ``trained`` None: every parameter trains."""
+    shape = {"level": level, "dp": dp}
     if trained is None:
-        return stage_state_bytes(params, per_param=per_param, **shape)
-    parts = [stage_state_bytes(params - trained, per_param=frozen_state(per_param), **shape),
-             stage_state_bytes(trained, per_param=per_param, **shape)]
+        return stage_state_bytes(params, per_param=per_param, bucket_fraction=bucket_fraction, **shape)
+    parts = [frozen_state_bytes(params - trained, per_param=per_param, **shape),
+             stage_state_bytes(trained, per_param=per_param, bucket_fraction=bucket_fraction, **shape)]
     return StageStateBytes(**{f: sum(getattr(part, f) for part in parts)
                               for f in ("weights", "optimizer", "gathered_weights", "gradient", "grad_shard",
                                         "reduce_buffer")})

@@ -20,7 +20,7 @@ import torch
 
 from medley.cost import formulas
 from medley.cost.zero_levels import fsdp_units
-from medley.cost.zero_memory import FP32_BYTES, stage_state_bytes, state_bytes_per_param
+from medley.cost.zero_memory import FP32_BYTES, frozen_state_bytes, stage_state_bytes, state_bytes_per_param
 from medley.lowering.activations import stage_activation_bytes
 from medley.plan.layout import PlanLayout, sequence_sharded_edges
 from medley.runtime.optim import ensure_state
@@ -70,7 +70,8 @@ ZERO_FIGURES = StateFigures(parameters=0.0, optimizer=0.0, gradient=0.0, grad_sh
 def predicted(layout: PlanLayout, stages: Sequence[int]) -> StateFigures:
     """The memory model's bytes of one TP rank of ``stages`` of ``layout``, in the columns of
     :class:`StateFigures`: the fp32 weights the optimizer steps in half precision move from the
-    model's optimizer state to the parameters (4 B of its 12)."""
+    model's optimizer state to the parameters (4 B of its 12). A LoRA layout's frozen base is
+    :func:`~medley.cost.zero_memory.frozen_state_bytes`' (parameters and gathered weights only)."""
     per_param = state_bytes_per_param(layout.dtype)
     total = ZERO_FIGURES
     for stage in stages:
@@ -78,6 +79,12 @@ def predicted(layout: PlanLayout, stages: Sequence[int]) -> StateFigures:
         params = formulas.stage_held_params(layout.model, layers.start, layers.stop,
                                             tp=layout.stage_tp(stage))
         level, dp = layout.zero[stage].level, layout.zero_dp
+        if layout.adapter is not None:
+            frozen = frozen_state_bytes(params, level=level, dp=dp, per_param=per_param)
+            total = total + StateFigures(parameters=frozen.weights, optimizer=0.0, gradient=0.0,
+                                         grad_shard=0.0, gathered=frozen.gathered_weights)
+            params = formulas.stage_adapter_params(layout.model, layout.adapter, layers.start, layers.stop,
+                                                   tp=layout.stage_tp(stage))
         state = stage_state_bytes(params, level=level, dp=dp, per_param=per_param)
         stepped = params / dp if fsdp_units(level, dp) else params
         master = stepped * FP32_BYTES if per_param.master_in_optimizer else 0.0

@@ -47,7 +47,8 @@ def autocast_copies(layout: PlanLayout, stage: int, modes: dict[int, str], *, tp
     backward (half precision without FSDP2; a recomputing block keeps none)."""
     per_param = state_bytes_per_param(layout.dtype)
     copies = autocast_copy_bytes(level=layout.zero[stage].level, dp=layout.zero_dp, per_param=per_param)
-    return copies * sum(formulas.layer_autocast_params(layout.model, i, tp=tp, recompute=modes[i])
+    return copies * sum(formulas.layer_autocast_params(layout.model, i, tp=tp, recompute=modes[i],
+                                                       adapter=layout.adapter)
                         for i in layout.layer_range(stage))
 
 

@@ -54,11 +54,19 @@ def is_adapter_name(name: str) -> bool:
     return name.endswith((f".{LORA_A}", f".{LORA_B}")) or name in (LORA_A, LORA_B)
 
 
-def freeze_base(module: nn.Module) -> None:
+def freeze_base(module: nn.Module, *, dtype: torch.dtype | None = None) -> None:
     """Only the adapters train: every other parameter of ``module`` stops requiring a gradient
-    (after tensor parallelism, whose styles make new parameters, and before FSDP2)."""
-    for name, param in module.named_parameters():
-        param.requires_grad_(is_adapter_name(name))
+    (after tensor parallelism, whose styles make new parameters, and before FSDP2) and, with
+    ``dtype``, is held in it (the compute dtype: a frozen weight needs no fp32 master; the
+    adapters keep theirs), as PEFT and torchtune hold a LoRA base."""
+    for owner in module.modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            if is_adapter_name(name):
+                continue
+            if dtype is not None and param.dtype != dtype:
+                owner.register_parameter(name, nn.Parameter(param.detach().to(dtype), requires_grad=False))
+            else:
+                param.requires_grad_(False)
 
 
 def adapter_init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> float | torch.Tensor:

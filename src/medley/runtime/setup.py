@@ -194,7 +194,7 @@ def build_rank(plan: Plan, *, seed: int, optimizer_class: type[torch.optim.Optim
         autocast_dtype=None if dtype == "fp32" else TORCH_DTYPES[dtype], dtype=TORCH_DTYPES[dtype],
         slowdown=factor, device=device, synced_stages=tp_synced_stages(layout),
         tp_group=groups.tp_group, sequence_edges=sequence_sharded_edges(layout))
-    if layout.tied_copies:
+    if layout.tied_copies and layout.adapter is None:  # a LoRA run's tied copies are frozen: equal
         tied_grads = build_tied_grads(groups, list(world.schedules), stages, levels)
         executor.before_clip = None if tied_grads is None else tied_grads.sum_grads
     entries = _report(plan, place, device_id=me, stages=sorted(stages))

@@ -12,12 +12,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from medley.cost.zero_memory import state_bytes_per_param
 from medley.errors import MedleyInputError
 from medley.runtime.groups import RankGroups
 from medley.runtime.hf_weights import load_hf_tensors
 from medley.runtime.lora import freeze_base
 from medley.runtime.materialize import init_local_shards
-from medley.runtime.sharding import ShardedStage, bucket_layer_groups, shard_stage
+from medley.runtime.sharding import TORCH_DTYPES, ShardedStage, bucket_layer_groups, shard_stage
 from medley.runtime.tensor_parallel import apply_sequence_edges, parallelize_blocks
 from medley.runtime.torch_compile import apply_compile, splits_backward
 from medley.runtime.transformer import Decoder
@@ -67,8 +68,8 @@ def build_local_stages(
     crossing the edges ``sequence_edges`` names (:func:`medley.plan.layout.sequence_sharded_edges`).
     ``compile``: each block is compiled (:func:`medley.runtime.torch_compile.apply_compile`) after TP and
     before ZeRO sharding. ``adapter``: LoRA adapters on the blocks, the base frozen once TP has
-    placed it (:mod:`medley.runtime.lora`); with ``init_from`` the base is read and the adapters
-    take their seeded initialisation."""
+    placed it and held in the compute dtype (:mod:`medley.runtime.lora`); with ``init_from`` the
+    base is read and the adapters take their seeded initialisation."""
     if len(split) != schedule.num_stages or len(zero) != schedule.num_stages:
         raise ValueError(f"split {tuple(split)} and zero {tuple(zero)} must give one entry per stage "
                          f"({schedule.num_stages} stages)")
@@ -90,7 +91,7 @@ def build_local_stages(
             apply_sequence_edges(module, meshes[0]["tp"], sharded_input=stage - 1 in sequence_edges,
                                  sharded_output=stage in sequence_edges)
         if adapter is not None:
-            freeze_base(module)
+            freeze_base(module, dtype=TORCH_DTYPES[state_bytes_per_param(precision).weight_dtype])
         if compile:
             apply_compile(module, split_backward=splits_backward(schedule, place.pipeline_rank))
         stages[stage] = shard_stage(module, zero=zero[stage], bucket_layers=schedule.bucket_layers.get(stage),

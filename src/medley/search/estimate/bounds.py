@@ -25,7 +25,7 @@ from medley.cost.interfaces import CostSource, Pass, ProfileRangeError
 from medley.cost.recompute import FULL, Recompute
 from medley.cost.zero_memory import (
     autocast_copy_bytes,
-    frozen_state,
+    frozen_state_bytes,
     stage_state_bytes,
     state_bytes_per_param,
 )
@@ -63,12 +63,12 @@ def option_bytes_per_param(option: MemoryOption, dp: int, *, dtype: str, layers:
     autograd makes, its shard, one bucket's reduction buffer, ZeRO-3's gathered weights: the whole
     stage for each compute action, streamed or not) all held at once, for a stage of ``layers``
     layers (default: at least ``option.buckets``) in ``option.buckets`` even buckets; ``frozen``: a
-    frozen parameter's (a LoRA run's base, :func:`medley.cost.zero_memory.frozen_state`)."""
+    frozen parameter's (a LoRA run's base, :func:`medley.cost.zero_memory.frozen_state_bytes`)."""
     buckets = option.buckets if layers is None else min(option.buckets, max(1, layers))
     largest = 1.0 / buckets if layers is None else max(split_evenly(max(1, layers), buckets)) / max(1, layers)
     per_param = state_bytes_per_param(dtype)
     if frozen:
-        per_param = frozen_state(per_param)
+        return frozen_state_bytes(1.0, level=option.level, dp=dp, per_param=per_param).peak
     return stage_state_bytes(1.0, level=option.level, dp=dp, per_param=per_param,
                              bucket_fraction=largest).peak
 

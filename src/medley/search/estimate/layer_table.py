@@ -183,7 +183,7 @@ def layer_table(
         for i in range(model.num_layers)
     ]
     total = [f + b + w for f, b, w in zip(times[Pass.F], times[Pass.B], times[Pass.W], strict=True)]
-    cast = [formulas.layer_autocast_params(model, i, tp=tp) for i in range(model.num_layers)]
+    cast = [formulas.layer_autocast_params(model, i, tp=tp, adapter=adapter) for i in range(model.num_layers)]
     catalog = tensor.catalog
     blocks = [model.layer_kind(i) == "block" for i in range(model.num_layers)]
     refwd = [f if block else 0.0 for f, block in zip(times[Pass.F], blocks, strict=True)]
@@ -209,7 +209,7 @@ def layer_table(
                          else formulas.layer_adapter_params(model, adapter, i, tp=tp)
                          for i in range(model.num_layers)]),
         cast=_prefix(cast),
-        cast_rc=_prefix([formulas.layer_autocast_params(model, i, tp=tp, recompute=True)
+        cast_rc=_prefix([formulas.layer_autocast_params(model, i, tp=tp, recompute=True, adapter=adapter)
                          for i in range(model.num_layers)]),
         act_sel=_prefix([formulas.layer_activation_bytes(model, i, recompute="selective", **sized)
                          for i in range(model.num_layers)]),
