@@ -117,7 +117,7 @@ def export_hf(step_dir: Path, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYT
 def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype, flag: str) -> torch.Tensor:
     cast = tensor.to(dtype).contiguous()
     if not bool(torch.isfinite(cast).all()) and bool(torch.isfinite(tensor).all()):
-        text = str(dtype).removeprefix("torch.")
+        text = next(key for key, value in TORCH_DTYPES.items() if value == dtype)  # as the flag names it
         raise MedleyInputError(f"{flag} {text}: {name} has values beyond {text}'s range (largest "
                                f"{float(tensor.abs().max()):.3g}); export bf16 or fp32")
     return cast
