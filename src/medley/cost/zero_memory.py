@@ -54,6 +54,7 @@ level 0's state.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from medley.cost.zero_levels import fsdp_units, zero_level
@@ -217,9 +218,8 @@ def adapted_state_bytes(params: float, *, trained: float | None, level: int, dp:
         return stage_state_bytes(params, per_param=per_param, bucket_fraction=bucket_fraction, **shape)
     parts = [frozen_state_bytes(params - trained, per_param=per_param, **shape),
              stage_state_bytes(trained, per_param=per_param, bucket_fraction=bucket_fraction, **shape)]
-    return StageStateBytes(**{f: sum(getattr(part, f) for part in parts)
-                              for f in ("weights", "optimizer", "gathered_weights", "gradient", "grad_shard",
-                                        "reduce_buffer")})
+    return StageStateBytes(**{f.name: sum(getattr(part, f.name) for part in parts)
+                              for f in dataclasses.fields(StageStateBytes)})
 
 
 def autocast_copy_bytes(*, level: int, dp: int, per_param: StateBytesPerParam) -> float:

@@ -38,7 +38,7 @@ from medley.cost.tp_cost import (
     tp_comm_time,
 )
 from medley.cost.zero_levels import fsdp_units
-from medley.cost.zero_memory import adapted_state_bytes, state_bytes_per_param
+from medley.cost.zero_memory import StageStateBytes, adapted_state_bytes, state_bytes_per_param
 from medley.lowering.activations import (
     autocast_copies,
     boundary_bytes,
@@ -46,7 +46,7 @@ from medley.lowering.activations import (
     layer_bytes_after_b,
     stage_modes,
 )
-from medley.lowering.collectives import CollectiveTable
+from medley.lowering.collectives import CollectiveTable, unit_params, unit_trained
 from medley.lowering.tp_links import scale_hops
 from medley.plan.layout import PlanLayout, sequence_sharded_edges
 from medley.plan.world import build_world, step_actions
@@ -192,9 +192,7 @@ def _stage_cost(
     if not fused:
         times[Pass.W] += overhead
     # The stage's whole unsharded gradient, made by its backward (not kept between steps).
-    gradient = adapted_state_bytes(_stage_params(layout, stage), trained=stage_trained_params(layout, stage),
-                                   level=level, dp=layout.zero_dp,
-                                   per_param=state_bytes_per_param(layout.dtype)).gradient
+    gradient = _stage_state(layout, stage).gradient
     return StageCost(
         forward_s=times[Pass.F],
         backward_input_s=times[Pass.B],
@@ -207,20 +205,14 @@ def _stage_cost(
     )
 
 
-def _stage_params(layout: PlanLayout, stage: int) -> float:
-    """Parameters of ``stage`` each device of its TP group holds (before ZeRO), adapters included."""
+def _stage_state(layout: PlanLayout, stage: int) -> StageStateBytes:
+    """Model-state bytes per device of ``stage`` (:func:`medley.lowering.collectives.unit_params` of its
+    layers, adapters included, of which :func:`~medley.lowering.collectives.unit_trained` train)."""
     layers = layout.layer_range(stage)
-    base = formulas.stage_held_params(layout.model, layers.start, layers.stop, tp=layout.stage_tp(stage))
-    return float(base) + (stage_trained_params(layout, stage) or 0.0)
-
-
-def stage_trained_params(layout: PlanLayout, stage: int) -> float | None:
-    """Of those, the ones that train: a LoRA layout's adapters (the base is frozen); None: all."""
-    if layout.adapter is None:
-        return None
-    layers = layout.layer_range(stage)
-    return formulas.stage_adapter_params(layout.model, layout.adapter, layers.start, layers.stop,
-                                         tp=layout.stage_tp(stage))
+    return adapted_state_bytes(unit_params(layout, stage, layers.start, layers.stop),
+                               trained=unit_trained(layout, stage, layers.start, layers.stop),
+                               level=layout.zero[stage].level, dp=layout.zero_dp,
+                               per_param=state_bytes_per_param(layout.dtype))
 
 
 def static_memory(layout: PlanLayout, stage_to_rank: Sequence[int]) -> dict[int, float]:
@@ -229,9 +221,7 @@ def static_memory(layout: PlanLayout, stage_to_rank: Sequence[int]) -> dict[int,
     gathered weights and the backward's workspace are the simulator's to add and free."""
     out: dict[int, float] = {}
     for stage in range(layout.num_stages):
-        state = adapted_state_bytes(_stage_params(layout, stage), trained=stage_trained_params(layout, stage),
-                                    level=layout.zero[stage].level, dp=layout.zero_dp,
-                                    per_param=state_bytes_per_param(layout.dtype))
+        state = _stage_state(layout, stage)
         for replica in range(layout.dp):
             for device in layout.group(replica, stage_to_rank[stage]):  # every TP rank holds the same
                 out[device] = out.get(device, 0.0) + state.resident

@@ -28,7 +28,7 @@ from medley.runtime.checkpoint_verify import (
     verified_metadata,
 )
 from medley.runtime.hf_weights import load_hf_weights
-from medley.runtime.lora import is_adapter_name
+from medley.runtime.lora import LORA_A, LORA_B, is_adapter_name
 from medley.runtime.sharding import TORCH_DTYPES
 from medley.runtime.transformer import Decoder
 from medley.spec.adapter import LoraSpec
@@ -137,10 +137,9 @@ def merged_weights(spec: ModelSpec, adapter: LoraSpec, adapters: dict[str, torch
     else:
         base = Decoder(spec, seed=int(meta.get("seed", 0)))
     weights = {name: p.detach() for name, p in base.named_parameters()}
-    for name in list(weights):
-        stem = name.removesuffix(".weight")
-        if not name.startswith("blocks.") or stem == name or stem.rsplit(".", 1)[-1] not in adapter.targets:
-            continue
-        delta = adapters[f"{stem}.lora_b"] @ adapters[f"{stem}.lora_a"]
-        weights[name] = weights[name] + adapter.scale * delta
+    for name, lora_a in adapters.items():
+        if name.endswith(LORA_A):  # <layer>.lora_a, with <layer>.lora_b beside it
+            layer = name.removesuffix(LORA_A)
+            delta = adapters[f"{layer}{LORA_B}"] @ lora_a
+            weights[f"{layer}weight"] = weights[f"{layer}weight"] + adapter.scale * delta
     return weights

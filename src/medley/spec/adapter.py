@@ -20,9 +20,6 @@ from medley.spec.model import ModelSpec
 # targets for them (Llama/Mistral/Qwen2 names; GPT-2 style models use others and are refused).
 HF_NAMES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
             "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-# Where each layer sits in a block: attention (``attn.*``) or the MLP (``mlp.*``).
-MODULE_OF = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn",
-             "gate": "mlp", "up": "mlp", "down": "mlp"}
 # Row-wise (input-sharded) layers under tensor parallelism; the rest are column-wise.
 ROWWISE = frozenset({"wo", "down"})
 DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
@@ -62,9 +59,8 @@ class LoraSpec:
         return tuple(t for t in self.targets if t != "gate" or model.mlp == "swiglu")
 
     def block_params(self, model: ModelSpec) -> int:
-        """Adapter parameters of one block: r (in + out) per target."""
-        shapes = linear_shapes(model)
-        return sum(self.rank * sum(shapes[t]) for t in self.targets_of(model))
+        """Adapter parameters of one block: r (in + out) per target (:meth:`held_params` at tp 1)."""
+        return int(self.held_params(model))
 
     def held_params(self, model: ModelSpec, *, tp: int = 1) -> float:
         """Adapter parameters of one block that each device of a TP group of ``tp`` holds: a
@@ -116,6 +112,5 @@ def lora_of(*, rank: int, alpha: float, dropout: float, targets: str, model: Mod
         raise MedleyInputError(f"--lora-rank: model '{model.name}' has no Llama-style (q/k/v/o, "
                                "gate/up/down) linear layers; LoRA is supported for Llama, Mistral and "
                                "Qwen2 style models")
-    spec = LoraSpec(rank=rank, alpha=alpha, dropout=dropout, targets=parse_targets(targets))
-    return LoraSpec(rank=rank, alpha=alpha, dropout=dropout, targets=spec.targets_of(model))
+    return LoraSpec(rank=rank, alpha=alpha, dropout=dropout, targets=parse_targets(targets))
 
